@@ -1,0 +1,5 @@
+import sys
+
+from attnserve.cli import main
+
+sys.exit(main())

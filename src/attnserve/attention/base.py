@@ -1,0 +1,274 @@
+"""The backend contract: forward modes, the per-step batch description, features, the ABC.
+
+Every backend keeps the same shape of work: `plan(fb)` once per step, outside
+any CUDA graph, then `forward(q, k, v, layer, fb)` for every layer. Features are
+data so that selection and validation can reason about a backend without
+instantiating it.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from attnserve.attention.layer import AttentionLayer
+    from attnserve.kvcache.pool import KVPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill / chunked prefill: several new tokens per request, maybe a cached prefix
+    DECODE = "decode"  # one new token per request
+    MIXED = "mixed"  # extend and decode requests in one step (decode ones have extend_len 1)
+    TARGET_VERIFY = "target_verify"  # speculative verify: draft tokens, usually with a custom mask
+    IDLE = "idle"  # no tokens this step (keeps collective ops aligned across ranks)
+
+    @property
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    @property
+    def is_extend_like(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+
+
+@dataclass
+class ForwardBatch:
+    """What one model step computes: which requests, how many tokens each, where their KV lives.
+
+    Lengths are per request; token tensors are the concatenation of every
+    request's new tokens in batch order.
+    """
+
+    mode: ForwardMode
+    req_pool_indices: torch.Tensor  # [B] int64, rows of req_to_token
+    seq_lens: torch.Tensor  # [B] int32, KV length after this step (prefix + extend)
+    extend_lens: torch.Tensor  # [B] int32, tokens computed this step (1 in decode)
+    positions: torch.Tensor  # [T] int64, position of each new token
+    out_cache_loc: torch.Tensor  # [T] int64, slot each new token's K/V is written to
+    req_to_token: torch.Tensor  # [max_reqs, max_context] int32, the request -> slot table
+    pool: KVPool
+    attn_backend: AttentionBackend | None = None
+    # host copies, so plan() needs no device sync
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_lens_cpu: list[int] = field(default_factory=list)
+    # speculative verify / tree attention: per request a bool [extend_len, seq_len] mask, flattened and
+    # concatenated in batch order (True = may attend); replaces the causal rule when set
+    custom_mask: torch.Tensor | None = None
+    spec_topk: int = 0
+
+    def __post_init__(self):
+        if not self.seq_lens_cpu:
+            self.seq_lens_cpu = [int(x) for x in self.seq_lens.tolist()]
+        if not self.extend_lens_cpu:
+            self.extend_lens_cpu = [int(x) for x in self.extend_lens.tolist()]
+        if len(self.seq_lens_cpu) != len(self.extend_lens_cpu):
+            raise ValueError("seq_lens and extend_lens must have one entry per request")
+        if any(e > s for e, s in zip(self.extend_lens_cpu, self.seq_lens_cpu)):
+            raise ValueError(f"extend_lens {self.extend_lens_cpu} exceed seq_lens {self.seq_lens_cpu}")
+        if sum(self.extend_lens_cpu) != self.out_cache_loc.numel():
+            raise ValueError(
+                f"out_cache_loc has {self.out_cache_loc.numel()} slots, extend_lens sum to {sum(self.extend_lens_cpu)}"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_cache_loc.numel()
+
+    @property
+    def prefix_lens_cpu(self) -> list[int]:
+        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]
+
+    @property
+    def prefix_lens(self) -> torch.Tensor:
+        return self.seq_lens - self.extend_lens
+
+    @classmethod
+    def from_lengths(
+        cls,
+        mode: ForwardMode,
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        req_to_token: torch.Tensor,
+        pool: KVPool,
+        **kwargs,
+    ) -> ForwardBatch:
+        """Build a batch whose slots are already written in req_to_token (tests, benchmarks, the runner)."""
+        device = req_to_token.device
+        seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        rows = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
+        positions = torch.cat(
+            [torch.arange(p, p + e, dtype=torch.int64, device=device) for p, e in zip(prefix_lens, extend_lens)]
+        ) if extend_lens else torch.zeros(0, dtype=torch.int64, device=device)
+        out_cache_loc = torch.cat(
+            [req_to_token[r, p : p + e].long() for r, p, e in zip(req_pool_indices, prefix_lens, extend_lens)]
+        ) if extend_lens else torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(
+            mode=mode,
+            req_pool_indices=rows,
+            seq_lens=torch.tensor(seq, dtype=torch.int32, device=device),
+            extend_lens=torch.tensor(extend_lens, dtype=torch.int32, device=device),
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_to_token=req_to_token,
+            pool=pool,
+            seq_lens_cpu=seq,
+            extend_lens_cpu=list(extend_lens),
+            **kwargs,
+        )
+
+
+ALL_KV_DTYPES = frozenset({"bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"})
+
+
+@dataclass(frozen=True)
+class BackendFeatures:
+    """What a backend can do, as data. Selection and validation read only this."""
+
+    page_sizes: tuple[int, ...] | None = None  # None: any power of two
+    kv_dtypes: frozenset[str] = frozenset({"bf16", "fp16", "fp32"})
+    attention_types: frozenset[str] = frozenset({"MHA", "GQA"})  # subset of MHA, GQA, MLA
+    head_dims: tuple[int, ...] | None = None  # None: any
+    asymmetric_kv: bool = False  # K and V head widths may differ (besides MLA's own layout)
+    sliding_window: bool = False
+    attention_sinks: bool = False
+    logit_softcap: bool = False
+    custom_mask: bool = False  # arbitrary per-request masks (speculative verify)
+    spec_topk1: bool = False  # speculative decoding with one draft chain
+    spec_topk_gt1: bool = False  # tree speculative decoding (topk > 1)
+    spec_topk_gt1_paged: bool = False  # topk > 1 together with page size > 1
+    cuda_graph: bool = False
+    prefill: bool = True
+    decode: bool = True
+    deterministic: bool = False
+    devices: frozenset[str] = frozenset({"cuda"})  # cpu, cuda, rocm, mps, xpu, npu
+    compute_capabilities: tuple[int, ...] | None = None  # allowed major versions (9 = Hopper); None: any
+    min_compute_capability: tuple[int, int] | None = None
+    required_packages: tuple[str, ...] = ()
+    implemented: bool = True  # False: a known SGLang backend attnserve has no implementation of
+
+
+@dataclass(frozen=True)
+class AttentionRequirements:
+    """What a model plus the serving flags ask of a backend (one side of a compatibility check)."""
+
+    attention_type: str = "GQA"  # MHA, GQA or MLA
+    head_dim: int = 128
+    v_head_dim: int | None = None
+    page_size: int = 1
+    kv_dtype: str = "bf16"
+    sliding_window: bool = False
+    attention_sinks: bool = False
+    logit_softcap: bool = False
+    custom_mask: bool = False
+    spec_topk: int = 0  # 0: no speculative decoding
+    needs_prefill: bool = True
+    needs_decode: bool = True
+
+
+def unsupported(features: BackendFeatures, req: AttentionRequirements) -> list[str]:
+    """Reasons a backend with `features` cannot serve `req` (empty when it can)."""
+    why = []
+    f = features
+    if req.attention_type not in f.attention_types:
+        why.append(f"no {req.attention_type} attention (supports {'/'.join(sorted(f.attention_types))})")
+    if f.page_sizes is not None and req.page_size not in f.page_sizes:
+        why.append(f"page size {req.page_size} unsupported (needs {'/'.join(map(str, f.page_sizes))})")
+    if req.kv_dtype not in f.kv_dtypes:
+        why.append(f"KV dtype {req.kv_dtype} unsupported (supports {', '.join(sorted(f.kv_dtypes))})")
+    if f.head_dims is not None and req.attention_type != "MLA" and req.head_dim not in f.head_dims:
+        why.append(f"head_dim {req.head_dim} unsupported (supports {f.head_dims})")
+    if (
+        req.attention_type != "MLA"
+        and req.v_head_dim is not None
+        and req.v_head_dim != req.head_dim
+        and not f.asymmetric_kv
+    ):
+        why.append(f"K/V head widths differ ({req.head_dim}/{req.v_head_dim})")
+    for flag, name in (
+        ("sliding_window", "sliding-window attention"),
+        ("attention_sinks", "attention sinks"),
+        ("logit_softcap", "logit soft-capping"),
+        ("custom_mask", "custom attention masks"),
+    ):
+        if getattr(req, flag) and not getattr(f, flag):
+            why.append(f"no {name}")
+    if req.spec_topk == 1 and not f.spec_topk1:
+        why.append("no speculative decoding")
+    if req.spec_topk > 1:
+        if not f.spec_topk_gt1:
+            why.append(f"no speculative topk > 1 (got {req.spec_topk})")
+        elif req.page_size > 1 and not f.spec_topk_gt1_paged:
+            why.append(f"speculative topk > 1 with page size {req.page_size} unsupported")
+    if req.needs_prefill and not f.prefill:
+        why.append("decode only")
+    if req.needs_decode and not f.decode:
+        why.append("prefill only")
+    return why
+
+
+class AttentionBackend(ABC):
+    """Attention over the paged pool. Subclasses fill `name`, `features` and the two forward paths."""
+
+    name: ClassVar[str] = "abstract"
+    features: ClassVar[BackendFeatures] = BackendFeatures()
+
+    def __init__(self, pool: KVPool, **options):
+        self.pool = pool
+        self.options = options
+        self.graph_max_bs = 0
+
+    # ---- per step -------------------------------------------------------------------------
+    @abstractmethod
+    def plan(self, fb: ForwardBatch) -> None:
+        """Build this step's metadata once, before the layers run. Host-side, never inside a graph."""
+
+    def store_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Write this step's K/V at `fb.out_cache_loc`. Backends with their own store kernel override it."""
+        self.pool.store(layer.layer_id, fb.out_cache_loc, k, v)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayer, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """q `[tokens, heads_q, head_dim]` -> o `[tokens, heads_q, v_head_dim]`."""
+        if fb.mode is ForwardMode.IDLE or q.shape[0] == 0:
+            return q.new_empty(q.shape[0], q.shape[1], layer.v_head_dim)
+        if fb.mode.is_decode:
+            return self.forward_decode(q, layer, fb)
+        return self.forward_extend(q, k, v, layer, fb)
+
+    @abstractmethod
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayer, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """Prefill / chunked prefill / verify: new tokens attend to the cached prefix and, causally, each other.
+
+        k and v are this step's new K/V (already in the pool); backends may read them directly
+        instead of through the page table.
+        """
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
+        """One query token per request against its whole KV."""
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+    def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
+        """Allocate fixed-address buffers sized for the largest captured batch."""
+        raise NotImplementedError(f"backend {self.name} does not support CUDA graphs")
+
+    def plan_for_capture(self, fb: ForwardBatch) -> None:
+        """Fill the fixed buffers' first rows for capture (the graph records their addresses)."""
+        raise NotImplementedError(f"backend {self.name} does not support CUDA graphs")
+
+    def plan_for_replay(self, fb: ForwardBatch) -> None:
+        """Rewrite the fixed buffers in place for this step's (padded) batch before replay."""
+        raise NotImplementedError(f"backend {self.name} does not support CUDA graphs")

@@ -1,0 +1,224 @@
+"""The oracles: slow, obviously-correct attention that every backend and kernel is tested against.
+
+Conventions shared with every backend:
+- Keys of a request sit at positions 0..seq_len-1; its new (query) tokens are the last
+  extend_len of them, so query i has position prefix_len + i.
+- causal: key j is visible to a query at position p iff j <= p.
+- sliding_window W: additionally j > p - W (the window counts the query itself).
+- logit_cap c: scores become c * tanh(scores / c) after scaling.
+- sinks s_h: exp(s_h) joins the softmax denominator of head h and contributes no value.
+- custom_mask: per request a bool [extend_len, seq_len] (True = visible), flattened and
+  concatenated; it replaces the causal rule (the window still applies).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def online_softmax(scores: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Softmax over the last dim, streaming `chunk` columns at a time (running max and sum)."""
+    n = scores.shape[-1]
+    m = torch.full(scores.shape[:-1], -math.inf, dtype=scores.dtype, device=scores.device)
+    s = torch.zeros_like(m)
+    for start in range(0, n, chunk):
+        x = scores[..., start : start + chunk]
+        m_new = torch.maximum(m, x.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        s = s * torch.exp(m - m_safe) + torch.exp(x - m_safe[..., None]).sum(-1)
+        m = m_new
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return torch.exp(scores - m_safe[..., None]) / s[..., None]
+
+
+def flash_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FlashAttention forward for one sequence, in the inputs' dtype.
+
+    q `[M, H, D]`, k `[N, H, D]`, v `[N, H, Dv]`; with causal the queries are the last M
+    of the N positions. Tiles need not divide M or N. Returns o `[M, H, Dv]` and the
+    row log-sum-exp `[M, H]` (natural log, of the scaled scores; -inf for empty rows).
+    """
+    M, H, D = q.shape
+    N = k.shape[0]
+    scale = D**-0.5 if scale is None else scale
+    o = torch.zeros(M, H, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((M, H), -math.inf, dtype=q.dtype, device=q.device)
+    offset = N - M
+    for m0 in range(0, M, block_m):
+        qi = q[m0 : m0 + block_m].transpose(0, 1)  # [H, bm, D]
+        bm = qi.shape[1]
+        row_max = torch.full((H, bm), -math.inf, dtype=q.dtype, device=q.device)
+        row_sum = torch.zeros(H, bm, dtype=q.dtype, device=q.device)
+        acc = torch.zeros(H, bm, v.shape[-1], dtype=q.dtype, device=q.device)
+        q_pos = torch.arange(m0, m0 + bm, device=q.device) + offset
+        for n0 in range(0, N, block_n):
+            if causal and n0 > q_pos[-1]:
+                break  # the tile is entirely in the future of every row
+            kj = k[n0 : n0 + block_n].transpose(0, 1)  # [H, bn, D]
+            vj = v[n0 : n0 + block_n].transpose(0, 1)
+            s = torch.matmul(qi, kj.transpose(1, 2)) * scale  # [H, bm, bn]
+            if causal:
+                k_pos = torch.arange(n0, n0 + kj.shape[1], device=q.device)
+                s = s.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], -math.inf)
+            new_max = torch.maximum(row_max, s.amax(-1))
+            safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            p = torch.exp(s - safe[..., None])
+            alpha = torch.exp(row_max - safe)
+            row_sum = row_sum * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.matmul(p, vj)
+            row_max = new_max
+        out = acc / row_sum.clamp_min(torch.finfo(q.dtype).tiny)[..., None]
+        o[m0 : m0 + bm] = out.transpose(0, 1)
+        safe = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        lse[m0 : m0 + bm] = (safe + torch.log(row_sum)).transpose(0, 1)
+    return o, lse
+
+
+def merge_attention_states(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets from their outputs and LSEs.
+
+    o `[..., Dv]`, lse `[...]` (natural log). An empty side has lse = -inf.
+    """
+    m = torch.maximum(lse1, lse2)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w1 = torch.exp(lse1 - m_safe)
+    w2 = torch.exp(lse2 - m_safe)
+    total = w1 + w2
+    o = (o1 * w1[..., None] + o2 * w2[..., None]) / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
+    return o, m_safe + torch.log(total)
+
+
+def visibility_mask(
+    q_pos: torch.Tensor,
+    seq_len: int,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    custom_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[num_q, seq_len] bool: which keys each query may see (True = visible)."""
+    k_pos = torch.arange(seq_len, device=q_pos.device)
+    if custom_mask is not None:
+        mask = custom_mask.to(torch.bool).reshape(q_pos.numel(), seq_len)
+    elif causal:
+        mask = k_pos[None, :] <= q_pos[:, None]
+    else:
+        mask = torch.ones(q_pos.numel(), seq_len, dtype=torch.bool, device=q_pos.device)
+    if sliding_window is not None:
+        mask = mask & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+    return mask
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    logit_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense masked attention for one request in q's dtype.
+
+    q `[M, Hq, D]`, k `[N, Hkv, D]`, v `[N, Hkv, Dv]`, mask `[M, N]` -> `[M, Hq, Dv]`.
+    Rows with nothing visible (and no sink) give zeros.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("mhd,nhd->hmn", q, k) * scale  # [Hq, M, N]
+    if logit_cap is not None:
+        s = logit_cap * torch.tanh(s / logit_cap)
+    s = s.masked_fill(~mask[None], -math.inf)
+    m = s.amax(-1, keepdim=True)  # [Hq, M, 1]
+    if sinks is not None:
+        m = torch.maximum(m, sinks.to(s.dtype)[:, None, None])
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    denom = p.sum(-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sinks.to(s.dtype)[:, None, None] - m)
+    out = torch.einsum("hmn,nhd->mhd", p, v)
+    return out / denom.clamp_min(torch.finfo(s.dtype).tiny).transpose(0, 1)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices,
+    seq_lens,
+    extend_lens,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    logit_cap: float | None = None,
+    custom_mask: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Naive paged attention, one request at a time, in `compute_dtype`.
+
+    q `[T, Hq, D]` (new tokens of every request, concatenated); k_buffer `[slots, Hkv, D]`,
+    v_buffer `[slots, Hkv, Dv]` in the pool's layout (FP8 buffers are dequantised with
+    k_scale / v_scale). For MLA pass the latent buffer as k_buffer and its first
+    kv_lora_rank columns as v_buffer. Returns `[T, Hq, Dv]` in compute_dtype.
+    """
+    rows = [int(x) for x in torch.as_tensor(req_pool_indices).tolist()]
+    seqs = [int(x) for x in torch.as_tensor(seq_lens).tolist()]
+    exts = [int(x) for x in torch.as_tensor(extend_lens).tolist()]
+    out = torch.empty(q.shape[0], q.shape[1], v_buffer.shape[-1], dtype=compute_dtype, device=q.device)
+    t0 = 0
+    mask_off = 0
+    for row, seq, ext in zip(rows, seqs, exts):
+        slots = req_to_token[row, :seq].long()
+        k = k_buffer[slots].to(compute_dtype) * k_scale
+        v = v_buffer[slots].to(compute_dtype) * v_scale
+        qi = q[t0 : t0 + ext].to(compute_dtype)
+        q_pos = torch.arange(seq - ext, seq, device=q.device)
+        cm = None
+        if custom_mask is not None:
+            cm = custom_mask[mask_off : mask_off + ext * seq]
+            mask_off += ext * seq
+        mask = visibility_mask(q_pos, seq, causal, sliding_window, cm)
+        out[t0 : t0 + ext] = attend(qi, k, v, mask, scale, logit_cap, sinks)
+        t0 += ext
+    return out
+
+
+def reference_for_batch(q: torch.Tensor, layer, fb, compute_dtype=torch.float64) -> torch.Tensor:
+    """The oracle for an AttentionLayer and ForwardBatch, reading the pool as it stands."""
+    pool = fb.pool
+    lid = layer.layer_id
+    return paged_attention_reference(
+        q,
+        pool.get_key_buffer(lid),
+        pool.get_value_buffer(lid),
+        fb.req_to_token,
+        fb.req_pool_indices,
+        fb.seq_lens_cpu,
+        fb.extend_lens_cpu,
+        scale=layer.scaling,
+        causal=True,
+        sliding_window=layer.sliding_window,
+        sinks=layer.sinks,
+        logit_cap=layer.logit_cap,
+        custom_mask=fb.custom_mask,
+        k_scale=pool.k_scale[lid],
+        v_scale=pool.v_scale[lid],
+        compute_dtype=compute_dtype,
+    )
