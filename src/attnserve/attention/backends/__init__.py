@@ -1,0 +1,1 @@
+"""Backend implementations. Modules here import heavy packages only inside methods."""
