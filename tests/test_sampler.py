@@ -1,0 +1,76 @@
+"""Sampler and SamplingParams: filters keep the right tokens, seeds reproduce, bad values are named."""
+
+import pytest
+import torch
+
+from attnserve.engine.sampler import Sampler
+from attnserve.engine.sampling_params import SamplingParams
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams()] * 5
+    assert Sampler().sample(logits, list(range(5)), params) == logits.argmax(-1).tolist()
+
+
+def test_top_k_keeps_only_k_most_likely():
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(2))
+    p = SamplingParams(temperature=1.0, top_k=5)
+    probs = Sampler.filtered_probs(logits, [p])
+    kept = set(torch.nonzero(probs[0]).flatten().tolist())
+    assert kept == set(logits[0].topk(5).indices.tolist())
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    # probabilities 0.5, 0.3, 0.15, 0.05
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]]))
+    probs = Sampler.filtered_probs(logits, [SamplingParams(temperature=1.0, top_p=0.8)])
+    assert torch.nonzero(probs[0]).flatten().tolist() == [1, 3]
+    probs = Sampler.filtered_probs(logits, [SamplingParams(temperature=1.0, top_p=0.81)])
+    assert torch.nonzero(probs[0]).flatten().tolist() == [1, 2, 3]
+
+
+def test_min_p_drops_tokens_below_fraction_of_peak():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = Sampler.filtered_probs(logits, [SamplingParams(temperature=1.0, min_p=0.25)])
+    assert torch.nonzero(probs[0]).flatten().tolist() == [0, 1, 2]
+
+
+def test_seeded_requests_reproduce_regardless_of_batch():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 200, generator=g)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    other = SamplingParams(temperature=0.7)
+    alone = [Sampler().sample(logits[2:3], [7], [seeded])[0] for _ in range(1)]
+    s = Sampler(seed=123)
+    batch = s.sample(logits, [1, 2, 7, 9], [other, other, seeded, other])
+    assert batch[2] == alone[0]
+    # the next draw continues the same stream
+    a, b = Sampler(), Sampler(seed=5)
+    seq_a = [a.sample(logits[:1], [0], [seeded])[0] for _ in range(8)]
+    seq_b = [b.sample(logits[:1], [0], [seeded])[0] for _ in range(8)]
+    assert seq_a == seq_b
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    s = Sampler(seed=0)
+    p = SamplingParams(temperature=1.0)
+    draws = [s.sample(logits, [0], [p])[0] for _ in range(3000)]
+    freq = [draws.count(i) / len(draws) for i in range(3)]
+    assert freq == pytest.approx([0.7, 0.2, 0.1], abs=0.04)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_new_tokens", 0), ("temperature", -0.1), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5),
+     ("min_p", 1.2), ("seed", -1), ("n", 0), ("stop", [""]), ("stop_token_ids", [-3])],
+)
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_stop_string_alone_becomes_a_list():
+    assert SamplingParams(stop="\n").stop == ["\n"]
