@@ -1,0 +1,166 @@
+"""flex_attention: PyTorch FlexAttention reading the paged pool in place.
+
+The key axis is the pool itself (every slot, `[1, kv_heads, num_slots, d]` as a
+strided view, no copy) and the query axis is the step's new tokens. What a query
+may see is a mask over slots: the slot belongs to the query's request and sits
+at a visible position (causal, sliding window, or the verify tree's custom
+mask). plan() turns the page table into slot -> (request, position) maps and a
+block-sparse BlockMask whose blocks are exactly the KV blocks each query block's
+requests own, so the fused kernel skips the rest of the pool.
+
+On CUDA the compiled kernel runs; on the CPU FlexAttention's eager path does the
+same maths densely (fine for tests, not for speed). Captured graphs are not
+supported: the block mask changes size every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch
+
+Q_BLOCK = 128
+KV_BLOCK = 128
+
+
+class FlexAttentionBackend(AttentionBackend):
+    name = "flex_attention"
+    features = BackendFeatures(
+        kv_dtypes=frozenset({"bf16", "fp16", "fp32"}),
+        attention_types=frozenset({"MHA", "GQA"}),
+        asymmetric_kv=True,
+        sliding_window=True,
+        attention_sinks=True,
+        logit_softcap=True,
+        custom_mask=True,
+        spec_topk1=True,
+        spec_topk_gt1=True,
+        spec_topk_gt1_paged=True,
+        cuda_graph=False,
+        deterministic=True,
+        devices=frozenset({"cpu", "cuda"}),
+    )
+
+    def __init__(self, pool, compile: bool | None = None, **options):
+        """compile: use torch.compile'd flex_attention (default: on CUDA only)."""
+        super().__init__(pool, **options)
+        if getattr(pool, "is_mla", False):
+            raise ValueError("flex_attention serves MHA/GQA pools; use triton or torch_native for MLA")
+        self.compile = pool.device.type == "cuda" if compile is None else compile
+        self._flex = None
+
+    # ---- per step -----------------------------------------------------------------------------
+    def plan(self, fb: ForwardBatch) -> None:
+        device = fb.req_to_token.device
+        bs = fb.batch_size
+        num_slots = self.pool.num_slots
+        max_len = max(fb.seq_lens_cpu, default=0)
+        seq_lens = fb.seq_lens.to(device=device, dtype=torch.int64)  # [B]
+        extend_lens = fb.extend_lens.to(device=device, dtype=torch.int64)  # [B]
+        positions = torch.arange(max_len, device=device)  # [max_len]
+        rows = fb.req_to_token[fb.req_pool_indices.long(), :max_len].long()  # [B, max_len]
+        valid = positions[None, :] < seq_lens[:, None]  # [B, max_len]
+        slots = rows[valid]  # [total_kv]
+        owners = torch.arange(bs, device=device)[:, None].expand(bs, max_len)[valid]  # [total_kv]
+        # slot -> owning request (-1: not in this batch) and the token's position in it
+        kv_owner = torch.full((num_slots,), -1, dtype=torch.int64, device=device)  # [num_slots]
+        kv_pos = torch.zeros(num_slots, dtype=torch.int64, device=device)  # [num_slots]
+        kv_owner[slots] = owners
+        kv_pos[slots] = positions[None, :].expand(bs, max_len)[valid]
+        num_tokens = fb.num_tokens
+        q_req = torch.repeat_interleave(torch.arange(bs, device=device), extend_lens, output_size=num_tokens)  # [T]
+        q_pos = fb.positions.to(device=device, dtype=torch.int64)  # [T]
+        self._kv_owner, self._kv_pos, self._q_req, self._q_pos = kv_owner, kv_pos, q_req, q_pos
+        self._custom = self._dense_custom_mask(fb, max_len) if fb.custom_mask is not None else None
+        self._blocks = self._block_table(q_req, owners, slots, bs, num_tokens, num_slots)
+        self._masks: dict[int | None, object] = {}  # sliding window -> BlockMask, built on first use
+        self._num_tokens = num_tokens
+
+    @staticmethod
+    def _dense_custom_mask(fb: ForwardBatch, max_len: int) -> torch.Tensor:
+        """The verify masks as one `[T, max_len]` bool table indexed by (token, key position)."""
+        dense = torch.zeros(fb.num_tokens, max(max_len, 1), dtype=torch.bool, device=fb.custom_mask.device)
+        q0 = m0 = 0
+        for seq, ext in zip(fb.seq_lens_cpu, fb.extend_lens_cpu):
+            dense[q0 : q0 + ext, :seq] = fb.custom_mask[m0 : m0 + ext * seq].view(ext, seq).to(torch.bool)
+            q0 += ext
+            m0 += ext * seq
+        return dense
+
+    @staticmethod
+    def _block_table(q_req, owners, slots, bs, num_tokens, num_slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which KV blocks each query block may touch: those holding its requests' slots."""
+        device = slots.device
+        nqb = max(1, -(-num_tokens // Q_BLOCK))
+        nkvb = max(1, -(-num_slots // KV_BLOCK))
+        req_qblocks = torch.zeros(bs, nqb, dtype=torch.float32, device=device)  # [B, nqb]
+        req_qblocks[q_req, torch.arange(num_tokens, device=device) // Q_BLOCK] = 1.0
+        req_kvblocks = torch.zeros(bs, nkvb, dtype=torch.float32, device=device)  # [B, nkvb]
+        req_kvblocks[owners, slots // KV_BLOCK] = 1.0
+        touches = (req_qblocks.T @ req_kvblocks) > 0  # [nqb, nkvb]
+        kv_num_blocks = touches.sum(-1).to(torch.int32)  # [nqb]
+        kv_indices = torch.argsort((~touches).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # [nqb, nkvb]
+        return kv_num_blocks[None, None], kv_indices[None, None]
+
+    def _block_mask(self, sliding_window: int | None):
+        if sliding_window in self._masks:
+            return self._masks[sliding_window]
+        from torch.nn.attention.flex_attention import BlockMask
+
+        owner, kpos, qreq, qpos, custom = self._kv_owner, self._kv_pos, self._q_req, self._q_pos, self._custom
+
+        def visible(b, h, q_idx, kv_idx):
+            same = owner[kv_idx] == qreq[q_idx]
+            p, k = qpos[q_idx], kpos[kv_idx]
+            seen = custom[q_idx, k] if custom is not None else k <= p
+            if sliding_window is not None:
+                seen = seen & (k > p - sliding_window)
+            return same & seen
+
+        kv_num_blocks, kv_indices = self._blocks
+        mask = BlockMask.from_kv_blocks(
+            kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=visible,
+            seq_lengths=(self._num_tokens, self.pool.num_slots),
+        )
+        self._masks[sliding_window] = mask
+        return mask
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def _flex_fn(self):
+        if self._flex is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex = torch.compile(flex_attention) if self.compile else flex_attention
+        return self._flex
+
+    def _attend(self, q: torch.Tensor, layer) -> torch.Tensor:
+        lid = layer.layer_id
+        k_buf = self.pool.get_key_buffer(lid)  # [num_slots, Hkv, D]
+        v_buf = self.pool.get_value_buffer(lid)  # [num_slots, Hkv, Dv]
+        dtype = q.dtype
+        key = k_buf.to(dtype).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, num_slots, D]
+        value = v_buf.to(dtype).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, num_slots, Dv]
+        query = q.permute(1, 0, 2).unsqueeze(0)  # [1, Hq, T, D]
+        score_mod = None
+        if layer.logit_cap is not None:
+            cap = float(layer.logit_cap)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return cap * torch.tanh(score / cap)
+
+        sinks = layer.sinks
+        out = self._flex_fn()(
+            query, key, value, score_mod=score_mod, block_mask=self._block_mask(layer.sliding_window),
+            scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads, return_lse=sinks is not None,
+        )
+        if sinks is not None:
+            out, lse = out  # lse [1, Hq, T], natural log of the scaled scores' exp-sum
+            # a sink joins the denominator: o * sum / (sum + exp(sink)) = o * sigmoid(lse - sink)
+            out = out * torch.sigmoid(lse.float() - sinks.float()[None, :, None]).to(out.dtype)[..., None]
+        return out[0].permute(1, 0, 2)  # [T, Hq, Dv]
+
+    def forward_extend(self, q, k, v, layer, fb):
+        return self._attend(q, layer)
+
+    def forward_decode(self, q, layer, fb):
+        return self._attend(q, layer)

@@ -1,0 +1,521 @@
+"""Which attention backend serves prefill and which serves decode, and why.
+
+Policy first, availability second, both recorded in a trace:
+
+1. POLICY is SGLang's `get_default_attn_backend` written as a table: the first
+   row whose conditions all hold names SGLang's choice, and the row's `why`
+   says which regression or limit put it there.
+2. That choice heads a candidate list; FALLBACK_ORDER (our own order per
+   platform, see its comment) follows it. Each candidate is checked against
+   its `features` (base.unsupported), the machine (registry.hardware_problems),
+   the conditional limits in LIMITS, and, unless `sglang=True`, whether
+   attnserve implements it. The first that passes wins; every rejection is a
+   trace entry with its reasons.
+
+SGLang backends attnserve does not implement: by default (`sglang=False`, what
+the engine asks for) they are rejected with "not implemented in attnserve" and
+the next candidate is tried, so the answer can always be instantiated. With
+`sglang=True` the question is "what would SGLang pick on that machine", and only
+features, hardware and installed packages count.
+
+An explicit choice (`attention_backend`, `prefill_backend`, `decode_backend`) is
+validated the same way and is never silently replaced: if it can't run, a
+ValueError names every reason and the backends that would run instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnserve.attention.base import AttentionRequirements, BackendFeatures, unsupported
+from attnserve.attention.registry import REGISTRY, get_spec, hardware_problems, resolve_name
+from attnserve.hardware import Hardware
+
+SIDES = ("prefill", "decode")
+
+
+# ---- inputs ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelTraits:
+    """What selection needs to know about a model's attention (per tensor-parallel rank)."""
+
+    attention_type: str = "GQA"  # MHA, GQA or MLA
+    num_heads: int = 32  # query heads per rank
+    num_kv_heads: int = 8
+    head_dim: int = 128  # K width
+    v_head_dim: int | None = None  # None: same as head_dim
+    sliding_window: bool = False
+    attention_sinks: bool = False
+    logit_softcap: bool = False
+    model_type: str = ""  # HF model_type, e.g. "deepseek_v3" (some policy rows name a family)
+    name: str = "custom"
+
+    def __post_init__(self):
+        if self.attention_type not in ("MHA", "GQA", "MLA"):
+            raise ValueError(f"attention_type must be MHA, GQA or MLA, got {self.attention_type!r}")
+        for what in ("num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, what) < 1:
+                raise ValueError(f"{what} must be >= 1, got {getattr(self, what)}")
+
+    @property
+    def kv_widths_differ(self) -> bool:
+        return self.attention_type != "MLA" and self.v_head_dim is not None and self.v_head_dim != self.head_dim
+
+    @classmethod
+    def from_shape(cls, shape, tp_size: int = 1, name: str = "") -> ModelTraits:
+        """From presets.AttentionShape; heads are divided by the tensor-parallel size."""
+        if tp_size < 1 or shape.num_q_heads % tp_size:
+            raise ValueError(f"tp_size {tp_size} must be >= 1 and divide {shape.num_q_heads} query heads")
+        kv = shape.num_kv_heads if shape.attention_type == "MLA" else max(1, shape.num_kv_heads // tp_size)
+        return cls(
+            attention_type=shape.attention_type,
+            num_heads=shape.num_q_heads // tp_size,
+            num_kv_heads=kv,
+            head_dim=shape.head_dim,
+            v_head_dim=shape.v_head_dim,
+            sliding_window=shape.sliding_window is not None,
+            attention_sinks=shape.has_sinks,
+            logit_softcap=shape.logit_softcap is not None,
+            model_type=shape.model_type,
+            name=name or shape.model_type or "custom",
+        )
+
+
+@dataclass(frozen=True)
+class ServingFeatures:
+    """Serving flags that constrain the backend."""
+
+    speculative_topk: int = 0  # 0: no speculative decoding
+    page_size: int | None = None  # None: 1, or the page size the chosen backend needs
+    kv_cache_dtype: str = "bf16"
+    deterministic: bool = False
+
+    def __post_init__(self):
+        if self.speculative_topk < 0:
+            raise ValueError(f"speculative_topk must be >= 0, got {self.speculative_topk}")
+        ps = self.page_size
+        if ps is not None and (ps < 1 or ps & (ps - 1)):
+            raise ValueError(f"page_size must be a power of two >= 1, got {ps}")
+        from attnserve.kvcache.dtypes import canonical_kv_dtype
+
+        object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))
+
+
+# ---- the policy table --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class When:
+    """Conditions of a policy or limit row; a field left None always holds."""
+
+    attention: str | None = None  # "MHA" (MHA or GQA) or "MLA"
+    device: str | None = None
+    cc_major: tuple[int, ...] | None = None  # NVIDIA compute capability majors
+    min_cuda: tuple[int, int] | None = None
+    max_topk: int | None = None  # speculative topk at most this
+    min_topk: int | None = None
+    min_page_size: int | None = None
+    kv_widths_differ: bool | None = None
+    sinks: bool | None = None
+    arch: tuple[str, ...] | None = None  # host CPU architectures
+    vendor: str | None = None
+    model_types: tuple[str, ...] | None = None
+    heads_per_rank: tuple[int, ...] | None = None
+    kv_dtypes: tuple[str, ...] | None = None
+
+    def holds(self, hw: Hardware, model: ModelTraits, serving: ServingFeatures, page_size: int = 1) -> bool:
+        attention = "MLA" if model.attention_type == "MLA" else "MHA"
+        topk = serving.speculative_topk
+        checks = (
+            (self.attention, lambda v: v == attention),
+            (self.device, lambda v: v == hw.device),
+            (self.cc_major, lambda v: hw.compute_capability is not None and hw.compute_capability[0] in v),
+            (self.min_cuda, lambda v: hw.cuda_version is not None and hw.cuda_version >= v),
+            (self.max_topk, lambda v: topk <= v),
+            (self.min_topk, lambda v: topk >= v),
+            (self.min_page_size, lambda v: page_size >= v),
+            (self.kv_widths_differ, lambda v: model.kv_widths_differ == v),
+            (self.sinks, lambda v: model.attention_sinks == v),
+            (self.arch, lambda v: hw.arch in v),
+            (self.vendor, lambda v: hw.vendor == v),
+            (self.model_types, lambda v: model.model_type in v),
+            (self.heads_per_rank, lambda v: model.num_heads in v),
+            (self.kv_dtypes, lambda v: serving.kv_cache_dtype in v),
+        )
+        return all(want is None or test(want) for want, test in checks)
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    when: When
+    choose: str
+    why: str
+
+
+_HOPPER = (9,)
+_BLACKWELL = (10,)  # SM100 / SM103
+_DSV3 = ("deepseek_v3", "deepseek_r1", "kimi_k2")
+_ARM = ("aarch64", "arm64")
+
+# SGLang's get_default_attn_backend (v0.5.22), first matching row wins. One row per line of policy.
+POLICY: tuple[PolicyRow, ...] = (
+    # --- MLA models ---
+    PolicyRow(When(attention="MLA", device="cuda", cc_major=_BLACKWELL, model_types=_DSV3), "trtllm_mla",
+              "DeepSeek-V3/R1 on SM100: TensorRT-LLM MLA kernels are SGLang's model override"),
+    PolicyRow(When(attention="MLA", device="cuda", cc_major=_HOPPER, min_cuda=(12, 3)), "fa3",
+              "MLA on Hopper with CUDA >= 12.3: fa3 is SGLang's default"),
+    PolicyRow(When(attention="MLA", device="cuda", cc_major=_BLACKWELL), "flashinfer",
+              "MLA on SM100: FlashInfer MLA is SGLang's default"),
+    PolicyRow(When(attention="MLA", device="rocm", heads_per_rank=(16, 128)), "aiter",
+              "MLA on AMD with 16 or 128 heads per rank: aiter's MLA kernels cover these head counts"),
+    PolicyRow(When(attention="MLA", device="rocm"), "triton",
+              "MLA on AMD with a head count aiter lacks: triton"),
+    # --- MHA / GQA models ---
+    PolicyRow(When(attention="MHA", device="cuda", cc_major=_HOPPER, min_cuda=(12, 3), max_topk=1), "fa3",
+              "Hopper, CUDA >= 12.3, speculative topk <= 1: fa3 became the default after FlashInfer 0.6.1 "
+              "made Hopper decode ~7x slower (SGLang issue 17411: ITL 39.44 -> 283.52 ms, fa3 56.73 ms)"),
+    PolicyRow(When(attention="MHA", device="cuda", cc_major=_BLACKWELL, max_topk=1, kv_widths_differ=True), "fa4",
+              "SM100 with different K and V head widths: fa4 handles asymmetric heads"),
+    PolicyRow(When(attention="MHA", device="cuda", cc_major=_BLACKWELL, max_topk=1), "trtllm_mha",
+              "SM100, speculative topk <= 1: TensorRT-LLM MHA kernels are SGLang's Blackwell default"),
+    PolicyRow(When(attention="MHA", device="rocm"), "aiter", "AMD ROCm: aiter is SGLang's default for MHA"),
+    # --- platforms without CUDA (any attention type) ---
+    PolicyRow(When(device="mps"), "torch_native", "Apple MPS: torch_native is SGLang's default"),
+    PolicyRow(When(device="cpu", arch=_ARM), "torch_native", "ARM64 CPU: torch_native is SGLang's default"),
+    PolicyRow(When(device="cpu", vendor="intel"), "intel_amx", "Intel x86 CPU: SGLang's AMX kernels"),
+    PolicyRow(When(device="cpu"), "torch_native", "CPU: torch_native (attnserve row; no GPU kernels apply)"),
+    PolicyRow(When(device="xpu"), "intel_xpu", "Intel GPU: SGLang's XPU backend"),
+    PolicyRow(When(device="npu"), "ascend", "Huawei NPU: SGLang's Ascend backend"),
+    # --- everything else on NVIDIA ---
+    PolicyRow(When(attention="MLA"), "triton", "MLA elsewhere: triton"),
+    PolicyRow(When(sinks=True), "triton", "the model has attention sinks, which FlashInfer can't run: triton"),
+    PolicyRow(When(), "flashinfer", "no earlier rule applies: FlashInfer is SGLang's general NVIDIA default"),
+)
+
+# Candidates tried after the policy's choice, per platform. attnserve's own order: on NVIDIA, FlashInfer
+# first (its tensor-core paged decode reached 4.0-4.08 TB/s, ~95% of the measured 4.24 TB/s copy ceiling
+# on the H200, and its fa3 prefill 514-616 TFLOP/s, /work GPU notes 2026-11-29), then attnserve's Triton
+# kernels (portable, CUDA graphs), then FlexAttention (no CUDA graphs), then torch_native (reference
+# speed). When benchmarks/results/kernels-<gpu>.json exists, `measured_order` reorders by it.
+FALLBACK_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("flashinfer", "triton", "flex_attention", "torch_native"),
+    "rocm": ("triton", "flex_attention", "torch_native"),
+    "cpu": ("torch_native", "flex_attention"),
+    "mps": ("torch_native",),
+    "xpu": ("torch_native",),
+    "npu": ("torch_native",),
+}
+
+
+@dataclass(frozen=True)
+class Limit:
+    backend: str
+    when: When
+    why: str
+
+
+# Limits SGLang enforces that a backend's feature flags can't express (they depend on a combination).
+LIMITS: tuple[Limit, ...] = (
+    Limit("fa3", When(attention="MLA", min_topk=2, min_page_size=2),
+          "MLA with speculative topk > 1 needs page size 1 on fa3"),
+    Limit("triton", When(attention="MLA", min_topk=2, min_page_size=2),
+          "MLA with speculative topk > 1 needs page size 1 on triton"),
+)
+
+# Page size SGLang forces when the user sets none and the backend needs a specific one.
+PREFERRED_PAGE_SIZE: dict[str, int] = {"trtllm_mha": 64, "trtllm_mla": 64, "flashmla": 64, "hpc_ops": 64,
+                                       "cutlass_mla": 128, "fa4": 128}
+
+
+# ---- the trace -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TraceEntry:
+    """One step of the decision. kind: input, policy, candidate, reject, accept, explicit, adjust."""
+
+    kind: str
+    reason: str
+    backend: str | None = None
+    side: str | None = None  # prefill, decode, or None for both
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "side": self.side, "backend": self.backend, "reason": self.reason}
+
+    def __str__(self) -> str:
+        where = f"[{self.side}] " if self.side else ""
+        who = f"{self.backend}: " if self.backend else ""
+        return f"{self.kind:9s} {where}{who}{self.reason}"
+
+
+@dataclass
+class Selection:
+    prefill_backend: str
+    decode_backend: str
+    page_size: int
+    cuda_graph: bool  # decode CUDA graphs possible with the decode backend
+    policy_choice: str  # what SGLang's policy table names
+    trace: list[TraceEntry] = field(default_factory=list)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.prefill_backend != self.decode_backend
+
+    def to_dict(self) -> dict:
+        return {
+            "prefill_backend": self.prefill_backend,
+            "decode_backend": self.decode_backend,
+            "page_size": self.page_size,
+            "cuda_graph": self.cuda_graph,
+            "policy_choice": self.policy_choice,
+            "trace": [e.to_dict() for e in self.trace],
+        }
+
+    def describe(self) -> str:
+        head = (f"prefill: {self.prefill_backend}   decode: {self.decode_backend}   page size: {self.page_size}"
+                f"   CUDA graphs: {'yes' if self.cuda_graph else 'no'}")
+        return "\n".join([head, "trace:"] + [f"  {e}" for e in self.trace])
+
+
+# ---- checking one candidate -------------------------------------------------------------------------------
+def policy_row(hw: Hardware, model: ModelTraits, serving: ServingFeatures) -> PolicyRow:
+    for row in POLICY:
+        if row.when.holds(hw, model, serving):
+            return row
+    raise AssertionError("the last policy row matches everything")  # pragma: no cover
+
+
+def _features(name: str) -> tuple[BackendFeatures | None, str | None]:
+    """A backend's features, or why they can't be read (its implementation failed to import)."""
+    try:
+        return get_spec(name).features, None
+    except ImportError as exc:
+        return None, f"implementation not importable ({exc})"
+
+
+def requirements(model: ModelTraits, serving: ServingFeatures, side: str | None, page_size: int) -> AttentionRequirements:
+    return AttentionRequirements(
+        attention_type=model.attention_type,
+        head_dim=model.head_dim,
+        v_head_dim=model.v_head_dim,
+        page_size=page_size,
+        kv_dtype=serving.kv_cache_dtype,
+        sliding_window=model.sliding_window,
+        attention_sinks=model.attention_sinks,
+        logit_softcap=model.logit_softcap,
+        spec_topk=serving.speculative_topk,
+        needs_prefill=side in (None, "prefill"),
+        needs_decode=side in (None, "decode"),
+    )
+
+
+def page_size_for(name: str, serving: ServingFeatures, fixed: int | None) -> int:
+    """The page size a candidate would run at: the user's or another side's, else the one it needs."""
+    if serving.page_size is not None:
+        return serving.page_size
+    if fixed is not None:
+        return fixed
+    return PREFERRED_PAGE_SIZE.get(name, 1)
+
+
+def problems(
+    name: str,
+    hw: Hardware,
+    model: ModelTraits,
+    serving: ServingFeatures,
+    side: str | None = None,
+    page_size: int = 1,
+    sglang: bool = False,
+) -> list[str]:
+    """Every reason backend `name` can't serve `side` (None: both) here; empty when it can."""
+    spec = get_spec(name)
+    why: list[str] = []
+    if spec.removed:
+        why.append(f"removed from SGLang ({spec.removed})")
+    if not sglang and not spec.implemented:
+        why.append("not implemented in attnserve (known from SGLang)")
+    feats, err = _features(spec.name)
+    if feats is None:
+        return why + [err]
+    why += hardware_problems(feats, hw)
+    why += unsupported(feats, requirements(model, serving, side, page_size))
+    if serving.deterministic and not feats.deterministic:
+        why.append("no deterministic mode")
+    why += [lim.why for lim in LIMITS if lim.backend == spec.name and lim.when.holds(hw, model, serving, page_size)]
+    return why
+
+
+def runnable_backends(hw: Hardware, model: ModelTraits, serving: ServingFeatures, side: str | None = None,
+                      page_size: int | None = None, sglang: bool = False) -> list[str]:
+    """Every backend that passes all checks, in registry order (what an error message offers)."""
+    out = []
+    for name in REGISTRY:
+        ps = page_size if page_size is not None else page_size_for(name, serving, None)
+        if not problems(name, hw, model, serving, side, ps, sglang):
+            out.append(name)
+    return out
+
+
+# ---- the decision ---------------------------------------------------------------------------------------
+MEASUREMENTS_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+
+
+def measured_order(hw: Hardware, results_dir: Path | None = None) -> tuple[str, ...] | None:
+    """Implemented backends ordered by measured speed on this GPU model, if a benchmark file exists.
+
+    Reads `kernels-<gpu>.json` (e.g. kernels-h200.json): records with a "backend" and a time
+    ("median_us", "time_us" or "us"); the other scalar fields name the case. A backend's score is
+    its mean time relative to the fastest backend of each case it ran, so backends that ran
+    different case sets still compare. None when no file applies or none parses.
+    """
+    if hw.device != "cuda":
+        return None
+    key = hw.name.lower().replace("nvidia", "").strip().split()[0] if hw.name else ""
+    path = (results_dir or MEASUREMENTS_DIR) / f"kernels-{key}.json"
+    if not key or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    records = data.get("results", data.get("records", [])) if isinstance(data, dict) else data
+    cases: dict[tuple, dict[str, float]] = {}
+    for rec in records if isinstance(records, list) else []:
+        if not isinstance(rec, dict) or "backend" not in rec:
+            continue
+        t = next((rec[k] for k in ("median_us", "time_us", "us") if isinstance(rec.get(k), (int, float))), None)
+        name = str(rec["backend"])
+        if t is None or t <= 0 or name not in REGISTRY or not REGISTRY[name].implemented:
+            continue
+        case = tuple(sorted((k, v) for k, v in rec.items()
+                            if k not in ("backend", "median_us", "time_us", "us") and isinstance(v, (int, float, str))))
+        cases.setdefault(case, {})[name] = min(t, cases.get(case, {}).get(name, t))
+    ratios: dict[str, list[float]] = {}
+    for times in cases.values():
+        best = min(times.values())
+        for name, t in times.items():
+            ratios.setdefault(name, []).append(t / best)
+    if not ratios:
+        return None
+    return tuple(sorted(ratios, key=lambda n: sum(ratios[n]) / len(ratios[n])))
+
+
+def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry]) -> list[str]:
+    order = [row.choose]
+    measured = measured_order(hw) or ()
+    if measured:
+        trace.append(TraceEntry("input", f"fallback order measured on this GPU model: {', '.join(measured)}"))
+    for name in (*measured, *FALLBACK_ORDER.get(hw.device, ("torch_native",))):
+        if name not in order:
+            order.append(name)
+    return order
+
+
+def select_backends(
+    hw: Hardware,
+    model: ModelTraits,
+    serving: ServingFeatures | None = None,
+    attention_backend: str | None = None,
+    prefill_backend: str | None = None,
+    decode_backend: str | None = None,
+    sglang: bool = False,
+) -> Selection:
+    """Resolve the prefill and decode backends; raise ValueError if an explicit choice can't run.
+
+    `sglang=True` asks what SGLang would pick (unimplemented backends count); the default asks what
+    attnserve can instantiate. Side flags override `attention_backend` for their side, as in SGLang.
+    """
+    serving = serving or ServingFeatures()
+    trace: list[TraceEntry] = [
+        TraceEntry("input", f"hardware: {hw.describe()}"
+                   + ("" if hw.installed is None else f"; installed: {', '.join(sorted(hw.installed)) or 'nothing'}")
+                   + ("; hypothetical machine, every package counts as installed" if hw.installed is None else "")),
+        TraceEntry("input", _describe_model(model)),
+        TraceEntry("input", _describe_serving(serving)),
+        TraceEntry("input", "resolving among SGLang's backends (unimplemented ones count)" if sglang
+                   else "resolving among backends attnserve implements"),
+    ]
+    row = policy_row(hw, model, serving)
+    trace.append(TraceEntry("policy", row.why, row.choose))
+    candidates = candidate_order(hw, row, trace)
+
+    explicit = {"prefill": prefill_backend or attention_backend, "decode": decode_backend or attention_backend}
+    chosen: dict[str, str] = {}
+    fixed_page: int | None = serving.page_size
+    for side in SIDES:
+        want = explicit[side]
+        if want is not None:
+            name = resolve_name(want)
+            ps = page_size_for(name, serving, fixed_page)
+            why = problems(name, hw, model, serving, side, ps, sglang)
+            if why:
+                others = [n for n in runnable_backends(hw, model, serving, side, fixed_page, sglang) if n != name]
+                raise ValueError(
+                    f"attention backend {name!r} cannot serve {side} here: {'; '.join(why)}. "
+                    f"Backends that would: {', '.join(others) or 'none'}"
+                )
+            trace.append(TraceEntry("explicit", f"requested for {side}; passes every check", name, side))
+        else:
+            name, ps = _first_passing(candidates, hw, model, serving, side, fixed_page, sglang, trace)
+        chosen[side] = name
+        if fixed_page is None and (name in PREFERRED_PAGE_SIZE or _fixed_page_sizes(name)):
+            fixed_page = ps
+            trace.append(TraceEntry("adjust", f"page size {ps}: {name} needs it", name, side))
+    page_size = fixed_page if fixed_page is not None else 1
+    if page_size != 1 and serving.page_size is None:
+        # the prefill side was chosen before the page size was fixed by the decode side: recheck it
+        why = problems(chosen["prefill"], hw, model, serving, "prefill", page_size, sglang)
+        if why:
+            raise ValueError(f"prefill backend {chosen['prefill']!r} can't run at page size {page_size} that "
+                             f"decode backend {chosen['decode']!r} needs: {'; '.join(why)}")
+    decode_feats, _ = _features(chosen["decode"])
+    cuda_graph = bool(decode_feats and decode_feats.cuda_graph) and hw.device in ("cuda", "rocm")
+    if not cuda_graph and hw.device in ("cuda", "rocm"):
+        trace.append(TraceEntry("adjust", "CUDA graphs disabled: the decode backend can't be captured",
+                                chosen["decode"], "decode"))
+    if chosen["prefill"] != chosen["decode"]:
+        trace.append(TraceEntry("adjust", "prefill and decode differ: one hybrid backend routes by forward mode"))
+    return Selection(chosen["prefill"], chosen["decode"], page_size, cuda_graph, row.choose, trace)
+
+
+def _fixed_page_sizes(name: str) -> bool:
+    feats, _ = _features(name)
+    return feats is not None and feats.page_sizes is not None
+
+
+def _first_passing(candidates, hw, model, serving, side, fixed_page, sglang, trace) -> tuple[str, int]:
+    tried = []
+    for name in candidates:
+        ps = page_size_for(name, serving, fixed_page)
+        why = problems(name, hw, model, serving, side, ps, sglang)
+        if not why:
+            trace.append(TraceEntry("accept", "passes every check", name, side))
+            return name, ps
+        tried.append(f"{name} ({'; '.join(why)})")
+        trace.append(TraceEntry("reject", "; ".join(why), name, side))
+    rest = [n for n in runnable_backends(hw, model, serving, side, fixed_page, sglang) if n not in candidates]
+    if rest:
+        name = rest[0]
+        ps = page_size_for(name, serving, fixed_page)
+        trace.append(TraceEntry("accept", "first backend outside the candidate list that passes every check",
+                                name, side))
+        return name, ps
+    raise ValueError(f"no attention backend can serve {side} here; tried: {', '.join(tried)}")
+
+
+def _describe_model(m: ModelTraits) -> str:
+    extra = [t for t, on in (("sliding window", m.sliding_window), ("attention sinks", m.attention_sinks),
+                             ("logit soft-cap", m.logit_softcap)) if on]
+    v = f", V width {m.v_head_dim}" if m.v_head_dim not in (None, m.head_dim) else ""
+    return (f"model: {m.name}, {m.attention_type}, {m.num_heads} query / {m.num_kv_heads} KV heads per rank, "
+            f"head_dim {m.head_dim}{v}" + (f", {', '.join(extra)}" if extra else ""))
+
+
+def _describe_serving(s: ServingFeatures) -> str:
+    spec = f"speculative topk {s.speculative_topk}" if s.speculative_topk else "no speculative decoding"
+    page = f"page size {s.page_size}" if s.page_size is not None else "page size unset"
+    det = ", deterministic" if s.deterministic else ""
+    return f"serving: {spec}, {page}, KV {s.kv_cache_dtype}{det}"
+
+
+__all__ = ["FALLBACK_ORDER", "LIMITS", "POLICY", "Limit", "ModelTraits", "PolicyRow", "Selection",
+           "ServingFeatures", "TraceEntry", "When", "measured_order", "policy_row", "problems",
+           "runnable_backends", "select_backends"]
