@@ -1,0 +1,117 @@
+"""`attnserve select`: which attention backends would serve prefill and decode, and why, without a model.
+
+With no --gpu it describes this machine and checks what is installed here; with
+--gpu the machine is hypothetical and every package counts as installed unless
+--installed lists what is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from attnserve.hardware import PRESET_HARDWARE
+
+    p = sub.add_parser(
+        "select",
+        help="show the attention backends chosen for a GPU, model and features, with the reasons",
+        description="Resolve the prefill and decode attention backends and print every rule applied and "
+        "every candidate rejected. Loads no model.",
+    )
+    hw = p.add_argument_group("machine")
+    hw.add_argument("--gpu", choices=sorted(PRESET_HARDWARE), default=None,
+                    help="a hypothetical machine (default: this one, with what is installed here)")
+    hw.add_argument("--installed", default=None, metavar="PKG,PKG",
+                    help="with --gpu: the packages installed there (default: all), e.g. triton,flashinfer")
+    hw.add_argument("--cuda-version", default=None, metavar="MAJOR.MINOR", help="with --gpu: override CUDA version")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help="a preset name or a HF config.json (default: a generic GQA model)")
+    m.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (heads per rank)")
+    m.add_argument("--attention-sinks", action="store_true", help="the model has attention sinks")
+    m.add_argument("--v-head-dim", type=int, default=None, help="V head width when it differs from K's")
+    m.add_argument("--sliding-window", action="store_true", help="the model uses sliding-window attention")
+    m.add_argument("--logit-softcap", action="store_true", help="the model soft-caps attention logits")
+    f = p.add_argument_group("features")
+    f.add_argument("--speculative-topk", type=int, default=0, help="speculative decoding topk (0: none)")
+    f.add_argument("--page-size", type=int, default=None, help="KV page size (default: 1 or what the backend needs)")
+    f.add_argument("--kv-cache-dtype", default="bf16", help="bf16, fp16, fp32, fp8_e4m3, fp8_e5m2")
+    f.add_argument("--deterministic", action="store_true", help="require deterministic attention")
+    b = p.add_argument_group("explicit choices (validated, never replaced)")
+    b.add_argument("--attention-backend", default=None)
+    b.add_argument("--prefill-attention-backend", default=None)
+    b.add_argument("--decode-attention-backend", default=None)
+    b.add_argument("--sglang", action="store_true",
+                   help="answer as SGLang would: backends attnserve does not implement count too")
+    p.add_argument("--json", action="store_true",
+                   help='print {"prefill_backend", "decode_backend", "trace", ...} as JSON')
+    return p
+
+
+def hardware_from_args(args):
+    from attnserve.hardware import PRESET_HARDWARE, detect_hardware
+
+    if args.gpu is None:
+        if args.installed or args.cuda_version:
+            raise ValueError("--installed and --cuda-version describe a hypothetical machine; add --gpu NAME")
+        return detect_hardware()
+    hw = PRESET_HARDWARE[args.gpu]
+    if args.installed is not None:
+        pkgs = frozenset(p.strip() for p in args.installed.split(",") if p.strip()) | {"torch"}
+        hw = dataclasses.replace(hw, installed=pkgs)
+    if args.cuda_version:
+        try:
+            major, minor = (int(x) for x in args.cuda_version.split("."))
+        except ValueError:
+            raise ValueError(f"--cuda-version must look like 12.4, got {args.cuda_version!r}") from None
+        hw = dataclasses.replace(hw, cuda_version=(major, minor))
+    return hw
+
+
+def model_from_args(args):
+    from attnserve.attention.selection import ModelTraits
+
+    if args.model is None:
+        traits = ModelTraits(name="generic")
+    else:
+        from attnserve.presets import AttentionShape, load_model_config
+
+        shape = AttentionShape.from_config(load_model_config(args.model), with_params=False)
+        traits = ModelTraits.from_shape(shape, args.tp_size, name=str(args.model))
+    overrides = {}
+    if args.attention_sinks:
+        overrides["attention_sinks"] = True
+    if args.sliding_window:
+        overrides["sliding_window"] = True
+    if args.logit_softcap:
+        overrides["logit_softcap"] = True
+    if args.v_head_dim is not None:
+        if args.v_head_dim < 1:
+            raise ValueError(f"--v-head-dim must be >= 1, got {args.v_head_dim}")
+        overrides["v_head_dim"] = args.v_head_dim
+    return dataclasses.replace(traits, **overrides) if overrides else traits
+
+
+def run(args) -> int:
+    from attnserve.attention.selection import ServingFeatures, select_backends
+
+    hw = hardware_from_args(args)
+    model = model_from_args(args)
+    serving = ServingFeatures(speculative_topk=args.speculative_topk, page_size=args.page_size,
+                              kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic)
+    selection = select_backends(
+        hw, model, serving,
+        attention_backend=args.attention_backend,
+        prefill_backend=args.prefill_attention_backend,
+        decode_backend=args.decode_attention_backend,
+        sglang=args.sglang,
+    )
+    if args.json:
+        json.dump(selection.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(selection.describe())
+    return 0
