@@ -44,6 +44,7 @@ class Request:
     row: int | None = None  # row of req_to_token
     pages: list[int] = field(default_factory=list)  # pages this request holds a reference to, in order
     kv_len: int = 0  # tokens of fill_ids whose K/V is in the pool
+    table_len: int = 0  # entries of this request's req_to_token row written so far
     cached_len: int = 0  # of those, tokens that came from the prefix cache at the last admission
     num_preemptions: int = 0
     admit_order: int = 0  # increases with every admission; the largest is the newest

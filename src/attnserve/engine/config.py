@@ -1,0 +1,42 @@
+"""EngineConfig: every knob of the engine, with the CLI's names and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory, GGUF file, preset name (random weights) or None (embedded SmolLM2)
+    device: str = "auto"  # auto: cuda when present, else cpu
+    dtype: str = "auto"  # auto: bf16 on cuda, fp32 on cpu
+    kv_cache_dtype: str = "auto"  # auto: the model dtype
+    attention_backend: str | None = None  # None: the selection policy decides
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    page_size: int | None = None  # None: 1, or what the chosen backend needs
+    max_running_requests: int = 64
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from memory
+    mem_fraction_static: float = 0.85  # GPU: fraction of memory for weights + KV pool
+    max_context_len: int | None = None  # None: the model's (capped at 32768)
+    chunked_prefill_size: int | None = 2048  # None or <= 0: off
+    max_prefill_tokens: int = 16384
+    disable_radix_cache: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 128)
+    random_weights: bool = False  # with a preset/config: random weights of the real shape (benchmarks)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.max_context_len is not None and self.max_context_len < 2:
+            raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")

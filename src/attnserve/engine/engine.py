@@ -1,0 +1,195 @@
+"""Engine: scheduler + model runner + sampler + detokenizer, stepped one batch at a time.
+
+Single-threaded: `add_request`, `abort` and `step` are called from one loop
+(the offline LLM API, or the server's engine loop). Each `step` schedules a
+batch, runs it, samples, and finishes requests that hit a stop condition, so
+pages are freed before the next step is planned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from attnserve.engine.config import EngineConfig
+from attnserve.engine.detokenizer import Detokenizer, encode
+from attnserve.engine.request import FinishReason, Request
+from attnserve.engine.runner import ModelRunner
+from attnserve.engine.sampler import Sampler
+from attnserve.engine.sampling_params import SamplingParams
+from attnserve.engine.scheduler import Scheduler, SchedulerConfig
+from attnserve.engine.setup import EngineParts, build_parts
+
+log = logging.getLogger("attnserve.engine")
+
+
+@dataclass
+class StepTimes:
+    """Wall time of each step by mode (the host waits for the step's tokens, so these are real)."""
+
+    decode: list[float] = field(default_factory=list)
+    decode_batch: list[int] = field(default_factory=list)
+    extend: list[float] = field(default_factory=list)
+    mixed: list[float] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, loaded=None, **overrides):
+        """`loaded`: an already loaded model bundle (anything with .model and .tokenizer), else config.model."""
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            raise ValueError("pass either an EngineConfig or keyword settings, not both")
+        self.config = config
+        self.parts: EngineParts = build_parts(config, loaded)
+        p = self.parts
+        self.tokenizer = p.tokenizer
+        self.eos_token_ids = set(p.eos_token_ids)
+        self.max_context_len = p.req_pool.max_context_len
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                page_size=p.pool.page_size,
+                chunked_prefill_size=config.chunked_prefill_size,
+                max_prefill_tokens=config.max_prefill_tokens,
+                disable_radix_cache=config.disable_radix_cache,
+            ),
+            p.allocator,
+            p.req_pool,
+        )
+        self.runner = ModelRunner(p.model, p.pool, p.backend, p.req_pool, p.device)
+        self.runner.graph_runner = p.graph_runner
+        self.sampler = Sampler(p.device, seed=config.seed)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.requests: dict[int, Request] = {}
+        self.step_times = StepTimes()
+        self._rids = itertools.count()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+        return encode(self.tokenizer, prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid=None) -> Request:
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n={params.n}: the engine takes one completion per request; "
+                             "LLM.generate expands n")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenize(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            vocab = getattr(self.parts, "vocab_size", None)
+            if vocab is not None and any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        rid = next(self._rids) if rid is None else rid
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid=rid, prompt_ids=ids, params=params, prompt=text)
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        return req
+
+    def abort(self, rid) -> bool:
+        """Stop request `rid` now and free its pages; False if it is unknown or already finished."""
+        req = self.scheduler.abort(rid)
+        if req is None:
+            return False
+        self._forget(req)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _forget(self, req: Request) -> None:
+        self.sampler.forget(req.rid)
+        self.detokenizer.forget(req.rid)
+        self.requests.pop(req.rid, None)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that got a new token (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("no request can be scheduled although nothing is running (pool too small?)")
+            return []
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        self.scheduler.commit(batch)
+        sampling = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        tokens = self.sampler.sample(logits, [r.rid for r in sampling], [r.params for r in sampling]) \
+            if sampling else []
+        now = time.perf_counter()
+        times = {"decode": self.step_times.decode, "extend": self.step_times.extend,
+                 "mixed": self.step_times.mixed}[batch.mode.value]
+        times.append(now - t0)
+        if batch.mode.value == "decode":
+            self.step_times.decode_batch.append(batch.batch_size)
+        for r, t in zip(sampling, tokens):
+            self._append_token(r, t, now)
+        return sampling
+
+    def _append_token(self, r: Request, token: int, now: float) -> None:
+        r.output_ids.append(token)
+        if r.first_token_time is None:
+            r.first_token_time = now
+        r.token_times.append(now)
+        p = r.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.detokenizer.update(r, len(r.output_ids) - 1)  # the stop token itself is not text
+            self._finish(r, FinishReason.STOP, token)
+            return
+        stop = self.detokenizer.update(r)
+        if stop is not None:
+            self._finish(r, FinishReason.STOP, stop)
+        elif len(r.output_ids) >= p.max_new_tokens or r.seq_len >= self.max_context_len:
+            self._finish(r, FinishReason.LENGTH)
+
+    def _finish(self, r: Request, reason: FinishReason, matched=None) -> None:
+        self.scheduler.finish(r, reason, matched)
+        self._forget(r)
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    # ---- reporting --------------------------------------------------------------------------
+    def cache_stats(self) -> dict:
+        tree = self.scheduler.tree
+        return tree.stats.as_dict() if tree is not None else {"disabled": True}
+
+    def pages_leaked(self) -> int:
+        """Pages neither free nor held by the prefix cache (0 whenever nothing is running)."""
+        if self.scheduler.running:
+            raise RuntimeError("leak check needs an idle engine")
+        self.scheduler.allocator.check_leaks()
+        cached = self.scheduler.tree.num_pages if self.scheduler.tree else 0
+        return self.scheduler.allocator.num_used - cached
+
+    def flush_cache(self) -> None:
+        if self.scheduler.tree is not None:
+            self.scheduler.tree.reset()
+
+    def stats(self) -> dict:
+        c = self.scheduler.counters
+        return {
+            "steps": c.steps,
+            "mixed_steps": c.mixed_steps,
+            "preemptions": c.preemptions,
+            "prefill_tokens": c.prefill_tokens,
+            "decode_tokens": c.decode_tokens,
+            "finished": c.finished,
+            "aborted": c.aborted,
+            "graphed_steps": self.runner.steps_graphed,
+            "eager_steps": self.runner.steps_eager,
+            "cache": self.cache_stats(),
+        }
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.device

@@ -1,0 +1,106 @@
+"""ModelRunner: a ScheduleBatch -> a ForwardBatch -> logits for the requests that sample.
+
+All per-step index arithmetic (slots, positions, the request->slot table rows
+to write) is done on the host from the requests' page lists, then moved to the
+device in a few copies; the backend plans once per step, outside any graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from attnserve.engine.scheduler import ScheduleBatch
+from attnserve.kvcache.pool import KVPool, ReqToTokenPool
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        backend: AttentionBackend,
+        req_pool: ReqToTokenPool,
+        device: str | torch.device,
+    ):
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.req_pool = req_pool
+        self.device = torch.device(device)
+        self.page_size = pool.page_size
+        self.graph_runner = None  # set by the engine when decode CUDA graphs are captured
+        self.steps_graphed = 0
+        self.steps_eager = 0
+
+    def _slots(self, pages: list[int], lo: int, hi: int) -> np.ndarray:
+        """Slots of token positions [lo, hi) of a request holding `pages`: [hi - lo] int64."""
+        ps = self.page_size
+        if hi - lo == 1:
+            return np.array([pages[lo // ps] * ps + lo % ps], dtype=np.int64)
+        pos = np.arange(lo, hi, dtype=np.int64)
+        first = lo // ps
+        page_arr = np.asarray(pages[first : (hi - 1) // ps + 1], dtype=np.int64)
+        return page_arr[pos // ps - first] * ps + pos % ps
+
+    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Run one step; returns logits `[num sampling requests, vocab]` (float32) in batch order."""
+        ids, positions, out_loc = [], [], []
+        table_rows, table_pos, table_slots = [], [], []
+        for r, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            end = prefix + ext
+            slots = self._slots(r.pages, r.table_len, end)  # [end - table_len]
+            table_rows.append(np.full(slots.size, r.row, dtype=np.int64))
+            table_pos.append(np.arange(r.table_len, end, dtype=np.int64))
+            table_slots.append(slots)
+            out_loc.append(slots[prefix - r.table_len :])
+            r.table_len = end
+            ids.append(np.asarray(r.fill_ids[prefix:end], dtype=np.int64))
+            positions.append(np.arange(prefix, end, dtype=np.int64))
+        dev = self.device
+
+        def to_dev(parts, dtype=torch.int64):
+            return torch.from_numpy(np.concatenate(parts)).to(dev, dtype)
+
+        # write the new tokens' slots (and a newly admitted request's cached prefix) into its row
+        rows_t, pos_t = to_dev(table_rows), to_dev(table_pos)
+        self.req_pool.req_to_token[rows_t, pos_t] = to_dev(table_slots, torch.int32)
+
+        seq_lens_cpu = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+        input_ids = to_dev(ids)  # [T]
+        pos = to_dev(positions)  # [T]
+        loc = to_dev(out_loc)  # [T]
+        req_rows = torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=dev)  # [B]
+        seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int32, device=dev)  # [B]
+
+        if (
+            self.graph_runner is not None
+            and batch.mode is ForwardMode.DECODE
+            and self.graph_runner.can_run(batch.batch_size)
+        ):
+            self.steps_graphed += 1
+            logits = self.graph_runner.replay(input_ids, pos, loc, req_rows, seq_lens, seq_lens_cpu)
+            return logits[torch.tensor([i for i, s in enumerate(batch.sample) if s], device=dev)] \
+                if not all(batch.sample) else logits
+
+        self.steps_eager += 1
+        fb = ForwardBatch(
+            mode=batch.mode,
+            req_pool_indices=req_rows,
+            seq_lens=seq_lens,
+            extend_lens=torch.tensor(batch.extend_lens, dtype=torch.int32, device=dev),
+            positions=pos,
+            out_cache_loc=loc,
+            req_to_token=self.req_pool.req_to_token,
+            pool=self.pool,
+            attn_backend=self.backend,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_lens_cpu=list(batch.extend_lens),
+        )
+        self.backend.plan(fb)
+        last = np.cumsum(batch.extend_lens) - 1  # row of each request's last new token
+        picked = [int(t) for t, s in zip(last, batch.sample) if s]
+        logits_indices = None if len(picked) == input_ids.numel() else torch.tensor(picked, dtype=torch.int64, device=dev)
+        with torch.inference_mode():
+            return self.model(input_ids, pos, fb, logits_indices=logits_indices)

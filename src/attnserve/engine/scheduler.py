@@ -1,0 +1,313 @@
+"""Scheduler: which requests run in the next step, and how many tokens each.
+
+Policy (one step):
+1. Every running request that is decoding gets one token. If the pool cannot
+   hold their next tokens (after evicting unused cached prefixes), the newest
+   running request is preempted: its pages and row are freed and it goes back
+   to the front of the queue, to be recomputed from its prompt plus what it
+   generated so far. This repeats until the decodes fit.
+2. The remaining token budget (`chunked_prefill_size`, or `max_prefill_tokens`
+   when chunking is off) goes to prefill: first requests whose prompt is
+   partly computed, then new requests in arrival order, each admitted only if
+   a request row and the pages for its chunk are free, keeping back one page
+   per running decode so admission does not immediately force a preemption.
+
+Mixed batches, not alternation: decodes and prefill chunks share one forward
+pass (ForwardMode.MIXED). A long prompt then costs running decodes one slower
+step per chunk instead of a stall, and with chunking the slowdown is bounded by
+the chunk size. Steps with decodes only run as ForwardMode.DECODE, which is what
+CUDA graphs capture.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from attnserve.attention.base import ForwardMode
+from attnserve.engine.request import FinishReason, Request, RequestStatus
+from attnserve.kvcache.allocator import KVCacheExhausted, PageAllocator
+from attnserve.kvcache.pool import ReqToTokenPool
+from attnserve.kvcache.radix import RadixCache
+
+
+@dataclass
+class SchedulerConfig:
+    page_size: int = 1
+    chunked_prefill_size: int | None = None  # None or <= 0: no chunking
+    max_prefill_tokens: int = 16384  # prefill tokens per step when chunking is off (one prompt may exceed it)
+    disable_radix_cache: bool = False
+
+    def __post_init__(self):
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
+            self.chunked_prefill_size = None
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.page_size:
+            raise ValueError(
+                f"chunked_prefill_size {self.chunked_prefill_size} is smaller than page_size {self.page_size}"
+            )
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+
+
+@dataclass
+class ScheduleBatch:
+    """One step's work, in batch order."""
+
+    reqs: list[Request]
+    extend_lens: list[int]
+    prefix_lens: list[int]  # tokens already in the pool for each request
+    sample: list[bool]  # True when this step computes the request's last uncomputed token
+    mode: ForwardMode
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+
+@dataclass
+class SchedulerCounters:
+    steps: int = 0
+    preemptions: int = 0
+    prefill_tokens: int = 0  # tokens computed in extend (including recompute after preemption)
+    decode_tokens: int = 0
+    mixed_steps: int = 0
+    finished: int = 0
+    aborted: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, req_pool: ReqToTokenPool):
+        self.config = config
+        self.page_size = config.page_size
+        self.allocator = allocator
+        self.req_pool = req_pool
+        self.tree = None if config.disable_radix_cache else RadixCache(allocator, config.page_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.counters = SchedulerCounters()
+        self._admissions = itertools.count(1)
+
+    # ---- queue ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        ps = self.page_size
+        need_tokens = min(len(req.prompt_ids) + req.params.max_new_tokens, self.req_pool.max_context_len)
+        if len(req.prompt_ids) >= self.req_pool.max_context_len:
+            raise ValueError(
+                f"prompt of {len(req.prompt_ids)} tokens does not fit the context length "
+                f"{self.req_pool.max_context_len} (it needs room for at least one new token)"
+            )
+        need_pages = -(-need_tokens // ps)
+        if need_pages > self.allocator.total:
+            raise ValueError(
+                f"request needs {need_pages} KV pages ({need_tokens} tokens) but the pool has only "
+                f"{self.allocator.total}; lower max_new_tokens or enlarge the KV pool"
+            )
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- page accounting --------------------------------------------------------------------
+    def available_pages(self) -> int:
+        return self.allocator.num_free + (self.tree.evictable_pages() if self.tree else 0)
+
+    def _ensure_free(self, n: int) -> bool:
+        """Make `n` pages free, evicting cached prefixes if needed; False if impossible."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        return self.allocator.num_free >= n
+
+    def _pages_for(self, req: Request, new_tokens: int) -> int:
+        """Extra pages `req` needs so that `new_tokens` more tokens fit after its kv_len."""
+        return max(0, -(-(req.kv_len + new_tokens) // self.page_size) - len(req.pages))
+
+    def _grow(self, req: Request, new_tokens: int) -> None:
+        need = self._pages_for(req, new_tokens)
+        if need:
+            if not self._ensure_free(need):
+                raise KVCacheExhausted(need, self.allocator.num_free)
+            req.pages.extend(self.allocator.alloc(need))
+
+    def _release(self, req: Request, cache: bool) -> None:
+        """Hand back the request's pages and row; with `cache`, keep its computed prefix in the tree."""
+        if req.row is None:
+            return
+        if cache and self.tree is not None and req.kv_len:
+            self.tree.insert(req.fill_ids[: req.kv_len], req.pages)
+        self.allocator.free(req.pages)
+        self.req_pool.free(req.row)
+        req.pages, req.row, req.kv_len, req.cached_len, req.table_len = [], None, 0, 0, 0
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> ScheduleBatch | None:
+        """Pick the next step's work and allocate its pages (None when there is nothing to run)."""
+        reqs, exts, prefixes, sample = [], [], [], []
+
+        decoding = self._prepare_decodes()
+        for r in decoding:
+            reqs.append(r)
+            exts.append(1)
+            prefixes.append(r.kv_len)
+            sample.append(True)
+
+        budget = self.config.chunked_prefill_size or self.config.max_prefill_tokens
+        reserve = len(decoding)
+        # continue prompts already being prefilled (oldest first), then admit new ones
+        in_progress = [r for r in self.running if r not in decoding]
+        for r in sorted(in_progress, key=lambda r: r.admit_order):
+            if budget <= 0:
+                break
+            prefix = r.kv_len
+            chunk = self._take_chunk(r, budget, reserve, first=not reqs)
+            if chunk:
+                reqs.append(r)
+                exts.append(chunk)
+                prefixes.append(prefix)
+                sample.append(chunk == r.num_uncomputed)
+                budget -= chunk
+        while self.waiting and budget > 0 and self.req_pool.num_free > 0:
+            r = self.waiting[0]
+            chunk = self._admit(r, budget, reserve, first=not reqs)
+            if not chunk:
+                break
+            self.waiting.popleft()
+            reqs.append(r)
+            exts.append(chunk)
+            prefixes.append(r.kv_len)
+            sample.append(chunk == r.num_uncomputed)
+            budget -= chunk
+
+        if not reqs:
+            return None
+        if all(e == 1 for e in exts):
+            mode = ForwardMode.DECODE
+        elif decoding:
+            mode = ForwardMode.MIXED
+            self.counters.mixed_steps += 1
+        else:
+            mode = ForwardMode.EXTEND
+        self.counters.steps += 1
+        return ScheduleBatch(reqs, exts, prefixes, sample, mode)
+
+    def _prepare_decodes(self) -> list[Request]:
+        """Running requests that decode this step, with their pages; preempts the newest until they fit."""
+        while True:
+            decoding = [r for r in self.running if r.num_uncomputed == 1 and r.output_ids]
+            need = sum(self._pages_for(r, 1) for r in decoding)
+            if need == 0 or self._ensure_free(need):
+                for r in decoding:
+                    self._grow(r, 1)
+                return decoding
+            self.preempt(max(self.running, key=lambda r: r.admit_order))
+
+    def _take_chunk(self, req: Request, budget: int, reserve: int, first: bool) -> int:
+        """Allocate pages for as many of `req`'s uncomputed tokens as budget and pool allow; returns the count."""
+        chunking = self.config.chunked_prefill_size is not None
+        want = req.num_uncomputed
+        if chunking or not first:
+            want = min(want, budget)
+        if want < req.num_uncomputed and not chunking:
+            return 0  # without chunking a prompt runs whole or waits
+        spare = self.available_pages() - reserve
+        need = self._pages_for(req, want)
+        if need > spare:
+            if not chunking:
+                return 0
+            # shrink to the tokens that fit in the pages we can get
+            want = min(want, (len(req.pages) + max(spare, 0)) * self.page_size - req.kv_len)
+            if want <= 0:
+                return 0
+        self._grow(req, want)
+        return want
+
+    def _admit(self, req: Request, budget: int, reserve: int, first: bool) -> int:
+        """Give a waiting request a row, its cached prefix and the pages of its first chunk.
+
+        Returns the chunk's token count, or 0 with nothing held when it does not fit yet.
+        """
+        cached: list[int] = []
+        if self.tree is not None:
+            # the last token is always recomputed: its logits are needed to sample the next one
+            cached = self.tree.match_prefix(req.fill_ids, max_len=req.seq_len - 1, record=False)
+            self.allocator.share(cached)
+        req.pages = list(cached)
+        req.kv_len = len(cached) * self.page_size
+        chunk = self._take_chunk(req, budget, reserve, first)
+        if chunk == 0:
+            self.allocator.free(req.pages)
+            req.pages, req.kv_len = [], 0
+            return 0
+        if self.tree is not None:
+            st = self.tree.stats
+            st.lookups += 1
+            st.lookup_tokens += req.seq_len
+            st.hit_tokens += len(cached) * self.page_size
+        req.cached_len = len(cached) * self.page_size
+        req.row = self.req_pool.alloc()
+        req.table_len = 0
+        req.status = RequestStatus.RUNNING
+        req.admit_order = next(self._admissions)
+        self.running.append(req)
+        return chunk
+
+    # ---- after the step ---------------------------------------------------------------------
+    def commit(self, batch: ScheduleBatch) -> None:
+        """The step ran: its tokens' K/V are in the pool."""
+        for r, e, s in zip(batch.reqs, batch.extend_lens, batch.sample):
+            r.kv_len += e
+            if e == 1 and r.output_ids:
+                self.counters.decode_tokens += e
+            else:
+                self.counters.prefill_tokens += e
+            if r.kv_len == len(r.prompt_ids) and self.tree is not None and not r.output_ids:
+                # share the prompt with requests arriving while this one decodes
+                self.tree.insert(r.prompt_ids, r.pages)
+
+    def finish(self, req: Request, reason: FinishReason, matched=None) -> None:
+        req.finish(reason, matched)
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req, cache=True)
+        self.counters.finished += 1
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req, cache=True)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.counters.preemptions += 1
+
+    def abort(self, rid) -> Request | None:
+        """Stop a request wherever it is and free what it holds. Returns it, or None if unknown."""
+        for r in list(self.waiting):
+            if r.rid == rid:
+                self.waiting.remove(r)
+                r.finish(FinishReason.ABORT)
+                self.counters.aborted += 1
+                return r
+        for r in list(self.running):
+            if r.rid == rid:
+                self.running.remove(r)
+                self._release(r, cache=False)
+                r.finish(FinishReason.ABORT)
+                self.counters.aborted += 1
+                return r
+        return None
+
+    def check_leaks(self) -> None:
+        """With nothing running, every page is free or held by the prefix cache alone."""
+        self.allocator.check_leaks()
+        if self.running:
+            return
+        cached = self.tree.num_pages if self.tree else 0
+        if self.allocator.num_used != cached:
+            raise AssertionError(f"page leak: {self.allocator.num_used} pages in use, the prefix cache holds {cached}")

@@ -1,0 +1,67 @@
+"""A tiny random-weight Llama and prompts for the engine tests (fast on 2 CPU cores, fp32)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from attnserve.engine.config import EngineConfig
+from attnserve.engine.engine import Engine
+
+VOCAB = 512
+
+
+@dataclass
+class TinyBundle:
+    model: torch.nn.Module
+    tokenizer: object | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    chat_template: str | None = None
+    name: str = "tiny random llama"
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2):
+    from attnserve.models.config import ModelConfig
+    from attnserve.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+        "hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    })
+    model = LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                # large enough that logits are well separated (greedy ties are then vanishingly rare)
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else 0.3))
+    return TinyBundle(model.eval())
+
+
+_MODEL = None
+
+
+def shared_model() -> TinyBundle:
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = tiny_llama()
+    return _MODEL
+
+
+def make_engine(**overrides) -> Engine:
+    settings = {"device": "cpu", "max_total_tokens": 4096, "max_running_requests": 32, "chunked_prefill_size": None,
+                    "attention_backend": "torch_native"}
+    settings.update(overrides)
+    return Engine(EngineConfig(**settings), loaded=shared_model())
+
+
+def prompts(n: int, seed: int = 0, shared_prefix: int = 0, lo: int = 5, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(VOCAB) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
