@@ -154,3 +154,18 @@ def test_leak_check_catches_a_leak_and_a_double_free():
     with pytest.raises(AssertionError):
         b.check_leaks()
     assert p not in b._free
+
+
+def test_failed_copy_on_write_returns_the_fresh_page():
+    a = PageAllocator(4)
+    (p,) = a.alloc(1)
+    a.share([p])
+    free_before = a.num_free
+
+    def broken_copy(src, dst):
+        raise RuntimeError("device copy failed")
+
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        a.copy_on_write(p, broken_copy)
+    assert a.num_free == free_before and a.refcount[p] == 2
+    a.check_leaks()

@@ -95,7 +95,11 @@ class PageAllocator:
         if self.refcount[page] == 1:
             return page
         (new,) = self.alloc(1)
-        copy_fn(page, new)
+        try:
+            copy_fn(page, new)
+        except BaseException:
+            self.free([new])  # a failed copy must not leak the fresh page
+            raise
         self.refcount[page] -= 1
         return new
 
