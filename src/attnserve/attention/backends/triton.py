@@ -1,0 +1,287 @@
+"""triton: attnserve's own Triton kernels behind the backend contract.
+
+Decode is Flash-Decoding (split-KV + log-sum-exp merge, GQA groups on tensor cores);
+extend/prefill is a FlashAttention-2 style kernel that reads the cached prefix and the
+new tokens through the page table. plan() builds the CSR metadata, the per-request split
+counts and the extend tile list once per step, from host-side lengths, so nothing here
+synchronises with the device per layer.
+
+CUDA graphs: init_graph_buffers() allocates fixed metadata buffers; plan_for_capture()
+fixes each captured batch size's split dimension (enough splits for one request to fill
+the GPU) and plan_for_replay() rewrites the buffers' first rows for the step's lengths.
+
+triton is imported only inside methods: the registry imports this module to read
+`features` on machines without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnserve._lazy import require
+from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch, ForwardMode
+from attnserve.attention.metadata import MetadataBuffers, PagedKVMetadata, metadata_for_batch
+
+if TYPE_CHECKING:
+    from attnserve.attention.layer import AttentionLayer
+    from attnserve.kvcache.pool import KVPool
+
+
+@dataclass
+class _DecodePlan:
+    meta: PagedKVMetadata
+    seq_lens: torch.Tensor  # [B] int32
+    num_splits: torch.Tensor  # [B] int32
+    max_splits: int  # the grid's split dimension
+    write_final: bool  # one split everywhere: stage 1 writes the output itself
+    graph_bs: int = 0  # > 0 when these tensors are the fixed graph buffers
+
+
+@dataclass
+class _ExtendPlan:
+    meta: PagedKVMetadata
+    seq_lens: torch.Tensor  # [B] int32
+    tiles: object  # kernels.extend.ExtendTiles
+    custom_mask: torch.Tensor | None  # flattened per-request [ext, seq] masks, uint8
+    mask_indptr: torch.Tensor | None  # [B] int64 offsets into custom_mask
+
+
+@dataclass
+class _GraphState:
+    buffers: MetadataBuffers
+    seq_lens: torch.Tensor  # [max_bs] int32
+    num_splits: torch.Tensor  # [max_bs] int32
+    max_bs: int
+    splits_for_bs: dict  # captured batch size -> split dimension of its grid
+    partial_storage: dict  # (num_heads, v_dim) -> flat float32 storage for every captured size
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    features = BackendFeatures(
+        page_sizes=None,
+        kv_dtypes=frozenset({"bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"}),
+        attention_types=frozenset({"MHA", "GQA"}),
+        head_dims=(32, 64, 80, 96, 112, 128, 160, 192, 256),
+        asymmetric_kv=True,
+        sliding_window=True,
+        attention_sinks=True,
+        logit_softcap=True,
+        custom_mask=True,
+        spec_topk1=True,
+        spec_topk_gt1=True,
+        spec_topk_gt1_paged=True,
+        cuda_graph=True,
+        devices=frozenset({"cuda"}),
+        required_packages=("triton",),
+    )
+
+    def __init__(self, pool: KVPool, **options):
+        """Options: num_sms, split_waves, min_split_tokens, max_kv_splits (the decode split policy),
+        decode_config (kernels.decode.DecodeConfig), extend_config (kernels.extend.ExtendConfig)."""
+        super().__init__(pool, **options)
+        require("triton", "the triton attention backend")
+        from attnserve.attention.kernels.common import interpreting
+        from attnserve.attention.kernels.split_plan import SplitPolicy
+
+        if pool.is_mla:
+            raise ValueError("the triton backend has no MLA kernels; use torch_native or flashinfer for MLA models")
+        if pool.device.type != "cuda" and not interpreting():
+            raise ValueError(
+                f"the triton backend runs on CUDA devices, the pool is on {pool.device} "
+                "(TRITON_INTERPRET=1 runs it on the CPU for tests)"
+            )
+        max_dim = max(pool.head_dim, pool.v_head_dim)
+        if max_dim > 256:
+            raise ValueError(f"head_dim {max_dim} unsupported by the triton backend (at most 256)")
+        unknown = set(options) - {"num_sms", "split_waves", "min_split_tokens", "max_kv_splits",
+                                  "decode_config", "extend_config"}
+        if unknown:
+            raise ValueError(f"unknown triton backend options {sorted(unknown)}")
+        num_sms = options.get("num_sms")
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 4
+        self.split_policy = SplitPolicy(
+            num_sms=int(num_sms),
+            waves=float(options.get("split_waves", 2.0)),
+            min_split_tokens=int(options.get("min_split_tokens", 256)),
+            max_splits=int(options.get("max_kv_splits", 64)),
+        )
+        self.decode_config = options.get("decode_config")
+        self.extend_config = options.get("extend_config")
+        self._decode: _DecodePlan | None = None
+        self._extend: _ExtendPlan | None = None
+        self._graph: _GraphState | None = None
+
+    # ---- per step ------------------------------------------------------------------------------
+    def _extend_block_m(self) -> int:
+        from attnserve.attention.kernels.extend import default_extend_config
+
+        cfg = self.extend_config or default_extend_config(self.pool.head_dim, self.pool.device)
+        return cfg.block_m
+
+    def plan(self, fb: ForwardBatch) -> None:
+        self._decode = None
+        self._extend = None
+        if fb.mode is ForwardMode.IDLE or fb.batch_size == 0:
+            return
+        meta = metadata_for_batch(fb)
+        seq_lens = fb.seq_lens.to(device=self.pool.device, dtype=torch.int32)
+        if fb.mode.is_decode and fb.custom_mask is None:
+            self._decode = self._plan_decode(fb.seq_lens_cpu, meta, seq_lens)
+        else:
+            self._extend = self._plan_extend(fb, meta, seq_lens)
+
+    def _plan_decode(self, seq_lens_cpu: list[int], meta: PagedKVMetadata, seq_lens: torch.Tensor,
+                     max_splits: int | None = None) -> _DecodePlan:
+        from attnserve.attention.kernels.split_plan import plan_kv_splits
+
+        splits = plan_kv_splits(seq_lens_cpu, self.pool.num_kv_heads, self.split_policy, max_splits)
+        grid_splits = max(splits)
+        num_splits = torch.tensor(splits, dtype=torch.int32).to(self.pool.device, non_blocking=True)  # [B]
+        return _DecodePlan(meta, seq_lens, num_splits, grid_splits, write_final=grid_splits == 1)
+
+    def _plan_extend(self, fb: ForwardBatch, meta: PagedKVMetadata, seq_lens: torch.Tensor) -> _ExtendPlan:
+        from attnserve.attention.kernels.extend import build_extend_tiles
+
+        tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, self._extend_block_m(), self.pool.device)
+        mask = mask_indptr = None
+        if fb.custom_mask is not None:
+            sizes = [e * s for e, s in zip(fb.extend_lens_cpu, fb.seq_lens_cpu)]
+            if fb.custom_mask.numel() != sum(sizes):
+                raise ValueError(f"custom_mask has {fb.custom_mask.numel()} entries, the batch needs {sum(sizes)}")
+            mask = fb.custom_mask.to(self.pool.device)
+            mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
+            offsets = [0] + list(itertools.accumulate(sizes))[:-1]
+            mask_indptr = torch.tensor(offsets, dtype=torch.int64).to(self.pool.device, non_blocking=True)  # [B]
+        return _ExtendPlan(meta, seq_lens, tiles, mask, mask_indptr)
+
+    # ---- KV store --------------------------------------------------------------------------------
+    def store_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        from attnserve.attention.kernels.store import store_kv
+
+        lid = layer.layer_id
+        store_kv(self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), fb.out_cache_loc, k, v,
+                 self.pool.k_scale[lid], self.pool.v_scale[lid])
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def _check_layer(self, q: torch.Tensor, layer: AttentionLayer) -> None:
+        if layer.is_mla:
+            raise ValueError("the triton backend has no MLA kernels")
+        if q.dim() != 3 or q.shape[1] != layer.num_heads or q.shape[2] != layer.head_dim:
+            raise ValueError(f"q shape {tuple(q.shape)} does not match [tokens, {layer.num_heads}, {layer.head_dim}]")
+
+    def forward_extend(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
+        from attnserve.attention.kernels.extend import extend_attention
+
+        self._check_layer(q, layer)
+        plan = self._extend
+        if plan is None:
+            raise ValueError(f"no extend plan for this step (mode {fb.mode.value}); call plan(fb) first")
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)  # [T, Hq, Dv]
+        lid = layer.layer_id
+        return extend_attention(
+            q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out, plan.tiles,
+            plan.meta.qo_indptr, plan.meta.kv_indptr, plan.meta.kv_indices, plan.seq_lens, self.pool.page_size,
+            layer.scaling, self.pool.k_scale[lid], self.pool.v_scale[lid], layer.sliding_window, layer.logit_cap,
+            layer.sinks, plan.custom_mask, plan.mask_indptr, config=self.extend_config,
+        )
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
+        from attnserve.attention.kernels.decode import decode_attention
+
+        if self._decode is None and self._extend is not None:
+            return self.forward_extend(q, None, None, layer, fb)  # decode with a custom mask
+        self._check_layer(q, layer)
+        plan = self._decode
+        if plan is None:
+            raise ValueError("no decode plan for this step; call plan(fb) or plan_for_replay(fb) first")
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        bs = q.shape[0]
+        out = q.new_empty(bs, layer.num_heads, layer.v_head_dim)  # [B, Hq, Dv]
+        partials = None
+        if plan.graph_bs and not plan.write_final:
+            partials = self._graph_partials(layer.num_heads, layer.v_head_dim, plan.graph_bs, plan.max_splits)
+        lid = layer.layer_id
+        return decode_attention(
+            q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
+            plan.meta.kv_indptr, plan.meta.kv_indices, plan.seq_lens, plan.num_splits, plan.max_splits,
+            self.pool.page_size, layer.scaling, self.pool.k_scale[lid], self.pool.v_scale[lid],
+            layer.sliding_window, layer.logit_cap, layer.sinks, partials=partials,
+            write_final=plan.write_final, config=self.decode_config,
+        )
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------
+    def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
+        """Metadata buffers for up to max_bs requests; kv_indices is sized when the first batch is captured."""
+        if max_bs < 1:
+            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        dev = self.pool.device
+        self.graph_max_bs = max_bs
+        self._graph = _GraphState(
+            buffers=MetadataBuffers.allocate(max_bs, 0, dev),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),  # [max_bs]
+            num_splits=torch.ones(max_bs, dtype=torch.int32, device=dev),  # [max_bs]
+            max_bs=max_bs,
+            splits_for_bs={},
+            partial_storage={},
+        )
+
+    def _graph_plan(self, fb: ForwardBatch, capturing: bool) -> None:
+        from attnserve.attention.kernels.split_plan import max_splits_for_batch, plan_kv_splits
+
+        g = self._graph
+        if g is None:
+            raise ValueError("call init_graph_buffers() before planning a CUDA-graph batch")
+        if not fb.mode.is_decode or fb.custom_mask is not None:
+            raise ValueError(f"the triton backend captures plain decode batches only, got mode {fb.mode.value}")
+        bs = fb.batch_size
+        if bs > g.max_bs:
+            raise ValueError(f"batch {bs} exceeds the graph buffers' max_bs {g.max_bs}")
+        width_pages = math.ceil(fb.req_to_token.shape[1] / self.pool.page_size)
+        if g.buffers.kv_indices.numel() < g.max_bs * width_pages:
+            if not capturing:
+                raise ValueError("plan_for_replay() before any plan_for_capture()")
+            g.buffers.kv_indices = torch.zeros(g.max_bs * width_pages, dtype=torch.int32, device=self.pool.device)
+        if capturing:
+            g.splits_for_bs[bs] = max_splits_for_batch(bs, self.pool.num_kv_heads, self.split_policy)
+        elif bs not in g.splits_for_bs:
+            raise ValueError(f"batch size {bs} was never captured (captured: {sorted(g.splits_for_bs)})")
+        grid_splits = g.splits_for_bs[bs]
+        meta = metadata_for_batch(fb, buffers=g.buffers)
+        g.seq_lens[:bs].copy_(fb.seq_lens.to(torch.int32), non_blocking=True)
+        splits = plan_kv_splits(fb.seq_lens_cpu, self.pool.num_kv_heads, self.split_policy, grid_splits)
+        g.num_splits[:bs].copy_(torch.tensor(splits, dtype=torch.int32), non_blocking=False)
+        self._extend = None
+        self._decode = _DecodePlan(meta, g.seq_lens[:bs], g.num_splits[:bs], grid_splits,
+                                   write_final=grid_splits == 1, graph_bs=bs)
+
+    def _graph_partials(self, num_heads: int, v_dim: int, bs: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one flat float32 storage sized for the largest bs * splits of any capturable batch."""
+        from attnserve.attention.kernels.split_plan import max_splits_for_batch
+
+        g = self._graph
+        key = (num_heads, v_dim)
+        if key not in g.partial_storage:
+            most = max(b * max_splits_for_batch(b, self.pool.num_kv_heads, self.split_policy)
+                       for b in range(1, g.max_bs + 1))
+            g.partial_storage[key] = (
+                torch.empty(most * num_heads * v_dim, dtype=torch.float32, device=self.pool.device),
+                torch.empty(most * num_heads, dtype=torch.float32, device=self.pool.device),
+            )
+        o_flat, lse_flat = g.partial_storage[key]
+        n = bs * num_heads * splits
+        return o_flat[: n * v_dim].view(bs, num_heads, splits, v_dim), lse_flat[:n].view(bs, num_heads, splits)
+
+    def plan_for_capture(self, fb: ForwardBatch) -> None:
+        self._graph_plan(fb, capturing=True)
+
+    def plan_for_replay(self, fb: ForwardBatch) -> None:
+        self._graph_plan(fb, capturing=False)
+

@@ -1,0 +1,234 @@
+"""Flash-Decoding over the paged pool: split-KV partial attention, then a log-sum-exp merge.
+
+Stage 1 runs one program per (request, KV head, split). The query heads sharing a
+KV head (the GQA group) are one tile, so a single tl.dot scores the whole group
+and each KV byte is read once per group. Stage 2 merges a request's splits by
+their log-sum-exps; attention sinks join the denominator there. When every
+request has one split (and no CUDA graph needs a fixed grid), stage 1 writes the
+final output itself and stage 2 is skipped.
+
+Scores are kept in base 2 (scaled by log2(e)) so the kernels use exp2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from attnserve.attention.kernels.common import LOG2E, dot_dtype_is_f32, next_pow2, soft_cap
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_decode_config(head_dim: int, group: int, kv_itemsize: int) -> DecodeConfig:
+    """Tiles that measured well on the H200 for bf16 GQA decode (see benchmarks/NOTES.md)."""
+    if head_dim > 128:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, Out, PartialO, PartialLse,
+    kv_indptr, kv_indices, seq_lens, num_splits, Sinks,
+    qk_scale_log2, sm_scale_k, v_scale, softcap, window,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, WRITE_FINAL: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    n_splits = tl.load(num_splits + b)
+    if split >= n_splits:
+        return
+    seq = tl.load(seq_lens + b)
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(seq - window, 0)
+    # chunks are whole tiles, so only a split's last tile is partial
+    chunk = tl.cdiv(tl.cdiv(seq - start, n_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
+    hi = tl.minimum(lo + chunk, seq)
+    page_base = tl.load(kv_indptr + b)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    head = kvh * GROUP + offs_h  # [BLOCK_H] query heads of this KV head
+    h_mask = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < V_DIM
+
+    q = tl.load(Q + b * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_mask, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
+        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [BLOCK_H, BLOCK_N] float32
+        if HAS_SOFTCAP:
+            s = soft_cap(s * sm_scale_k, softcap) * 1.4426950408889634
+        else:
+            s = s * qk_scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    if WRITE_FINAL:
+        if HAS_SINKS:
+            sink = tl.load(Sinks + head, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None] * v_scale
+        tl.store(Out + b * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+                 o.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
+        o = acc / l_safe[:, None]
+        tl.store(PartialO + b * stride_pb + head[:, None] * stride_ph + split * stride_ps + offs_dv[None, :],
+                 o, mask=h_mask[:, None] & dv_mask[None, :])
+        tl.store(PartialLse + b * stride_lb + head * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    Out, PartialO, PartialLse, num_splits, Sinks, v_scale,
+    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n_splits = tl.load(num_splits + b)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < V_DIM
+    m = tl.full([], -1.0e30, dtype=tl.float32)
+    total = tl.full([], 0.0, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(n_splits):
+        lse = tl.load(PartialLse + b * stride_lb + h * stride_lh + s)
+        o = tl.load(PartialO + b * stride_pb + h * stride_ph + s * stride_ps + offs_dv, mask=dv_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + w * o
+        total = total * alpha + w
+        m = m_new
+    if HAS_SINKS:
+        total += tl.exp2(tl.minimum(tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634 - m, 126.0))
+    total = tl.where(total > 0.0, total, 1.0)
+    out = acc / total * v_scale
+    tl.store(Out + b * stride_ot + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_mask)
+
+
+def allocate_partials(batch: int, num_heads: int, max_splits: int, v_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage-1 outputs: normalised partial o [B, Hq, S, Dv] and base-2 LSE [B, Hq, S], float32."""
+    partial_o = torch.empty(batch, num_heads, max_splits, v_dim, dtype=torch.float32, device=device)
+    partial_lse = torch.empty(batch, num_heads, max_splits, dtype=torch.float32, device=device)
+    return partial_o, partial_lse
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_splits: torch.Tensor,
+    max_splits: int,
+    page_size: int,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    write_final: bool | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """One query token per request against its paged KV.
+
+    q `[B, Hq, D]`; k_buffer `[slots, Hkv, D]`, v_buffer `[slots, Hkv, Dv]` (the pool's layout);
+    out `[B, Hq, Dv]`; kv_indptr `[B+1]` / kv_indices (pages) as in metadata.py; seq_lens `[B]`
+    int32; num_splits `[B]` int32, each in 1..max_splits. `write_final` (default: max_splits == 1)
+    lets stage 1 write `out` directly; it requires every num_splits to be 1.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    if config is None:
+        config = default_decode_config(head_dim, group, k_buffer.element_size())
+    if write_final is None:
+        write_final = max_splits == 1
+    if partials is None and not write_final:
+        partials = allocate_partials(batch, num_heads, max_splits, v_dim, q.device)
+    partial_o, partial_lse = partials if partials is not None else (out, out)
+    if not write_final and (partial_o.shape[0] < batch or partial_o.shape[2] < max_splits):
+        raise ValueError(f"partial buffers {tuple(partial_o.shape)} too small for batch {batch} x {max_splits} splits")
+    sm_scale_k = sm_scale * k_scale
+    dot_f32 = dot_dtype_is_f32(q)
+    sinks_arg = sinks if sinks is not None else q
+    grid = (batch, num_kv_heads, max_splits)
+    _decode_split_kernel[grid](
+        q, k_buffer, v_buffer, out, partial_o, partial_lse,
+        kv_indptr, kv_indices, seq_lens, num_splits, sinks_arg,
+        sm_scale_k * LOG2E, sm_scale_k, v_scale, float(logit_cap or 1.0), int(sliding_window or 0),
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        out.stride(0), out.stride(1),
+        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2) if partial_o.dim() > 2 else 0,
+        partial_lse.stride(0), partial_lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=config.block_n,
+        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
+        PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
+        HAS_SINKS=sinks is not None, WRITE_FINAL=write_final, DOT_F32=dot_f32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if not write_final:
+        _merge_splits_kernel[(batch, num_heads)](
+            out, partial_o, partial_lse, num_splits, sinks_arg, v_scale,
+            out.stride(0), out.stride(1),
+            partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim), HAS_SINKS=sinks is not None,
+            num_warps=4 if v_dim >= 256 else 2,
+        )
+    return out

@@ -1,0 +1,259 @@
+"""Extend / prefill over the paged pool, FlashAttention-2 style.
+
+One program owns a tile of BLOCK_M query rows of one request and one query head.
+It sweeps the request's keys through the page table: the cached prefix and this
+step's new tokens alike (the new K/V are in the pool before the kernel runs, so an
+FP8 pool is read exactly as decode will read it later). Key tiles every row of the
+tile may see are processed without masks; only tiles on the causal diagonal (or
+every tile, with a sliding window or a custom mask) build a mask. Tiles entirely
+in the future of every row are never visited.
+
+Ragged batches: the host builds a list of (request, first row) tiles in plan(), the
+heaviest first so the long causal tiles start early. The grid is (query heads, tiles)
+with heads fastest, so the heads of a GQA group run side by side and share K/V in L2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from attnserve.attention.kernels.common import LOG2E, dot_dtype_is_f32, next_pow2, soft_cap
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def default_extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
+    """Hopper-sized tiles on the GPU (see benchmarks/NOTES.md); small ones under the interpreter."""
+    if device.type != "cuda":
+        return ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if head_dim > 128:
+        return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return ExtendConfig()
+
+
+@dataclass
+class ExtendTiles:
+    """Work list for the extend grid: tile t covers rows tile_m0[t]:+BLOCK_M of request tile_req[t]."""
+
+    tile_req: torch.Tensor  # [num_tiles] int32
+    tile_m0: torch.Tensor  # [num_tiles] int32
+    block_m: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_req.numel()
+
+
+def build_extend_tiles(prefix_lens: list[int], extend_lens: list[int], block_m: int, device) -> ExtendTiles:
+    """Host-side tile list, heaviest (most keys to sweep) first."""
+    tiles = []
+    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        for m0 in range(0, e, block_m):
+            tiles.append((p + min(m0 + block_m, e), r, m0))
+    tiles.sort(key=lambda x: -x[0])
+    req = torch.tensor([t[1] for t in tiles], dtype=torch.int32)  # [num_tiles]
+    m0 = torch.tensor([t[2] for t in tiles], dtype=torch.int32)  # [num_tiles]
+    return ExtendTiles(req.to(device, non_blocking=True), m0.to(device, non_blocking=True), block_m)
+
+
+@triton.jit
+def _extend_block(
+    acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, offs_m, m_mask, Mask, mask_base,
+    qk_scale_log2, sm_scale_k, softcap, window,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    offs_d, d_mask, offs_dv, dv_mask,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PAD_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_valid = offs_n < seq
+        page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_valid, other=0)
+    else:
+        page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE)
+    slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
+    k_ptrs = K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+    v_ptrs = V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+    elif PAD_D:
+        k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)  # [BLOCK_N, BLOCK_D]
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [BLOCK_M, BLOCK_N] float32
+    if HAS_SOFTCAP:
+        s = soft_cap(s * sm_scale_k, softcap) * 1.4426950408889634
+    else:
+        s = s * qk_scale_log2
+    if MASKED:
+        visible = n_valid[None, :] & m_mask[:, None]
+        if HAS_CUSTOM_MASK:
+            bits = tl.load(Mask + mask_base + offs_m[:, None] * seq + offs_n[None, :],
+                           mask=visible, other=0)
+            visible = visible & (bits != 0)
+        else:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & dv_mask[None, :], other=0.0)
+    elif PAD_D:
+        v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs)  # [BLOCK_N, BLOCK_DV]
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Out, tile_req, tile_m0, qo_indptr, kv_indptr, kv_indices, seq_lens, Mask, mask_indptr, Sinks,
+    qk_scale_log2, sm_scale_k, v_scale, softcap, window,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    h = tl.program_id(0)
+    t = tl.program_id(1)
+    r = tl.load(tile_req + t)
+    m0 = tl.load(tile_m0 + t)
+    q_start = tl.load(qo_indptr + r)
+    ext = tl.load(qo_indptr + r + 1) - q_start
+    seq = tl.load(seq_lens + r)
+    prefix = seq - ext
+    kvh = h // GROUP
+    page_base = tl.load(kv_indptr + r)
+    mask_base = 0
+    if HAS_CUSTOM_MASK:
+        mask_base = tl.load(mask_indptr + r)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < ext
+    q_pos = prefix + offs_m  # [BLOCK_M] positions of the tile's queries
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < V_DIM
+    PAD_D: tl.constexpr = (BLOCK_D != HEAD_DIM) or (BLOCK_DV != V_DIM)
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    if HAS_CUSTOM_MASK:
+        hi = seq
+    else:
+        hi = tl.minimum(seq, prefix + m0 + BLOCK_M)  # past the last row's position nothing is visible
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    if HAS_WINDOW or HAS_CUSTOM_MASK:
+        full_end = lo
+    else:
+        full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
+    for n0 in range(lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _extend_block(
+            acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, offs_m, m_mask, Mask, mask_base,
+            qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt, stride_vh,
+            offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, False, PAD_D,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
+    for n0 in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _extend_block(
+            acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, offs_m, m_mask, Mask, mask_base,
+            qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt, stride_vh,
+            offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, True, PAD_D,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
+
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None] * v_scale
+    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+             o.to(Out.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    tiles: ExtendTiles,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    custom_mask: torch.Tensor | None = None,
+    mask_indptr: torch.Tensor | None = None,
+    config: ExtendConfig | None = None,
+) -> torch.Tensor:
+    """New tokens of every request against their whole paged KV (prefix + themselves).
+
+    q `[T, Hq, D]`, out `[T, Hq, Dv]`; the pool buffers in their own layout; qo_indptr `[B+1]`,
+    kv_indptr/kv_indices pages as in metadata.py; seq_lens `[B]` int32. custom_mask: flattened
+    per-request `[extend_len, seq_len]` masks (uint8/bool), mask_indptr `[B]` their offsets.
+    `tiles` must have been built with this config's block_m.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
+    if config is None:
+        config = default_extend_config(head_dim, q.device)
+    if tiles.block_m != config.block_m:
+        raise ValueError(f"tiles were built for block_m={tiles.block_m}, config uses {config.block_m}")
+    if num_tokens == 0 or tiles.num_tiles == 0:
+        return out
+    if (custom_mask is None) != (mask_indptr is None):
+        raise ValueError("custom_mask and mask_indptr must be given together")
+    if custom_mask is not None and custom_mask.dtype == torch.bool:
+        custom_mask = custom_mask.view(torch.uint8)
+    sm_scale_k = sm_scale * k_scale
+    _extend_kernel[(num_heads, tiles.num_tiles)](
+        q, k_buffer, v_buffer, out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_indptr, kv_indices, seq_lens,
+        custom_mask if custom_mask is not None else q, mask_indptr if mask_indptr is not None else qo_indptr,
+        sinks if sinks is not None else q,
+        sm_scale_k * LOG2E, sm_scale_k, v_scale, float(logit_cap or 1.0), int(sliding_window or 0),
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
+        PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
+        HAS_SINKS=sinks is not None, HAS_CUSTOM_MASK=custom_mask is not None, DOT_F32=dot_dtype_is_f32(q),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
