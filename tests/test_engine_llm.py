@@ -1,0 +1,82 @@
+"""The offline LLM API: ordering, n completions, stop strings, streaming, seeds, early exit."""
+
+import pytest
+from engine_helpers import VOCAB, shared_model
+
+from attnserve.engine.llm import LLM
+from attnserve.engine.sampling_params import SamplingParams
+
+
+class CharTokenizer:
+    """Token i is the letter chr(97 + i % 26), plus a space every 7th id: enough to test text handling."""
+
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+    def encode(self, text):
+        return [ord(c) - 97 for c in text if "a" <= c <= "z"] or [0]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) + (" " if i % 7 == 0 else "") for i in ids)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    bundle = shared_model()
+    bundle.tokenizer = CharTokenizer()
+    try:
+        yield LLM(loaded=bundle, device="cpu", max_total_tokens=2048, chunked_prefill_size=16)
+    finally:
+        bundle.tokenizer = None
+
+
+def test_outputs_in_input_order_with_text_and_timing(llm):
+    prompts = ["hello", "the quick brown fox", "jumps", "over the lazy dog"]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    assert [o.prompt for o in outs] == prompts
+    for o in outs:
+        assert len(o.token_ids) == 6 and o.finish_reason == "length"
+        assert o.text == CharTokenizer().decode(o.token_ids)
+        assert o.ttft_s > 0 and o.tpot_s > 0 and len(o.token_latencies_s) == 5
+        assert set(o.to_json()) >= {"prompt", "text", "token_ids", "finish_reason", "ttft_s", "tpot_s"}
+    # one at a time gives the same greedy tokens
+    alone = llm.generate(prompts[1], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert alone[0].token_ids == outs[1].token_ids
+    assert llm.engine.pages_leaked() == 0
+
+
+def test_stop_string_cuts_text_and_stream_never_shows_it(llm):
+    base = llm.generate("abc", SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
+    stop = base.text[3:5]
+    events = list(llm.stream("abc", SamplingParams(max_new_tokens=10, ignore_eos=True, stop=[stop])))
+    final = events[-1].output
+    assert final.finish_reason == "stop" and final.matched_stop == stop
+    assert final.text == base.text[: base.text.find(stop)]
+    assert "".join(e.text for e in events) == final.text
+
+
+def test_n_completions_and_seeds(llm):
+    p = SamplingParams(max_new_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    outs = llm.generate(["seeded"], p)
+    assert [(o.index, o.completion) for o in outs] == [(0, 0), (0, 1), (0, 2)]
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # different seeds, different samples
+    again = llm.generate(["noise", "seeded"], [SamplingParams(temperature=1.0, max_new_tokens=8), p])
+    assert [o.token_ids for o in again[1:]] == [o.token_ids for o in outs]
+
+
+def test_closing_a_stream_early_aborts_and_frees(llm):
+    stream = llm.stream(["abandon me", "me too"], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        next(stream)
+    stream.close()
+    assert not llm.engine.has_work()
+    assert llm.engine.pages_leaked() == 0
+
+
+def test_chat_template_and_bad_input(llm):
+    assert llm.apply_chat_template("hi") == "<user>hi<assistant>"
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()])
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[VOCAB + 5]])
+    assert not llm.engine.has_work()
