@@ -127,6 +127,8 @@ def test_page_size_must_be_a_power_of_two(page_size):
 def test_unknown_dtype_and_bad_geometry():
     with pytest.raises(ValueError, match="fp6"):
         MHAKVPool(4, 1, 1, 1, 8, dtype="fp6")
+    with pytest.raises(ValueError, match="None"):
+        MHAKVPool(4, 1, 1, 1, 8, dtype=None)
     with pytest.raises(ValueError, match="num_pages"):
         MHAKVPool(1, 1, 1, 1, 8)
     pool = MHAKVPool(4, 1, 1, 1, 8)
@@ -147,6 +149,7 @@ def _bad_stores():
         "slot past the end": (0, torch.tensor([4, 5, 32]), k, v),  # two good slots, one bad
         "negative slot": (0, torch.tensor([-1, 5, 6]), k, v),
         "layer out of range": (2, ok, k, v),
+        "float slots": (0, ok.float() + 0.5, k, v),
     }
 
 

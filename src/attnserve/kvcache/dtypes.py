@@ -35,6 +35,8 @@ def parse_kv_dtype(name: str | torch.dtype) -> torch.dtype:
         if name not in KV_DTYPES.values():
             raise ValueError(f"unsupported KV dtype {name}; allowed: {sorted(set(KV_DTYPES))}")
         return name
+    if not isinstance(name, str):
+        raise ValueError(f"KV cache dtype must be a name or torch dtype, got {name!r}; allowed: {sorted(KV_DTYPES)}")  # noqa: TRY004
     try:
         return KV_DTYPES[name.lower()]
     except KeyError:

@@ -79,6 +79,8 @@ class KVPool:
     def _check_store(self, layer_id: int, loc: torch.Tensor, x: torch.Tensor, shape_tail, what: str) -> None:
         if not 0 <= layer_id < self.num_layers:
             raise ValueError(f"layer_id {layer_id} out of range [0, {self.num_layers})")
+        if loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool:
+            raise ValueError(f"out_cache_loc must hold integer slots, got dtype {loc.dtype}")
         if loc.dim() != 1 or loc.numel() != x.shape[0]:
             raise ValueError(f"out_cache_loc has {tuple(loc.shape)} but {what} has {x.shape[0]} tokens")
         if tuple(x.shape[1:]) != tuple(shape_tail):
