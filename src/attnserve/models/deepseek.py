@@ -1,0 +1,192 @@
+"""DeepSeek-V2/V3 with multi-head latent attention (MLA) over the latent KV pool.
+
+The pool keeps one row per token: the compressed KV latent c (kv_lora_rank,
+normalised) followed by the RoPE'd shared key k_pe (qk_rope_head_dim). Attention
+runs in the absorbed form for prefill and decode alike, so there is one code
+path and nothing but the latent is ever stored:
+
+    score = q_nope . (W_UK c) + q_pe . k_pe = (W_UK^T q_nope) . c + q_pe . k_pe
+    out   = W_UV (sum_j p_j c_j)
+
+i.e. each query head is folded through its key up-projection into latent space,
+attention is plain MQA against the 576-wide latent (one shared KV head, V = the
+first kv_lora_rank columns), and the value up-projection is applied once to the
+attended latent. (DeepSeek-V2 paper, section 2.1.2.)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from attnserve.attention.base import ForwardBatch
+from attnserve.attention.layer import AttentionLayer
+from attnserve.models.base import CausalLM, KVCacheSpec
+from attnserve.models.config import ModelConfig
+from attnserve.models.layers import (
+    TP_SIZE,
+    ColumnParallelLinear,
+    GatedMLP,
+    LMHead,
+    ReplicatedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabEmbedding,
+)
+from attnserve.models.moe import MoE
+from attnserve.models.rope import yarn_mscale
+from attnserve.models.weights import LLAMA_STACKED, load_named_weights
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(qk_head_dim), times YaRN's mscale(all_dim)^2 when the config scales RoPE that way."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    p = cfg.rope.params
+    if cfg.rope.rope_type != "default" and p.get("mscale_all_dim"):
+        m = yarn_mscale(p["factor"], p["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = cfg.num_heads // TP_SIZE
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.num_heads * qk_dim])
+        else:
+            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, [cfg.num_heads * qk_dim])
+        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, [cfg.num_heads * (self.nope_dim + self.v_dim)])
+        self.o_proj = RowParallelLinear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=bias)
+        self.rotary = rotary
+        self.attn = AttentionLayer(
+            layer_id,
+            self.num_heads,
+            1,
+            cfg.kv_lora_rank + self.rope_dim,
+            scaling=mla_softmax_scale(cfg),
+            v_head_dim=cfg.kv_lora_rank,
+            is_mla=True,
+        )
+
+    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, rank], W_UV [H, v, rank]) as views of kv_b_proj's weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, nope + rope]
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [T, rank]
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.view(tokens, 1, self.rope_dim))
+        w_uk, w_uv = self._up_projections()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+        q_full = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
+        kv_row = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, rank + rope]: what the pool stores
+        o = self.attn(q_full, kv_row, kv_row[..., : self.kv_lora_rank], fb)  # [T, H * rank]
+        o = o.view(tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1)  # [H, T, rank]
+        o = torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer_id, rotary)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_id) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class DeepseekForCausalLM(CausalLM):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (the config picks routing and RoPE layout)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(
+            cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings, interleaved=cfg.rope_interleave
+        )
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.config
+        return KVCacheSpec(
+            num_layers=c.num_layers,
+            num_kv_heads=1,
+            head_dim=c.kv_lora_rank + c.qk_rope_head_dim,
+            v_head_dim=c.kv_lora_rank,
+            is_mla=True,
+            kv_lora_rank=c.kv_lora_rank,
+            qk_rope_head_dim=c.qk_rope_head_dim,
+            num_q_heads=c.num_heads // TP_SIZE,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        fb: ForwardBatch,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T], positions [T] -> logits [T, vocab] (or [len(logits_indices), vocab]), float32."""
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, fb)
+        return self.compute_logits(hidden, logits_indices)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        tied = self.config.tie_word_embeddings
+        num_layers = self.config.num_layers
+
+        def rename(name: str):
+            if tied and name == "lm_head.weight":
+                return None
+            name = name.removeprefix("model.")
+            if name.startswith("layers."):
+                layer = int(name.split(".")[1])
+                if layer >= num_layers:  # V3 checkpoints append multi-token-prediction layers
+                    return None
+            m = _EXPERT.match(name)
+            if m:
+                prefix, expert, which = m.group(1), int(m.group(2)), m.group(3)
+                if which == "down_proj":
+                    return f"{prefix}.down_proj", expert
+                return f"{prefix}.gate_up_proj", 2 * expert + (which == "up_proj")
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                return name, -1
+            return name
+
+        load_named_weights(self, weights, LLAMA_STACKED, source, rename)

@@ -1,0 +1,127 @@
+"""The Llama family: Llama 2/3, Mistral (sliding window), SmolLM2, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm).
+
+One definition covers them; the config says which variant. Attention itself is
+the shared AttentionLayer, so every backend serves every member of the family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from attnserve.attention.base import ForwardBatch
+from attnserve.attention.layer import AttentionLayer
+from attnserve.models.base import CausalLM, KVCacheSpec
+from attnserve.models.config import ModelConfig
+from attnserve.models.layers import (
+    TP_SIZE,
+    ColumnParallelLinear,
+    GatedMLP,
+    LMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabEmbedding,
+)
+from attnserve.models.weights import LLAMA_STACKED, load_named_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = cfg.num_heads // TP_SIZE
+        self.num_kv_heads = max(cfg.num_kv_heads // TP_SIZE, 1)
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        d = cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], bias=cfg.attention_bias
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = AttentionLayer(
+            layer_id,
+            self.num_heads,
+            self.num_kv_heads,
+            d,
+            scaling=d**-0.5,
+            sliding_window=cfg.sliding_windows[layer_id] if cfg.sliding_windows else None,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.contiguous(), fb)  # [T, Hq * D]
+        return self.o_proj(o)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.layers[0].self_attn.attn
+        windows = [w for w in self.config.sliding_windows if w is not None]
+        return KVCacheSpec(
+            num_layers=self.config.num_layers,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            v_head_dim=attn.v_head_dim,
+            num_q_heads=attn.num_heads,
+            sliding_window=max(windows) if windows else None,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        fb: ForwardBatch,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T], positions [T] -> logits [T, vocab] (or [len(logits_indices), vocab]), float32."""
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, fb)
+        return self.compute_logits(hidden, logits_indices)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        tied = self.config.tie_word_embeddings
+
+        def rename(name: str) -> str | None:
+            if tied and name == "lm_head.weight":
+                return None  # shares the embedding
+            return name.removeprefix("model.")
+
+        load_named_weights(self, weights, LLAMA_STACKED, source, rename)

@@ -1,0 +1,125 @@
+"""DeepSeek mixture-of-experts in plain PyTorch: a router, routed experts, shared experts.
+
+Expert weights live in two stacked tensors so a fused kernel can replace the
+per-expert loop later without changing the checkpoint mapping. Routing follows
+the two published schemes: V2's softmax scores (greedy or group-limited top-k)
+and V3's sigmoid scores with a bias used only for choosing (noaux_tc).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnserve.models.config import ModelConfig
+from attnserve.models.layers import GatedMLP, activation
+
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.topk_method not in TOPK_METHODS:
+            raise ValueError(f"unsupported topk_method {cfg.topk_method!r}; supported: {', '.join(TOPK_METHODS)}")
+        if cfg.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported scoring_func {cfg.scoring_func!r}; supported: softmax, sigmoid")
+        self.num_experts = cfg.n_routed_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.method = cfg.topk_method
+        self.scoring = cfg.scoring_func
+        self.n_group = max(cfg.n_group or 1, 1)
+        self.topk_group = max(cfg.topk_group or 1, 1)
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size), requires_grad=False)  # [E, hidden]
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(self.num_experts), requires_grad=False) if self.method == "noaux_tc" else None
+        )  # [E]
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """[T, E] bool: experts inside the topk_group best groups."""
+        top_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0)  # [T, n_group]
+        per_group = self.num_experts // self.n_group
+        return group_mask[:, :, None].expand(-1, -1, per_group).reshape(-1, self.num_experts).bool()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k])."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
+        per_group = self.num_experts // self.n_group
+        if self.method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias.float()
+            group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+            choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
+            ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+            weights = scores.gather(1, ids)
+        else:
+            if self.method == "group_limited_greedy":
+                group_scores = scores.view(-1, self.n_group, per_group).amax(-1)  # [T, n_group]
+                scores = scores.masked_fill(~self._group_mask(group_scores), 0.0)
+            weights, ids = scores.topk(self.top_k, dim=-1, sorted=False)
+        if self.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    """E gated MLPs as stacked weights: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        )  # [E, 2I, hidden]
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+        )  # [E, hidden, I]
+        self.act = activation(hidden_act)
+        # parts the loader must see: gate and up of every expert, down of every expert
+        self.weight_parts = {"gate_up_proj": 2 * num_experts, "down_proj": num_experts}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: int, name: str = "") -> None:
+        """part -1: the stacked tensor whole; else gate_up part 2e (gate) / 2e+1 (up), down part e."""
+        if part == -1:
+            target = param.data
+        elif param is self.gate_up_proj:
+            expert, half = divmod(part, 2)
+            target = param.data[expert, half * self.intermediate_size : (half + 1) * self.intermediate_size]
+        else:
+            target = param.data[part]
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} != model shape {tuple(target.shape)}")
+        target.copy_(loaded.to(target.dtype))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)  # [T, hidden]
+        for expert in torch.unique(ids).tolist():
+            token_idx, slot = torch.where(ids == expert)
+            gate, up = F.linear(x[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down_proj[expert])  # [n, hidden]
+            out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+        self.shared_experts = (
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act)
+            if cfg.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

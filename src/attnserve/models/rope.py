@@ -1,0 +1,125 @@
+"""Rotary position embedding with the HF scaling variants the supported configs use.
+
+Frequencies are derived exactly as HF derives them (same float32 arithmetic), so
+logits match a transformers run to rounding. cos/sin are computed per step from
+the positions rather than from a cached table: it is cheap, exact for any
+position, and has no length limit to overflow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from attnserve.models.config import RopeConfig
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim/2]
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
+    factor = p["factor"]
+    low, high = p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
+    old_ctx = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(theta: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): interpolate low frequencies, keep high ones, ramp between; scale cos/sin."""
+    factor = p.get("factor")
+    orig = p.get("original_max_position_embeddings") or max_pos
+    if factor is None:
+        factor = max_pos / orig
+    attn_factor = p.get("attention_factor")
+    mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+    if attn_factor is None:
+        if mscale and mscale_all:
+            attn_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+        else:
+            attn_factor = yarn_mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: high frequency, extrapolated as trained
+    return interpolation * (1 - keep) + extrapolation * keep, float(attn_factor)
+
+
+def rope_frequencies(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [dim/2] float32, cos/sin multiplier) for a rotary dimension `dim`."""
+    p, kind = rope.params, rope.rope_type
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind == "yarn":
+        return _yarn_inv_freq(rope.theta, dim, p, max_position_embeddings)
+    inv_freq = _base_inv_freq(rope.theta, dim)
+    if kind == "linear":
+        inv_freq = inv_freq / p["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, p)
+    if p.get("freq_divisors") is not None:  # GGUF rope_freqs: per-frequency divisors (Llama 3.1 files)
+        inv_freq = inv_freq / torch.tensor(p["freq_divisors"], dtype=torch.float32)
+    # "dynamic" (NTK) changes the base only past max_position_embeddings; inside it equals default
+    return inv_freq, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q `[T, Hq, D]` and k `[T, Hk, D]` (first `rotary_dim` channels) at `positions` [T].
+
+    interleaved=False: HF/NeoX layout, channel i pairs with i + D/2 (rotate_half).
+    interleaved=True: DeepSeek layout, channel 2i pairs with 2i+1.
+    """
+
+    def __init__(self, rotary_dim: int, rope: RopeConfig, max_position_embeddings: int, interleaved: bool = False):
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_frequencies(rope, rotary_dim, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rotary_dim/2] float32
+        self.rotary_dim = rotary_dim
+        self.interleaved = interleaved
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            half = self.rotary_dim // 2
+            x1, x2 = rot[..., :half], rot[..., half:]
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
