@@ -60,7 +60,8 @@ _SPECS = [
     BackendSpec("fa3", "FlashAttention 3 (SGLang sgl-kernel); the Hopper default", data_features=_f(
         kv_dtypes=frozenset({"bf16", "fp16", "fp8_e4m3"}), attention_types=_ANY, sliding_window=True,
         attention_sinks=True, logit_softcap=True, custom_mask=True, spec_topk1=True, spec_topk_gt1=True,
-        spec_topk_gt1_paged=True, cuda_graph=True, compute_capabilities=(8, 9), required_packages=("sgl_kernel",))),
+        spec_topk_gt1_paged=True, cuda_graph=True, deterministic=True, compute_capabilities=(8, 9),
+        required_packages=("sgl_kernel",))),
     BackendSpec("fa4", "FlashAttention 4 (Blackwell); prefill only, native page 128", data_features=_f(
         page_sizes=(128,), kv_dtypes=_NOFP8, attention_types=_MHA, asymmetric_kv=True, decode=False,
         cuda_graph=True, compute_capabilities=(10,), required_packages=("flash_attn",))),

@@ -25,6 +25,7 @@ ValueError names every reason and the backends that would run instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,12 +284,32 @@ def policy_row(hw: Hardware, model: ModelTraits, serving: ServingFeatures) -> Po
     raise AssertionError("the last policy row matches everything")  # pragma: no cover
 
 
-def _features(name: str) -> tuple[BackendFeatures | None, str | None]:
+_ANY_ATTENTION = frozenset({"MHA", "GQA", "MLA"})
+
+# Where SGLang's backend of a name differs from attnserve's (SGLang docs feature table, v0.5.22);
+# `sglang=True` reads features through these so its answers don't drift with our implementations.
+SGLANG_FEATURES: dict[str, dict] = {
+    "flashinfer": {"attention_types": _ANY_ATTENTION, "deterministic": True},
+    "triton": {"attention_types": _ANY_ATTENTION, "sliding_window": True, "attention_sinks": True,
+               "asymmetric_kv": True, "spec_topk1": True, "spec_topk_gt1": True, "spec_topk_gt1_paged": True,
+               "deterministic": True, "cuda_graph": True, "devices": frozenset({"cuda", "rocm"})},
+    "torch_native": {"spec_topk1": False, "spec_topk_gt1": False, "spec_topk_gt1_paged": False},
+    "flex_attention": {"sliding_window": False, "spec_topk1": False, "spec_topk_gt1": False,
+                       "spec_topk_gt1_paged": False},
+}
+
+
+def _features(name: str, sglang: bool = False) -> tuple[BackendFeatures | None, str | None]:
     """A backend's features, or why they can't be read (its implementation failed to import)."""
     try:
-        return get_spec(name).features, None
+        feats = get_spec(name).features
     except ImportError as exc:
-        return None, f"implementation not importable ({exc})"
+        if not sglang or name not in SGLANG_FEATURES:
+            return None, f"implementation not importable ({exc})"
+        feats = BackendFeatures(required_packages=("triton",) if name == "triton" else ())
+    if sglang and name in SGLANG_FEATURES:
+        feats = dataclasses.replace(feats, **SGLANG_FEATURES[name])
+    return feats, None
 
 
 def requirements(model: ModelTraits, serving: ServingFeatures, side: str | None, page_size: int) -> AttentionRequirements:
@@ -332,7 +353,7 @@ def problems(
         why.append(f"removed from SGLang ({spec.removed})")
     if not sglang and not spec.implemented:
         why.append("not implemented in attnserve (known from SGLang)")
-    feats, err = _features(spec.name)
+    feats, err = _features(spec.name, sglang)
     if feats is None:
         return why + [err]
     why += hardware_problems(feats, hw)
@@ -456,7 +477,7 @@ def select_backends(
         else:
             name, ps = _first_passing(candidates, hw, model, serving, side, fixed_page, sglang, trace)
         chosen[side] = name
-        if fixed_page is None and (name in PREFERRED_PAGE_SIZE or _fixed_page_sizes(name)):
+        if fixed_page is None and (name in PREFERRED_PAGE_SIZE or _fixed_page_sizes(name, sglang)):
             fixed_page = ps
             trace.append(TraceEntry("adjust", f"page size {ps}: {name} needs it", name, side))
     page_size = fixed_page if fixed_page is not None else 1
@@ -466,7 +487,7 @@ def select_backends(
         if why:
             raise ValueError(f"prefill backend {chosen['prefill']!r} can't run at page size {page_size} that "
                              f"decode backend {chosen['decode']!r} needs: {'; '.join(why)}")
-    decode_feats, _ = _features(chosen["decode"])
+    decode_feats, _ = _features(chosen["decode"], sglang)
     cuda_graph = bool(decode_feats and decode_feats.cuda_graph) and hw.device in ("cuda", "rocm")
     if not cuda_graph and hw.device in ("cuda", "rocm"):
         trace.append(TraceEntry("adjust", "CUDA graphs disabled: the decode backend can't be captured",
@@ -476,8 +497,8 @@ def select_backends(
     return Selection(chosen["prefill"], chosen["decode"], page_size, cuda_graph, row.choose, trace)
 
 
-def _fixed_page_sizes(name: str) -> bool:
-    feats, _ = _features(name)
+def _fixed_page_sizes(name: str, sglang: bool) -> bool:
+    feats, _ = _features(name, sglang)
     return feats is not None and feats.page_sizes is not None
 
 

@@ -1,0 +1,187 @@
+"""Default backend selection: a table of GPU x model x features -> backends and the key reason.
+
+`sglang` rows ask what SGLang's policy would run (its unimplemented backends count);
+the others ask what attnserve can instantiate. Triton's features are pinned to a
+stand-in here so that the table tests the policy, not another module's flags.
+"""
+
+import dataclasses
+
+import pytest
+
+from attnserve.attention import selection
+from attnserve.attention.base import BackendFeatures
+from attnserve.attention.selection import ModelTraits, ServingFeatures, select_backends
+from attnserve.hardware import PRESET_HARDWARE
+from attnserve.presets import AttentionShape, load_model_config
+
+TRITON_STAND_IN = BackendFeatures(
+    kv_dtypes=frozenset({"bf16", "fp16", "fp32"}), attention_types=frozenset({"MHA", "GQA", "MLA"}),
+    asymmetric_kv=True, sliding_window=True, attention_sinks=True, logit_softcap=True, custom_mask=True,
+    spec_topk1=True, spec_topk_gt1=True, spec_topk_gt1_paged=True, cuda_graph=True, deterministic=True,
+    devices=frozenset({"cuda", "rocm"}), required_packages=("triton",),
+)
+
+
+@pytest.fixture(autouse=True)
+def pinned_triton(monkeypatch):
+    real = selection._features
+
+    def features(name, sglang=False):
+        if name == "triton" and not sglang:
+            return TRITON_STAND_IN, None
+        return real(name, sglang)
+
+    monkeypatch.setattr(selection, "_features", features)
+
+
+def _preset(name, tp=1):
+    return ModelTraits.from_shape(AttentionShape.from_config(load_model_config(name), with_params=False), tp, name)
+
+
+LLAMA = _preset("llama-3-8b")
+MODELS = {
+    "llama": LLAMA,
+    "mistral": _preset("mistral-7b"),
+    "dsv3": _preset("deepseek-v3"),
+    "dsv3-tp8": _preset("deepseek-v3", 8),
+    "dsv2lite": _preset("deepseek-v2-lite"),
+    "dsv2lite-tp2": _preset("deepseek-v2-lite", 2),
+    "sinks": dataclasses.replace(LLAMA, attention_sinks=True, model_type="gpt_oss", name="gpt-oss-like"),
+    "asym": dataclasses.replace(LLAMA, v_head_dim=64, name="asymmetric"),
+}
+
+
+def _hw(spec: str):
+    """'h100', 'h100@cuda=12.2', 'h100@installed=triton' (installed= with nothing: only torch)."""
+    name, _, extra = spec.partition("@")
+    hw = PRESET_HARDWARE[name]
+    if extra.startswith("cuda="):
+        hw = dataclasses.replace(hw, cuda_version=tuple(int(x) for x in extra[5:].split(".")))
+    elif extra.startswith("installed="):
+        pkgs = frozenset(p for p in extra[10:].split(",") if p) | {"torch"}
+        hw = dataclasses.replace(hw, installed=pkgs)
+    return hw
+
+
+# (gpu, model, serving, sglang?, prefill, decode, a reason the trace must hold)
+CASES = [
+    # SGLang's policy rows
+    ("h100", "llama", {}, True, "fa3", "fa3", "17411"),
+    ("h200", "llama", {"speculative_topk": 4}, True, "flashinfer", "flashinfer", "general NVIDIA default"),
+    ("h100@cuda=12.2", "llama", {}, True, "flashinfer", "flashinfer", "general NVIDIA default"),
+    ("h20", "llama", {}, True, "fa3", "fa3", "Hopper"),
+    ("b200", "llama", {}, True, "trtllm_mha", "trtllm_mha", "page size 64"),
+    ("gb300", "llama", {}, True, "trtllm_mha", "trtllm_mha", "Blackwell default"),
+    ("b200", "asym", {}, True, "fa4", "triton", "prefill only"),
+    ("b200", "llama", {"speculative_topk": 2}, True, "flashinfer", "flashinfer", "general NVIDIA default"),
+    ("b200", "dsv3", {}, True, "trtllm_mla", "trtllm_mla", "DeepSeek-V3/R1 on SM100"),
+    ("b200", "dsv2lite", {}, True, "flashinfer", "flashinfer", "MLA on SM100"),
+    ("h100", "dsv3", {}, True, "fa3", "fa3", "MLA on Hopper"),
+    ("h100", "dsv3", {"speculative_topk": 2, "page_size": 16}, True, "flashinfer", "flashinfer",
+     "needs page size 1 on fa3"),
+    ("mi300", "llama", {}, True, "aiter", "aiter", "AMD ROCm"),
+    ("mi300", "dsv3-tp8", {}, True, "aiter", "aiter", "16 or 128 heads per rank"),
+    ("mi355", "dsv2lite-tp2", {}, True, "triton", "triton", "head count aiter lacks"),
+    ("mi300", "sinks", {}, True, "triton", "triton", "no attention sinks"),
+    ("mps", "llama", {}, True, "torch_native", "torch_native", "Apple MPS"),
+    ("mps", "dsv3", {}, True, "torch_native", "torch_native", "Apple MPS"),
+    ("arm-cpu", "llama", {}, True, "torch_native", "torch_native", "ARM64"),
+    ("cpu-amx", "llama", {}, True, "intel_amx", "intel_amx", "AMX"),
+    ("xpu", "llama", {}, True, "intel_xpu", "intel_xpu", "Intel GPU"),
+    ("npu", "dsv3", {}, True, "ascend", "ascend", "Ascend"),
+    ("l4", "llama", {}, True, "flashinfer", "flashinfer", "general NVIDIA default"),
+    ("l4", "sinks", {}, True, "triton", "triton", "attention sinks, which FlashInfer can't run"),
+    ("h100", "sinks", {}, True, "fa3", "fa3", "17411"),
+    ("b200", "sinks", {}, True, "trtllm_mha", "trtllm_mha", "Blackwell default"),
+    ("a100", "dsv3", {}, True, "triton", "triton", "MLA elsewhere"),
+    ("rtx5090", "llama", {}, True, "flashinfer", "flashinfer", "general NVIDIA default"),
+    ("h100", "llama", {"kv_cache_dtype": "fp8_e5m2"}, True, "flashinfer", "flashinfer", "KV dtype fp8_e5m2"),
+    ("h100", "llama", {"speculative_topk": 2, "page_size": 64}, True, "flashinfer", "flashinfer", "NVIDIA"),
+    ("b200", "llama", {"page_size": 16}, True, "trtllm_mha", "trtllm_mha", "Blackwell default"),
+    ("b200", "dsv3", {"page_size": 16}, True, "flashinfer", "flashinfer", "page size 16 unsupported"),
+    ("h100", "mistral", {}, True, "fa3", "fa3", "17411"),
+    # what attnserve runs: SGLang's choice first, then the fallback order, each fall recorded
+    ("h100", "llama", {}, False, "flashinfer", "flashinfer", "not implemented in attnserve"),
+    ("b200", "llama", {}, False, "flashinfer", "flashinfer", "not implemented in attnserve"),
+    ("mi300", "llama", {}, False, "triton", "triton", "not implemented in attnserve"),
+    ("cpu", "llama", {}, False, "torch_native", "torch_native", "CPU"),
+    ("cpu", "dsv3", {}, False, "torch_native", "torch_native", "CPU"),
+    ("cpu", "llama", {"kv_cache_dtype": "fp8_e4m3"}, False, "torch_native", "torch_native", "CPU"),
+    ("cpu-amx", "llama", {}, False, "torch_native", "torch_native", "not implemented in attnserve"),
+    ("h100", "dsv3", {}, False, "triton", "triton", "no MLA attention"),
+    ("l4", "sinks", {}, False, "triton", "triton", "attention sinks"),
+    ("l4", "mistral", {}, False, "flashinfer", "flashinfer", "general NVIDIA default"),
+    ("h100", "llama", {"deterministic": True}, False, "triton", "triton", "no deterministic mode"),
+    ("h100", "llama", {"kv_cache_dtype": "fp8_e4m3"}, False, "flashinfer", "flashinfer", "17411"),
+    ("h100@installed=triton", "llama", {}, False, "triton", "triton", "package 'flashinfer' is not installed"),
+    ("h100@installed=", "llama", {}, False, "flex_attention", "flex_attention", "CUDA graphs disabled"),
+    ("mps", "llama", {}, False, "torch_native", "torch_native", "Apple MPS"),
+]
+
+
+@pytest.mark.parametrize("gpu,model,serving,sglang,prefill,decode,reason", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{'sglang' if c[3] else 'attnserve'}-{i}" for i, c in enumerate(CASES)])
+def test_selection_table(gpu, model, serving, sglang, prefill, decode, reason):
+    sel = select_backends(_hw(gpu), MODELS[model], ServingFeatures(**serving), sglang=sglang)
+    assert (sel.prefill_backend, sel.decode_backend) == (prefill, decode), sel.describe()
+    assert any(reason in e.reason for e in sel.trace), f"no trace entry mentions {reason!r}:\n{sel.describe()}"
+    assert sel.is_hybrid == (prefill != decode)
+
+
+def test_table_is_large_and_covers_every_policy_row():
+    assert len(CASES) >= 30
+    hit = set()
+    for gpu, model, serving, sglang, *_ in CASES:
+        hw, m, s = _hw(gpu), MODELS[model], ServingFeatures(**serving)
+        hit.add(selection.POLICY.index(selection.policy_row(hw, m, s)))
+    assert hit == set(range(len(selection.POLICY)))
+
+
+def test_page_size_follows_the_backend_that_needs_one():
+    sel = select_backends(PRESET_HARDWARE["b200"], MODELS["dsv3"], sglang=True)
+    assert sel.page_size == 64
+    sel = select_backends(PRESET_HARDWARE["b200"], MODELS["asym"], sglang=True)
+    assert sel.page_size == 128  # fa4's native page, and triton decodes at it too
+    sel = select_backends(PRESET_HARDWARE["h100"], LLAMA)
+    assert sel.page_size == 1
+
+
+def test_cuda_graphs_follow_the_decode_backend():
+    assert select_backends(PRESET_HARDWARE["h100"], LLAMA).cuda_graph
+    assert not select_backends(PRESET_HARDWARE["h100"], LLAMA, attention_backend="flex_attention").cuda_graph
+    assert not select_backends(PRESET_HARDWARE["cpu"], LLAMA).cuda_graph
+
+
+def test_measured_order_reorders_the_fallback(tmp_path):
+    records = [
+        {"backend": "triton", "batch": 64, "context": 4096, "median_us": 250.0},
+        {"backend": "flashinfer", "batch": 64, "context": 4096, "median_us": 300.0},
+        {"backend": "triton", "batch": 1, "context": 32768, "median_us": 50.0},
+        {"backend": "flashinfer", "batch": 1, "context": 32768, "median_us": 60.0},
+        {"backend": "fa3", "batch": 1, "context": 32768, "median_us": 10.0},  # not ours: ignored
+    ]
+    (tmp_path / "kernels-h100.json").write_text(__import__("json").dumps({"results": records}))
+    assert selection.measured_order(PRESET_HARDWARE["h100"], tmp_path) == ("triton", "flashinfer")
+    assert selection.measured_order(PRESET_HARDWARE["h200"], tmp_path) is None
+    assert selection.measured_order(PRESET_HARDWARE["cpu"], tmp_path) is None
+
+
+def test_model_traits_from_presets():
+    assert MODELS["dsv3"].attention_type == "MLA" and MODELS["dsv3"].num_heads == 128
+    assert MODELS["dsv3-tp8"].num_heads == 16
+    assert MODELS["mistral"].sliding_window
+    assert MODELS["asym"].kv_widths_differ and not LLAMA.kv_widths_differ
+    with pytest.raises(ValueError, match="tp_size 3"):
+        _preset("llama-3-8b", 3)
+
+
+@pytest.mark.parametrize("bad", [{"speculative_topk": -1}, {"page_size": 3}, {"kv_cache_dtype": "int4"}])
+def test_serving_features_reject_bad_values(bad):
+    with pytest.raises(ValueError):
+        ServingFeatures(**bad)
+
+
+def test_model_traits_reject_bad_attention_type():
+    with pytest.raises(ValueError, match="MHA, GQA or MLA"):
+        ModelTraits(attention_type="MQA")
