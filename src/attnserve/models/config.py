@@ -69,7 +69,9 @@ class ModelConfig:
     max_position_embeddings: int
     rope: RopeConfig
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projection bias (Qwen2)
+    attention_bias: bool = False  # q/k/v projection bias (always on in Qwen2)
+    o_proj_bias: bool = False  # output projection bias (Llama/Qwen3 `attention_bias`; never in Qwen2)
+    mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_windows: list[int | None] = field(default_factory=list)  # per layer; None = full attention
     hidden_act: str = "silu"
@@ -136,7 +138,9 @@ class ModelConfig:
             max_position_embeddings=int(_first(cfg, "max_position_embeddings", default=4096)),
             rope=RopeConfig.from_hf(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_windows=_sliding_windows(cfg, arch, layers),
             hidden_act=str(cfg.get("hidden_act", "silu")),

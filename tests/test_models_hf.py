@@ -1,0 +1,169 @@
+"""Models against transformers on tiny random checkpoints (CPU, float32).
+
+Each architecture is built with transformers from a small config, given random
+norms and biases (so nothing that should be loaded can silently stay at its
+init), saved as safetensors and loaded by attnserve. Prefill logits must match to
+1e-4 relative, and greedy continuations must be identical token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from attnserve.models.driver import generate
+from attnserve.models.loader import load_model
+
+VOCAB = 160
+NEW_TOKENS = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls run fastest (and steadiest on a busy 2-core box) on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _llama_like(cls_name, **kw):
+    base = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 2}
+    base.update(kw)
+    return cls_name, base
+
+
+def _deepseek(cls_name, **kw):
+    base = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+                "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+                "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32,
+                "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "max_position_embeddings": 256,
+                "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 2}
+    base.update(kw)
+    return cls_name, base
+
+
+_YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+CASES = {
+    "llama3-rope-tied": _llama_like("Llama", tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128}, rope_theta=500000.0),
+    "llama-bias-sharded": _llama_like("Llama", attention_bias=True, mlp_bias=True, num_key_value_heads=4),
+    "mistral-sliding-window": _llama_like("Mistral", sliding_window=7, head_dim=16),
+    "qwen2-qkv-bias": _llama_like("Qwen2", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "qwen3-qk-norm": _llama_like("Qwen3", head_dim=32, num_attention_heads=4, num_key_value_heads=1),
+    "deepseek-v2-yarn-moe": _deepseek("DeepseekV2", rope_scaling=_YARN, topk_method="greedy"),
+    "deepseek-v2-group-limited": _deepseek("DeepseekV2", q_lora_rank=24, n_routed_experts=8, n_group=4,
+                                           topk_group=2, topk_method="group_limited_greedy",
+                                           routed_scaling_factor=1.5),
+    "deepseek-v3-noaux": _deepseek("DeepseekV3", q_lora_rank=24, n_routed_experts=8, n_group=2, topk_group=1,
+                                   norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+                                   rope_scaling=dict(_YARN, mscale=1.0, mscale_all_dim=1.0)),
+    "deepseek-v3-neox-rope": _deepseek("DeepseekV3", q_lora_rank=None, n_routed_experts=4, n_group=1,
+                                       topk_group=1, rope_interleave=False, tie_word_embeddings=True),
+}
+
+
+def _randomize_non_matrix_weights(model: torch.nn.Module, seed: int) -> None:
+    """HF inits norms to 1 and biases to 0; make them random so a weight we fail to load shows up."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def _build(case: str, tmp_path_factory) -> tuple[torch.nn.Module, str]:
+    family, kw = CASES[case]
+    cfg = getattr(transformers, f"{family}Config")(**kw)
+    torch.manual_seed(hash(case) % 1000)
+    hf = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    _randomize_non_matrix_weights(hf, seed=len(case))
+    out = tmp_path_factory.mktemp(case)
+    shard = "40KB" if "sharded" in case else "1GB"
+    hf.save_pretrained(out, max_shard_size=shard)
+    if "sharded" in case:
+        assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("*.safetensors"))) > 1
+    hf.config._attn_implementation = "eager"
+    return hf, str(out)
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = hf(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (13, 5)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_logits_and_greedy_match_transformers(case, tmp_path_factory):
+    hf, path = _build(case, tmp_path_factory)
+    lm = load_model(path, dtype=torch.float32)
+    assert lm.format == "hf" and lm.config.architecture == f"{CASES[case][0]}ForCausalLM"
+    prompts = _prompts(seed=len(case))
+    page_size = 4 if case.startswith(("deepseek-v2", "mistral")) else 1  # pages that split requests unevenly
+    gens, logits = generate(lm.model, prompts, max_new_tokens=NEW_TOKENS, return_prefill_logits=True,
+                            page_size=page_size)
+    start = 0
+    for prompt, g in zip(prompts, gens):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]  # [len, vocab]
+        ours = logits[start : start + len(prompt)]
+        start += len(prompt)
+        rel = (ours - ref).abs().max() / ref.abs().max()
+        assert rel < 1e-4, f"{case}: prefill logits differ, max relative error {rel:.2e}"
+        assert g.token_ids == _hf_greedy(hf, prompt, NEW_TOKENS), f"{case}: greedy continuation differs"
+        assert g.finish_reason == "length"
+
+
+def test_kv_cache_spec_describes_the_pool(tmp_path_factory):
+    _, path = _build("deepseek-v2-yarn-moe", tmp_path_factory)
+    spec = load_model(path).model.kv_cache_spec()
+    assert (spec.is_mla, spec.num_kv_heads, spec.head_dim, spec.v_head_dim) == (True, 1, 32 + 8, 32)
+    assert spec.attention_type == "MLA" and spec.make_pool(4, 1, "fp32").head_dim == 40
+    _, path = _build("mistral-sliding-window", tmp_path_factory)
+    spec = load_model(path).model.kv_cache_spec()
+    assert (spec.is_mla, spec.num_kv_heads, spec.head_dim, spec.sliding_window) == (False, 2, 16, 7)
+    assert spec.attention_type == "GQA"
+
+
+def test_logits_indices_select_rows(tmp_path_factory):
+    _, path = _build("qwen3-qk-norm", tmp_path_factory)
+    lm = load_model(path)
+    prompts = _prompts(seed=3)
+    _, full = generate(lm.model, prompts, max_new_tokens=1, return_prefill_logits=True)
+    from attnserve.attention.base import ForwardBatch, ForwardMode
+    from attnserve.attention.registry import create_backend
+
+    spec = lm.model.kv_cache_spec()
+    total = sum(map(len, prompts))
+    pool = spec.make_pool(total + 1, 1, "fp32")
+    req_to_token = torch.zeros(2, max(map(len, prompts)), dtype=torch.int32)
+    req_to_token[0, :13] = torch.arange(1, 14)
+    req_to_token[1, :5] = torch.arange(14, 19)
+    backend = create_backend("torch_native", pool)
+    fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, [0, 1], [0, 0], [13, 5], req_to_token, pool,
+                                   attn_backend=backend)
+    backend.plan(fb)
+    ids = torch.tensor([t for p in prompts for t in p])
+    last = torch.tensor([12, 17])
+    with torch.no_grad():
+        picked = lm.model(ids, fb.positions, fb, logits_indices=last)
+    assert picked.shape == (2, VOCAB)
+    torch.testing.assert_close(picked, full[last], rtol=1e-5, atol=1e-5)
