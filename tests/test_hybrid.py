@@ -1,0 +1,124 @@
+"""The hybrid backend routes each step by forward mode; results match the oracle on the CPU."""
+
+import warnings
+
+import pytest
+
+from attnserve.attention.backends.flex import FlexAttentionBackend
+from attnserve.attention.backends.torch_native import TorchNativeBackend
+from attnserve.attention.base import AttentionBackend, ForwardMode
+from attnserve.attention.hybrid import HybridAttentionBackend, build_backend
+from attnserve.attention.reference import reference_for_batch
+from attnserve.attention.selection import ModelTraits, select_backends
+from attnserve.attention.synthetic import make_batch
+from attnserve.hardware import PRESET_HARDWARE
+
+
+class Recording(TorchNativeBackend):
+    """torch_native that notes every call, so routing is visible."""
+
+    def __init__(self, pool, tag):
+        super().__init__(pool)
+        self.tag = tag
+        self.calls = []
+
+    def plan(self, fb):
+        self.calls.append(("plan", fb.mode))
+        super().plan(fb)
+
+    def forward(self, q, k, v, layer, fb):
+        self.calls.append(("forward", fb.mode))
+        return super().forward(q, k, v, layer, fb)
+
+    def store_kv(self, layer, fb, k, v):
+        self.calls.append(("store", fb.mode))
+        super().store_kv(layer, fb, k, v)
+
+    def init_graph_buffers(self, max_bs, max_tokens):
+        self.calls.append(("init_graph", max_bs))
+
+    def plan_for_capture(self, fb):
+        self.calls.append(("capture", fb.mode))
+
+    def plan_for_replay(self, fb):
+        self.calls.append(("replay", fb.mode))
+
+
+def _pair(pool, mode="prefill"):
+    p, d = Recording(pool, "prefill"), Recording(pool, "decode")
+    return p, d, HybridAttentionBackend(p, d, speculative_attention_mode=mode)
+
+
+ROUTES = [
+    (ForwardMode.EXTEND, "prefill", "prefill"),
+    (ForwardMode.MIXED, "prefill", "prefill"),
+    (ForwardMode.DECODE, "prefill", "decode"),
+    (ForwardMode.IDLE, "prefill", "decode"),
+    (ForwardMode.TARGET_VERIFY, "prefill", "prefill"),
+    (ForwardMode.TARGET_VERIFY, "decode", "decode"),
+]
+
+
+@pytest.mark.parametrize("mode,spec_mode,expected", ROUTES)
+def test_routes_by_forward_mode(mode, spec_mode, expected):
+    sb = make_batch([5, 9], [3, 2] if mode is not ForwardMode.DECODE else [1, 1], mode=mode)
+    p, d, hybrid = _pair(sb.pool, spec_mode)
+    assert hybrid.backend_for(mode).tag == expected
+    sb.fb.attn_backend = hybrid
+    hybrid.plan(sb.fb)
+    hybrid.store_kv(sb.layer, sb.fb, sb.k, sb.v)
+    hybrid.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    chosen, other = (p, d) if expected == "prefill" else (d, p)
+    assert [c[0] for c in chosen.calls] == ["plan", "store", "forward"]
+    assert other.calls == []
+
+
+def test_decode_graphs_go_to_the_decode_backend():
+    sb = make_batch([5, 9], [1, 1])
+    p, d, hybrid = _pair(sb.pool)
+    hybrid.init_graph_buffers(8, 8)
+    hybrid.plan_for_capture(sb.fb)
+    hybrid.plan_for_replay(sb.fb)
+    assert d.calls == [("init_graph", 8), ("capture", ForwardMode.DECODE), ("replay", ForwardMode.DECODE)]
+    assert p.calls == []  # torch_native can't be captured, so no verify graph buffers either
+
+
+def test_features_combine_both_sides():
+    sb = make_batch([5], [1])
+    hybrid = HybridAttentionBackend(TorchNativeBackend(sb.pool), FlexAttentionBackend(sb.pool))
+    assert not hybrid.features.cuda_graph
+    assert hybrid.name == "hybrid(prefill=torch_native, decode=flex_attention)"
+
+
+def test_bad_arguments():
+    a = make_batch([5], [1])
+    b = make_batch([5], [1])
+    with pytest.raises(ValueError, match="speculative_attention_mode"):
+        HybridAttentionBackend(TorchNativeBackend(a.pool), TorchNativeBackend(a.pool), "verify")
+    with pytest.raises(ValueError, match="one KV pool"):
+        HybridAttentionBackend(TorchNativeBackend(a.pool), TorchNativeBackend(b.pool))
+
+
+@pytest.mark.parametrize("prefix,ext", [([7, 0, 30], [5, 12, 2]), ([11, 4, 25], [1, 1, 1])])
+def test_hybrid_torch_native_prefill_flex_decode_matches_oracle(prefix, ext):
+    sb = make_batch(prefix, ext, page_size=4, score_scale=20.0, sliding_window=9)
+    hybrid = HybridAttentionBackend(TorchNativeBackend(sb.pool), FlexAttentionBackend(sb.pool))
+    sb.fb.attn_backend = hybrid
+    hybrid.plan(sb.fb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = hybrid.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    ref = reference_for_batch(sb.q, sb.layer, sb.fb)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_build_backend_from_a_selection():
+    sb = make_batch([5], [1])
+    cpu = PRESET_HARDWARE["cpu"]
+    one = build_backend(select_backends(cpu, ModelTraits()), sb.pool, cpu)
+    assert isinstance(one, TorchNativeBackend)
+    sel = select_backends(cpu, ModelTraits(), prefill_backend="torch_native", decode_backend="flex_attention")
+    two = build_backend(sel, sb.pool, cpu, speculative_attention_mode="decode")
+    assert isinstance(two, HybridAttentionBackend) and isinstance(two, AttentionBackend)
+    assert isinstance(two.decode_backend, FlexAttentionBackend)
+    assert two.backend_for(ForwardMode.TARGET_VERIFY) is two.decode_backend
