@@ -116,6 +116,8 @@ class FlashInferBackend(AttentionBackend):
     def _choose_prefill_kernel(self, requested: str, device: torch.device) -> tuple[str, str]:
         if requested != "auto":
             return requested, "requested explicitly"
+        if device.type != "cuda":
+            return "fa2", f"fa3 needs a Hopper GPU (this pool is on {device.type})"
         major, _ = torch.cuda.get_device_capability(device)
         cuda = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
         if major != 9 or cuda < (12, 3):

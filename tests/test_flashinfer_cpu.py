@@ -1,0 +1,243 @@
+"""The FlashInfer backend's plumbing on the CPU, over a stand-in `flashinfer` module.
+
+The stand-in implements the wrapper calls the backend makes with FlashInfer's documented
+semantics (NHD paged layout, CSR page tables, causal mask aligned to the end of the KV,
+window_left, soft-cap, base-2 LSE, fixed buffers in graph mode) in plain PyTorch. So these
+tests check what the backend hands FlashInfer (metadata, page views, window and mask
+conversions, plan reuse per layer signature, graph buffers); the GPU tests check the real kernels.
+"""
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from attnserve.attention.base import ForwardBatch, ForwardMode
+from attnserve.attention.reference import attend, reference_for_batch
+from attnserve.attention.synthetic import make_batch
+
+LOG2E = 1 / math.log(2)
+
+
+def _attend_request(q, k, v, q_pos, kv_len, scale, window_left, cap, causal=True, custom=None):
+    """q [M, Hq, D] against k/v [kv_len, Hkv, *] -> (o [M, Hq, Dv], lse base 2 [M, Hq])."""
+    if kv_len == 0:  # an empty KV segment: whatever the kernel writes, the backend must not use it
+        return torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=q.dtype), \
+            torch.full(q.shape[:2], float("nan"))
+    k_pos = torch.arange(kv_len)
+    if custom is not None:
+        mask = custom.view(q.shape[0], kv_len)
+    elif causal:
+        mask = k_pos[None, :] <= q_pos[:, None]
+    else:
+        mask = torch.ones(q.shape[0], kv_len, dtype=torch.bool)
+    if window_left >= 0:
+        mask = mask & (k_pos[None, :] >= q_pos[:, None] - window_left)
+    o = attend(q.double(), k.double(), v.double(), mask, scale, cap)
+    group = q.shape[1] // k.shape[1]
+    s = torch.einsum("mhd,nhd->hmn", q.double(), k.double().repeat_interleave(group, 1)) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    lse = torch.logsumexp(s.masked_fill(~mask[None], -math.inf), -1).T * LOG2E  # [M, Hq]
+    return o.to(q.dtype), lse.float()
+
+
+class _Paged:
+    def __init__(self, workspace, layout, use_cuda_graph=False, paged_kv_indptr_buffer=None,
+                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None, backend="auto",
+                 use_tensor_cores=False):
+        assert layout == "NHD"
+        self.graph = use_cuda_graph
+        self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.backend = backend
+        self.plans = 0
+
+    def _set_table(self, indptr, indices, last):
+        if self.graph:  # graph mode: the batch size is fixed and the kernel reads the fixed buffers
+            assert indptr.numel() == self.bufs[0].numel(), "batch size differs from the wrapper's"
+            self.bufs[0].copy_(indptr)
+            self.bufs[1][: indices.numel()].copy_(indices)
+            self.bufs[2].copy_(last)
+            self.table = self.bufs
+        else:
+            self.table = (indptr.clone(), indices.clone(), last.clone())
+
+    def _kv(self, kv, b, k_scale, v_scale):
+        indptr, indices, last = self.table
+        k_cache, v_cache = kv  # [num_pages, page_size, Hkv, D]
+        pages = indices[indptr[b] : indptr[b + 1]].long()
+        n = pages.numel()
+        kv_len = 0 if n == 0 else (n - 1) * k_cache.shape[1] + int(last[b])
+        k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:kv_len].float() * (k_scale or 1.0)
+        v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:kv_len].float() * (v_scale or 1.0)
+        return k, v, kv_len
+
+
+class FakeDecode(_Paged):
+    def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, window_left=-1, logits_soft_cap=None,
+             sm_scale=None, q_data_type=None, kv_data_type=None):
+        self._set_table(indptr, indices, last_page_len)
+        self.window, self.cap, self.scale = window_left, logits_soft_cap, sm_scale
+        self.plans += 1
+
+    def run(self, q, kv, k_scale=None, v_scale=None):
+        out = []
+        for b in range(q.shape[0]):
+            k, v, n = self._kv(kv, b, k_scale, v_scale)
+            o, _ = _attend_request(q[b : b + 1].float(), k, v, torch.tensor([n - 1]), n, self.scale, self.window,
+                                   self.cap)
+            out.append(o)
+        return torch.cat(out).to(q.dtype)
+
+
+class FakePrefill(_Paged):
+    def plan(self, qo_indptr, kv_indptr, kv_indices, last, hq, hkv, d, page_size, head_dim_vo=None,
+             custom_mask=None, causal=False, sm_scale=None, window_left=-1, logits_soft_cap=None,
+             q_data_type=None, kv_data_type=None):
+        assert custom_mask is None or self.backend == "fa2", "fa3 has no custom masks"
+        self._set_table(kv_indptr, kv_indices, last)
+        self.qo = qo_indptr.clone()
+        self.mask, self.causal = custom_mask, causal
+        self.window, self.cap, self.scale = window_left, logits_soft_cap, sm_scale
+        self.plans += 1
+
+    def run(self, q, kv, k_scale=None, v_scale=None, return_lse=False):
+        outs, lses, m0 = [], [], 0
+        for b in range(self.qo.numel() - 1):
+            qb = q[self.qo[b] : self.qo[b + 1]].float()
+            k, v, n = self._kv(kv, b, k_scale, v_scale)
+            m = qb.shape[0]
+            custom = None
+            if self.mask is not None:
+                custom, m0 = self.mask[m0 : m0 + m * n], m0 + m * n
+            o, lse = _attend_request(qb, k, v, torch.arange(n - m, n), n, self.scale, self.window, self.cap,
+                                     self.causal, custom)
+            outs.append(o)
+            lses.append(lse)
+        o = torch.cat(outs).to(q.dtype)
+        return (o, torch.cat(lses)) if return_lse else o
+
+
+class FakeRagged:
+    def __init__(self, workspace, layout, backend="auto"):
+        self.backend = backend
+
+    def plan(self, qo_indptr, kv_indptr, hq, hkv, d, head_dim_vo=None, causal=False, sm_scale=None,
+             logits_soft_cap=None, q_data_type=None, kv_data_type=None):
+        self.qo, self.kv, self.causal, self.scale, self.cap = qo_indptr.clone(), kv_indptr.clone(), causal, sm_scale, \
+            logits_soft_cap
+
+    def run(self, q, k, v, return_lse=False):
+        outs, lses = [], []
+        for b in range(self.qo.numel() - 1):
+            qb = q[self.qo[b] : self.qo[b + 1]].float()
+            kb, vb = k[self.kv[b] : self.kv[b + 1]].float(), v[self.kv[b] : self.kv[b + 1]].float()
+            n, m = kb.shape[0], qb.shape[0]
+            o, lse = _attend_request(qb, kb, vb, torch.arange(n - m, n), n, self.scale, -1, self.cap, self.causal)
+            outs.append(o)
+            lses.append(lse)
+        o = torch.cat(outs).to(q.dtype)
+        return (o, torch.cat(lses)) if return_lse else o
+
+
+def fake_merge_state(v_a, s_a, v_b, s_b):
+    m = torch.maximum(s_a, s_b)
+    wa, wb = torch.exp2(s_a - m), torch.exp2(s_b - m)
+    return (v_a * wa[..., None] + v_b * wb[..., None]) / (wa + wb)[..., None], m + torch.log2(wa + wb)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    mod = types.ModuleType("flashinfer")
+    mod.BatchDecodeWithPagedKVCacheWrapper = FakeDecode
+    mod.BatchPrefillWithPagedKVCacheWrapper = FakePrefill
+    mod.BatchPrefillWithRaggedKVCacheWrapper = FakeRagged
+    mod.merge_state = fake_merge_state
+    monkeypatch.setitem(sys.modules, "flashinfer", mod)
+    return mod
+
+
+def _backend(pool, **kw):
+    from attnserve.attention.backends.flashinfer import FlashInferBackend
+
+    return FlashInferBackend(pool, workspace_mb=1, **kw)
+
+
+def _check(sb, backend, tol=1e-5):
+    sb.fb.attn_backend = backend
+    backend.plan(sb.fb)
+    out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    ref = reference_for_batch(sb.q, sb.layer, sb.fb)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+    return out
+
+
+FEATURES = {"plain": {}, "window": {"sliding_window": 7}, "softcap": {"logit_cap": 3.0},
+            "fp8": {"kv_dtype": "fp8_e4m3"}}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("decode", [True, False])
+def test_paged_path_matches_oracle(fake_flashinfer, feature, page_size, decode):
+    prefix, ext = ([9, 30, 1], [1, 1, 1]) if decode else ([9, 0, 21], [4, 11, 1])
+    sb = make_batch(prefix, ext, page_size=page_size, score_scale=20.0 if feature != "softcap" else 1.0,
+                    **FEATURES[feature])
+    _check(sb, _backend(sb.pool, q_dtype=torch.float32), tol=2e-2 if feature == "fp8" else 1e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_ragged_path_merges_prefix_and_new_tokens(fake_flashinfer, page_size):
+    sb = make_batch([9, 0, 21], [4, 11, 1], page_size=page_size, score_scale=20.0, logit_cap=30.0)
+    backend = _backend(sb.pool, prefill_path="ragged")
+    _check(sb, backend)
+    assert backend.prefill_kernel == "fa2" and "cpu" in backend.prefill_kernel_reason
+
+
+def test_verify_custom_mask_runs_on_fa2(fake_flashinfer):
+    sb = make_batch([12, 5], [4, 3], custom_mask=True, mode=ForwardMode.TARGET_VERIFY, score_scale=20.0)
+    _check(sb, _backend(sb.pool, prefill_kernel="fa3"))  # the stand-in asserts fa2 was used for the mask
+
+
+def test_one_plan_per_layer_signature_per_step(fake_flashinfer):
+    sb = make_batch([9, 30], [1, 1])
+    backend = _backend(sb.pool)
+    _check(sb, backend)
+    backend.forward(sb.q, None, None, sb.layer, sb.fb)  # a second layer of the same shape
+    (wrapper,) = backend._decode_wrappers.values()
+    assert wrapper.plans == 1
+    _check(sb, backend)  # next step plans again
+    assert wrapper.plans == 2
+
+
+def test_decode_graph_buffers_follow_replays(fake_flashinfer):
+    sb = make_batch([20, 3, 41, 9], [1] * 4, page_size=4, score_scale=20.0)
+    backend = _backend(sb.pool)
+    with pytest.raises(ValueError, match="init_graph_buffers"):
+        backend.plan_for_capture(sb.fb)
+    backend.init_graph_buffers(max_bs=8, max_tokens=8)
+    with pytest.raises(ValueError, match="eager step"):
+        backend.plan_for_capture(sb.fb)
+    _check(sb, backend)
+    backend.plan_for_capture(sb.fb)
+    fb2 = ForwardBatch.from_lengths(ForwardMode.DECODE, [3, 1, 4, 2], [30, 12, 5, 2], [1] * 4,
+                                    sb.fb.req_to_token, sb.pool)
+    backend.plan_for_replay(fb2)
+    out = backend.forward(sb.q, None, None, sb.layer, fb2)
+    ref = reference_for_batch(sb.q, sb.layer, fb2)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert list(backend._graph_wrappers) == [(4, next(iter(backend._decode_wrappers)))]
+    with pytest.raises(ValueError, match="decode only"):
+        backend.plan_for_replay(make_batch([3], [2]).fb)
+
+
+def test_bad_options(fake_flashinfer):
+    sb = make_batch([3], [1])
+    with pytest.raises(ValueError, match="prefill_kernel"):
+        _backend(sb.pool, prefill_kernel="fa9")
+    with pytest.raises(ValueError, match="prefill_path"):
+        _backend(sb.pool, prefill_path="dense")
+    with pytest.raises(ValueError, match="MLA"):
+        _backend(make_batch([3], [1], mla=(32, 16)).pool)
