@@ -24,7 +24,8 @@ TRITON_STAND_IN = BackendFeatures(
 
 
 @pytest.fixture(autouse=True)
-def pinned_triton(monkeypatch):
+def pinned_triton(monkeypatch, tmp_path):
+    monkeypatch.setattr(selection, "MEASUREMENTS_DIR", tmp_path / "none")  # static fallback order only
     real = selection._features
 
     def features(name, sglang=False):
@@ -185,3 +186,14 @@ def test_serving_features_reject_bad_values(bad):
 def test_model_traits_reject_bad_attention_type():
     with pytest.raises(ValueError, match="MHA, GQA or MLA"):
         ModelTraits(attention_type="MQA")
+
+
+def test_measured_order_reads_milliseconds_and_plain_lists(tmp_path):
+    records = [{"backend": "flashinfer", "case": "decode", "median_ms": 0.2},
+               {"backend": "flex_attention", "case": "decode", "median_ms": 0.9},
+               {"backend": "torch_native", "case": "decode", "us": 150.0}]
+    (tmp_path / "kernels-h200.json").write_text(__import__("json").dumps(records))
+    assert selection.measured_order(PRESET_HARDWARE["h200"], tmp_path) == ("torch_native", "flashinfer",
+                                                                           "flex_attention")
+    (tmp_path / "kernels-h100.json").write_text("not json")
+    assert selection.measured_order(PRESET_HARDWARE["h100"], tmp_path) is None

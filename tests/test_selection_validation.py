@@ -117,3 +117,13 @@ def test_trace_serialises():
     entry = TraceEntry("reject", "no attention sinks", "flashinfer", "decode")
     assert str(entry).split() == ["reject", "[decode]", "flashinfer:", "no", "attention", "sinks"]
     assert "prefill: triton" in sel.describe()
+
+
+def test_speculative_verify_side_is_recorded():
+    serving = ServingFeatures(speculative_topk=1)
+    sel = select_backends(H100, GQA, serving, prefill_backend="flashinfer", decode_backend="torch_native",
+                          speculative_attention_mode="decode")
+    (entry,) = [e for e in sel.trace if "speculative verify" in e.reason]
+    assert entry.backend == "torch_native"
+    with pytest.raises(ValueError, match="speculative_attention_mode"):
+        select_backends(H100, GQA, serving, speculative_attention_mode="verify")

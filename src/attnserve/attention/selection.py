@@ -376,14 +376,16 @@ def runnable_backends(hw: Hardware, model: ModelTraits, serving: ServingFeatures
 
 
 # ---- the decision ---------------------------------------------------------------------------------------
+_TIME_KEYS = {"median_us": 1.0, "time_us": 1.0, "us": 1.0, "median_ms": 1e3, "time_ms": 1e3, "ms": 1e3}
 MEASUREMENTS_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 
 
 def measured_order(hw: Hardware, results_dir: Path | None = None) -> tuple[str, ...] | None:
     """Implemented backends ordered by measured speed on this GPU model, if a benchmark file exists.
 
-    Reads `kernels-<gpu>.json` (e.g. kernels-h200.json): records with a "backend" and a time
-    ("median_us", "time_us" or "us"); the other scalar fields name the case. A backend's score is
+    Reads `kernels-<gpu>.json` (e.g. kernels-h200.json): a list of records, or {"results": [...]},
+    each with a "backend" and a time (median_us / time_us / us, or the same in ms); the other
+    scalar fields name the case. A backend's score is
     its mean time relative to the fastest backend of each case it ran, so backends that ran
     different case sets still compare. None when no file applies or none parses.
     """
@@ -402,12 +404,12 @@ def measured_order(hw: Hardware, results_dir: Path | None = None) -> tuple[str, 
     for rec in records if isinstance(records, list) else []:
         if not isinstance(rec, dict) or "backend" not in rec:
             continue
-        t = next((rec[k] for k in ("median_us", "time_us", "us") if isinstance(rec.get(k), (int, float))), None)
+        t = next((rec[k] * scale for k, scale in _TIME_KEYS.items() if isinstance(rec.get(k), (int, float))), None)
         name = str(rec["backend"])
         if t is None or t <= 0 or name not in REGISTRY or not REGISTRY[name].implemented:
             continue
         case = tuple(sorted((k, v) for k, v in rec.items()
-                            if k not in ("backend", "median_us", "time_us", "us") and isinstance(v, (int, float, str))))
+                            if k != "backend" and k not in _TIME_KEYS and isinstance(v, (int, float, str))))
         cases.setdefault(case, {})[name] = min(t, cases.get(case, {}).get(name, t))
     ratios: dict[str, list[float]] = {}
     for times in cases.values():
@@ -438,6 +440,7 @@ def select_backends(
     prefill_backend: str | None = None,
     decode_backend: str | None = None,
     sglang: bool = False,
+    speculative_attention_mode: str = "prefill",
 ) -> Selection:
     """Resolve the prefill and decode backends; raise ValueError if an explicit choice can't run.
 
@@ -445,6 +448,8 @@ def select_backends(
     attnserve can instantiate. Side flags override `attention_backend` for their side, as in SGLang.
     """
     serving = serving or ServingFeatures()
+    if speculative_attention_mode not in SIDES:
+        raise ValueError(f"speculative_attention_mode must be prefill or decode, got {speculative_attention_mode!r}")
     trace: list[TraceEntry] = [
         TraceEntry("input", f"hardware: {hw.describe()}"
                    + ("" if hw.installed is None else f"; installed: {', '.join(sorted(hw.installed)) or 'nothing'}")
@@ -494,6 +499,10 @@ def select_backends(
                                 chosen["decode"], "decode"))
     if chosen["prefill"] != chosen["decode"]:
         trace.append(TraceEntry("adjust", "prefill and decode differ: one hybrid backend routes by forward mode"))
+    if serving.speculative_topk:
+        verify = chosen[speculative_attention_mode]
+        trace.append(TraceEntry("adjust", f"speculative verify runs on the {speculative_attention_mode} backend "
+                                f"(speculative attention mode {speculative_attention_mode})", verify))
     return Selection(chosen["prefill"], chosen["decode"], page_size, cuda_graph, row.choose, trace)
 
 

@@ -44,6 +44,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--attention-backend", default=None)
     b.add_argument("--prefill-attention-backend", default=None)
     b.add_argument("--decode-attention-backend", default=None)
+    b.add_argument("--speculative-attention-mode", choices=("prefill", "decode"), default="prefill",
+                   help="which side runs speculative verify steps (default: prefill)")
     b.add_argument("--sglang", action="store_true",
                    help="answer as SGLang would: backends attnserve does not implement count too")
     p.add_argument("--json", action="store_true",
@@ -108,6 +110,7 @@ def run(args) -> int:
         prefill_backend=args.prefill_attention_backend,
         decode_backend=args.decode_attention_backend,
         sglang=args.sglang,
+        speculative_attention_mode=args.speculative_attention_mode,
     )
     if args.json:
         json.dump(selection.to_dict(), sys.stdout, indent=2)
