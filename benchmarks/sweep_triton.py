@@ -1,0 +1,110 @@
+"""Sweep the Triton kernels' tiles, warps, pipeline stages and split waves on the race workloads.
+
+Prints one line per (workload, setting) and writes JSON; benchmarks/NOTES.md records
+what each setting gave and which defaults were chosen from it.
+
+    PYTHONPATH=src python3 benchmarks/sweep_triton.py --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import traceback
+
+import torch
+
+from attnserve.attention.backends.triton import TritonBackend
+from attnserve.attention.kernels.decode import DecodeConfig
+from attnserve.attention.kernels.extend import ExtendConfig
+from attnserve.bench.racers import build_race_batch
+from attnserve.bench.timing import time_eager, time_graph
+from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
+
+DECODE_CONFIGS = [DecodeConfig(bn, w, s) for bn, (w, s) in itertools.product(
+    (32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
+EXTEND_CONFIGS = [ExtendConfig(*c) for c in (
+    (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
+    (128, 128, 8, 2), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4))]
+WAVES = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def measure(rb, **options) -> tuple[float, int]:
+    backend = TritonBackend(rb.pool, **options)
+    rb.fb.attn_backend = backend
+    backend.plan(rb.fb)
+    if rb.workload.kind == "decode":
+        fn = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb)
+        fn()
+        return (time_graph(fn) if rb.q.is_cuda else 0.0), backend._decode.max_splits
+    fn = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb)
+    fn()
+    return (time_eager(fn) if rb.q.is_cuda else 0.0), 0
+
+
+def rate(rb, us: float) -> str:
+    w, lay = rb.workload, rb.layer
+    if us <= 0:
+        return ""
+    if w.kind == "decode":
+        return f"{w.kv_bytes(lay.num_kv_heads, lay.head_dim, 2) / us / 1e6:.2f} TB/s"
+    return f"{w.flops(lay.num_heads, lay.head_dim) / us / 1e6:.0f} TFLOP/s"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="sweep.json")
+    p.add_argument("--tiny", action="store_true", help="small shapes, two settings each (CPU smoke run)")
+    p.add_argument("--workloads", nargs="*")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
+    if args.workloads:
+        workloads = [w for w in workloads if any(n in w.name for n in args.workloads)]
+    dec_cfgs = DECODE_CONFIGS[:2] if args.tiny else DECODE_CONFIGS
+    ext_cfgs = [ExtendConfig(16, 16, 4, 1), ExtendConfig(32, 16, 4, 1)] if args.tiny else EXTEND_CONFIGS
+    rows = []
+
+    def record(rb, setting: dict, **options):
+        try:
+            us, splits = measure(rb, **options)
+            row = {"workload": rb.workload.name, **setting, "us": round(us, 1), "splits": splits}
+            print(f"{rb.workload.name:<22} {json.dumps(setting):<70} {us:9.1f} us  {rate(rb, us):>14}  splits {splits}",
+                  flush=True)
+        except Exception as exc:  # noqa: BLE001 - a setting that fails to compile or run is reported
+            row = {"workload": rb.workload.name, **setting, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            print(f"{rb.workload.name:<22} {json.dumps(setting):<70} FAILED {row['error']}", flush=True)
+            traceback.print_exc(file=sys.stdout)
+        rows.append(row)
+        return row
+
+    for i, w in enumerate(workloads):
+        rb = build_race_batch(w, device=device, seed=i)
+        if w.kind == "decode":
+            best = None
+            for cfg in dec_cfgs:
+                row = record(rb, {"block_n": cfg.block_n, "warps": cfg.num_warps, "stages": cfg.num_stages},
+                             decode_config=cfg)
+                if "us" in row and (best is None or row["us"] < best[0]):
+                    best = (row["us"], cfg)
+            if best is not None:
+                for waves in WAVES[:2] if args.tiny else WAVES:
+                    cfg = best[1]
+                    record(rb, {"block_n": cfg.block_n, "warps": cfg.num_warps, "stages": cfg.num_stages,
+                                "waves": waves}, decode_config=cfg, split_waves=waves)
+        else:
+            for cfg in ext_cfgs:
+                record(rb, {"block_m": cfg.block_m, "block_n": cfg.block_n, "warps": cfg.num_warps,
+                            "stages": cfg.num_stages}, extend_config=cfg)
+        del rb
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks: kernel races (`attnserve bench kernels`); each writes JSON and a chart."""

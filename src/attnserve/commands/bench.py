@@ -1,0 +1,24 @@
+"""`attnserve bench <what>`: measurements on this machine. Each sub-command is a module of attnserve.bench."""
+
+from __future__ import annotations
+
+import importlib
+
+# sub-command -> (module with add_arguments(parser) and run(args), one-line help)
+BENCHES = {
+    "kernels": ("attnserve.bench.kernels", "race the attention backends on fixed decode/prefill workloads"),
+}
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="measure attention kernels (and, later, serving) on this machine")
+    inner = p.add_subparsers(dest="bench", required=True)
+    for name, (module, summary) in BENCHES.items():
+        q = inner.add_parser(name, help=summary, description=summary)
+        importlib.import_module(module).add_arguments(q)
+        q.set_defaults(_bench_module=module)
+    return p
+
+
+def run(args) -> int:
+    return int(importlib.import_module(args._bench_module).run(args) or 0)
