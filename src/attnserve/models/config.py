@@ -20,6 +20,8 @@ LLAMA_ARCHITECTURES = frozenset({
 DEEPSEEK_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
 SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES | DEEPSEEK_ARCHITECTURES
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -52,6 +54,8 @@ class RopeConfig:
         rope_type = _first(rope, "rope_type", "type", default="default")
         if rope_type == "mrope":  # multimodal section split; positions are 1-D here
             rope_type = "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         return cls(rope_type=rope_type, theta=theta, params=rope)
 
 

@@ -216,6 +216,11 @@ def _load_hf_dir(path: Path, dtype, device: torch.device) -> LoadedModel:
     config_file = path / "config.json"
     hf_config = _read_json(config_file)
     cfg = ModelConfig.from_hf(hf_config, str(config_file))
+    quant = hf_config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(f"{config_file}: quantized checkpoints ({method}) are not supported; supported: "
+                         "unquantized safetensors (bf16/fp16/fp32) or a GGUF file")
     files = safetensors_files(path)
     torch_dtype = resolve_dtype(dtype, device, hf_config)
     model = build_model(cfg, torch_dtype, device)
@@ -248,7 +253,10 @@ def _load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
 # ---- random weights --------------------------------------------------------------------------
 def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Normal(0, std) matrices, unit norms, zero biases: numerically tame activations for benchmarks."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    device = next(model.parameters()).device
+    if device.type == "meta":  # shapes only (sizing, tests): nothing to fill
+        return
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "e_score_correction_bias" in name:

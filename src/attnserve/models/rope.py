@@ -13,9 +13,7 @@ import math
 import torch
 from torch import nn
 
-from attnserve.models.config import RopeConfig
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+from attnserve.models.config import SUPPORTED_ROPE_TYPES, RopeConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""The embedded SmolLM2-135M-Instruct GGUF against transformers loading the same file.
+
+Transformers' GGUF path dequantises the whole model in numpy, so it is loaded
+once per module. Tokenisation, the chat template and greedy continuations must be
+identical; our load time is logged (not asserted: wall clock depends on the box).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from attnserve.models.driver import generate
+from attnserve.models.loader import embedded_model_path, load_model
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+
+log = logging.getLogger(__name__)
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return embedded_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def ours(gguf_path):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # steadier on a busy 2-core box; a 135M model gains little from 2
+    start = time.perf_counter()
+    lm = load_model(None, dtype=torch.float32)
+    log.warning("attnserve loaded the embedded SmolLM2 GGUF in %.2f s", time.perf_counter() - start)
+    yield lm
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path):
+    tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+    return tok, model
+
+
+def test_embedded_model_is_the_default(ours, gguf_path):
+    assert ours.format == "gguf" and ours.source == str(gguf_path)
+    assert ours.config.architecture == "LlamaForCausalLM" and ours.config.num_layers == 30
+    assert ours.config.tie_word_embeddings and ours.eos_token_ids
+
+
+def test_tokenizer_matches(ours, reference):
+    tok, _ = reference
+    for text in [*PROMPTS, "Numbers 12345 and   spaces\n\ttabs, émojis 🙂"]:
+        ids = ours.tokenizer.encode(text)
+        assert ids == tok(text)["input_ids"], text
+        assert ours.tokenizer.decode(ids, skip_special_tokens=False) == tok.decode(ids)
+
+
+def test_chat_template_renders_the_same(ours, reference):
+    tok, _ = reference
+    conversations = [
+        [{"role": "user", "content": "Hi there"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}],
+    ]
+    for messages in conversations:
+        for gen_prompt in (True, False):
+            expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
+            assert ours.tokenizer.apply_chat_template(messages, add_generation_prompt=gen_prompt) == expected
+
+
+def test_greedy_continuations_match(ours, reference):
+    tok, model = reference
+    prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
+    gens = generate(ours.model, prompts, max_new_tokens=NEW_TOKENS, eos_token_ids=ours.eos_token_ids)
+    for prompt, g in zip(prompts, gens):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=ours.eos_token_ids, pad_token_id=ours.eos_token_ids[0])
+        expected = out[0, len(prompt):].tolist()
+        assert g.token_ids == expected, f"{tok.decode(prompt)!r}: {tok.decode(g.token_ids)!r} != {tok.decode(expected)!r}"
+        assert g.finish_reason == ("stop" if expected[-1] in ours.eos_token_ids else "length")
