@@ -144,7 +144,7 @@ class Scheduler:
             self.tree.insert(req.fill_ids[: req.kv_len], req.pages)
         self.allocator.free(req.pages)
         self.req_pool.free(req.row)
-        req.pages, req.row, req.kv_len, req.cached_len, req.table_len = [], None, 0, 0, 0
+        req.pages, req.row, req.kv_len, req.table_len = [], None, 0, 0
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduleBatch | None:

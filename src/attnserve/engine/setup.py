@@ -163,7 +163,9 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
         allocator=allocator, req_pool=req_pool, padding_row=padding_row, backend=backend,
         prefill_backend=prefill, decode_backend=decode, selection_trace=trace,
         vocab_size=getattr(getattr(model, "config", None), "vocab_size", None),
-        model_name=str(getattr(loaded, "name", None) or config.model or "embedded SmolLM2-135M-Instruct"),
+        model_name=str(getattr(loaded, "source", None) or getattr(loaded, "name", None) or config.model
+                       or "embedded SmolLM2-135M-Instruct")
+        + ("  [RANDOM WEIGHTS]" if getattr(loaded, "random_weights", False) else ""),
         loaded=loaded,
     )
     graph_note = "off (CPU)" if device.type != "cuda" else "off (--disable-cuda-graph)"
