@@ -167,3 +167,24 @@ def test_logits_indices_select_rows(tmp_path_factory):
         picked = lm.model(ids, fb.positions, fb, logits_indices=last)
     assert picked.shape == (2, VOCAB)
     torch.testing.assert_close(picked, full[last], rtol=1e-5, atol=1e-5)
+
+
+def test_moe_dense_and_sparse_paths_agree():
+    """Decode-sized batches take the graph-safe dense path; both must give the same mixture."""
+    from attnserve.models.moe import Experts
+
+    torch.manual_seed(0)
+    experts = Experts(num_experts=6, hidden_size=16, intermediate_size=8, hidden_act="silu")
+    with torch.no_grad():
+        experts.gate_up_proj.normal_()
+        experts.down_proj.normal_()
+    x = torch.randn(9, 16)
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(9)])  # [9, 2], distinct experts per token
+    weights = torch.rand(9, 2)
+    dense = experts.forward_dense(x, weights, ids)
+    sparse = experts.forward_sparse(x, weights, ids)
+    torch.testing.assert_close(dense, sparse, rtol=1e-5, atol=1e-5)
+    # an expert no token routes to contributes nothing
+    ids[:, :] = torch.tensor([0, 1])
+    torch.testing.assert_close(experts.forward_dense(x, weights, ids), experts.forward_sparse(x, weights, ids),
+                               rtol=1e-5, atol=1e-5)

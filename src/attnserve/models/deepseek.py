@@ -88,7 +88,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
         tokens = hidden.shape[0]
         if hasattr(self, "q_proj"):
             q = self.q_proj(hidden)
@@ -98,7 +98,7 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, rank]
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.view(tokens, 1, self.rope_dim))
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.view(tokens, 1, self.rope_dim), cos_sin)
         w_uk, w_uv = self._up_projections()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         q_full = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
@@ -117,8 +117,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb, cos_sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -163,8 +163,9 @@ class DeepseekForCausalLM(CausalLM):
     ) -> torch.Tensor:
         """input_ids [T], positions [T] -> logits [T, vocab] (or [len(logits_indices), vocab]), float32."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # 2 x [T, rotary_dim/2], shared by all layers
         for layer in self.layers:
-            hidden = layer(positions, hidden, fb)
+            hidden = layer(positions, hidden, fb, cos_sin)
         return self.compute_logits(hidden, logits_indices)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:

@@ -53,7 +53,7 @@ class LlamaAttention(nn.Module):
             sliding_window=cfg.sliding_windows[layer_id] if cfg.sliding_windows else None,
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -61,7 +61,7 @@ class LlamaAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, cos_sin)
         o = self.attn(q, k, v.contiguous(), fb)  # [T, Hq * D]
         return self.o_proj(o)
 
@@ -74,8 +74,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb, cos_sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -112,8 +112,9 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         """input_ids [T], positions [T] -> logits [T, vocab] (or [len(logits_indices), vocab]), float32."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # 2 x [T, rotary_dim/2], shared by all layers
         for layer in self.layers:
-            hidden = layer(positions, hidden, fb)
+            hidden = layer(positions, hidden, fb, cos_sin)
         return self.compute_logits(hidden, logits_indices)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:

@@ -96,7 +96,27 @@ class Experts(nn.Module):
             raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} != model shape {tuple(target.shape)}")
         target.copy_(loaded.to(target.dtype))
 
+    # below this many token x expert pairs every expert runs on every token (weighted by 0 where unrouted):
+    # no host sync, so decode steps can be captured in a CUDA graph, and small batches read each expert's
+    # weights once either way
+    DENSE_MAX_PAIRS = 16384
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] * self.num_experts <= self.DENSE_MAX_PAIRS:
+            return self.forward_dense(x, weights, ids)
+        return self.forward_sparse(x, weights, ids)
+
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        # [T, E] routing weights, zero for experts a token does not use
+        routing = torch.zeros(tokens, self.num_experts, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
+        xe = x.unsqueeze(0).expand(self.num_experts, tokens, x.shape[1])  # [E, T, hidden]
+        gate, up = torch.bmm(xe, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # each [E, T, I]
+        y = torch.bmm(self.act(gate) * up, self.down_proj.transpose(1, 2))  # [E, T, hidden]
+        return (y * routing.t().unsqueeze(-1)).sum(0).to(x.dtype)  # [T, hidden]
+
+    def forward_sparse(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each expert on only its tokens (prefill-sized batches)."""
         out = torch.zeros_like(x)  # [T, hidden]
         for expert in torch.unique(ids).tolist():
             token_idx, slot = torch.where(ids == expert)

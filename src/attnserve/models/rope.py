@@ -118,6 +118,9 @@ class RotaryEmbedding(nn.Module):
             out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin` from `cos_sin(positions, dtype)`, computed once per step and shared by every layer."""
+        cos, sin = self.cos_sin(positions, q.dtype) if cos_sin is None else cos_sin
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
