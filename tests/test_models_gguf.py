@@ -95,3 +95,19 @@ def test_greedy_continuations_match(ours, reference):
         expected = out[0, len(prompt):].tolist()
         assert g.token_ids == expected, f"{tok.decode(prompt)!r}: {tok.decode(g.token_ids)!r} != {tok.decode(expected)!r}"
         assert g.finish_reason == ("stop" if expected[-1] in ours.eos_token_ids else "length")
+
+
+def test_hf_directory_tokenizer_and_template(ours, reference, tmp_path):
+    """The same tokenizer saved as an HF directory (tokenizer.json + config + template) loads identically."""
+    from attnserve.models.tokenizer import Tokenizer
+
+    tok, _ = reference
+    tok.save_pretrained(tmp_path)
+    hf_dir_tok = Tokenizer.from_hf_dir(tmp_path, {"eos_token_id": ours.eos_token_ids[0]})
+    assert hf_dir_tok is not None and hf_dir_tok.chat_template
+    messages = [{"role": "user", "content": "Hello!"}]
+    assert hf_dir_tok.apply_chat_template(messages) == tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    for text in PROMPTS:
+        assert hf_dir_tok.encode(text) == ours.tokenizer.encode(text) == tok(text)["input_ids"]
+    assert ours.eos_token_ids[0] in hf_dir_tok.eos_token_ids
