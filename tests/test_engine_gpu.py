@@ -7,7 +7,7 @@ padded replay, and the triton kernels inside the engine.
 
 import pytest
 import torch
-from engine_helpers import prompts, shared_model
+from engine_helpers import prompts, tiny_llama
 
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
@@ -20,10 +20,16 @@ NEW = 16
 PROMPTS = prompts(12, seed=5, shared_prefix=8, lo=4, hi=60)
 
 
+_BUNDLE = None
+
+
 def _model_on_cuda():
-    bundle = shared_model()
-    bundle.model.to("cuda")
-    return bundle
+    """head_dim 32: the smallest the triton kernels take."""
+    global _BUNDLE
+    if _BUNDLE is None:
+        _BUNDLE = tiny_llama(hidden=128, heads=4, kv_heads=2)
+        _BUNDLE.model.to("cuda")
+    return _BUNDLE
 
 
 def _run(backend: str, graphs: bool, page_size: int = 1, **kw) -> tuple[list[list[int]], Engine]:

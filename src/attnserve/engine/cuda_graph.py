@@ -43,7 +43,7 @@ class CudaGraphRunner:
         batch_sizes: list[int],
         device: torch.device,
     ):
-        if not type(backend).features.cuda_graph:
+        if not backend.features.cuda_graph:
             raise ValueError(f"attention backend {backend.name} does not support CUDA graphs")
         self.model = model
         self.backend = backend

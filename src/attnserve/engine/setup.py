@@ -105,12 +105,9 @@ def _make_backend(prefill: str, decode: str, pool: KVPool):
 
     if prefill == decode:
         return create_backend(prefill, pool)
-    try:
-        from attnserve.attention.hybrid import HybridBackend
-    except ImportError:
-        raise ValueError(f"prefill backend {prefill!r} and decode backend {decode!r} differ, "
-                         "but this build has no hybrid backend; choose one --attention-backend") from None
-    return HybridBackend(create_backend(prefill, pool), create_backend(decode, pool))
+    from attnserve.attention.hybrid import HybridAttentionBackend
+
+    return HybridAttentionBackend(create_backend(prefill, pool), create_backend(decode, pool))
 
 
 def _pool_tokens(config: EngineConfig, bytes_per_token: int, device: torch.device, max_tokens_needed: int) -> int:
@@ -170,7 +167,7 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
     )
     graph_note = "off (CPU)" if device.type != "cuda" else "off (--disable-cuda-graph)"
     if device.type == "cuda" and not config.disable_cuda_graph:
-        if not graph_ok or not type(backend).features.cuda_graph:
+        if not graph_ok or not backend.features.cuda_graph:
             graph_note = f"off ({decode} cannot be captured; decode runs eagerly)"
         else:
             from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
