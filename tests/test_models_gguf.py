@@ -90,7 +90,8 @@ def test_greedy_continuations_match(ours, reference):
     gens = generate(ours.model, prompts, max_new_tokens=NEW_TOKENS, eos_token_ids=ours.eos_token_ids)
     for prompt, g in zip(prompts, gens):
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
                                  eos_token_id=ours.eos_token_ids, pad_token_id=ours.eos_token_ids[0])
         expected = out[0, len(prompt):].tolist()
         assert g.token_ids == expected, f"{tok.decode(prompt)!r}: {tok.decode(g.token_ids)!r} != {tok.decode(expected)!r}"

@@ -127,11 +127,11 @@ class GGUFFile:
             return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
         raise ValueError(f"{self.source}: unexpected tensor {name!r} for architecture {self.arch}")
 
-    def tokenizer_fields(self) -> dict:
-        """Vocabulary, merges, token types, special ids and chat template as plain Python values."""
+    def tokenizer_fields(self) -> dict | None:
+        """Vocabulary, merges, token types, special ids and chat template; None when the file has no tokenizer."""
         tokens = self.value("tokenizer.ggml.tokens")
         if tokens is None:
-            raise ValueError(f"{self.source}: no tokenizer in the file (tokenizer.ggml.tokens missing)")
+            return None
         return {
             "model": self.value("tokenizer.ggml.model"),
             "pre": self.value("tokenizer.ggml.pre"),

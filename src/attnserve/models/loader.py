@@ -244,10 +244,11 @@ def _load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
     torch_dtype = resolve_dtype(dtype, device, {"torch_dtype": "bfloat16"})
     model = build_model(cfg, torch_dtype, device)
     model.load_weights(((n, t.to(device)) for n, t in gf.tensors(hf_config, torch_dtype)), source=str(path))
-    tokenizer = Tokenizer.from_gguf(gf.tokenizer_fields(), str(path))
-    eos = list(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))
-    return LoadedModel(model, tokenizer, cfg, hf_config, tokenizer.chat_template, eos, str(path), "gguf",
-                       torch_dtype, device)
+    fields = gf.tokenizer_fields()
+    tokenizer = Tokenizer.from_gguf(fields, str(path)) if fields is not None else None
+    eos = list(dict.fromkeys(cfg.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else [])))
+    return LoadedModel(model, tokenizer, cfg, hf_config, tokenizer.chat_template if tokenizer else None, eos,
+                       str(path), "gguf", torch_dtype, device)
 
 
 # ---- random weights --------------------------------------------------------------------------

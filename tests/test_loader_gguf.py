@@ -1,0 +1,125 @@
+"""GGUF files written here from tiny transformers models: q/k un-permutation, Qwen3 names, quant types.
+
+llama.cpp's converter permutes the q/k rows of `llama` models for its RoPE kernel
+(and leaves `qwen3` alone); the files below are written the same way, so loading
+them back must reproduce the transformers model's logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from attnserve.models.driver import generate
+from attnserve.models.loader import load_model
+
+VOCAB = 96
+_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows of `llama` models (pairs interleaved per head)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_NAMES[module]}.{kind}"
+
+
+def _write_gguf(hf, arch: str, path, qtype: str) -> None:
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        a = t.numpy().astype(np.float32)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            a = _llama_cpp_permute(a, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
+        if a.ndim == 2 and qtype != "F32":
+            q = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, q), raw_dtype=q)
+        else:
+            w.add_tensor(_gguf_name(name), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _round_trip_weights(hf, qtype: str) -> None:
+    """Give the reference the same quantisation error the file carries."""
+    if qtype == "F32":
+        return
+    q = gguf.GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                a = p.numpy().astype(np.float32)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, q), q).reshape(a.shape)))
+
+
+CASES = [
+    ("llama", "Llama", "F32", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    ("llama", "Llama", "Q8_0", {"num_key_value_heads": 4, "tie_word_embeddings": False}),
+    ("qwen3", "Qwen3", "F16", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    ("llama", "Llama", "Q4_0", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+]
+
+
+@pytest.mark.parametrize(("arch", "family", "qtype", "extra"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_written_gguf_matches_transformers(arch, family, qtype, extra, tmp_path):
+    torch.set_num_threads(1)
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        head_dim=16, max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-5, **extra)
+    torch.manual_seed(7)
+    hf = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    path = tmp_path / f"tiny-{arch}-{qtype}.gguf"
+    _write_gguf(hf, arch, path, qtype)
+    _round_trip_weights(hf, qtype)
+    lm = load_model(path, dtype=torch.float32)
+    assert lm.format == "gguf" and lm.tokenizer is None
+    assert lm.config.tie_word_embeddings == extra["tie_word_embeddings"]
+    prompt = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    gens, logits = generate(lm.model, [prompt], max_new_tokens=8, return_prefill_logits=True)
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+        ids = torch.tensor([prompt])
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    rel = (logits - ref).abs().max() / ref.abs().max()
+    assert rel < 1e-4, f"max relative error {rel:.2e}"
+    assert gens[0].token_ids == expected
