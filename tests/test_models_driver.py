@@ -67,3 +67,32 @@ def test_bad_arguments(model, kwargs, message):
     args = {"prompts": [[1, 2]], **kwargs}
     with pytest.raises(ValueError, match=message):
         generate(model, **args)
+
+
+TINY_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
+    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "n_group": 2, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 8, "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 8, "v_head_dim": 8, "max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_bf16_mla_moe_runs_with_float32_routing(tmp_path, monkeypatch, sparse):
+    from attnserve.models.moe import Experts
+
+    if sparse:
+        monkeypatch.setattr(Experts, "DENSE_MAX_PAIRS", 0)
+    (tmp_path / "config.json").write_text(json.dumps(TINY_V3))
+    lm32 = load_model(tmp_path, random_weights=True, dtype=torch.float32, seed=5)
+    lm16 = load_model(tmp_path, random_weights=True, dtype=torch.bfloat16, seed=5)
+    gate = lm16.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert lm16.model.embed_tokens.weight.dtype == torch.bfloat16
+    prompts = [[3, 4, 5, 6, 7, 8], [9, 10]]
+    _, l32 = generate(lm32.model, prompts, max_new_tokens=4, return_prefill_logits=True)
+    g16, l16 = generate(lm16.model, prompts, max_new_tokens=4, return_prefill_logits=True)
+    assert l16.dtype == torch.float32 and torch.isfinite(l16).all()
+    assert (l16 - l32).abs().max() < 0.05 * l32.abs().max()
+    assert all(len(g.token_ids) == 4 for g in g16)

@@ -33,9 +33,14 @@ class Router(nn.Module):
         self.topk_group = max(cfg.topk_group or 1, 1)
         self.norm_topk_prob = cfg.norm_topk_prob
         self.routed_scaling_factor = cfg.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size), requires_grad=False)  # [E, hidden]
+        # routing runs in float32 whatever the model dtype: near-tied expert scores must pick the experts the
+        # checkpoint's authors saw (V3 ships its correction bias in float32 for this reason)
+        self.weight = nn.Parameter(
+            torch.empty(self.num_experts, cfg.hidden_size, dtype=torch.float32), requires_grad=False
+        )  # [E, hidden]
         self.e_score_correction_bias = (
-            nn.Parameter(torch.zeros(self.num_experts), requires_grad=False) if self.method == "noaux_tc" else None
+            nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32), requires_grad=False)
+            if self.method == "noaux_tc" else None
         )  # [E]
 
     def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
@@ -47,11 +52,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k])."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = F.linear(x.float(), self.weight)  # [T, E]
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         per_group = self.num_experts // self.n_group
         if self.method == "noaux_tc":
-            choice = scores + self.e_score_correction_bias.float()
+            choice = scores + self.e_score_correction_bias
             group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1).values.sum(-1)  # [T, n_group]
             choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
             ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
