@@ -120,25 +120,26 @@ def test_decode_kernel_with_forced_splits(page_size, block_n):
 
 # ---- extend ----------------------------------------------------------------------------------------
 def test_extend_tiles_cover_every_row_heaviest_first():
-    tiles = build_extend_tiles([0, 100, 5], [40, 3, 17], block_m=16, device="cpu")
+    tiles = build_extend_tiles([0, 100, 5], [40, 3, 17], positions=16, device="cpu")
     covered = sorted(zip(tiles.tile_req.tolist(), tiles.tile_m0.tolist()))
     assert covered == [(0, 0), (0, 16), (0, 32), (1, 0), (2, 0), (2, 16)]
     assert tiles.tile_req.tolist()[0] == 1  # 100 cached tokens: the most keys to sweep
 
 
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
-def test_extend_kernel_block_shapes(block_m, block_n):
-    """Tiles that do not divide the lengths, on both sides of the causal diagonal."""
-    sb = make_batch([0, 29, 6], [37, 11, 18], num_heads=4, num_kv_heads=2, head_dim=64, page_size=4,
-                    dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, seed=block_m + block_n)
+@pytest.mark.parametrize(("block_m", "block_n", "pack_gqa", "group"),
+                         [(16, 16, False, 2), (32, 16, True, 4), (16, 32, True, 2), (64, 16, True, 3)])
+def test_extend_kernel_block_shapes(block_m, block_n, pack_gqa, group):
+    """Tiles that do not divide the lengths, on both sides of the causal diagonal, heads packed or not."""
+    sb = make_batch([0, 29, 6], [37, 11, 18], num_heads=2 * group, num_kv_heads=2, head_dim=64, page_size=4,
+                    dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, seed=block_m + block_n, use_sinks=True)
     poison_unused_slots(sb)
     fb, layer = sb.fb, sb.layer
     meta = metadata_for_batch(fb)
-    tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, block_m, DEVICE)
-    out = torch.full((sb.q.shape[0], 4, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # [T, Hq, Dv]
+    cfg = ExtendConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1, pack_gqa=pack_gqa)
+    tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, cfg.positions_per_tile(group), DEVICE)
+    out = torch.full((sb.q.shape[0], 2 * group, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # [T, Hq, Dv]
     extend_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], out, tiles, meta.qo_indptr, meta.kv_indptr,
-                     meta.kv_indices, fb.seq_lens, 4, layer.scaling,
-                     config=ExtendConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1))
+                     meta.kv_indices, fb.seq_lens, 4, layer.scaling, sinks=layer.sinks, config=cfg)
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, layer, fb)) < 1e-2
 
@@ -147,7 +148,7 @@ def test_extend_rejects_tiles_built_for_another_block():
     sb = make_batch([0], [8], num_heads=2, num_kv_heads=2, head_dim=16, device=DEVICE)
     meta = metadata_for_batch(sb.fb)
     tiles = build_extend_tiles([0], [8], 32, DEVICE)
-    with pytest.raises(ValueError, match="block_m"):
+    with pytest.raises(ValueError, match="positions"):
         extend_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], torch.empty_like(sb.q), tiles,
                          meta.qo_indptr, meta.kv_indptr, meta.kv_indices, sb.fb.seq_lens, 1, 1.0,
                          config=ExtendConfig(block_m=16, block_n=16))

@@ -28,8 +28,10 @@ ORACLE_MAX_SCORES = 2**31  # float32 dense score elements the oracle may build p
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", nargs="*", help="run only workloads whose name contains one of these")
-    p.add_argument("--backends", nargs="*", help="contestants to race (default: all available), "
-                   "e.g. triton flashinfer sdpa torch_native")
+    p.add_argument("--backends", nargs="*", help="contestants to race (default: all available); names as "
+                   "printed, a trailing * takes a family, e.g. triton 'sdpa*' torch_native flashinfer flashinfer-fa3")
+    p.add_argument("--triton-options", default=None,
+                   help='JSON options for the triton backend, e.g. \'{"extend_config": {"block_m": 128}}\'')
     p.add_argument("--json", type=Path, default=Path("kernels.json"), help="where to write the results")
     p.add_argument("--png", type=Path, default=None, help="chart path (default: the JSON path with .png)")
     p.add_argument("--tiny", action="store_true", help="scaled-down shapes (smoke test; CPU under TRITON_INTERPRET=1)")
@@ -99,13 +101,29 @@ def _order(name: str) -> int:
                 len(CONTESTANT_ORDER))
 
 
-def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: dict, log=print) -> list[dict]:
+def triton_options(text: str | None) -> dict:
+    """--triton-options JSON -> TritonBackend options (config dicts become config objects)."""
+    if not text:
+        return {}
+    from attnserve.attention.kernels.decode import DecodeConfig
+    from attnserve.attention.kernels.extend import ExtendConfig
+
+    opts = json.loads(text)
+    if "decode_config" in opts:
+        opts["decode_config"] = DecodeConfig(**opts["decode_config"])
+    if "extend_config" in opts:
+        opts["extend_config"] = ExtendConfig(**opts["extend_config"])
+    return opts
+
+
+def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: dict, log=print,
+         options: dict | None = None) -> list[dict]:
     """Every contestant over every workload, contestant by contestant (all batches stay resident)."""
     from attnserve.bench.racers import build_race_batch, output_rows, racers_for
     from attnserve.bench.timing import time_call
 
     batches = [build_race_batch(w, device=device, seed=i) for i, w in enumerate(workloads)]
-    fields = [racers_for(rb, wanted) for rb in batches]
+    fields = [racers_for(rb, wanted, options) for rb in batches]
     names = sorted({n for f in fields for n in f}, key=lambda n: (_order(n), n))
     records = {(w.name, n): None for w, f in zip(workloads, fields) for n in f}
     outputs: dict[str, dict] = {w.name: {} for w in workloads}
@@ -219,7 +237,8 @@ def run_bench(args) -> dict:
     if device == "cuda":
         ceilings = {"copy_tbps": round(copy_bandwidth_tbps(), 3), "matmul_tflops": round(matmul_tflops(), 1)}
         print(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
-    records = race(workloads, args.backends, device, not args.no_check, ceilings)
+    options = triton_options(args.triton_options)
+    records = race(workloads, args.backends, device, not args.no_check, ceilings, options=options)
     for r in records:
         print(_format(r))
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
@@ -229,6 +248,7 @@ def run_bench(args) -> dict:
         "versions": _versions(),
         "shapes": {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"},
         "ceilings": ceilings,
+        "triton_options": json.loads(args.triton_options) if args.triton_options else {},
         "records": records,
     }
     return result

@@ -161,7 +161,8 @@ def racers_for(rb: RaceBatch, wanted: list[str] | None, triton_options: dict | N
             field_["sdpa-flash"] = lambda: sdpa_racer(rb, "flash")
     field_["torch_native"] = lambda: attnserve_racer("torch_native", rb)
     if wanted:
-        field_ = {k: f for k, f in field_.items() if any(k == x or k.startswith(x + "-") for x in wanted)}
+        field_ = {k: f for k, f in field_.items() if any(k == x or (x.endswith("*") and k.startswith(x[:-1]))
+                                                         for x in wanted)}
     return field_
 
 

@@ -46,7 +46,9 @@ class _DecodePlan:
 class _ExtendPlan:
     meta: PagedKVMetadata
     seq_lens: torch.Tensor  # [B] int32
-    tiles: object  # kernels.extend.ExtendTiles
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    tiles: dict  # positions per tile -> kernels.extend.ExtendTiles (built at the first layer needing it)
     custom_mask: torch.Tensor | None  # flattened per-request [ext, seq] masks, uint8
     mask_indptr: torch.Tensor | None  # [B] int64 offsets into custom_mask
 
@@ -119,11 +121,15 @@ class TritonBackend(AttentionBackend):
         self._graph: _GraphState | None = None
 
     # ---- per step ------------------------------------------------------------------------------
-    def _extend_block_m(self) -> int:
-        from attnserve.attention.kernels.extend import default_extend_config
+    def _extend_tiles(self, plan: _ExtendPlan, group: int):
+        """The step's tile list for this layer's GQA group (layers of one model share it)."""
+        from attnserve.attention.kernels.extend import build_extend_tiles, default_extend_config
 
         cfg = self.extend_config or default_extend_config(self.pool.head_dim, self.pool.device)
-        return cfg.block_m
+        positions = cfg.positions_per_tile(group)
+        if positions not in plan.tiles:
+            plan.tiles[positions] = build_extend_tiles(plan.prefix_lens, plan.extend_lens, positions, self.pool.device)
+        return plan.tiles[positions]
 
     def plan(self, fb: ForwardBatch) -> None:
         self._decode = None
@@ -147,9 +153,6 @@ class TritonBackend(AttentionBackend):
         return _DecodePlan(meta, seq_lens, num_splits, grid_splits, write_final=grid_splits == 1)
 
     def _plan_extend(self, fb: ForwardBatch, meta: PagedKVMetadata, seq_lens: torch.Tensor) -> _ExtendPlan:
-        from attnserve.attention.kernels.extend import build_extend_tiles
-
-        tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, self._extend_block_m(), self.pool.device)
         mask = mask_indptr = None
         if fb.custom_mask is not None:
             sizes = [e * s for e, s in zip(fb.extend_lens_cpu, fb.seq_lens_cpu)]
@@ -159,7 +162,7 @@ class TritonBackend(AttentionBackend):
             mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
             offsets = [0] + list(itertools.accumulate(sizes))[:-1]
             mask_indptr = torch.tensor(offsets, dtype=torch.int64).to(self.pool.device, non_blocking=True)  # [B]
-        return _ExtendPlan(meta, seq_lens, tiles, mask, mask_indptr)
+        return _ExtendPlan(meta, seq_lens, fb.prefix_lens_cpu, list(fb.extend_lens_cpu), {}, mask, mask_indptr)
 
     # ---- KV store --------------------------------------------------------------------------------
     def store_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
@@ -187,7 +190,8 @@ class TritonBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)  # [T, Hq, Dv]
         lid = layer.layer_id
         return extend_attention(
-            q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out, plan.tiles,
+            q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
+            self._extend_tiles(plan, layer.gqa_group),
             plan.meta.qo_indptr, plan.meta.kv_indptr, plan.meta.kv_indices, plan.seq_lens, self.pool.page_size,
             layer.scaling, self.pool.k_scale[lid], self.pool.v_scale[lid], layer.sliding_window, layer.logit_cap,
             layer.sinks, plan.custom_mask, plan.mask_indptr, config=self.extend_config,

@@ -1,7 +1,9 @@
 """Extend / prefill over the paged pool, FlashAttention-2 style.
 
-One program owns a tile of BLOCK_M query rows of one request and one query head.
-It sweeps the request's keys through the page table: the cached prefix and this
+One program owns a tile of BLOCK_M query rows of one request. With GQA packing (the
+default) the rows are every query head of one KV head at BLOCK_M / group consecutive
+positions, so the causal diagonal cuts through fewer key tiles and fewer programs
+mask; without it, the rows are BLOCK_M positions of one query head. It sweeps the request's keys through the page table: the cached prefix and this
 step's new tokens alike (the new K/V are in the pool before the kernel runs, so an
 FP8 pool is read exactly as decode will read it later). Key tiles every row of the
 tile may see are processed without masks; only tiles on the causal diagonal (or
@@ -9,8 +11,8 @@ every tile, with a sliding window or a custom mask) build a mask. Tiles entirely
 in the future of every row are never visited.
 
 Ragged batches: the host builds a list of (request, first row) tiles in plan(), the
-heaviest first so the long causal tiles start early. The grid is (query heads, tiles)
-with heads fastest, so the heads of a GQA group run side by side and share K/V in L2.
+heaviest first so the long causal tiles start early. The grid is (heads, tiles) with
+heads fastest, so programs reading the same keys run side by side and share them in L2.
 """
 
 from __future__ import annotations
@@ -28,8 +30,17 @@ from attnserve.attention.kernels.common import LOG2E, dot_dtype_is_f32, next_pow
 class ExtendConfig:
     block_m: int = 128
     block_n: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3
+    pack_gqa: bool = True  # one program runs every query head of a KV head: BLOCK_M rows = positions x group
+
+    def positions_per_tile(self, group: int) -> int:
+        """Query positions one tile covers: block_m rows shared by the `pack` heads of each position."""
+        return max(1, self.block_m // pack_factor(self, group))
+
+
+def pack_factor(config: ExtendConfig, group: int) -> int:
+    return group if config.pack_gqa and 1 < group <= config.block_m else 1
 
 
 def default_extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
@@ -38,37 +49,37 @@ def default_extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
         return ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if head_dim > 128:
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    return ExtendConfig()
+    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
 
 
 @dataclass
 class ExtendTiles:
-    """Work list for the extend grid: tile t covers rows tile_m0[t]:+BLOCK_M of request tile_req[t]."""
+    """Work list for the extend grid: tile t covers new-token positions tile_m0[t]:+positions of tile_req[t]."""
 
     tile_req: torch.Tensor  # [num_tiles] int32
     tile_m0: torch.Tensor  # [num_tiles] int32
-    block_m: int
+    positions: int
 
     @property
     def num_tiles(self) -> int:
         return self.tile_req.numel()
 
 
-def build_extend_tiles(prefix_lens: list[int], extend_lens: list[int], block_m: int, device) -> ExtendTiles:
-    """Host-side tile list, heaviest (most keys to sweep) first."""
+def build_extend_tiles(prefix_lens: list[int], extend_lens: list[int], positions: int, device) -> ExtendTiles:
+    """Host-side tile list of `positions` query positions each, heaviest (most keys to sweep) first."""
     tiles = []
     for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
-        for m0 in range(0, e, block_m):
-            tiles.append((p + min(m0 + block_m, e), r, m0))
+        for m0 in range(0, e, positions):
+            tiles.append((p + min(m0 + positions, e), r, m0))
     tiles.sort(key=lambda x: -x[0])
     req = torch.tensor([t[1] for t in tiles], dtype=torch.int32)  # [num_tiles]
     m0 = torch.tensor([t[2] for t in tiles], dtype=torch.int32)  # [num_tiles]
-    return ExtendTiles(req.to(device, non_blocking=True), m0.to(device, non_blocking=True), block_m)
+    return ExtendTiles(req.to(device, non_blocking=True), m0.to(device, non_blocking=True), positions)
 
 
 @triton.jit
 def _extend_block(
-    acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, offs_m, m_mask, Mask, mask_base,
+    acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
     qk_scale_log2, sm_scale_k, softcap, window,
     stride_kt, stride_kh, stride_vt, stride_vh,
     offs_d, d_mask, offs_dv, dv_mask,
@@ -101,7 +112,7 @@ def _extend_block(
     if MASKED:
         visible = n_valid[None, :] & m_mask[:, None]
         if HAS_CUSTOM_MASK:
-            bits = tl.load(Mask + mask_base + offs_m[:, None] * seq + offs_n[None, :],
+            bits = tl.load(Mask + mask_base + q_row[:, None] * seq + offs_n[None, :],
                            mask=visible, other=0)
             visible = visible & (bits != 0)
         else:
@@ -120,9 +131,9 @@ def _extend_block(
     else:
         v = tl.load(v_ptrs)  # [BLOCK_N, BLOCK_DV]
     if DOT_F32:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
     return acc, m_new, l_i
 
 
@@ -131,12 +142,15 @@ def _extend_kernel(
     Q, K, V, Out, tile_req, tile_m0, qo_indptr, kv_indptr, kv_indices, seq_lens, Mask, mask_indptr, Sinks,
     qk_scale_log2, sm_scale_k, v_scale, softcap, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    h = tl.program_id(0)
+    # PACK == 1: program_id(0) is a query head and rows are positions.
+    # PACK == GROUP: program_id(0) is a KV head and row i is position i // PACK of head i % PACK.
+    POSITIONS: tl.constexpr = BLOCK_M // PACK
+    pid_h = tl.program_id(0)
     t = tl.program_id(1)
     r = tl.load(tile_req + t)
     m0 = tl.load(tile_m0 + t)
@@ -144,21 +158,23 @@ def _extend_kernel(
     ext = tl.load(qo_indptr + r + 1) - q_start
     seq = tl.load(seq_lens + r)
     prefix = seq - ext
-    kvh = h // GROUP
+    kvh = pid_h * PACK // GROUP
     page_base = tl.load(kv_indptr + r)
     mask_base = 0
     if HAS_CUSTOM_MASK:
         mask_base = tl.load(mask_indptr + r)
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < ext
-    q_pos = prefix + offs_m  # [BLOCK_M] positions of the tile's queries
+    rows = tl.arange(0, BLOCK_M)
+    q_row = m0 + rows // PACK  # [BLOCK_M] position of each row among the request's new tokens
+    head = pid_h * PACK + rows % PACK  # [BLOCK_M] query head of each row
+    m_mask = (q_row < ext) & (rows < POSITIONS * PACK)
+    q_pos = prefix + q_row  # [BLOCK_M] absolute positions of the rows' queries
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < V_DIM
     PAD_D: tl.constexpr = (BLOCK_D != HEAD_DIM) or (BLOCK_DV != V_DIM)
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+    q = tl.load(Q + (q_start + q_row)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if DOT_F32:
         q = q.to(tl.float32)
@@ -170,7 +186,7 @@ def _extend_kernel(
     if HAS_CUSTOM_MASK:
         hi = seq
     else:
-        hi = tl.minimum(seq, prefix + m0 + BLOCK_M)  # past the last row's position nothing is visible
+        hi = tl.minimum(seq, prefix + m0 + POSITIONS)  # past the last row's position nothing is visible
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
@@ -180,23 +196,23 @@ def _extend_kernel(
         full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
     for n0 in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = _extend_block(
-            acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, offs_m, m_mask, Mask, mask_base,
+            acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
             qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt, stride_vh,
             offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, False, PAD_D,
             HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
     for n0 in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _extend_block(
-            acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, offs_m, m_mask, Mask, mask_base,
+            acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
             qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt, stride_vh,
             offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, True, PAD_D,
             HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
 
     if HAS_SINKS:
-        sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
         l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None] * v_scale
-    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+    tl.store(Out + (q_start + q_row)[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
              o.to(Out.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
 
 
@@ -226,7 +242,7 @@ def extend_attention(
     q `[T, Hq, D]`, out `[T, Hq, Dv]`; the pool buffers in their own layout; qo_indptr `[B+1]`,
     kv_indptr/kv_indices pages as in metadata.py; seq_lens `[B]` int32. custom_mask: flattened
     per-request `[extend_len, seq_len]` masks (uint8/bool), mask_indptr `[B]` their offsets.
-    `tiles` must have been built with this config's block_m.
+    `tiles` must have been built with `config.positions_per_tile(group)` positions per tile.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
@@ -234,8 +250,11 @@ def extend_attention(
         raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
     if config is None:
         config = default_extend_config(head_dim, q.device)
-    if tiles.block_m != config.block_m:
-        raise ValueError(f"tiles were built for block_m={tiles.block_m}, config uses {config.block_m}")
+    group = num_heads // num_kv_heads
+    pack = pack_factor(config, group)
+    if tiles.positions != config.positions_per_tile(group):
+        raise ValueError(f"tiles cover {tiles.positions} positions, the config's tiles "
+                         f"{config.positions_per_tile(group)} (block_m={config.block_m}, pack={pack})")
     if num_tokens == 0 or tiles.num_tiles == 0:
         return out
     if (custom_mask is None) != (mask_indptr is None):
@@ -243,14 +262,14 @@ def extend_attention(
     if custom_mask is not None and custom_mask.dtype == torch.bool:
         custom_mask = custom_mask.view(torch.uint8)
     sm_scale_k = sm_scale * k_scale
-    _extend_kernel[(num_heads, tiles.num_tiles)](
+    _extend_kernel[(num_heads // pack, tiles.num_tiles)](
         q, k_buffer, v_buffer, out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_indptr, kv_indices, seq_lens,
         custom_mask if custom_mask is not None else q, mask_indptr if mask_indptr is not None else qo_indptr,
         sinks if sinks is not None else q,
         sm_scale_k * LOG2E, sm_scale_k, v_scale, float(logit_cap or 1.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        GROUP=group, PACK=pack, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
         PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
         HAS_SINKS=sinks is not None, HAS_CUSTOM_MASK=custom_mask is not None, DOT_F32=dot_dtype_is_f32(q),
