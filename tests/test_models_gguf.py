@@ -112,3 +112,33 @@ def test_hf_directory_tokenizer_and_template(ours, reference, tmp_path):
     for text in PROMPTS:
         assert hf_dir_tok.encode(text) == ours.tokenizer.encode(text) == tok(text)["input_ids"]
     assert ours.eos_token_ids[0] in hf_dir_tok.eos_token_ids
+
+
+def test_bos_is_added_once(ours):
+    """A tokenizer that adds BOS must not add a second one to text that starts with it (rendered chats)."""
+    import copy
+
+    tok = copy.copy(ours.tokenizer)
+    tok.add_bos_token = True
+    bos, bos_text = tok.bos_token_id, tok.special_tokens["bos_token"]
+    plain = tok.encode("hello")
+    assert plain[0] == bos and plain[1] != bos
+    assert tok.encode(bos_text + "hello") == plain
+    assert tok.encode("hello", add_special_tokens=False) == plain[1:]
+    chat = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert chat == ours.tokenizer.encode(ours.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
+
+
+def test_bos_from_a_post_processor_is_not_doubled(ours):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    from attnserve.models.tokenizer import Tokenizer
+
+    backend = HFTokenizer.from_str(ours.tokenizer.backend.to_str())
+    bos_text = ours.tokenizer.id_to_token(1)
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos_text} $A", special_tokens=[(bos_text, 1)])
+    tok = Tokenizer(backend, 1, [2], add_bos_token=False, chat_template=None, special_tokens={"bos_token": bos_text})
+    assert tok.encode("hi")[0] == 1
+    assert tok.encode(bos_text + "hi") == tok.encode("hi")
+    assert tok.encode(bos_text + bos_text + "hi")[:3] == [1, 1, tok.encode("hi")[1]]  # the text's own two stay

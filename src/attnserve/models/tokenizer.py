@@ -43,11 +43,22 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> ids, with the model's BOS once: text that already begins with BOS (a rendered chat
+        template usually does) does not get a second one, which would shift the model off its training."""
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        wants_bos = add_special_tokens and self.add_bos_token and self.bos_token_id is not None
-        if wants_bos and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
+        bos = self.bos_token_id
+        wants_bos = add_special_tokens and self.add_bos_token and bos is not None
+        if wants_bos and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
+            bos_text = self.special_tokens.get("bos_token")
+            if bos_text and text.startswith(bos_text):
+                ids = ids[1:]
         return ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render the chat template and tokenise it exactly as written (the template places BOS itself)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
