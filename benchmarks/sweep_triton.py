@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 import traceback
 
@@ -25,9 +26,11 @@ from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
 
 DECODE_CONFIGS = [DecodeConfig(bn, w, s) for bn, (w, s) in itertools.product(
     (32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
+# first sweep (2026-11-29, one head per program): (128, 64, 4 warps, 3 stages) won on every prefill shape;
+# the second compares GQA packing against it and probes around it
 EXTEND_CONFIGS = [ExtendConfig(*c) for c in (
-    (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
-    (128, 128, 8, 2), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4))]
+    (128, 64, 4, 3, False), (128, 64, 4, 3, True), (128, 64, 4, 4, True), (128, 64, 4, 2, True),
+    (64, 64, 4, 3, True), (128, 32, 4, 3, True), (128, 128, 8, 3, True))]
 WAVES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
@@ -53,16 +56,37 @@ def rate(rb, us: float) -> str:
     return f"{w.flops(lay.num_heads, lay.head_dim) / us / 1e6:.0f} TFLOP/s"
 
 
+def best_extend_config(rows: list[dict]) -> dict | None:
+    """The setting with the smallest geometric mean of (its time / the best time) over the workloads."""
+    keys = ("block_m", "block_n", "num_warps", "num_stages", "pack_gqa")
+    ok = [r for r in rows if r.get("us", 0) > 0]
+    fastest = {}
+    for r in ok:
+        fastest[r["workload"]] = min(fastest.get(r["workload"], r["us"]), r["us"])
+    scores: dict[tuple, list[float]] = {}
+    for r in ok:
+        scores.setdefault(tuple(r[k] for k in keys), []).append(math.log(r["us"] / fastest[r["workload"]]))
+    complete = {k: v for k, v in scores.items() if len(v) == len(fastest)}
+    if not complete:
+        return None
+    best = min(complete, key=lambda k: sum(complete[k]))
+    return dict(zip(keys, best))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="sweep.json")
     p.add_argument("--tiny", action="store_true", help="small shapes, two settings each (CPU smoke run)")
     p.add_argument("--workloads", nargs="*")
+    p.add_argument("--kinds", nargs="*", default=["decode", "prefill", "extend"])
+    p.add_argument("--best-extend", default=None,
+                   help="write the extend config with the best geometric-mean time here, as --triton-options JSON")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
     if args.workloads:
         workloads = [w for w in workloads if any(n in w.name for n in args.workloads)]
+    workloads = [w for w in workloads if w.kind in args.kinds]
     dec_cfgs = DECODE_CONFIGS[:2] if args.tiny else DECODE_CONFIGS
     ext_cfgs = [ExtendConfig(16, 16, 4, 1), ExtendConfig(32, 16, 4, 1)] if args.tiny else EXTEND_CONFIGS
     rows = []
@@ -96,11 +120,17 @@ def main(argv=None) -> int:
                                 "waves": waves}, decode_config=cfg, split_waves=waves)
         else:
             for cfg in ext_cfgs:
-                record(rb, {"block_m": cfg.block_m, "block_n": cfg.block_n, "warps": cfg.num_warps,
-                            "stages": cfg.num_stages}, extend_config=cfg)
+                record(rb, {"block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+                            "num_stages": cfg.num_stages, "pack_gqa": cfg.pack_gqa}, extend_config=cfg)
         del rb
         if device == "cuda":
             torch.cuda.empty_cache()
+    if args.best_extend:
+        best = best_extend_config([r for r in rows if "block_m" in r])
+        if best:
+            with open(args.best_extend, "w") as f:
+                json.dump({"extend_config": best}, f)
+            print("best extend config:", json.dumps(best))
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": rows}, f, indent=1)
     return 0

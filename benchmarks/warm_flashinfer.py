@@ -22,8 +22,6 @@ def main() -> None:
          lambda rb: flashinfer_prefill_racer(rb, "fa3")),
         ("extend fa3 paged", Workload("warm extend", "extend", 2, 64, 64, 1),
          lambda rb: flashinfer_prefill_racer(rb, "fa3")),
-        ("decode cuda cores", Workload("warm decode", "decode", 2, 63, 1, 1),
-         lambda rb: flashinfer_decode_racer(rb, tensor_cores=False)),
         ("prefill fa2 ragged", Workload("warm prefill", "prefill", 2, 0, 64, 1),
          lambda rb: flashinfer_prefill_racer(rb, "fa2")),
         ("extend fa2 paged", Workload("warm extend", "extend", 2, 64, 64, 1),

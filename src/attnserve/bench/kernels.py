@@ -93,12 +93,13 @@ def _metric(w: Workload, us: float, rb, ceilings: dict) -> dict:
     return rec
 
 
-CONTESTANT_ORDER = ("triton", "sdpa", "torch_native", "flashinfer")  # FlashInfer last: its JIT builds take minutes
+# FlashInfer last (its JIT builds take minutes), the peers the ratios use first among its kernels
+CONTESTANT_ORDER = ("triton", "sdpa-cudnn", "sdpa-flash", "torch_native", "flashinfer", "flashinfer-fa3",
+                    "flashinfer-cuda-cores", "flashinfer-fa2")
 
 
 def _order(name: str) -> int:
-    return next((i for i, p in enumerate(CONTESTANT_ORDER) if name == p or name.startswith(p + "-")),
-                len(CONTESTANT_ORDER))
+    return CONTESTANT_ORDER.index(name) if name in CONTESTANT_ORDER else len(CONTESTANT_ORDER)
 
 
 def triton_options(text: str | None) -> dict:
@@ -117,7 +118,7 @@ def triton_options(text: str | None) -> dict:
 
 
 def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: dict, log=print,
-         options: dict | None = None) -> list[dict]:
+         options: dict | None = None, progress=None) -> list[dict]:
     """Every contestant over every workload, contestant by contestant (all batches stay resident)."""
     from attnserve.bench.racers import build_race_batch, output_rows, racers_for
     from attnserve.bench.timing import time_call
@@ -125,6 +126,7 @@ def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: 
     batches = [build_race_batch(w, device=device, seed=i) for i, w in enumerate(workloads)]
     fields = [racers_for(rb, wanted, options) for rb in batches]
     names = sorted({n for f in fields for n in f}, key=lambda n: (_order(n), n))
+    done: list[dict] = []
     records = {(w.name, n): None for w, f in zip(workloads, fields) for n in f}
     outputs: dict[str, dict] = {w.name: {} for w in workloads}
     for name in names:
@@ -145,6 +147,9 @@ def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: 
                 if "--debug" in sys.argv:
                     traceback.print_exc()
             records[(w.name, name)] = rec
+            done.append(rec)
+            if progress is not None:
+                progress(done)
             rb.keep.clear()
             gc.collect()
             log(_format(rec))
@@ -238,10 +243,19 @@ def run_bench(args) -> dict:
         ceilings = {"copy_tbps": round(copy_bandwidth_tbps(), 3), "matmul_tflops": round(matmul_tflops(), 1)}
         print(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
     options = triton_options(args.triton_options)
-    records = race(workloads, args.backends, device, not args.no_check, ceilings, options=options)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    partial = args.json.with_suffix(".partial.json")
+
+    def progress(done):  # a run cut short still leaves what it measured
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"gpu": gpu, "ceilings": ceilings, "records": done}, indent=1))
+
+    records = race(workloads, args.backends, device, not args.no_check, ceilings, options=options,
+                   progress=progress)
+    partial.unlink(missing_ok=True)
+    print("results:")
     for r in records:
         print(_format(r))
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     result = {
         "gpu": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
