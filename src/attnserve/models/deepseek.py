@@ -62,7 +62,8 @@ class MLAttention(nn.Module):
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
         bias = cfg.attention_bias
-        if cfg.q_lora_rank is None:
+        self.q_low_rank = cfg.q_lora_rank is not None
+        if not self.q_low_rank:
             self.q_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.num_heads * qk_dim])
         else:
             self.q_a_proj = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
@@ -90,10 +91,10 @@ class MLAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
         tokens = hidden.shape[0]
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(hidden)
-        else:
+        if self.q_low_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
         q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)

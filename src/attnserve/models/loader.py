@@ -226,6 +226,9 @@ def _load_hf_dir(path: Path, dtype, device: torch.device) -> LoadedModel:
     model = build_model(cfg, torch_dtype, device)
     model.load_weights(iter_safetensors(files), source=str(path))
     tokenizer = Tokenizer.from_hf_dir(path, hf_config)
+    if tokenizer is None:
+        log.warning("%s has no tokenizer.json: token ids in and out only (sentencepiece-only "
+                    "tokenizer.model is not read)", path)
     eos = list(dict.fromkeys(cfg.eos_token_ids + _generation_eos(path) + (tokenizer.eos_token_ids if tokenizer else [])))
     return LoadedModel(model, tokenizer, cfg, hf_config, tokenizer.chat_template if tokenizer else None, eos,
                        str(path), "hf", torch_dtype, device)
