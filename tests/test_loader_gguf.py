@@ -123,3 +123,40 @@ def test_written_gguf_matches_transformers(arch, family, qtype, extra, tmp_path)
     rel = (logits - ref).abs().max() / ref.abs().max()
     assert rel < 1e-4, f"max relative error {rel:.2e}"
     assert gens[0].token_ids == expected
+
+
+def _sentencepiece_gguf(path) -> None:
+    """A metadata-only GGUF with a toy sentencepiece vocabulary: specials, 256 byte tokens, scored pieces."""
+    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "t", "\u2581h", "he", "ll", "llo", "\u2581he",
+              "\u2581hello", "\u2581w", "or", "orld", "\u2581world", "\u2581t", "\u2581the", "th", "\u2581wor",
+              "ld", "\u2581\u2581", "lo", "\u2581th"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
+    from attnserve.models.gguf_loader import GGUFFile
+    from attnserve.models.tokenizer import Tokenizer
+
+    path = tmp_path / "sp.gguf"
+    _sentencepiece_gguf(path)
+    ours = Tokenizer.from_gguf(GGUFFile(path).tokenizer_fields(), str(path))
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["hello world", " hello  the world", "the worldé!", "hello</s>world", "\nhe\tllo", "x"]:
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        assert ids[0] == 1 and ids.count(1) == 1  # BOS once, as llama.cpp and transformers add it
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text

@@ -137,10 +137,13 @@ class GGUFFile:
             "pre": self.value("tokenizer.ggml.pre"),
             "tokens": tokens,
             "merges": self.value("tokenizer.ggml.merges", []),
+            "scores": self.value("tokenizer.ggml.scores", []),
             "token_type": list(self.value("tokenizer.ggml.token_type", [])),
             "bos_token_id": self.value("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.value("tokenizer.ggml.eos_token_id"),
-            "add_bos_token": bool(self.value("tokenizer.ggml.add_bos_token", False)),
+            # sentencepiece vocabularies add BOS unless the file says otherwise (as llama.cpp does)
+            "add_bos_token": bool(self.value("tokenizer.ggml.add_bos_token",
+                                             self.value("tokenizer.ggml.model") == "llama")),
             "chat_template": self.value("tokenizer.chat_template"),
         }
 

