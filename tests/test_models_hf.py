@@ -188,3 +188,25 @@ def test_moe_dense_and_sparse_paths_agree():
     ids[:, :] = torch.tensor([0, 1])
     torch.testing.assert_close(experts.forward_dense(x, weights, ids), experts.forward_sparse(x, weights, ids),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_ntk_rope_past_the_trained_context(tmp_path):
+    """Dynamic NTK changes the RoPE base once positions pass max_position_embeddings (16 here)."""
+    cfg = transformers.LlamaConfig(**{**CASES["llama-bias-sharded"][1], "attention_bias": False, "mlp_bias": False,
+                                      "max_position_embeddings": 16,
+                                      "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    torch.manual_seed(11)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    hf.config._attn_implementation = "eager"
+    lm = load_model(tmp_path, dtype=torch.float32)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 21)]
+    for prompt in prompts:
+        gens, logits = generate(lm.model, [prompt], max_new_tokens=10, return_prefill_logits=True)
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf(ids).logits[0]
+            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert (logits - ref).abs().max() / ref.abs().max() < 1e-4
+        assert gens[0].token_ids == expected

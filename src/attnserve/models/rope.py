@@ -84,7 +84,7 @@ def rope_frequencies(rope: RopeConfig, dim: int, max_position_embeddings: int) -
         inv_freq = _llama3_inv_freq(inv_freq, p)
     if p.get("freq_divisors") is not None:  # GGUF rope_freqs: per-frequency divisors (Llama 3.1 files)
         inv_freq = inv_freq / torch.tensor(p["freq_divisors"], dtype=torch.float32)
-    # "dynamic" (NTK) changes the base only past max_position_embeddings; inside it equals default
+    # "dynamic" (NTK) equals default inside max_position_embeddings; RotaryEmbedding rescales past it
     return inv_freq, 1.0
 
 
@@ -101,9 +101,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rotary_dim/2] float32
         self.rotary_dim = rotary_dim
         self.interleaved = interleaved
+        self.dynamic_factor = float(rope.params["factor"]) if rope.rope_type == "dynamic" else None
+        self.theta = rope.theta
+        self.max_position_embeddings = max_position_embeddings
+
+    def _dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
+        """Dynamic NTK: past max_position_embeddings the base grows with the step's longest position.
+
+        Computed on the device from the positions (no host sync, so it works inside CUDA graphs).
+        Keys already cached keep the frequencies they were rotated with, as in HF's cached generation;
+        requests batched together share the frequencies of the batch's longest one.
+        """
+        dim, factor, max_pos = self.rotary_dim, self.dynamic_factor, self.max_position_embeddings
+        seq_len = (positions.max() + 1).float() if positions.numel() else positions.new_tensor(0.0).float()
+        base = self.theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        scaled = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim))
+        return torch.where(seq_len > max_pos, scaled, self.inv_freq)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        inv_freq = self.inv_freq if self.dynamic_factor is None else self._dynamic_inv_freq(positions)
+        freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
         return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
