@@ -225,7 +225,7 @@ def write_chart(result: dict, path: Path) -> None:
         ax.set_ylabel(unit)
         ax.set_title(f"{title} ({result['gpu']})")
         if backends:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

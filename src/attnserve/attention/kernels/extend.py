@@ -1,9 +1,9 @@
 """Extend / prefill over the paged pool, FlashAttention-2 style.
 
-One program owns a tile of BLOCK_M query rows of one request. With GQA packing (the
-default) the rows are every query head of one KV head at BLOCK_M / group consecutive
-positions, so the causal diagonal cuts through fewer key tiles and fewer programs
-mask; without it, the rows are BLOCK_M positions of one query head. It sweeps the request's keys through the page table: the cached prefix and this
+One program owns a tile of BLOCK_M query rows of one request: BLOCK_M positions of one
+query head, or with GQA packing (ExtendConfig.pack_gqa) every query head of one KV head
+at BLOCK_M / group consecutive positions, so the causal diagonal cuts through fewer key
+tiles. It sweeps the request's keys through the page table: the cached prefix and this
 step's new tokens alike (the new K/V are in the pool before the kernel runs, so an
 FP8 pool is read exactly as decode will read it later). Key tiles every row of the
 tile may see are processed without masks; only tiles on the causal diagonal (or
@@ -32,7 +32,9 @@ class ExtendConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    pack_gqa: bool = True  # one program runs every query head of a KV head: BLOCK_M rows = positions x group
+    # one program runs every query head of a KV head (BLOCK_M rows = positions x group). On the H200 it
+    # gained 3% at 8x2048 and lost 2% at 1x16384 (benchmarks/NOTES.md), so it is off by default.
+    pack_gqa: bool = False
 
     def positions_per_tile(self, group: int) -> int:
         """Query positions one tile covers: block_m rows shared by the `pack` heads of each position."""
@@ -44,7 +46,11 @@ def pack_factor(config: ExtendConfig, group: int) -> int:
 
 
 def default_extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
-    """Hopper-sized tiles on the GPU (see benchmarks/NOTES.md); small ones under the interpreter."""
+    """Hopper tiles from the H200 sweep (benchmarks/NOTES.md); small ones under the interpreter.
+
+    128 x 64 with one warpgroup and 3 stages won every prefill/extend shape; 8 warps, 128-wide
+    key tiles, 2 stages and 64-row tiles were all slower.
+    """
     if device.type != "cuda":
         return ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if head_dim > 128:
