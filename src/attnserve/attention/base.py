@@ -74,6 +74,8 @@ class ForwardBatch:
             raise ValueError(
                 f"out_cache_loc has {self.out_cache_loc.numel()} slots, extend_lens sum to {sum(self.extend_lens_cpu)}"
             )
+        if not (self.out_cache_loc.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.pool.check_slots(self.out_cache_loc)  # once per step, not once per layer
 
     @property
     def batch_size(self) -> int:

@@ -85,6 +85,12 @@ class KVPool:
             raise ValueError(f"out_cache_loc has {tuple(loc.shape)} but {what} has {x.shape[0]} tokens")
         if tuple(x.shape[1:]) != tuple(shape_tail):
             raise ValueError(f"{what} shape {tuple(x.shape)} does not match pool [tokens, {', '.join(map(str, shape_tail))}]")
+        # on a GPU the range check would cost a device sync per layer (and break graph capture);
+        # ForwardBatch checks out_cache_loc once per step instead
+        if loc.device.type == "cpu":
+            self.check_slots(loc)
+
+    def check_slots(self, loc: torch.Tensor) -> None:
         if loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= self.num_slots):
             raise ValueError(f"out_cache_loc has slots outside [0, {self.num_slots})")
 
