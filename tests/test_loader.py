@@ -119,13 +119,13 @@ def test_bad_gguf_files(tmp_path):
         load_model(f)
     llama = ("general.architecture", 8, struct.pack("<Q", 5) + b"llama")
     f.write_bytes(_gguf_header([llama], [("token_embd.weight", [32, 64], 99)]))
-    with pytest.raises(ValueError, match=r"m\.gguf: tensor token_embd\.weight has unknown ggml type 99"):
+    with pytest.raises(ValueError, match=r"m\.gguf: not a valid GGUF file"):
         load_model(f)
     f.write_bytes(_gguf_header([llama], [("token_embd.weight", [32, 64], 0)]))  # F32 data missing
-    with pytest.raises(ValueError, match="runs past the end of the file"):
+    with pytest.raises(ValueError, match=r"m\.gguf: not a valid GGUF file \(truncated or corrupt\)"):
         load_model(f)
     f.write_bytes(_gguf_header([llama], [])[:30])
-    with pytest.raises(ValueError, match=r"m\.gguf: truncated GGUF"):
+    with pytest.raises(ValueError, match=r"m\.gguf: not a valid GGUF file"):
         load_model(f)
 
 
