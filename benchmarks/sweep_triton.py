@@ -9,6 +9,7 @@ what each setting gave and which defaults were chosen from it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -31,20 +32,24 @@ DECODE_CONFIGS = [DecodeConfig(bn, w, s) for bn, (w, s) in itertools.product(
 EXTEND_CONFIGS = [ExtendConfig(*c) for c in (
     (128, 64, 4, 3, False), (128, 64, 4, 3, True), (128, 64, 4, 4, True), (128, 64, 4, 2, True),
     (64, 64, 4, 3, True), (128, 32, 4, 3, True), (128, 128, 8, 3, True))]
+# third sweep: kernel variants of the winner (lazy rescale, one key loop, GQA packing)
+EXTEND_VARIANTS = [ExtendConfig(128, 64, 4, 3, pack_gqa=p, lazy_rescale=lz, single_loop=sl) for p, lz, sl in (
+    (False, False, False), (False, True, False), (False, False, True), (False, True, True),
+    (True, True, False), (True, True, True))]
 WAVES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
-def measure(rb, **options) -> tuple[float, int]:
+def measure(rb, **options) -> tuple[float, int, torch.Tensor]:
     backend = TritonBackend(rb.pool, **options)
     rb.fb.attn_backend = backend
     backend.plan(rb.fb)
     if rb.workload.kind == "decode":
         fn = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb)
-        fn()
-        return (time_graph(fn) if rb.q.is_cuda else 0.0), backend._decode.max_splits
+        out = fn()
+        return (time_graph(fn) if rb.q.is_cuda else 0.0), backend._decode.max_splits, out
     fn = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb)
-    fn()
-    return (time_eager(fn) if rb.q.is_cuda else 0.0), 0
+    out = fn()
+    return (time_eager(fn) if rb.q.is_cuda else 0.0), 0, out
 
 
 def rate(rb, us: float) -> str:
@@ -58,14 +63,14 @@ def rate(rb, us: float) -> str:
 
 def best_extend_config(rows: list[dict]) -> dict | None:
     """The setting with the smallest geometric mean of (its time / the best time) over the workloads."""
-    keys = ("block_m", "block_n", "num_warps", "num_stages", "pack_gqa")
+    keys = tuple(f.name for f in dataclasses.fields(ExtendConfig))
     ok = [r for r in rows if r.get("us", 0) > 0]
     fastest = {}
     for r in ok:
         fastest[r["workload"]] = min(fastest.get(r["workload"], r["us"]), r["us"])
     scores: dict[tuple, list[float]] = {}
     for r in ok:
-        scores.setdefault(tuple(r[k] for k in keys), []).append(math.log(r["us"] / fastest[r["workload"]]))
+        scores.setdefault(tuple(r.get(k, getattr(ExtendConfig, k)) for k in keys), []).append(math.log(r["us"] / fastest[r["workload"]]))
     complete = {k: v for k, v in scores.items() if len(v) == len(fastest)}
     if not complete:
         return None
@@ -79,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="small shapes, two settings each (CPU smoke run)")
     p.add_argument("--workloads", nargs="*")
     p.add_argument("--kinds", nargs="*", default=["decode", "prefill", "extend"])
+    p.add_argument("--variants", action="store_true", help="extend: the kernel-variant list instead of tiles")
     p.add_argument("--best-extend", default=None,
                    help="write the extend config with the best geometric-mean time here, as --triton-options JSON")
     args = p.parse_args(argv)
@@ -88,12 +94,19 @@ def main(argv=None) -> int:
         workloads = [w for w in workloads if any(n in w.name for n in args.workloads)]
     workloads = [w for w in workloads if w.kind in args.kinds]
     dec_cfgs = DECODE_CONFIGS[:2] if args.tiny else DECODE_CONFIGS
-    ext_cfgs = [ExtendConfig(16, 16, 4, 1), ExtendConfig(32, 16, 4, 1)] if args.tiny else EXTEND_CONFIGS
+    ext_cfgs = EXTEND_VARIANTS if args.variants else EXTEND_CONFIGS
+    if args.tiny:
+        ext_cfgs = [ExtendConfig(16, 16, 4, 1, c.pack_gqa, c.lazy_rescale, c.single_loop) for c in ext_cfgs[:3]]
     rows = []
+    first_out = {}
 
     def record(rb, setting: dict, **options):
         try:
-            us, splits = measure(rb, **options)
+            us, splits, out = measure(rb, **options)
+            ref = first_out.setdefault(rb.workload.name, out.float())
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if err > 1e-2:
+                raise ValueError(f"output differs from the first setting's by {err:.2e}")
             row = {"workload": rb.workload.name, **setting, "us": round(us, 1), "splits": splits}
             print(f"{rb.workload.name:<22} {json.dumps(setting):<70} {us:9.1f} us  {rate(rb, us):>14}  splits {splits}",
                   flush=True)
@@ -120,8 +133,7 @@ def main(argv=None) -> int:
                                 "waves": waves}, decode_config=cfg, split_waves=waves)
         else:
             for cfg in ext_cfgs:
-                record(rb, {"block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
-                            "num_stages": cfg.num_stages, "pack_gqa": cfg.pack_gqa}, extend_config=cfg)
+                record(rb, dataclasses.asdict(cfg), extend_config=cfg)
         del rb
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -6,6 +6,7 @@ with the Triton runs and the race finds the kernels built.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -27,7 +28,10 @@ def main() -> None:
         ("extend fa2 paged", Workload("warm extend", "extend", 2, 64, 64, 1),
          lambda rb: flashinfer_prefill_racer(rb, "fa2")),
     ]
+    wanted = sys.argv[1:]  # substrings of the labels to build; all when empty
     for label, w, make in jobs:
+        if wanted and not any(x in label for x in wanted):
+            continue
         start = time.perf_counter()
         try:
             rb = build_race_batch(w)
