@@ -126,20 +126,17 @@ def test_extend_tiles_cover_every_row_heaviest_first():
     assert tiles.tile_req.tolist()[0] == 1  # 100 cached tokens: the most keys to sweep
 
 
-@pytest.mark.parametrize(("block_m", "block_n", "pack_gqa", "group", "lazy", "single"),
-                         [(16, 16, False, 2, False, False), (32, 16, True, 4, True, False),
-                          (16, 32, True, 2, False, True), (64, 16, True, 3, True, True),
-                          (16, 16, False, 1, True, False)])
-def test_extend_kernel_block_shapes(block_m, block_n, pack_gqa, group, lazy, single):
-    """Tiles that do not divide the lengths, on both sides of the causal diagonal, heads packed or not,
-    the accumulator rescaled at every tile or only when a row's max jumps, one key loop or two."""
+@pytest.mark.parametrize(("block_m", "block_n", "pack_gqa", "group"),
+                         [(16, 16, False, 2), (32, 16, True, 4), (16, 32, True, 2), (64, 16, True, 3),
+                          (16, 16, False, 1)])
+def test_extend_kernel_block_shapes(block_m, block_n, pack_gqa, group):
+    """Tiles that do not divide the lengths, on both sides of the causal diagonal, heads packed or not."""
     sb = make_batch([0, 29, 6], [37, 11, 18], num_heads=2 * group, num_kv_heads=2, head_dim=64, page_size=4,
                     dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, seed=block_m + block_n, use_sinks=True)
     poison_unused_slots(sb)
     fb, layer = sb.fb, sb.layer
     meta = metadata_for_batch(fb)
-    cfg = ExtendConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1, pack_gqa=pack_gqa,
-                       lazy_rescale=lazy, single_loop=single)
+    cfg = ExtendConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1, pack_gqa=pack_gqa)
     tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, cfg.positions_per_tile(group), DEVICE)
     out = torch.full((sb.q.shape[0], 2 * group, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # [T, Hq, Dv]
     extend_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], out, tiles, meta.qo_indptr, meta.kv_indptr,

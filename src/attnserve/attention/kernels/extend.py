@@ -35,10 +35,6 @@ class ExtendConfig:
     # one program runs every query head of a KV head (BLOCK_M rows = positions x group). On the H200 it
     # gained 3% at 8x2048 and lost 2% at 1x16384 (benchmarks/NOTES.md), so it is off by default.
     pack_gqa: bool = False
-    # rescale the accumulator only when a row's running max grows by more than 2**8 (exp2 units)
-    lazy_rescale: bool = False
-    # one key loop that masks a tile when it reaches the diagonal, instead of an unmasked and a masked loop
-    single_loop: bool = False
 
     def positions_per_tile(self, group: int) -> int:
         """Query positions one tile covers: block_m rows shared by the `pack` heads of each position."""
@@ -104,18 +100,16 @@ def _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window
 
 @triton.jit
 def _extend_block(
-    acc, m_i, l_i, q, n0, full_end, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
+    acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
     qk_scale_log2, sm_scale_k, softcap, window,
     stride_kt, stride_kh, stride_vt, stride_vh,
     offs_d, d_mask, offs_dv, dv_mask,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PAD_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, DOT_F32: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr, SINGLE_LOOP: tl.constexpr,
 ):
-    """One key tile. MASKED: a tile on the diagonal (or any tile with a window / custom mask).
-    SINGLE_LOOP: one loop over every tile that decides at run time whether to mask (tile >= full_end)."""
+    """One key tile. MASKED: a tile on the diagonal (or any tile with a window / custom mask)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if MASKED or SINGLE_LOOP:
+    if MASKED:
         n_valid = offs_n < seq
         page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_valid, other=0)
     else:
@@ -123,7 +117,7 @@ def _extend_block(
     slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
     k_ptrs = K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
     v_ptrs = V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :]
-    if MASKED or SINGLE_LOOP:
+    if MASKED:
         k = tl.load(k_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
     elif PAD_D:
         k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
@@ -141,39 +135,17 @@ def _extend_block(
         visible = _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
                            HAS_WINDOW, HAS_CUSTOM_MASK)
         s = tl.where(visible, s, float("-inf"))
-    elif SINGLE_LOOP:  # noqa: SIM102 - a constexpr test around a run-time one: triton keeps them apart
-        if n0 >= full_end:
-            visible = _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
-                               HAS_WINDOW, HAS_CUSTOM_MASK)
-            s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if LAZY_RESCALE:
-        # keep a stale running max until some row's grows by more than 8 (p stays below 2**8):
-        # most key tiles then skip the accumulator rescale; acc and l share the max either way
-        if tl.max(m_new - m_i, 0) > 8.0:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.exp2(s - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        m_new = m_i
-    else:
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED or SINGLE_LOOP:
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
         v = tl.load(v_ptrs, mask=n_valid[:, None] & dv_mask[None, :], other=0.0)
     elif PAD_D:
         v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
     else:
         v = tl.load(v_ptrs)  # [BLOCK_N, BLOCK_DV]
-    if LAZY_RESCALE:
-        if DOT_F32:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
-    elif DOT_F32:
+    if DOT_F32:
         acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
     else:
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
@@ -189,7 +161,6 @@ def _extend_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, DOT_F32: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr, SINGLE_LOOP: tl.constexpr,
 ):
     # PACK == 1: program_id(0) is a query head and rows are positions.
     # PACK == GROUP: program_id(0) is a KV head and row i is position i // PACK of head i % PACK.
@@ -238,26 +209,18 @@ def _extend_kernel(
         full_end = lo
     else:
         full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
-    if SINGLE_LOOP:
-        for n0 in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _extend_block(
-                acc, m_i, l_i, q, n0, full_end, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask,
-                Mask, mask_base, qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt,
-                stride_vh, offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, False, PAD_D,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32, LAZY_RESCALE, True)
-    else:
-        for n0 in range(lo, full_end, BLOCK_N):
-            acc, m_i, l_i = _extend_block(
-                acc, m_i, l_i, q, n0, full_end, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask,
-                Mask, mask_base, qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt,
-                stride_vh, offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, False, PAD_D,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32, LAZY_RESCALE, False)
-        for n0 in range(full_end, hi, BLOCK_N):
-            acc, m_i, l_i = _extend_block(
-                acc, m_i, l_i, q, n0, full_end, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask,
-                Mask, mask_base, qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt,
-                stride_vh, offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, True, PAD_D,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32, LAZY_RESCALE, False)
+    for n0 in range(lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _extend_block(
+            acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
+            qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt, stride_vh,
+            offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, False, PAD_D,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
+    for n0 in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _extend_block(
+            acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
+            qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt, stride_vh,
+            offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, True, PAD_D,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
 
     if HAS_SINKS:
         sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
@@ -325,7 +288,6 @@ def extend_attention(
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
         PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
         HAS_SINKS=sinks is not None, HAS_CUSTOM_MASK=custom_mask is not None, DOT_F32=dot_dtype_is_f32(q),
-        LAZY_RESCALE=config.lazy_rescale, SINGLE_LOOP=config.single_loop,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
