@@ -67,6 +67,7 @@ def run_config(loaded, label: str, args, bw: float, wbytes: int, **engine_kw) ->
         max_total_tokens=args.requests * (args.input_len + args.output_len) + 1024,
         chunked_prefill_size=args.chunked_prefill_size, disable_radix_cache=True, **engine_kw,
     )
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     engine = Engine(cfg, loaded=loaded)
     startup_s = time.perf_counter() - t0
@@ -77,9 +78,21 @@ def run_config(loaded, label: str, args, bw: float, wbytes: int, **engine_kw) ->
                            SamplingParams(max_new_tokens=8, ignore_eos=True))
     engine.run_until_done()
     engine.step_times = type(engine.step_times)()
+    forward_s: list[float] = []  # model forward (graph replay or eager) of full-batch decode steps
+    plain_forward = engine.runner.forward
+
+    def timed_forward(batch):
+        sync()
+        t = time.perf_counter()
+        out = plain_forward(batch)
+        sync()
+        if batch.mode.value == "decode" and batch.batch_size == args.requests:
+            forward_s.append(time.perf_counter() - t)
+        return out
+
+    engine.runner.forward = timed_forward
     prompts = [torch.randint(0, vocab, (args.input_len,), generator=g).tolist() for _ in range(args.requests)]
     params = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in prompts]
@@ -108,6 +121,7 @@ def run_config(loaded, label: str, args, bw: float, wbytes: int, **engine_kw) ->
         "decode_step_ms_median": round(med * 1e3, 3),
         "decode_step_ms_p10": round(sorted(full)[len(full) // 10] * 1e3, 3) if full else None,
         "decode_step_ms_p90": round(sorted(full)[len(full) * 9 // 10] * 1e3, 3) if full else None,
+        "decode_forward_ms_median": round(statistics.median(forward_s) * 1e3, 3) if forward_s else None,
         "roofline_step_ms_mean": round(bound * 1e3, 3),
         "fraction_of_roofline": round(bound / med, 3) if full else None,
         "prefill_steps": len(st.extend) + len(st.mixed),

@@ -86,6 +86,10 @@ class CudaGraphRunner:
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
         with torch.inference_mode():
+            # one eager step first: some backends learn per-layer facts from it before they can capture
+            fb = self._batch(self.max_bs, [1] * self.max_bs)
+            self.backend.plan(fb)
+            self.model(self.input_ids, self.positions, fb)
             for bs in reversed(self.batch_sizes):
                 fb = self._batch(bs, [1] * bs)
                 self.backend.plan_for_capture(fb)
@@ -117,6 +121,10 @@ class CudaGraphRunner:
         seq_lens_cpu: list[int],
     ) -> torch.Tensor:
         """Logits `[bs, vocab]` of a decode step, run through the graph of the next captured size."""
+        with torch.inference_mode():  # the backend's graph buffers were made under inference mode
+            return self._replay(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, seq_lens_cpu)
+
+    def _replay(self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, seq_lens_cpu):
         bs = len(seq_lens_cpu)
         gbs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
         self.input_ids[:bs].copy_(input_ids)

@@ -46,6 +46,10 @@ class ModelRunner:
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
         """Run one step; returns logits `[num sampling requests, vocab]` (float32) in batch order."""
+        with torch.inference_mode():  # plan and graph buffers, too, are made and updated in inference mode
+            return self._forward(batch)
+
+    def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
         ids, positions, out_loc = [], [], []
         table_rows, table_pos, table_slots = [], [], []
         for r, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
@@ -102,5 +106,4 @@ class ModelRunner:
         last = np.cumsum(batch.extend_lens) - 1  # row of each request's last new token
         picked = [int(t) for t, s in zip(last, batch.sample) if s]
         logits_indices = None if len(picked) == input_ids.numel() else torch.tensor(picked, dtype=torch.int64, device=dev)
-        with torch.inference_mode():
-            return self.model(input_ids, pos, fb, logits_indices=logits_indices)
+        return self.model(input_ids, pos, fb, logits_indices=logits_indices)

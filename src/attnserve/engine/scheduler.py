@@ -149,6 +149,14 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduleBatch | None:
         """Pick the next step's work and allocate its pages (None when there is nothing to run)."""
+        batch = self._schedule_once()
+        while batch is None and len(self.running) > 1:
+            # running prefills stuck waiting for each other's pages: free the newest so the rest move on
+            self.preempt(max(self.running, key=lambda r: r.admit_order))
+            batch = self._schedule_once()
+        return batch
+
+    def _schedule_once(self) -> ScheduleBatch | None:
         reqs, exts, prefixes, sample = [], [], [], []
 
         decoding = self._prepare_decodes()
