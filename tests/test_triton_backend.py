@@ -94,6 +94,7 @@ DECODE_CASES = {
     "gqa16-p16": {"page_size": 16, "num_heads": 16, "num_kv_heads": 1, "head_dim": 64},
     "fp8-p1": {"page_size": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "kv_dtype": "fp8_e4m3"},
     "fp8-p16-gqa8": {"page_size": 16, "num_heads": 8, "num_kv_heads": 1, "head_dim": 64, "kv_dtype": "fp8_e4m3"},
+    "fp8-e5m2-p4": {"page_size": 4, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "kv_dtype": "fp8_e5m2"},
     "window": {"page_size": 4, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "sliding_window": 24},
     "sinks": {"page_size": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "use_sinks": True},
     "softcap": {"page_size": 16, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "logit_cap": 8.0},
