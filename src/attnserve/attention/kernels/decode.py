@@ -31,7 +31,7 @@ class DecodeConfig:
 def default_decode_config(head_dim: int, page_size: int) -> DecodeConfig:
     """Tiles that measured best on the H200 for bf16 GQA 4:1 decode (benchmarks/NOTES.md).
 
-    Page size 1 preferred 128-token tiles (3.1 TB/s at 1x32768 against 2.9 with 64); page 16
+    Page size 1 preferred 128-token tiles (3.1 TB/s at 1x32768 against 2.8 with 64); page 16
     preferred 64 (246 us against 294 at 64x4096). Wider heads halve the tile to stay in registers.
     """
     block_n = 128 if page_size == 1 else 64
