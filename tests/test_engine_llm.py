@@ -80,3 +80,10 @@ def test_chat_template_and_bad_input(llm):
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[VOCAB + 5]])
     assert not llm.engine.has_work()
+
+
+def test_startup_log_names_what_runs(llm):
+    text = "\n".join(llm.engine.parts.startup_lines)
+    for needle in ("model:", "device: cpu", "KV pool: 2048 tokens", "page size 1", "prefill torch_native",
+                   "decode torch_native", "CUDA graphs: off", "chunked prefill 16", "radix cache on"):
+        assert needle in text, needle

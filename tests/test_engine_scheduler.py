@@ -142,3 +142,20 @@ def test_stop_token_and_max_tokens():
     e.run_until_done()
     assert req.finish_reason is FinishReason.STOP and req.output_ids == ref[: first + 1]
     assert req.matched_stop == stop_at
+
+
+@pytest.mark.parametrize("field,value", [("device", "tpu"), ("max_running_requests", 0), ("max_total_tokens", 0),
+                                         ("mem_fraction_static", 1.5), ("cuda_graph_max_bs", 0),
+                                         ("max_context_len", 1)])
+def test_engine_config_names_bad_field(field, value):
+    from attnserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_chunk_smaller_than_page_is_rejected():
+    from attnserve.engine.scheduler import SchedulerConfig
+
+    with pytest.raises(ValueError, match="chunked_prefill_size"):
+        SchedulerConfig(page_size=16, chunked_prefill_size=8)

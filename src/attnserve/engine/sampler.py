@@ -42,9 +42,15 @@ class Sampler:
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             probs = self.filtered_probs(logits[rows].float(), [params[i] for i in sampled])  # [S, vocab]
-            noise = torch.empty_like(probs)
+            noise = torch.empty_like(probs)  # [S, vocab]
+            shared = [j for j, i in enumerate(sampled) if params[i].seed is None]
+            if shared:  # unseeded rows draw together from the engine's generator
+                idx = torch.tensor(shared, device=logits.device)
+                noise[idx] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
+                    generator=self.generator)
             for j, i in enumerate(sampled):
-                noise[j].exponential_(generator=self._generator_for(rids[i], params[i]))
+                if params[i].seed is not None:
+                    noise[j].exponential_(generator=self._generator_for(rids[i], params[i]))
             tokens[rows] = torch.argmax(probs / noise, dim=-1)
         return tokens.tolist()
 
