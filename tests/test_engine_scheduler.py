@@ -89,9 +89,10 @@ def test_c_chunked_prefill_matches(chunk):
     assert run_all(e, long_prompts, stagger=2) == baseline(long_prompts)
 
 
-def test_c_chunked_prefill_with_radix_and_pages():
+@pytest.mark.parametrize("chunk", [6, 8])
+def test_c_chunked_prefill_with_radix_and_pages(chunk):
     long_prompts = prompts(6, seed=3, lo=30, hi=90)
-    e = make_engine(chunked_prefill_size=8, page_size=4)
+    e = make_engine(chunked_prefill_size=chunk, page_size=4)
     assert run_all(e, long_prompts, stagger=2) == baseline(long_prompts, 4)
 
 
@@ -159,3 +160,33 @@ def test_chunk_smaller_than_page_is_rejected():
 
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         SchedulerConfig(page_size=16, chunked_prefill_size=8)
+
+
+def test_soak_random_arrivals_aborts_preemption_cache_and_chunks():
+    import random
+
+    rng = random.Random(11)
+    ps = prompts(14, seed=12, shared_prefix=10, lo=2, hi=50)
+    ref = baseline(ps, 4)
+    e = make_engine(max_total_tokens=96, page_size=4, chunked_prefill_size=6)
+    pending = list(enumerate(ps))
+    reqs: dict[int, object] = {}
+    doomed = {2, 7, 11}
+    while pending or e.has_work():
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                i, p = pending.pop(0)
+                reqs[i] = e.add_request(p, greedy())
+        for i in sorted(doomed):  # a copy: aborting removes from the set
+            if i in reqs and rng.random() < 0.3:
+                e.abort(reqs[i].rid)
+                doomed.discard(i)
+        e.step()
+        e.scheduler.allocator.check_leaks()
+    assert e.scheduler.counters.preemptions > 0
+    for i, r in reqs.items():
+        if r.finish_reason is FinishReason.ABORT:
+            assert i in {2, 7, 11}
+        else:
+            assert r.output_ids == ref[i]
+    assert e.pages_leaked() == 0
