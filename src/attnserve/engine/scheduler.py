@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from attnserve.attention.base import ForwardMode
 from attnserve.engine.request import FinishReason, Request, RequestStatus
@@ -78,7 +78,6 @@ class SchedulerCounters:
     mixed_steps: int = 0
     finished: int = 0
     aborted: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class Scheduler:
@@ -224,8 +223,10 @@ class Scheduler:
             want = min(want, budget)
         if want < req.num_uncomputed and not chunking:
             return 0  # without chunking a prompt runs whole or waits
-        spare = self.available_pages() - reserve
         need = self._pages_for(req, want)
+        spare = self.allocator.num_free - reserve
+        if need > spare and self.tree is not None:
+            spare = self.available_pages() - reserve  # walks the tree: only when free pages fall short
         if need > spare:
             if not chunking:
                 return 0
