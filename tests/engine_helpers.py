@@ -23,20 +23,26 @@ class TinyBundle:
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2):
-    from attnserve.models.config import ModelConfig
-    from attnserve.models.llama import LlamaForCausalLM
-
-    cfg = ModelConfig.from_hf({
+    return tiny_model({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
         "hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 1024,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    })
-    model = LlamaForCausalLM(cfg)
+    }, seed)
+
+
+def tiny_model(hf_config: dict, seed: int = 0) -> TinyBundle:
+    """Any supported architecture from an HF-style config, fp32 on the CPU, with well-spread random weights."""
+    from attnserve.models.config import ModelConfig
+    from attnserve.models.loader import build_model
+
+    model = build_model(ModelConfig.from_hf(hf_config), torch.float32, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name or p.dim() == 1:
                 p.fill_(1.0)
             else:
                 # large enough that logits are well separated (greedy ties are then vanishingly rare)
