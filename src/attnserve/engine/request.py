@@ -67,6 +67,15 @@ class Request:
         """Every token whose K/V this request needs: prompt plus what it generated so far."""
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, lo: int, hi: int) -> list[int]:
+        """fill_ids[lo:hi] without building fill_ids (decode steps need one token of a long sequence)."""
+        n = len(self.prompt_ids)
+        if hi <= n:
+            return self.prompt_ids[lo:hi]
+        if lo >= n:
+            return self.output_ids[lo - n : hi - n]
+        return self.prompt_ids[lo:] + self.output_ids[: hi - n]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

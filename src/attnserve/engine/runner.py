@@ -60,7 +60,7 @@ class ModelRunner:
             table_slots.append(slots)
             out_loc.append(slots[prefix - r.table_len :])
             r.table_len = end
-            ids.append(np.asarray(r.fill_ids[prefix:end], dtype=np.int64))
+            ids.append(np.asarray(r.tokens(prefix, end), dtype=np.int64))
             positions.append(np.arange(prefix, end, dtype=np.int64))
         dev = self.device
 
