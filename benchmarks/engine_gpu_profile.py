@@ -15,10 +15,10 @@ from collections import defaultdict
 
 import torch
 
-KINDS = (
-    ("attention", ("decode", "extend", "attn", "split", "merge")),
-    ("kv_store", ("store",)),
+KINDS = (  # first match wins: GEMM names first (cuBLAS split-K kernels contain "split")
     ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul")),
+    ("kv_store", ("store",)),
+    ("attention", ("decode", "extend", "attn", "split", "merge")),
 )
 
 
