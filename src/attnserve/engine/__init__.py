@@ -1,0 +1,13 @@
+"""The engine: continuous batching over the paged KV cache, prefix cache, CUDA graphs, sampling.
+
+`LLM` is the offline API, `EngineLoop` runs the engine in a background thread for a server,
+`SamplingParams` says how each request picks tokens and stops.
+"""
+
+from attnserve.engine.config import EngineConfig
+from attnserve.engine.engine import Engine
+from attnserve.engine.llm import LLM, RequestOutput, StreamEvent
+from attnserve.engine.loop import EngineLoop
+from attnserve.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "Engine", "EngineConfig", "EngineLoop", "RequestOutput", "SamplingParams", "StreamEvent"]
