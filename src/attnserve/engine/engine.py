@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -27,14 +28,21 @@ from attnserve.engine.setup import EngineParts, build_parts
 log = logging.getLogger("attnserve.engine")
 
 
+def _recent() -> deque:
+    return deque(maxlen=STEP_HISTORY)
+
+
+STEP_HISTORY = 1 << 16  # steps remembered per mode: a long-running server must not grow without bound
+
+
 @dataclass
 class StepTimes:
-    """Wall time of each step by mode (the host waits for the step's tokens, so these are real)."""
+    """Wall time of recent steps by mode (the host waits for the step's tokens, so these are real)."""
 
-    decode: list[float] = field(default_factory=list)
-    decode_batch: list[int] = field(default_factory=list)
-    extend: list[float] = field(default_factory=list)
-    mixed: list[float] = field(default_factory=list)
+    decode: deque = field(default_factory=_recent)
+    decode_batch: deque = field(default_factory=_recent)
+    extend: deque = field(default_factory=_recent)
+    mixed: deque = field(default_factory=_recent)
 
 
 class Engine:
