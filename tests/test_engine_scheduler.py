@@ -190,3 +190,19 @@ def test_soak_random_arrivals_aborts_preemption_cache_and_chunks():
         else:
             assert r.output_ids == ref[i]
     assert e.pages_leaked() == 0
+
+
+def test_unchunked_long_prompt_joins_running_decodes():
+    # without chunking a prompt longer than max_prefill_tokens still runs whole, beside the decodes
+    e = make_engine(chunked_prefill_size=None, max_prefill_tokens=16)
+    short = e.add_request(PROMPTS[0][:5], greedy(20))
+    e.step()
+    e.step()
+    long_prompt = prompts(1, seed=40, lo=40, hi=41)[0]
+    late = e.add_request(long_prompt, greedy())
+    before = len(short.output_ids)
+    e.step()
+    assert late.kv_len == len(long_prompt) and len(late.output_ids) == 1
+    assert len(short.output_ids) == before + 1
+    e.run_until_done()
+    assert e.pages_leaked() == 0

@@ -173,7 +173,7 @@ class Scheduler:
             if budget <= 0:
                 break
             prefix = r.kv_len
-            chunk = self._take_chunk(r, budget, reserve, first=not reqs)
+            chunk = self._take_chunk(r, budget, reserve, first=len(reqs) == len(decoding))
             if chunk:
                 reqs.append(r)
                 exts.append(chunk)
@@ -182,7 +182,7 @@ class Scheduler:
                 budget -= chunk
         while self.waiting and budget > 0 and self.req_pool.num_free > 0:
             r = self.waiting[0]
-            chunk = self._admit(r, budget, reserve, first=not reqs)
+            chunk = self._admit(r, budget, reserve, first=len(reqs) == len(decoding))
             if not chunk:
                 break
             self.waiting.popleft()
