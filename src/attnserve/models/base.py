@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attnserve.attention.base import ForwardBatch
 from attnserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
 
 
@@ -50,10 +51,28 @@ class KVCacheSpec:
 
 
 class CausalLM(nn.Module):
-    """Common tail of every model: final norm, optional row selection, LM head."""
+    """The decoder-only skeleton every model shares: embeddings, layers, final norm, LM head.
+
+    Subclasses build `embed_tokens`, `rotary`, `layers`, `norm` and `lm_head`; each layer is
+    called as `layer(positions, hidden, fb, cos_sin)`.
+    """
 
     def kv_cache_spec(self) -> KVCacheSpec:
         raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        fb: ForwardBatch,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T], positions [T] -> logits [T, vocab] (or [len(logits_indices), vocab]), float32."""
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # 2 x [T, rotary_dim/2], shared by all layers
+        for layer in self.layers:
+            hidden = layer(positions, hidden, fb, cos_sin)
+        return self.compute_logits(hidden, logits_indices)
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
         if logits_indices is not None:

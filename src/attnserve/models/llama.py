@@ -103,20 +103,6 @@ class LlamaForCausalLM(CausalLM):
             sliding_window=max(windows) if windows else None,
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        fb: ForwardBatch,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids [T], positions [T] -> logits [T, vocab] (or [len(logits_indices), vocab]), float32."""
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # 2 x [T, rotary_dim/2], shared by all layers
-        for layer in self.layers:
-            hidden = layer(positions, hidden, fb, cos_sin)
-        return self.compute_logits(hidden, logits_indices)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         tied = self.config.tie_word_embeddings
 
