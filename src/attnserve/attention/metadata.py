@@ -55,13 +55,13 @@ def build_paged_metadata(
     extend_lens: torch.Tensor,
     page_size: int,
     buffers: MetadataBuffers | None = None,
-    max_seq_len: int | None = None,
+    seq_lens_cpu: list[int] | None = None,
 ) -> PagedKVMetadata:
     """Vectorised over the batch: no Python loop over requests or tokens.
 
     req_to_token rows hold slots; a page's id is the slot of its first token // page_size.
     With `buffers`, results are written into their first rows and views of them returned.
-    `max_seq_len` (host int) avoids a device->host sync when known.
+    `seq_lens_cpu` (a host copy of the lengths) avoids every device->host sync.
     """
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
@@ -69,19 +69,21 @@ def build_paged_metadata(
     device = req_to_token.device
     seq_lens = seq_lens.to(device=device, dtype=torch.int32)
     extend_lens = extend_lens.to(device=device, dtype=torch.int32)
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if bs else 0
+    if seq_lens_cpu is None:
+        seq_lens_cpu = seq_lens.tolist()
+    max_seq_len = max(seq_lens_cpu, default=0)
     if max_seq_len > req_to_token.shape[1]:
         raise ValueError(f"seq_len {max_seq_len} exceeds req_to_token width {req_to_token.shape[1]}")
     num_pages = (seq_lens + page_size - 1) // page_size  # [B]
-    max_pages = (max_seq_len + page_size - 1) // page_size
-    # [B, max_pages] page ids of every request, padded; then keep the valid ones
-    first_slots = req_to_token[req_pool_indices.long()][:, : max_pages * page_size : page_size]
-    page_ids = first_slots // page_size
-    valid = torch.arange(max_pages, device=device)[None, :] < num_pages[:, None]
-    kv_indices = page_ids[valid].to(torch.int32)
     qo_indptr = _indptr(extend_lens)
     kv_indptr = _indptr(num_pages)
+    # page ids by index arithmetic: position j of kv_indices belongs to request owner[j]
+    nnz = sum((s + page_size - 1) // page_size for s in seq_lens_cpu)
+    j = torch.arange(nnz, device=device)  # [nnz]
+    starts = kv_indptr.long()
+    owner = torch.searchsorted(starts[1:], j, right=True)  # [nnz]
+    rows = req_pool_indices.to(device).long()[owner]
+    kv_indices = (req_to_token[rows, (j - starts[owner]) * page_size] // page_size).to(torch.int32)
     kv_last_page_len = (seq_lens - (num_pages - 1) * page_size).clamp(min=0).to(torch.int32)
 
     if buffers is not None:
@@ -111,7 +113,7 @@ def metadata_for_batch(fb, buffers: MetadataBuffers | None = None) -> PagedKVMet
         fb.extend_lens,
         fb.pool.page_size,
         buffers=buffers,
-        max_seq_len=max(fb.seq_lens_cpu, default=0),
+        seq_lens_cpu=fb.seq_lens_cpu,
     )
 
 

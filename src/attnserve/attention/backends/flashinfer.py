@@ -231,7 +231,7 @@ class FlashInferBackend(AttentionBackend):
         if self._prefix_meta is None:
             self._prefix_meta = build_paged_metadata(
                 fb.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, self.pool.page_size,
-                max_seq_len=max(fb.prefix_lens_cpu))
+                seq_lens_cpu=fb.prefix_lens_cpu)
         pm = self._prefix_meta
         paged = self._prefill_wrapper(self._prefill_wrappers, "BatchPrefillWithPagedKVCacheWrapper", kernel, sig)
         if ("prefix", sig) not in self._planned:
@@ -267,7 +267,7 @@ class FlashInferBackend(AttentionBackend):
         self.plan(fb)
         meta = build_paged_metadata(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
                                     self.pool.page_size, buffers=self._graph_buffers,
-                                    max_seq_len=max(fb.seq_lens_cpu, default=0))
+                                    seq_lens_cpu=fb.seq_lens_cpu)
         for sig in self._signatures:
             key = (bs, sig)
             if key not in self._graph_wrappers:

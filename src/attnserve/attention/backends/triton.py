@@ -261,7 +261,7 @@ class TritonBackend(AttentionBackend):
         meta = metadata_for_batch(fb, buffers=g.buffers)
         g.seq_lens[:bs].copy_(fb.seq_lens.to(torch.int32), non_blocking=True)
         splits = plan_kv_splits(fb.seq_lens_cpu, self.pool.num_kv_heads, self.split_policy, grid_splits)
-        g.num_splits[:bs].copy_(torch.tensor(splits, dtype=torch.int32), non_blocking=False)
+        g.num_splits[:bs].copy_(torch.tensor(splits, dtype=torch.int32), non_blocking=True)
         self._extend = None
         self._decode = _DecodePlan(meta, g.seq_lens[:bs], g.num_splits[:bs], grid_splits,
                                    write_final=grid_splits == 1, graph_bs=bs)
