@@ -42,11 +42,13 @@ def _lengths(seed, decode):
     return prefix, ext
 
 
-@pytest.mark.parametrize("feature", sorted(FEATURES))
-@pytest.mark.parametrize("page_size,decode", [(1, False), (4, True), (16, False)])
+def _cases(features, shapes):
+    """Every (feature, page_size, decode) pair except custom masks on decode (they belong to verify steps)."""
+    return [(f, p, d) for f in features for p, d in shapes if not (d and f == "custom_mask")]
+
+
+@pytest.mark.parametrize("feature,page_size,decode", _cases(sorted(FEATURES), [(1, False), (4, True), (16, False)]))
 def test_matches_oracle_on_cpu(feature, page_size, decode):
-    if decode and feature == "custom_mask":
-        pytest.skip("custom masks belong to verify steps")
     prefix, ext = _lengths(hash((feature, page_size)) % 997, decode)
     sb = make_batch(prefix, ext, page_size=page_size, score_scale=1.0 if feature == "softcap" else 20.0,
                     seed=page_size, **FEATURES[feature])
@@ -82,11 +84,9 @@ def test_features_say_no_cuda_graphs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("feature", ["plain", "window", "custom_mask"])
-@pytest.mark.parametrize("page_size,decode", [(1, True), (16, False), (16, True)])
+@pytest.mark.parametrize("feature,page_size,decode",
+                         _cases(["plain", "window", "custom_mask"], [(1, True), (16, False), (16, True)]))
 def test_compiled_matches_oracle_on_gpu(feature, page_size, decode):
-    if decode and feature == "custom_mask":
-        pytest.skip("custom masks belong to verify steps")
     rng = random.Random(page_size * 7 + decode)
     bs = rng.randint(2, 6)
     prefix = [rng.randint(1, 400) for _ in range(bs)]

@@ -7,12 +7,11 @@ them back must reproduce the transformers model's logits.
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+import transformers
 
 from attnserve.models.driver import generate
 from attnserve.models.loader import load_model

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from attnserve.models.driver import generate
 from attnserve.models.loader import load_model

@@ -12,7 +12,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-pytest.importorskip("triton")
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, ForwardBatch, ForwardMode, unsupported
