@@ -6,6 +6,8 @@ stand-in here so that the table tests the policy, not another module's flags.
 """
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -156,16 +158,29 @@ def test_cuda_graphs_follow_the_decode_backend():
 
 def test_measured_order_reorders_the_fallback(tmp_path):
     records = [
-        {"backend": "triton", "batch": 64, "context": 4096, "median_us": 250.0},
-        {"backend": "flashinfer", "batch": 64, "context": 4096, "median_us": 300.0},
-        {"backend": "triton", "batch": 1, "context": 32768, "median_us": 50.0},
-        {"backend": "flashinfer", "batch": 1, "context": 32768, "median_us": 60.0},
-        {"backend": "fa3", "batch": 1, "context": 32768, "median_us": 10.0},  # not ours: ignored
+        {"workload": "decode 64x4096 p1", "backend": "triton", "us": 250.0, "tbps": 4.3},
+        {"workload": "decode 64x4096 p1", "backend": "flashinfer", "us": 300.0, "tbps": 3.9},
+        {"workload": "decode 64x4096 p1", "backend": "torch_native", "us": 9000.0, "tbps": 0.1},
+        {"workload": "prefill 8x2048", "backend": "triton", "us": 900.0, "tflops": 306},
+        {"workload": "prefill 8x2048", "backend": "flashinfer-fa2", "us": 1000.0, "tflops": 340},
+        {"workload": "prefill 8x2048", "backend": "flashinfer-fa3", "us": 500.0, "tflops": 571},  # counts
+        {"workload": "prefill 8x2048", "backend": "fa3", "us": 10.0},  # not ours: ignored
+        {"workload": "prefill 8x2048", "backend": "sdpa-cudnn", "us": 10.0},  # not a backend: ignored
     ]
-    (tmp_path / "kernels-h100.json").write_text(__import__("json").dumps({"results": records}))
-    assert selection.measured_order(PRESET_HARDWARE["h100"], tmp_path) == ("triton", "flashinfer")
-    assert selection.measured_order(PRESET_HARDWARE["h200"], tmp_path) is None
+    (tmp_path / "kernels-h100.json").write_text(json.dumps({"gpu": "H100", "records": records}))
+    # triton: (1 + 1.8) / 2 = 1.4; flashinfer: (1.2 + 1) / 2 = 1.1; torch_native 36
+    assert selection.measured_order(PRESET_HARDWARE["h100"], tmp_path) == ("flashinfer", "triton", "torch_native")
+    assert selection.measured_order(PRESET_HARDWARE["h200"], tmp_path) is None  # no file for this GPU
     assert selection.measured_order(PRESET_HARDWARE["cpu"], tmp_path) is None
+    (tmp_path / "kernels-h200.json").write_text("not json")
+    assert selection.measured_order(PRESET_HARDWARE["h200"], tmp_path) is None
+
+
+def test_measured_order_from_the_committed_h200_results():
+    committed = Path(selection.__file__).resolve().parents[3] / "benchmarks" / "results"
+    order = selection.measured_order(PRESET_HARDWARE["h200"], committed)
+    assert order is not None and set(order) >= {"triton", "flashinfer", "torch_native"}
+    assert order[-1] == "torch_native"  # orders of magnitude slower than the GPU kernels
 
 
 def test_model_traits_from_presets():
@@ -186,14 +201,3 @@ def test_serving_features_reject_bad_values(bad):
 def test_model_traits_reject_bad_attention_type():
     with pytest.raises(ValueError, match="MHA, GQA or MLA"):
         ModelTraits(attention_type="MQA")
-
-
-def test_measured_order_reads_milliseconds_and_plain_lists(tmp_path):
-    records = [{"backend": "flashinfer", "case": "decode", "median_ms": 0.2},
-               {"backend": "flex_attention", "case": "decode", "median_ms": 0.9},
-               {"backend": "torch_native", "case": "decode", "us": 150.0}]
-    (tmp_path / "kernels-h200.json").write_text(__import__("json").dumps(records))
-    assert selection.measured_order(PRESET_HARDWARE["h200"], tmp_path) == ("torch_native", "flashinfer",
-                                                                           "flex_attention")
-    (tmp_path / "kernels-h100.json").write_text("not json")
-    assert selection.measured_order(PRESET_HARDWARE["h100"], tmp_path) is None

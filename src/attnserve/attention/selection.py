@@ -376,18 +376,24 @@ def runnable_backends(hw: Hardware, model: ModelTraits, serving: ServingFeatures
 
 
 # ---- the decision ---------------------------------------------------------------------------------------
-_TIME_KEYS = {"median_us": 1.0, "time_us": 1.0, "us": 1.0, "median_ms": 1e3, "time_ms": 1e3, "ms": 1e3}
 MEASUREMENTS_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+
+
+def _backend_family(contestant: str) -> str | None:
+    """The registry backend a benchmark contestant belongs to ('flashinfer-fa3' -> 'flashinfer')."""
+    for name in (contestant, contestant.split("-")[0]):
+        if name in REGISTRY and REGISTRY[name].implemented:
+            return name
+    return None
 
 
 def measured_order(hw: Hardware, results_dir: Path | None = None) -> tuple[str, ...] | None:
     """Implemented backends ordered by measured speed on this GPU model, if a benchmark file exists.
 
-    Reads `kernels-<gpu>.json` (e.g. kernels-h200.json): a list of records, or {"results": [...]},
-    each with a "backend" and a time (median_us / time_us / us, or the same in ms); the other
-    scalar fields name the case. A backend's score is
-    its mean time relative to the fastest backend of each case it ran, so backends that ran
-    different case sets still compare. None when no file applies or none parses.
+    Reads `kernels-<gpu>.json` (e.g. kernels-h200.json, written by `attnserve bench kernels`):
+    records `{"workload", "backend", "us", ...}`. A backend's score is its mean time relative to
+    the fastest backend of each workload it ran (its fastest variant, e.g. flashinfer-fa3, counts),
+    so backends that ran different workloads still compare. None when no file applies.
     """
     if hw.device != "cuda":
         return None
@@ -396,23 +402,19 @@ def measured_order(hw: Hardware, results_dir: Path | None = None) -> tuple[str, 
     if not key or not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        records = json.loads(path.read_text()).get("records", [])
+    except (OSError, json.JSONDecodeError, AttributeError):
         return None
-    records = data.get("results", data.get("records", [])) if isinstance(data, dict) else data
-    cases: dict[tuple, dict[str, float]] = {}
-    for rec in records if isinstance(records, list) else []:
-        if not isinstance(rec, dict) or "backend" not in rec:
+    workloads: dict[str, dict[str, float]] = {}
+    for rec in records:
+        family = _backend_family(str(rec.get("backend", "")))
+        t = rec.get("us")
+        if family is None or not isinstance(t, (int, float)) or t <= 0 or "workload" not in rec:
             continue
-        t = next((rec[k] * scale for k, scale in _TIME_KEYS.items() if isinstance(rec.get(k), (int, float))), None)
-        name = str(rec["backend"])
-        if t is None or t <= 0 or name not in REGISTRY or not REGISTRY[name].implemented:
-            continue
-        case = tuple(sorted((k, v) for k, v in rec.items()
-                            if k != "backend" and k not in _TIME_KEYS and isinstance(v, (int, float, str))))
-        cases.setdefault(case, {})[name] = min(t, cases.get(case, {}).get(name, t))
+        times = workloads.setdefault(str(rec["workload"]), {})
+        times[family] = min(t, times.get(family, t))
     ratios: dict[str, list[float]] = {}
-    for times in cases.values():
+    for times in workloads.values():
         best = min(times.values())
         for name, t in times.items():
             ratios.setdefault(name, []).append(t / best)
