@@ -7,6 +7,7 @@ stand-in here so that the table tests the policy, not another module's flags.
 
 import dataclasses
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -176,11 +177,31 @@ def test_measured_order_reorders_the_fallback(tmp_path):
     assert selection.measured_order(PRESET_HARDWARE["h200"], tmp_path) is None
 
 
-def test_measured_order_from_the_committed_h200_results():
+def test_measured_order_per_side(tmp_path):
+    records = [
+        {"workload": "decode 64x4096 p1", "backend": "triton", "us": 250.0},
+        {"workload": "decode 64x4096 p1", "backend": "flashinfer", "us": 260.0},
+        {"workload": "prefill 8x2048", "backend": "triton", "us": 900.0},
+        {"workload": "prefill 8x2048", "backend": "flashinfer-fa3", "us": 500.0},
+    ]
+    (tmp_path / "kernels-h200.json").write_text(json.dumps({"records": records}))
+    h200 = PRESET_HARDWARE["h200"]
+    assert selection.measured_order(h200, tmp_path, side="decode") == ("triton", "flashinfer")
+    assert selection.measured_order(h200, tmp_path, side="prefill") == ("flashinfer", "triton")
+
+
+def test_hopper_without_fa3_takes_the_fastest_measured_backend_per_side(monkeypatch):
+    """The committed H200 race: FlashInfer's fa3 prefill beats our Triton prefill, our decode beats FlashInfer's."""
     committed = Path(selection.__file__).resolve().parents[3] / "benchmarks" / "results"
-    order = selection.measured_order(PRESET_HARDWARE["h200"], committed)
-    assert order is not None and set(order) >= {"triton", "flashinfer", "torch_native"}
-    assert order[-1] == "torch_native"  # orders of magnitude slower than the GPU kernels
+    monkeypatch.setattr(selection, "MEASUREMENTS_DIR", committed)
+    for side in ("prefill", "decode"):
+        order = selection.measured_order(PRESET_HARDWARE["h200"], side=side)
+        assert order is not None and order[-1] == "torch_native"  # orders of magnitude slower
+    hw = replace(PRESET_HARDWARE["h200"], installed=frozenset({"torch", "triton", "flashinfer"}))
+    sel = select_backends(hw, LLAMA)
+    assert (sel.prefill_backend, sel.decode_backend) == ("flashinfer", "triton")
+    assert any("fallback order for decode measured" in e.reason for e in sel.trace)
+    assert any(e.kind == "adjust" and "hybrid" in e.reason for e in sel.trace)
 
 
 def test_model_traits_from_presets():

@@ -387,13 +387,14 @@ def _backend_family(contestant: str) -> str | None:
     return None
 
 
-def measured_order(hw: Hardware, results_dir: Path | None = None) -> tuple[str, ...] | None:
+def measured_order(hw: Hardware, results_dir: Path | None = None, side: str | None = None) -> tuple[str, ...] | None:
     """Implemented backends ordered by measured speed on this GPU model, if a benchmark file exists.
 
     Reads `kernels-<gpu>.json` (e.g. kernels-h200.json, written by `attnserve bench kernels`):
     records `{"workload", "backend", "us", ...}`. A backend's score is its mean time relative to
     the fastest backend of each workload it ran (its fastest variant, e.g. flashinfer-fa3, counts),
-    so backends that ran different workloads still compare. None when no file applies.
+    so backends that ran different workloads still compare. `side` "decode" ranks on the decode
+    workloads only, "prefill" on the others (prefill, extend). None when no file applies.
     """
     if hw.device != "cuda":
         return None
@@ -411,6 +412,8 @@ def measured_order(hw: Hardware, results_dir: Path | None = None) -> tuple[str, 
         t = rec.get("us")
         if family is None or not isinstance(t, (int, float)) or t <= 0 or "workload" not in rec:
             continue
+        if side is not None and str(rec["workload"]).startswith("decode") != (side == "decode"):
+            continue
         times = workloads.setdefault(str(rec["workload"]), {})
         times[family] = min(t, times.get(family, t))
     ratios: dict[str, list[float]] = {}
@@ -423,11 +426,12 @@ def measured_order(hw: Hardware, results_dir: Path | None = None) -> tuple[str, 
     return tuple(sorted(ratios, key=lambda n: sum(ratios[n]) / len(ratios[n])))
 
 
-def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry]) -> list[str]:
+def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry], side: str) -> list[str]:
     order = [row.choose]
-    measured = measured_order(hw) or ()
+    measured = measured_order(hw, side=side) or ()
     if measured:
-        trace.append(TraceEntry("input", f"fallback order measured on this GPU model: {', '.join(measured)}"))
+        trace.append(TraceEntry("input", f"fallback order for {side} measured on this GPU model: "
+                                f"{', '.join(measured)}", side=side))
     for name in (*measured, *FALLBACK_ORDER.get(hw.device, ("torch_native",))):
         if name not in order:
             order.append(name)
@@ -463,7 +467,6 @@ def select_backends(
     ]
     row = policy_row(hw, model, serving)
     trace.append(TraceEntry("policy", row.why, row.choose))
-    candidates = candidate_order(hw, row, trace)
 
     explicit = {"prefill": prefill_backend or attention_backend, "decode": decode_backend or attention_backend}
     chosen: dict[str, str] = {}
@@ -482,6 +485,7 @@ def select_backends(
                 )
             trace.append(TraceEntry("explicit", f"requested for {side}; passes every check", name, side))
         else:
+            candidates = candidate_order(hw, row, trace, side)
             name, ps = _first_passing(candidates, hw, model, serving, side, fixed_page, sglang, trace)
         chosen[side] = name
         if fixed_page is None and (name in PREFERRED_PAGE_SIZE or _fixed_page_sizes(name, sglang)):
