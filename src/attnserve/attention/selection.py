@@ -430,7 +430,7 @@ def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry], side:
     order = [row.choose]
     measured = measured_order(hw, side=side) or ()
     if measured:
-        trace.append(TraceEntry("input", f"fallback order for {side} measured on this GPU model: "
+        trace.append(TraceEntry("input", f"fallback order measured on this GPU model: "
                                 f"{', '.join(measured)}", side=side))
     for name in (*measured, *FALLBACK_ORDER.get(hw.device, ("torch_native",))):
         if name not in order:
