@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"attnserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
