@@ -98,3 +98,35 @@ def test_compiled_matches_oracle_on_gpu(feature, page_size, decode):
     out = _run(sb, backend)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
     assert _rel_err(out, ref) < 1e-2
+
+
+def _share_prefix(sb, shared_tokens):
+    """Point every request's first `shared_tokens` positions at the first request's slots, as the radix cache does."""
+    fb = sb.fb
+    rows = fb.req_pool_indices.tolist()
+    assert all(s - e >= shared_tokens for s, e in zip(fb.seq_lens_cpu, fb.extend_lens_cpu))
+    for row in rows[1:]:
+        fb.req_to_token[row, :shared_tokens] = fb.req_to_token[rows[0], :shared_tokens]
+    return sb
+
+
+@pytest.mark.parametrize("feature,page_size,decode",
+                         [("plain", 1, False), ("plain", 4, True), ("window", 16, False), ("custom_mask", 4, False)])
+def test_requests_sharing_prefix_pages_match_oracle(feature, page_size, decode):
+    """Shared slots belong to every request that uses them: none may lose its prefix to another."""
+    prefix = [40, 33, 48]
+    ext = [1, 1, 1] if decode else [5, 9, 3]
+    sb = make_batch(prefix, ext, page_size=page_size, score_scale=20.0, seed=11, **FEATURES[feature])
+    _share_prefix(sb, 32)
+    shared = sb.fb.req_to_token[1, :32]
+    assert torch.equal(sb.fb.req_to_token[2, :32], shared) and torch.equal(sb.fb.req_to_token[3, :32], shared)
+    out = _run(sb, FlexAttentionBackend(sb.pool))
+    assert _rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-5
+
+
+def test_rejects_slot_used_at_two_positions():
+    """A slot's keys carry their position's rotation, so one slot at two positions is a bug upstream."""
+    sb = make_batch([8, 8], [2, 2], seed=5)
+    sb.fb.req_to_token[2, 3] = sb.fb.req_to_token[1, 4]
+    with pytest.raises(ValueError, match="different positions"):
+        FlexAttentionBackend(sb.pool).plan(sb.fb)

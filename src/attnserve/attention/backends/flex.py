@@ -2,11 +2,15 @@
 
 The key axis is the pool itself (every slot, `[1, kv_heads, num_slots, d]` as a
 strided view, no copy) and the query axis is the step's new tokens. What a query
-may see is a mask over slots: the slot belongs to the query's request and sits
-at a visible position (causal, sliding window, or the verify tree's custom
-mask). plan() turns the page table into slot -> (request, position) maps and a
-block-sparse BlockMask whose blocks are exactly the KV blocks each query block's
-requests own, so the fused kernel skips the rest of the pool.
+may see is a mask over slots: the slot appears in the query's own request's
+position -> slot row (req_to_token) at a visible position (causal, sliding
+window, or the verify tree's custom mask). Requests may share slots (the radix
+cache hands one prefix's pages to every request that starts with it), so a slot
+has no single owner; it does have a single position, because its keys were
+rotated for that position, and two requests share a slot only at the same
+position. plan() builds slot -> position, the batch's rows, and a block-sparse
+BlockMask whose blocks are exactly the KV blocks each query block's requests
+use, so the fused kernel skips the rest of the pool.
 
 On CUDA the compiled kernel runs; on the CPU FlexAttention's eager path does the
 same maths densely (fine for tests, not for speed). Captured graphs are not
@@ -60,21 +64,39 @@ class FlexAttentionBackend(AttentionBackend):
         positions = torch.arange(max_len, device=device)  # [max_len]
         rows = fb.req_to_token[fb.req_pool_indices.long(), :max_len].long()  # [B, max_len]
         valid = positions[None, :] < seq_lens[:, None]  # [B, max_len]
-        slots = rows[valid]  # [total_kv]
+        slots = rows[valid]  # [total_kv], a shared slot once per request using it
         owners = torch.arange(bs, device=device)[:, None].expand(bs, max_len)[valid]  # [total_kv]
-        # slot -> owning request (-1: not in this batch) and the token's position in it
-        kv_owner = torch.full((num_slots,), -1, dtype=torch.int64, device=device)  # [num_slots]
+        slot_positions = positions[None, :].expand(bs, max_len)[valid]  # [total_kv]
+        # each request's position -> slot row, -1 past its length (stale entries must not match)
+        req_slots = torch.full((bs, max(max_len, 1)), -1, dtype=torch.int64, device=device)  # [B, max(max_len, 1)]
+        req_slots[:, :max_len] = torch.where(valid, rows, -1)
+        # slot -> position, the same in every request that uses the slot
         kv_pos = torch.zeros(num_slots, dtype=torch.int64, device=device)  # [num_slots]
-        kv_owner[slots] = owners
-        kv_pos[slots] = positions[None, :].expand(bs, max_len)[valid]
+        kv_pos[slots] = slot_positions
+        self._check_one_position_per_slot(kv_pos, slots, slot_positions)
         num_tokens = fb.num_tokens
         q_req = torch.repeat_interleave(torch.arange(bs, device=device), extend_lens, output_size=num_tokens)  # [T]
         q_pos = fb.positions.to(device=device, dtype=torch.int64)  # [T]
-        self._kv_owner, self._kv_pos, self._q_req, self._q_pos = kv_owner, kv_pos, q_req, q_pos
+        self._req_slots, self._kv_pos, self._q_req, self._q_pos = req_slots, kv_pos, q_req, q_pos
         self._custom = self._dense_custom_mask(fb, max_len) if fb.custom_mask is not None else None
         self._blocks = self._block_table(q_req, owners, slots, bs, num_tokens, num_slots)
         self._masks: dict[int | None, object] = {}  # sliding window -> BlockMask, built on first use
         self._num_tokens = num_tokens
+
+    @staticmethod
+    def _check_one_position_per_slot(kv_pos, slots, slot_positions) -> None:
+        """A slot used at two positions would make the mask ambiguous; refuse it.
+
+        On the CPU this raises at once; on CUDA it is an asynchronous device assert, so
+        plan() stays free of host syncs.
+        """
+        consistent = (kv_pos[slots] == slot_positions).all()  # [] bool
+        if slots.device.type == "cpu":
+            if not bool(consistent):
+                raise ValueError("a KV slot appears at different positions in this batch's requests; "
+                                 "shared slots must sit at the same position in every request")
+        else:
+            torch._assert_async(consistent)
 
     @staticmethod
     def _dense_custom_mask(fb: ForwardBatch, max_len: int) -> torch.Tensor:
@@ -107,11 +129,12 @@ class FlexAttentionBackend(AttentionBackend):
             return self._masks[sliding_window]
         from torch.nn.attention.flex_attention import BlockMask
 
-        owner, kpos, qreq, qpos, custom = self._kv_owner, self._kv_pos, self._q_req, self._q_pos, self._custom
+        req_slots, kpos, qreq, qpos, custom = self._req_slots, self._kv_pos, self._q_req, self._q_pos, self._custom
 
         def visible(b, h, q_idx, kv_idx):
-            same = owner[kv_idx] == qreq[q_idx]
             p, k = qpos[q_idx], kpos[kv_idx]
+            # the slot is the query's own request's token at position k
+            same = req_slots[qreq[q_idx], k] == kv_idx
             seen = custom[q_idx, k] if custom is not None else k <= p
             if sliding_window is not None:
                 seen = seen & (k > p - sliding_window)
