@@ -3,15 +3,11 @@
 CPU: TRITON_INTERPRET=1, small shapes. GPU (marked gpu): real shapes and a real CUDA graph.
 """
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, ForwardBatch, ForwardMode, unsupported

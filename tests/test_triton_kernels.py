@@ -3,13 +3,8 @@
 On the CPU these run under TRITON_INTERPRET=1 with small shapes; with CUDA they run compiled.
 """
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 
 from attnserve.attention.kernels.decode import DecodeConfig, decode_attention
 from attnserve.attention.kernels.extend import ExtendConfig, build_extend_tiles, extend_attention
