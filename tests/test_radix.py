@@ -126,3 +126,49 @@ def test_random_workload_never_leaks():
         assert len(cache.match_prefix(tokens, record=False)) == len(tokens) // 4
     cache.reset()
     assert alloc.num_free == alloc.total
+
+
+def test_unused_parent_of_a_leaf_in_use_is_not_evictable():
+    # two requests computed the same prefix in one step: the tree kept the first one's prefix pages
+    # (now read by nobody) and took the second one's suffix page, which it still reads
+    alloc = PageAllocator(16)
+    cache = RadixCache(alloc, 1)
+    first = alloc.alloc(2)
+    cache.insert([1, 2], first)
+    alloc.free(first)
+    running = alloc.alloc(3)
+    cache.insert([1, 2, 3], running)
+    assert cache.num_nodes() == 2
+    assert cache.evictable_pages() == 0  # [1, 2] is unused but sits above the running leaf
+    assert cache.evict(100) == 0
+    alloc.free(running)
+    assert cache.evictable_pages() == 3
+    assert cache.evict(100) == 3
+    alloc.check_leaks()
+
+
+def test_evictable_pages_is_what_evict_frees():
+    rng = random.Random(3)
+    for trial in range(20):
+        alloc = PageAllocator(400)
+        cache = RadixCache(alloc, 2)
+        held = []
+        for _ in range(25):
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(2, 16))]
+            pages = cache.match_prefix(tokens, record=False)
+            alloc.share(pages)
+            if rng.random() < 0.3:  # sometimes recompute a cached prefix instead of reusing it
+                alloc.free(pages)
+                pages = []
+            pages = pages + alloc.alloc(-(-len(tokens) // 2) - len(pages))
+            cache.insert(tokens, pages)
+            if rng.random() < 0.4:
+                held.append(pages)  # still running
+            else:
+                alloc.free(pages)
+        promised = cache.evictable_pages()
+        assert cache.evict(10**6) == promised, f"trial {trial}"
+        assert cache.evictable_pages() == 0
+        for pages in held:
+            alloc.free(pages)
+        alloc.check_leaks()

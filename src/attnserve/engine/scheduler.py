@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from attnserve.attention.base import ForwardMode
 from attnserve.engine.request import FinishReason, Request, RequestStatus
-from attnserve.kvcache.allocator import KVCacheExhausted, PageAllocator
+from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.pool import ReqToTokenPool
 from attnserve.kvcache.radix import RadixCache
 
@@ -128,12 +128,23 @@ class Scheduler:
         """Extra pages `req` needs so that `new_tokens` more tokens fit after its kv_len."""
         return max(0, -(-(req.kv_len + new_tokens) // self.page_size) - len(req.pages))
 
-    def _grow(self, req: Request, new_tokens: int) -> None:
+    def _grow(self, req: Request, new_tokens: int) -> bool:
+        """Give `req` the pages for `new_tokens` more tokens; False (nothing taken) when the pool cannot.
+
+        The caller preempts or waits on False: running out of pages is a scheduling decision, never an
+        exception out of `schedule`.
+        """
         need = self._pages_for(req, new_tokens)
         if need:
             if not self._ensure_free(need):
-                raise KVCacheExhausted(need, self.allocator.num_free)
+                return False
             req.pages.extend(self.allocator.alloc(need))
+        return True
+
+    def _drop_pages(self, req: Request) -> None:
+        """Undo a failed admission: the request holds no page afterwards."""
+        self.allocator.free(req.pages)
+        req.pages, req.kv_len = [], 0
 
     def _release(self, req: Request, cache: bool) -> None:
         """Hand back the request's pages and row; with `cache`, keep its computed prefix in the tree."""
@@ -209,9 +220,7 @@ class Scheduler:
         while True:
             decoding = [r for r in self.running if r.num_uncomputed == 1 and r.output_ids]
             need = sum(self._pages_for(r, 1) for r in decoding)
-            if need == 0 or self._ensure_free(need):
-                for r in decoding:
-                    self._grow(r, 1)
+            if (need == 0 or self._ensure_free(need)) and all(self._grow(r, 1) for r in decoding):
                 return decoding
             self.preempt(max(self.running, key=lambda r: r.admit_order))
 
@@ -234,7 +243,8 @@ class Scheduler:
             want = min(want, (len(req.pages) + max(spare, 0)) * self.page_size - req.kv_len)
             if want <= 0:
                 return 0
-        self._grow(req, want)
+        if not self._grow(req, want):
+            return 0
         return want
 
     def _admit(self, req: Request, budget: int, reserve: int, first: bool) -> int:
@@ -249,10 +259,14 @@ class Scheduler:
             self.allocator.share(cached)
         req.pages = list(cached)
         req.kv_len = len(cached) * self.page_size
-        chunk = self._take_chunk(req, budget, reserve, first)
-        if chunk == 0:
-            self.allocator.free(req.pages)
-            req.pages, req.kv_len = [], 0
+        try:
+            chunk = self._take_chunk(req, budget, reserve, first)
+            row = self.req_pool.alloc() if chunk else None
+        except BaseException:
+            self._drop_pages(req)
+            raise
+        if not chunk:
+            self._drop_pages(req)  # not admitted: the shared prefix goes back too
             return 0
         if self.tree is not None:
             st = self.tree.stats
@@ -260,7 +274,7 @@ class Scheduler:
             st.lookup_tokens += req.seq_len
             st.hit_tokens += len(cached) * self.page_size
         req.cached_len = len(cached) * self.page_size
-        req.row = self.req_pool.alloc()
+        req.row = row
         req.table_len = 0
         req.status = RequestStatus.RUNNING
         req.admit_order = next(self._admissions)

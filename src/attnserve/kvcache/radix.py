@@ -146,13 +146,24 @@ class RadixCache:
         return all(self.allocator.refcount[p] == 1 for p in node.pages)
 
     def evictable_pages(self) -> int:
-        """Pages only the tree references: what `evict` could free right now."""
-        total, stack = 0, list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            if self._unused(node):
+        """Pages `evict` could free right now.
+
+        Eviction removes leaves only, so a node counts only when its whole subtree is unused: an
+        unused node above a page some request still reads stays until that request is done.
+        """
+        total = 0
+        freeable: dict[int, bool] = {}  # id(node) -> its whole subtree is unused
+        stack = [(n, False) for n in self.root.children.values()]
+        while stack:  # post-order: children are decided before their parent
+            node, children_done = stack.pop()
+            if not children_done:
+                stack.append((node, True))
+                stack.extend((c, False) for c in node.children.values())
+                continue
+            ok = self._unused(node) and all(freeable[id(c)] for c in node.children.values())
+            freeable[id(node)] = ok
+            if ok:
                 total += len(node.pages)
-            stack.extend(node.children.values())
         return total
 
     def evict(self, num_pages: int) -> int:
