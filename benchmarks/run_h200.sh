@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on the H200 (see benchmarks/NOTES.md for what each produced):
+# One run on the H200 (see benchmarks/NOTES.md for what each produced):
 #   benchmarks/run_h200.sh tune   -> GPU tests + full Triton sweep + race without FlashInfer
 #   benchmarks/run_h200.sh final  -> GPU tests + extend sweep + race with FlashInfer
 #     (wheels in .whl; FlashInfer's JIT builds run in the background from the start)

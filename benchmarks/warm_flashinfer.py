@@ -1,6 +1,6 @@
 """Build FlashInfer's JIT kernels for the race shapes (32/8 heads, d128, bf16) on tiny inputs.
 
-Run in the background at the start of a device call, so the minutes of nvcc work overlap
+Run in the background at the start of a GPU run, so the minutes of nvcc work overlap
 with the Triton runs and the race finds the kernels built.
 """
 

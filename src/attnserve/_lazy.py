@@ -11,8 +11,6 @@ _INSTALL_HINT = {
     "triton": "pip install 'attnserve[gpu]'  (or: pip install triton)",
     "flashinfer": "pip install 'attnserve[flashinfer]'  (FlashInfer wheels for your CUDA/torch)",
     "transformers": "pip install 'attnserve[hf]'",
-    "fastapi": "pip install 'attnserve[server]'",
-    "uvicorn": "pip install 'attnserve[server]'",
     "matplotlib": "pip install 'attnserve[bench]'",
 }
 

@@ -1,8 +1,8 @@
-"""`attnserve <command>`: each command lives in its own module under attnserve.commands.
+"""attnserve: attention backends over a paged KV cache, and an inference engine around them.
 
-A command module defines `add_parser(subparsers)` (which returns the parser) and
-`run(args) -> int`. Modules are imported only when listed here, so a command's
-heavy imports happen inside `run`.
+Each command lives in its own module under attnserve.commands, which defines
+`add_parser(subparsers)` (returning the parser) and `run(args) -> int`; heavy
+imports happen inside `run`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import sys
 
 COMMANDS = [
     "generate",
-    "serve",
     "bench",
     "select",
     "kv_calc",
@@ -21,23 +20,12 @@ COMMANDS = [
 ]
 
 
-def _load(name: str):
-    try:
-        return importlib.import_module(f"attnserve.commands.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"attnserve.commands.{name}":
-            return None  # command not built yet
-        raise
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="attnserve", description=__doc__.splitlines()[0].removeprefix("attnserve: "))
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        mod = _load(name)
-        if mod is not None:
-            p = mod.add_parser(sub)
-            p.set_defaults(_run=mod.run)
+        mod = importlib.import_module(f"attnserve.commands.{name}")
+        mod.add_parser(sub).set_defaults(_run=mod.run)
     return parser
 
 

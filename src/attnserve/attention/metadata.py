@@ -87,7 +87,6 @@ def build_paged_metadata(
     kv_last_page_len = (seq_lens - (num_pages - 1) * page_size).clamp(min=0).to(torch.int32)
 
     if buffers is not None:
-        nnz = kv_indices.numel()
         if bs + 1 > buffers.qo_indptr.numel() or nnz > buffers.kv_indices.numel():
             raise ValueError(
                 f"batch {bs} / {nnz} pages exceed graph buffers "

@@ -194,8 +194,8 @@ POLICY: tuple[PolicyRow, ...] = (
 )
 
 # Candidates tried after the policy's choice, per platform. attnserve's own order: on NVIDIA, FlashInfer
-# first (its tensor-core paged decode reached 4.0-4.08 TB/s, ~95% of the measured 4.24 TB/s copy ceiling
-# on the H200, and its fa3 prefill 514-616 TFLOP/s, /work GPU notes 2026-11-29), then attnserve's Triton
+# first (its tensor-core paged decode reached 3.0-4.3 TB/s and its fa3 prefill 336-646 TFLOP/s on the
+# H200, benchmarks/results/kernels-h200.json), then attnserve's Triton
 # kernels (portable, CUDA graphs), then FlexAttention (no CUDA graphs), then torch_native (reference
 # speed). When benchmarks/results/kernels-<gpu>.json exists, `measured_order` reorders by it.
 FALLBACK_ORDER: dict[str, tuple[str, ...]] = {

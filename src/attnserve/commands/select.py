@@ -38,7 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     f = p.add_argument_group("features")
     f.add_argument("--speculative-topk", type=int, default=0, help="speculative decoding topk (0: none)")
     f.add_argument("--page-size", type=int, default=None, help="KV page size (default: 1 or what the backend needs)")
-    f.add_argument("--kv-cache-dtype", default="bf16", help="bf16, fp16, fp32, fp8_e4m3, fp8_e5m2")
+    f.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the engine's default: bf16 on a GPU, fp32 on a CPU), bf16, fp16, fp32, fp8_e4m3, fp8_e5m2")
     f.add_argument("--deterministic", action="store_true", help="require deterministic attention")
     b = p.add_argument_group("explicit choices (validated, never replaced)")
     b.add_argument("--attention-backend", default=None)
@@ -97,13 +98,19 @@ def model_from_args(args):
     return dataclasses.replace(traits, **overrides) if overrides else traits
 
 
+def _kv_dtype(name: str, hw) -> str:
+    if name != "auto":
+        return name
+    return "fp32" if hw.device == "cpu" else "bf16"
+
+
 def run(args) -> int:
     from attnserve.attention.selection import ServingFeatures, select_backends
 
     hw = hardware_from_args(args)
     model = model_from_args(args)
     serving = ServingFeatures(speculative_topk=args.speculative_topk, page_size=args.page_size,
-                              kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic)
+                              kv_cache_dtype=_kv_dtype(args.kv_cache_dtype, hw), deterministic=args.deterministic)
     selection = select_backends(
         hw, model, serving,
         attention_backend=args.attention_backend,

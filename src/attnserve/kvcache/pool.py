@@ -85,8 +85,7 @@ class KVPool:
             raise ValueError(f"out_cache_loc has {tuple(loc.shape)} but {what} has {x.shape[0]} tokens")
         if tuple(x.shape[1:]) != tuple(shape_tail):
             raise ValueError(f"{what} shape {tuple(x.shape)} does not match pool [tokens, {', '.join(map(str, shape_tail))}]")
-        # on a GPU the range check would cost a device sync per layer (and break graph capture);
-        # ForwardBatch checks out_cache_loc once per step instead
+        # on a GPU the range check would cost a device sync per layer (and break graph capture)
         if loc.device.type == "cpu":
             self.check_slots(loc)
 
