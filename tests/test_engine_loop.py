@@ -54,3 +54,60 @@ def test_abort_from_another_thread_and_bad_input():
         list(bad)
     loop.stop()
     assert loop.engine.scheduler.allocator.num_free == loop.engine.scheduler.allocator.total
+
+
+class _FailingEngine:
+    """Accepts requests; its step raises once `fail` is set (the model failing mid-batch)."""
+
+    def __init__(self):
+        self.pending: list[int] = []
+        self.in_step = threading.Event()
+        self.fail = threading.Event()
+
+    def add_request(self, prompt, params, rid):
+        self.pending.append(rid)
+
+    def has_work(self):
+        return bool(self.pending)
+
+    def step(self):
+        self.in_step.set()
+        self.fail.wait(10)
+        raise RuntimeError("model exploded")
+
+    def abort(self, rid):
+        return None
+
+
+def _result_within(handle, seconds=10.0):
+    """handle.result() in a thread: returns ('ok', value) or ('error', exc); fails the test if it hangs."""
+    box = []
+
+    def wait():
+        try:
+            box.append(("ok", handle.result()))
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            box.append(("error", exc))
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "result() is still blocked after the engine loop died"
+    return box[0]
+
+
+def test_dead_loop_wakes_waiters_and_refuses_new_work():
+    engine = _FailingEngine()
+    loop = EngineLoop(engine).start()
+    running = loop.submit([1, 2, 3], PARAMS)
+    assert engine.in_step.wait(10)
+    queued = loop.submit([4, 5], PARAMS)  # submitted while the failing step runs: never picked up
+    engine.fail.set()
+    for handle in (running, queued):
+        kind, exc = _result_within(handle)
+        assert kind == "error" and "model exploded" in str(exc)
+    loop._thread.join(10)
+    assert isinstance(loop.error, RuntimeError)
+    with pytest.raises(RuntimeError, match="model exploded"):
+        loop.submit([6], PARAMS)
+    loop.stop()

@@ -9,6 +9,7 @@ queue, so the scheduler's state is touched by one thread alone.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from attnserve.engine.detokenizer import Detokenizer
 from attnserve.engine.engine import Engine
 from attnserve.engine.llm import RequestOutput, StreamEvent
 from attnserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("attnserve.engine")
 
 
 @dataclass
@@ -51,6 +54,7 @@ class EngineLoop:
         self._rids = itertools.count()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._submit_lock = threading.Lock()  # a submit either lands before the loop ends or raises
         self._thread = threading.Thread(target=self._run, name="attnserve-engine", daemon=True)
         self.error: BaseException | None = None
 
@@ -66,10 +70,13 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestHandle:
-        if self._stop.is_set():
-            raise RuntimeError("the engine loop has stopped")
-        handle = RequestHandle(next(self._rids), queue.Queue())
-        self._commands.put(("add", handle, prompt, params or SamplingParams()))
+        with self._submit_lock:
+            if self.error is not None:
+                raise RuntimeError(f"the engine loop failed: {self.error!r}") from self.error
+            if self._stop.is_set():
+                raise RuntimeError("the engine loop has stopped")
+            handle = RequestHandle(next(self._rids), queue.Queue())
+            self._commands.put(("add", handle, prompt, params or SamplingParams()))
         self._wake.set()
         return handle
 
@@ -124,13 +131,33 @@ class EngineLoop:
                     if req.finished:
                         self._close(req.rid)
         except BaseException as exc:  # every waiter must hear about a dead loop
-            self.error = exc
-            for handle in self._handles.values():
+            with self._submit_lock:
+                self.error = exc
+                self._stop.set()
+            failed = [*self._handles.values(), *self._queued_handles()]
+            for handle in failed:
                 handle.events.put(RuntimeError(f"engine loop failed: {exc!r}"))
                 handle.events.put(None)
             self._handles.clear()
-            raise
+            log.error("engine loop failed; new requests are refused", exc_info=exc)
         finally:
+            with self._submit_lock:
+                self._stop.set()
+            for handle in self._queued_handles():  # submitted while stopping: ends without output
+                handle.events.put(None)
             for rid in list(self._handles):
-                self.engine.abort(rid)
-                self._close(rid)
+                try:
+                    self.engine.abort(rid)
+                finally:
+                    self._close(rid)
+
+    def _queued_handles(self) -> list[RequestHandle]:
+        """Take every submitted request the loop has not picked up yet (once no submit can add more)."""
+        handles = []
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return handles
+            if cmd[0] == "add":
+                handles.append(cmd[1])
