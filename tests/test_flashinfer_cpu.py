@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from attnserve.attention.base import ForwardBatch, ForwardMode
+from attnserve.attention.metadata import build_paged_metadata
 from attnserve.attention.reference import attend, reference_for_batch
 from attnserve.attention.synthetic import make_batch
 
@@ -55,8 +56,13 @@ class _Paged:
         self.plans = 0
 
     def _set_table(self, indptr, indices, last):
+        # plan() reads indptr and last-page lengths on the host; handing it device tensors costs a sync
+        assert indptr.device.type == "cpu" and last.device.type == "cpu", "indptr / last_page_len not on the host"
+        assert int(indptr[-1]) == indices.numel() and last.numel() == indptr.numel() - 1
         if self.graph:  # graph mode: the batch size is fixed and the kernel reads the fixed buffers
             assert indptr.numel() == self.bufs[0].numel(), "batch size differs from the wrapper's"
+            if indices.numel() > self.bufs[1].numel():
+                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
             self.bufs[0].copy_(indptr)
             self.bufs[1][: indices.numel()].copy_(indices)
             self.bufs[2].copy_(last)
@@ -97,6 +103,10 @@ class FakePrefill(_Paged):
              custom_mask=None, causal=False, sm_scale=None, window_left=-1, logits_soft_cap=None,
              q_data_type=None, kv_data_type=None):
         assert custom_mask is None or self.backend == "fa2", "fa3 has no custom masks"
+        if custom_mask is not None:  # the mask packer runs on the mask's device: that plan keeps device indptrs
+            kv_indptr, last = kv_indptr.cpu(), last.cpu()
+        else:
+            assert qo_indptr.device.type == "cpu", "qo_indptr not on the host"
         self._set_table(kv_indptr, kv_indices, last)
         self.qo = qo_indptr.clone()
         self.mask, self.causal = custom_mask, causal
@@ -126,6 +136,7 @@ class FakeRagged:
 
     def plan(self, qo_indptr, kv_indptr, hq, hkv, d, head_dim_vo=None, causal=False, sm_scale=None,
              logits_soft_cap=None, q_data_type=None, kv_data_type=None):
+        assert qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu", "indptrs not on the host"
         self.qo, self.kv, self.causal, self.scale, self.cap = qo_indptr.clone(), kv_indptr.clone(), causal, sm_scale, \
             logits_soft_cap
 
@@ -241,3 +252,88 @@ def test_bad_options(fake_flashinfer):
         _backend(sb.pool, prefill_path="dense")
     with pytest.raises(ValueError, match="MLA"):
         _backend(make_batch([3], [1], mla=(32, 16)).pool)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_host_csr_matches_device_metadata(page_size):
+    """The host arrays handed to plan() equal what the device builder computes, empty prefixes included."""
+    from attnserve.attention.backends.flashinfer import host_csr
+
+    seq, ext = [1, 17, 16, 33, 4, 64], [1, 5, 16, 2, 4, 1]
+    for lens in (seq, [s - e for s, e in zip(seq, ext)]):  # whole sequences, then prefixes (some empty)
+        width = max(seq)
+        req_to_token = torch.arange(len(seq) * width, dtype=torch.int32).view(len(seq), width)
+        meta = build_paged_metadata(req_to_token, torch.arange(len(seq)), torch.tensor(lens), torch.tensor(ext),
+                                    page_size)
+        host = host_csr(lens, ext, page_size)
+        assert torch.equal(host.qo_indptr, meta.qo_indptr)
+        assert torch.equal(host.kv_indptr, meta.kv_indptr)
+        assert torch.equal(host.kv_last_page_len, meta.kv_last_page_len)
+
+
+def _shared_prefix_decode(sb, rows, new_lens):
+    """Decode requests that reuse request rows, as requests sharing a cached prefix do (same pages)."""
+    return ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [n - 1 for n in new_lens], [1] * len(rows),
+                                     sb.fb.req_to_token, sb.pool)
+
+
+def test_graph_page_buffer_holds_batches_listing_more_pages_than_the_pool(fake_flashinfer):
+    """Six requests over two page tables list more pages than the pool has; capture and replay still fit."""
+    sb = make_batch([40, 37], [1, 1], page_size=4, extra_pages=0, score_scale=20.0)
+    num_pages = sb.pool.num_pages
+    backend = _backend(sb.pool)
+    _check(sb, backend)
+    backend.init_graph_buffers(max_bs=8, max_tokens=8)
+    fb6 = _shared_prefix_decode(sb, [1, 2, 1, 2, 1, 2], [41, 38, 30, 38, 41, 9])
+    listed = sum(-(-s // 4) for s in fb6.seq_lens_cpu)
+    assert listed > num_pages
+    backend.plan_for_capture(fb6)
+    width_pages = -(-sb.fb.req_to_token.shape[1] // 4)
+    assert backend._graph_buffers.kv_indices.numel() == 8 * width_pages
+    fb6 = _shared_prefix_decode(sb, [2, 1, 2, 1, 2, 1], [38, 41, 38, 41, 20, 41])
+    backend.plan_for_replay(fb6)
+    q = torch.randn(6, *sb.q.shape[1:], generator=torch.Generator().manual_seed(1)) * 20
+    out = backend.forward(q, None, None, sb.layer, fb6)
+    ref = reference_for_batch(q, sb.layer, fb6)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    (wrapper,) = backend._graph_wrappers.values()
+    assert wrapper.bufs[1] is backend._graph_buffers.kv_indices  # the captured address still in use
+
+
+def test_graph_page_buffer_is_fixed_after_capture(fake_flashinfer):
+    """A wider page table after capture cannot move the buffer the graphs read: refuse it."""
+    sb = make_batch([9, 30], [1, 1], page_size=4)
+    backend = _backend(sb.pool)
+    _check(sb, backend)
+    backend.init_graph_buffers(max_bs=2, max_tokens=2)
+    backend.plan_for_capture(sb.fb)
+    wider = torch.zeros(sb.fb.req_to_token.shape[0], sb.fb.req_to_token.shape[1] + 64, dtype=torch.int32)
+    wider[:, : sb.fb.req_to_token.shape[1]] = sb.fb.req_to_token
+    fb = ForwardBatch.from_lengths(ForwardMode.DECODE, [1, 2], [8, 29], [1, 1], wider, sb.pool)
+    with pytest.raises(ValueError, match="req_to_token width"):
+        backend.plan_for_replay(fb)
+
+
+def test_replay_plans_only_the_graph_metadata(fake_flashinfer, monkeypatch):
+    """plan_for_replay builds page ids once, into the fixed buffer, and no eager metadata besides."""
+    import attnserve.attention.backends.flashinfer as fi_backend
+
+    sb = make_batch([20, 3], [1, 1], page_size=4)
+    backend = _backend(sb.pool)
+    _check(sb, backend)
+    backend.init_graph_buffers(max_bs=2, max_tokens=2)
+    backend.plan_for_capture(sb.fb)
+    calls = {"eager": 0, "graph": 0}
+    real_build = fi_backend.build_paged_metadata
+
+    def counting_build(*args, **kwargs):
+        calls["graph" if kwargs.get("buffers") is not None else "eager"] += 1
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(fi_backend, "build_paged_metadata", counting_build)
+    monkeypatch.setattr(fi_backend, "metadata_for_batch", lambda *a, **k: calls.__setitem__("eager", 99))
+    backend.plan_for_replay(sb.fb)
+    assert calls == {"eager": 0, "graph": 1}
+    out = backend.forward(sb.q, None, None, sb.layer, sb.fb)
+    ref = reference_for_batch(sb.q, sb.layer, sb.fb)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5

@@ -4,8 +4,10 @@ The pool's `[num_slots, kv_heads, d]` buffers are FlashInfer's NHD paged layout
 `[num_pages, page_size, kv_heads, d]` viewed without a copy, so the CSR metadata
 of metadata.py is handed over as it is.
 
-- Decode: BatchDecodeWithPagedKVCacheWrapper, tensor-core path by default (on the
-  H200 it reached 4.0 TB/s against 2.8 TB/s for the CUDA-core path at GQA 4:1).
+- Decode: BatchDecodeWithPagedKVCacheWrapper, tensor-core path by default; on the
+  H200 it moved 4.21-4.32 TB/s at 64-128 requests of 2-4K tokens and 3.0-3.9 TB/s
+  at 1-8 long requests or 256 short ones (GQA 4:1, d=128, CUDA graphs;
+  benchmarks/results/kernels-h200.json).
 - Prefill: "paged" (default) runs the paged prefill wrapper over the whole KV with
   causal masking aligned to each request's end (new K/V are already in the pool);
   "ragged" runs the new tokens through the ragged wrapper and the cached prefix
@@ -14,15 +16,21 @@ of metadata.py is handed over as it is.
   `prefill_kernel` / `prefill_kernel_reason`.
 - Wrappers are planned once per step per layer signature (heads, widths, window,
   soft-cap, scale): lazily at a signature's first layer in eager mode, and for
-  every signature seen so far in plan_for_capture / plan_for_replay.
+  every signature seen so far in plan_for_capture / plan_for_replay. plan() reads
+  indptr and last-page lengths on the host, so they are built there from the
+  batch's host lengths (a device copy would cost a sync per step); page ids stay
+  on the device.
 - CUDA graphs (decode): one wrapper per captured batch size over fixed-address
   metadata buffers, as FlashInfer fixes the batch size of a graph-mode wrapper.
+  The page-id buffer holds max_bs full rows of req_to_token: a batch can list more
+  pages than the pool has (a shared prefix counts once per request using it).
 
 flashinfer is imported only when a backend object is built.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +42,30 @@ from attnserve.attention.metadata import (
     build_paged_metadata,
     metadata_for_batch,
 )
+
+
+@dataclass(frozen=True)
+class HostCSR:
+    """The small CSR arrays on the host, as FlashInfer's plan() reads them there."""
+
+    qo_indptr: torch.Tensor  # [B+1] int32, CPU
+    kv_indptr: torch.Tensor  # [B+1] int32, CPU
+    kv_last_page_len: torch.Tensor  # [B] int32, CPU
+
+
+def host_csr(seq_lens: list[int], extend_lens: list[int], page_size: int) -> HostCSR:
+    """The values metadata.build_paged_metadata computes on the device, from host lengths."""
+    pages = [(s + page_size - 1) // page_size for s in seq_lens]
+    qo, kv = [0], [0]
+    for e, n in zip(extend_lens, pages):
+        qo.append(qo[-1] + e)
+        kv.append(kv[-1] + n)
+    last = [max(s - (n - 1) * page_size, 0) for s, n in zip(seq_lens, pages)]
+
+    def t(values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    return HostCSR(t(qo), t(kv), t(last))
 
 
 @dataclass(frozen=True)
@@ -126,14 +158,17 @@ class FlashInferBackend(AttentionBackend):
             return "fa2", "FP8 KV with bf16/fp16 queries runs on fa2 (fa3 wants FP8 queries too)"
         if self.pool.head_dim != self.pool.v_head_dim or self.pool.head_dim not in (64, 128, 256):
             return "fa2", f"fa3 prefill is built for equal K/V widths of 64/128/256, got {self.pool.head_dim}"
-        return "fa3", "Hopper: fa3 prefill ran 514-616 TFLOP/s vs fa2 339-378 on the H200 (causal, d=128)"
+        return "fa3", ("Hopper: fa3 prefill ran 336-647 TFLOP/s vs fa2 263-383 on the H200, 1.3-1.7x per workload "
+                       "(causal, d=128; benchmarks/results/kernels-h200.json)")
 
     # ---- per step -------------------------------------------------------------------------------
     def plan(self, fb: ForwardBatch) -> None:
         """CSR metadata once per step; FlashInfer plans follow per layer signature (host side)."""
         self._fb = fb
         self._meta: PagedKVMetadata = metadata_for_batch(fb)
+        self._host = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
         self._prefix_meta: PagedKVMetadata | None = None
+        self._prefix_host: HostCSR | None = None
         self._planned: set = set()
         self._graph_bs: int | None = None
 
@@ -165,10 +200,10 @@ class FlashInferBackend(AttentionBackend):
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, **kw)
 
-    def _plan_decode(self, wrapper, meta: PagedKVMetadata, sig: _Signature) -> None:
+    def _plan_decode(self, wrapper, host: HostCSR, kv_indices: torch.Tensor, sig: _Signature) -> None:
         wrapper.plan(
-            meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, sig.num_heads, sig.num_kv_heads, sig.head_dim,
-            meta.page_size, window_left=sig.window_left, logits_soft_cap=sig.logit_cap, sm_scale=sig.scale,
+            host.kv_indptr, kv_indices, host.kv_last_page_len, sig.num_heads, sig.num_kv_heads, sig.head_dim,
+            self.pool.page_size, window_left=sig.window_left, logits_soft_cap=sig.logit_cap, sm_scale=sig.scale,
             q_data_type=self.q_dtype, kv_data_type=self.pool.dtype,
         )
 
@@ -182,7 +217,7 @@ class FlashInferBackend(AttentionBackend):
             if wrapper is None:
                 wrapper = self._decode_wrappers[sig] = self._new_decode_wrapper()
             if ("decode", sig) not in self._planned:
-                self._plan_decode(wrapper, self._meta, sig)
+                self._plan_decode(wrapper, self._host, self._meta.kv_indices, sig)
                 self._planned.add(("decode", sig))
         return wrapper.run(q, self._kv_cache(layer.layer_id), **self._scales(layer.layer_id))  # [B, Hq, Dv]
 
@@ -207,8 +242,10 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self._prefill_wrapper(self._prefill_wrappers, "BatchPrefillWithPagedKVCacheWrapper", kernel, sig)
         if ("paged", sig) not in self._planned:
             m = self._meta
+            # the custom-mask packer works on the mask's device, so that plan keeps device indptrs
+            csr = m if fb.custom_mask is not None else self._host
             wrapper.plan(
-                m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len, sig.num_heads, sig.num_kv_heads,
+                csr.qo_indptr, csr.kv_indptr, m.kv_indices, csr.kv_last_page_len, sig.num_heads, sig.num_kv_heads,
                 sig.head_dim, m.page_size, head_dim_vo=sig.v_head_dim, custom_mask=fb.custom_mask,
                 causal=fb.custom_mask is None, sm_scale=sig.scale, window_left=sig.window_left,
                 logits_soft_cap=sig.logit_cap, q_data_type=self.q_dtype, kv_data_type=self.pool.dtype,
@@ -219,9 +256,9 @@ class FlashInferBackend(AttentionBackend):
     def _extend_ragged(self, q, k, v, layer, fb: ForwardBatch, sig: _Signature) -> torch.Tensor:
         kernel = self._kernel_for(fb)
         ragged = self._prefill_wrapper(self._ragged_wrappers, "BatchPrefillWithRaggedKVCacheWrapper", kernel, sig)
-        m = self._meta
+        host = self._host
         if ("ragged", sig) not in self._planned:
-            ragged.plan(m.qo_indptr, m.qo_indptr, sig.num_heads, sig.num_kv_heads, sig.head_dim,
+            ragged.plan(host.qo_indptr, host.qo_indptr, sig.num_heads, sig.num_kv_heads, sig.head_dim,
                         head_dim_vo=sig.v_head_dim, causal=True, sm_scale=sig.scale,
                         logits_soft_cap=sig.logit_cap, q_data_type=self.q_dtype, kv_data_type=self.q_dtype)
             self._planned.add(("ragged", sig))
@@ -232,10 +269,11 @@ class FlashInferBackend(AttentionBackend):
             self._prefix_meta = build_paged_metadata(
                 fb.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, self.pool.page_size,
                 seq_lens_cpu=fb.prefix_lens_cpu)
-        pm = self._prefix_meta
+            self._prefix_host = host_csr(fb.prefix_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
+        pm, ph = self._prefix_meta, self._prefix_host
         paged = self._prefill_wrapper(self._prefill_wrappers, "BatchPrefillWithPagedKVCacheWrapper", kernel, sig)
         if ("prefix", sig) not in self._planned:
-            paged.plan(pm.qo_indptr, pm.kv_indptr, pm.kv_indices, pm.kv_last_page_len, sig.num_heads,
+            paged.plan(ph.qo_indptr, ph.kv_indptr, pm.kv_indices, ph.kv_last_page_len, sig.num_heads,
                        sig.num_kv_heads, sig.head_dim, pm.page_size, head_dim_vo=sig.v_head_dim, causal=False,
                        sm_scale=sig.scale, logits_soft_cap=sig.logit_cap, q_data_type=self.q_dtype,
                        kv_data_type=self.pool.dtype)
@@ -251,8 +289,20 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- CUDA graphs (decode) -------------------------------------------------------------------------------
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
+        """Index buffers now; the page-id buffer is sized at the first capture, from req_to_token's width."""
         self.graph_max_bs = max_bs
-        self._graph_buffers = MetadataBuffers.allocate(max_bs, self.pool.num_pages, self.pool.device)
+        self._graph_buffers = MetadataBuffers.allocate(max_bs, 0, self.pool.device)
+
+    def _size_page_buffer(self, fb: ForwardBatch) -> None:
+        """max_bs rows of at most ceil(width / page_size) pages each: every batch fits, however pages are shared."""
+        bufs = self._graph_buffers
+        needed = self.graph_max_bs * math.ceil(fb.req_to_token.shape[1] / self.pool.page_size)
+        if bufs.kv_indices.numel() >= needed:
+            return
+        if self._graph_wrappers:  # captured wrappers and graphs hold the old buffer's address
+            raise ValueError(f"req_to_token width {fb.req_to_token.shape[1]} needs {needed} page slots, more than "
+                             f"the {bufs.kv_indices.numel()} sized at the first capture")
+        bufs.kv_indices = torch.zeros(needed, dtype=torch.int32, device=self.pool.device)  # [max_bs * max_pages]
 
     def _plan_graph(self, fb: ForwardBatch) -> None:
         if not fb.mode.is_decode:
@@ -264,15 +314,21 @@ class FlashInferBackend(AttentionBackend):
         bs = fb.batch_size
         if bs > self.graph_max_bs:
             raise ValueError(f"batch {bs} exceeds the captured maximum {self.graph_max_bs}")
-        self.plan(fb)
+        self._size_page_buffer(fb)
+        # page ids are written into the fixed buffer here; each wrapper's plan() then copies the host
+        # indptr / last-page lengths into its views of the other buffers
         meta = build_paged_metadata(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
                                     self.pool.page_size, buffers=self._graph_buffers,
                                     seq_lens_cpu=fb.seq_lens_cpu)
+        host = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
+        self._fb, self._meta, self._host = fb, meta, host
+        self._prefix_meta = self._prefix_host = None
+        self._planned = set()
         for sig in self._signatures:
             key = (bs, sig)
             if key not in self._graph_wrappers:
                 self._graph_wrappers[key] = self._new_decode_wrapper(bs)
-            self._plan_decode(self._graph_wrappers[key], meta, sig)
+            self._plan_decode(self._graph_wrappers[key], host, meta.kv_indices, sig)
         self._graph_bs = bs
 
     def plan_for_capture(self, fb: ForwardBatch) -> None:
