@@ -8,8 +8,8 @@ from dataclasses import dataclass
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF directory, GGUF file, preset name (random weights) or None (embedded SmolLM2)
-    device: str = "auto"  # auto: cuda when present, else cpu
-    dtype: str = "auto"  # auto: bf16 on cuda, fp32 on cpu
+    device: str = "auto"  # auto: cuda when present, else cpu; mps when asked for
+    dtype: str = "auto"  # auto: fp32 on cpu, else the checkpoint's dtype (bf16 if it names none)
     kv_cache_dtype: str = "auto"  # auto: the model dtype
     attention_backend: str | None = None  # None: the selection policy decides
     prefill_attention_backend: str | None = None
@@ -28,8 +28,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.device not in ("auto", "cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:

@@ -55,32 +55,48 @@ def resolve_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available here; use --device cpu")
+    if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ValueError(f"device {name!r} requested but this torch build has no usable MPS; use --device cpu")
     return dev
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-             "fp32": torch.float32, "float32": torch.float32}
-    if name not in table:
-        raise ValueError(f"dtype {name!r} is not supported; allowed: auto, {', '.join(table)}")
-    return table[name]
-
-
-def load_bundle(config: EngineConfig, device: torch.device, dtype: torch.dtype):
+def load_bundle(config: EngineConfig, device: torch.device):
     from attnserve.models.loader import load_model
 
-    return load_model(config.model, dtype=dtype, device=device, random_weights=config.random_weights,
+    # the loader resolves "auto" with the checkpoint's own dtype in hand
+    return load_model(config.model, dtype=config.dtype, device=device, random_weights=config.random_weights,
                       seed=config.seed)
 
 
-def _select(config: EngineConfig, spec, kv_dtype: str, device: torch.device):
-    """(prefill name, decode name, page size, trace lines, cuda_graph ok) from the selection policy."""
-    from attnserve.attention.selection import ModelTraits, ServingFeatures, select_backends
-    from attnserve.hardware import detect_hardware
+def _hf_model_type(hf_config: dict) -> str:
+    """model_type of a config that lacks it (a GGUF file names only the architecture)."""
+    from attnserve.models.config import _MODEL_TYPE_TO_ARCH
 
-    traits = ModelTraits(
+    archs = hf_config.get("architectures") or []
+    by_arch = {arch: model_type for model_type, arch in _MODEL_TYPE_TO_ARCH.items()}
+    return by_arch.get(archs[0], "") if archs else ""
+
+
+def selection_traits(loaded, spec):
+    """The ModelTraits `attnserve select --model config.json` would build for this model.
+
+    Built from the model's HF config dict the same way, so the engine and `select` decide alike
+    (sinks, soft-cap and model_type included). A bundle without one falls back to the KV spec.
+    """
+    from attnserve.attention.selection import ModelTraits
+    from attnserve.presets import AttentionShape
+
+    hf_config = getattr(loaded, "hf_config", None)
+    if isinstance(hf_config, dict):
+        if "num_hidden_layers" not in hf_config and isinstance(hf_config.get("text_config"), dict):
+            hf_config = {**hf_config["text_config"], "architectures": hf_config.get("architectures", [])}
+        if not hf_config.get("model_type"):
+            hf_config = {**hf_config, "model_type": _hf_model_type(hf_config)}
+        shape = AttentionShape.from_config(hf_config, with_params=False)
+        return ModelTraits.from_shape(shape, 1, name=str(getattr(loaded, "source", "") or ""))
+    return ModelTraits(
         attention_type=spec.attention_type,
         num_heads=spec.num_q_heads or spec.num_kv_heads,
         num_kv_heads=spec.num_kv_heads,
@@ -88,26 +104,38 @@ def _select(config: EngineConfig, spec, kv_dtype: str, device: torch.device):
         v_head_dim=spec.v_head_dim,
         sliding_window=spec.sliding_window is not None,
     )
+
+
+def _loaded_dtype(loaded, fallback: torch.dtype) -> torch.dtype:
+    """The dtype the model really has ("auto" is only decided once the checkpoint is read)."""
+    if isinstance(getattr(loaded, "dtype", None), torch.dtype):
+        return loaded.dtype
+    for p in loaded.model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return fallback
+
+
+def hardware_for(device: torch.device):
+    """This machine as the selection sees it, on the device the engine was told to use."""
+    from dataclasses import replace
+
+    from attnserve.hardware import detect_hardware
+
     hw = detect_hardware()
-    if device.type != hw.device:  # e.g. --device cpu on a GPU machine
-        from dataclasses import replace
+    runs_on = "rocm" if device.type == "cuda" and hw.device == "rocm" else device.type
+    if runs_on != hw.device:  # e.g. --device cpu on a GPU machine
+        hw = replace(hw, device=runs_on, compute_capability=None, name=runs_on)
+    return hw
 
-        hw = replace(hw, device=device.type, compute_capability=None, name=f"{device.type}")
+
+def _select(config: EngineConfig, traits, kv_dtype: str, hw):
+    from attnserve.attention.selection import ServingFeatures, select_backends
+
     serving = ServingFeatures(page_size=config.page_size, kv_cache_dtype=kv_dtype)
-    sel = select_backends(hw, traits, serving, attention_backend=config.attention_backend,
-                          prefill_backend=config.prefill_attention_backend,
-                          decode_backend=config.decode_attention_backend)
-    return sel.prefill_backend, sel.decode_backend, sel.page_size, [str(e) for e in sel.trace], sel.cuda_graph
-
-
-def _make_backend(prefill: str, decode: str, pool: KVPool):
-    from attnserve.attention.registry import create_backend
-
-    if prefill == decode:
-        return create_backend(prefill, pool)
-    from attnserve.attention.hybrid import HybridAttentionBackend
-
-    return HybridAttentionBackend(create_backend(prefill, pool), create_backend(decode, pool))
+    return select_backends(hw, traits, serving, attention_backend=config.attention_backend,
+                           prefill_backend=config.prefill_attention_backend,
+                           decode_backend=config.decode_attention_backend)
 
 
 def _pool_tokens(config: EngineConfig, bytes_per_token: int, device: torch.device, max_tokens_needed: int) -> int:
@@ -131,16 +159,23 @@ def _pool_tokens(config: EngineConfig, bytes_per_token: int, device: torch.devic
 
 def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
     t0 = time.perf_counter()
+    from attnserve.attention.hybrid import build_backend
+    from attnserve.models.loader import resolve_dtype
+
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device)  # a bad name fails before any loading
     if loaded is None:
-        loaded = load_bundle(config, device, dtype)
+        loaded = load_bundle(config, device)
     model = loaded.model
+    dtype = _loaded_dtype(loaded, dtype)
     load_s = time.perf_counter() - t0
     spec = model.kv_cache_spec()
     kv_dtype = canonical_kv_dtype(dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
 
-    prefill, decode, page_size, trace, graph_ok = _select(config, spec, kv_dtype, device)
+    hw = hardware_for(device)
+    selection = _select(config, selection_traits(loaded, spec), kv_dtype, hw)
+    prefill, decode, page_size = selection.prefill_backend, selection.decode_backend, selection.page_size
+    trace, graph_ok = [str(e) for e in selection.trace], selection.cuda_graph
 
     model_ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
     max_ctx = config.max_context_len or min(int(model_ctx), MAX_DEFAULT_CONTEXT)
@@ -151,7 +186,7 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
     allocator = PageAllocator(num_pages)
     req_pool = ReqToTokenPool(config.max_running_requests + 1, max_ctx, device=device)
     padding_row = req_pool.alloc()  # all zeros: every slot is slot 0 of the padding page
-    backend = _make_backend(prefill, decode, pool)
+    backend = build_backend(selection, pool, hw)
 
     parts = EngineParts(
         model=model, tokenizer=getattr(loaded, "tokenizer", None),

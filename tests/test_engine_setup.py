@@ -1,0 +1,95 @@
+"""Engine start-up decides like `attnserve select`, on the device it was told to use, with the loader's dtype."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+from engine_helpers import make_engine, shared_model
+
+from attnserve import hardware
+from attnserve.attention import registry
+from attnserve.commands.select import model_from_args
+from attnserve.engine.config import EngineConfig
+from attnserve.engine.setup import build_parts, resolve_device, selection_traits
+
+GPT_OSS_LIKE = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 128,
+    "vocab_size": 512, "intermediate_size": 512,
+}
+GEMMA2_LIKE = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "attn_logit_softcapping": 50.0,
+}
+
+
+@dataclasses.dataclass
+class _Bundle:
+    hf_config: dict
+    source: str = "test model"
+
+
+def _select_traits(cfg: dict, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    args = argparse.Namespace(model=str(path), tp_size=1, attention_sinks=False, sliding_window=False,
+                              logit_softcap=False, v_head_dim=None)
+    return model_from_args(args)
+
+
+@pytest.mark.parametrize("cfg", [GPT_OSS_LIKE, GEMMA2_LIKE], ids=["sinks+window", "softcap"])
+def test_engine_traits_are_the_select_commands(cfg, tmp_path):
+    engine_traits = selection_traits(_Bundle(cfg), spec=None)
+    assert dataclasses.replace(engine_traits, name="") == dataclasses.replace(_select_traits(cfg, tmp_path), name="")
+    assert engine_traits.model_type == cfg["model_type"]
+    assert engine_traits.attention_sinks == (cfg["model_type"] == "gpt_oss")
+    assert engine_traits.logit_softcap == ("attn_logit_softcapping" in cfg)
+
+
+def test_gguf_config_without_model_type_gets_it_from_the_architecture():
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}  # what a GGUF file yields
+    traits = selection_traits(_Bundle(cfg), spec=None)
+    assert traits.model_type == "qwen2"
+    assert (traits.num_heads, traits.num_kv_heads, traits.head_dim) == (4, 2, 32)
+
+
+def test_cpu_engine_on_a_gpu_machine_checks_backends_against_the_cpu(monkeypatch):
+    monkeypatch.setattr(hardware, "detect_hardware", lambda: hardware.PRESET_HARDWARE["h100"])
+    seen = []
+    real = registry.availability
+
+    def spy(name, hw):
+        seen.append(hw.device)
+        return real(name, hw)
+
+    monkeypatch.setattr(registry, "availability", spy)
+    engine = make_engine(attention_backend=None)
+    assert engine.parts.prefill_backend == engine.parts.decode_backend == "torch_native"
+    assert seen and set(seen) == {"cpu"}  # building the backend did not detect the (pretend) GPU again
+
+
+def test_dtype_names_are_the_loaders():
+    bundle = shared_model()
+    parts = build_parts(EngineConfig(device="cpu", dtype="half", max_total_tokens=64, max_running_requests=2,
+                                     attention_backend="torch_native"), loaded=bundle)
+    assert parts.dtype == torch.float32  # a bundle already loaded keeps its own dtype
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        build_parts(EngineConfig(device="cpu", dtype="int3", max_total_tokens=64), loaded=bundle)
+
+
+def test_auto_dtype_is_fp32_on_the_cpu_and_the_checkpoints_on_a_gpu():
+    from attnserve.models.loader import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cpu"), {"torch_dtype": "float16"}) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda"), {}) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), {"torch_dtype": "float16"}) == torch.float16
+
+
+def test_mps_device_is_accepted_and_refused_clearly_without_mps():
+    assert EngineConfig(device="mps").device == "mps"
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ValueError, match="no usable MPS"):
+            resolve_device("mps")
