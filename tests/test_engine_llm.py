@@ -82,6 +82,21 @@ def test_chat_template_and_bad_input(llm):
     assert not llm.engine.has_work()
 
 
+def test_chat_template_from_the_model_file_is_sandboxed(llm, monkeypatch):
+    import jinja2
+
+    monkeypatch.setattr(llm.engine.parts, "chat_template", "{{ messages.__class__.__mro__ }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        llm.apply_chat_template("hi")
+    # the helpers HF templates rely on are there too
+    monkeypatch.setattr(llm.engine.parts, "chat_template",
+                        "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+                        "{{ messages[0].content | tojson }}")
+    assert llm.apply_chat_template("hi") == '"hi"'
+    with pytest.raises(jinja2.exceptions.TemplateError, match="user first"):
+        llm.apply_chat_template("hi", system="be brief")
+
+
 def test_startup_log_names_what_runs(llm):
     text = "\n".join(llm.engine.parts.startup_lines)
     for needle in ("model:", "device: cpu", "KV pool: 2048 tokens", "page size 1", "prefill torch_native",

@@ -98,11 +98,11 @@ class LLM:
         render = getattr(self.tokenizer, "apply_chat_template", None)
         if callable(render):
             return render(messages)
-        import jinja2
+        from attnserve.models.tokenizer import render_chat_template
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                bos_token="", eos_token="")
+        # a template shipped inside a model file is untrusted code: render it sandboxed
+        return render_chat_template(template, messages, add_generation_prompt=True,
+                                    special_tokens={"bos_token": "", "eos_token": ""})
 
     def _submit(self, prompts, sampling_params) -> dict:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
