@@ -1,0 +1,57 @@
+"""`attnserve generate` flags: SGLang's names, what reaches EngineConfig, and clear refusals (no model is loaded)."""
+
+import pytest
+
+from attnserve.attention.registry import REGISTRY
+from attnserve.cli import build_parser, main
+from attnserve.engine import llm as llm_module
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.fixture
+def engine_settings(monkeypatch):
+    """The keyword arguments `generate` builds the LLM with; the run stops there."""
+    seen = {}
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise _Captured
+
+    monkeypatch.setattr(llm_module, "LLM", fake_llm)
+    return seen
+
+
+def test_model_path_is_an_alias_and_prefill_budget_reaches_the_engine(engine_settings):
+    with pytest.raises(_Captured):
+        main(["generate", "hi", "--quiet", "--model-path", "/models/x", "--max-prefill-tokens", "512",
+              "--tp-size", "1"])
+    assert engine_settings["model"] == "/models/x"
+    assert engine_settings["max_prefill_tokens"] == 512
+    from attnserve.engine.config import EngineConfig
+
+    EngineConfig(**{k: v for k, v in engine_settings.items() if k != "model"})  # every name is a field
+
+
+def test_tensor_parallelism_is_refused_by_name(engine_settings, capsys):
+    assert main(["generate", "hi", "--quiet", "--tp-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp-size 2" in err and "tensor parallelism is not supported" in err
+    assert engine_settings == {}  # refused before any model is loaded
+
+
+def test_help_names_the_backends_and_reads_as_plain_text():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    parser = sub.choices["generate"]
+    text = parser.format_help()
+    assert not parser.description.startswith("`")
+    for name, spec in REGISTRY.items():
+        if spec.implemented:
+            assert name in text, name
+    for flag in ("--kv-cache-dtype", "--page-size", "--max-running-requests", "--mem-fraction-static",
+                 "--attention-backend", "--max-prefill-tokens"):
+        action = next(a for a in parser._actions if flag in a.option_strings)
+        assert action.help, flag
+    assert "mps" in next(a for a in parser._actions if "--device" in a.option_strings).help
