@@ -169,7 +169,7 @@ def test_logits_indices_select_rows(tmp_path_factory):
 
 
 def test_moe_paths_agree():
-    """Decode-sized batches take the graph-safe gathered or dense paths; all must give the same mixture."""
+    """Decode-sized batches take the grouped or dense paths, prefill the per-expert loop: all give one mixture."""
     from attnserve.models.moe import Experts
 
     torch.manual_seed(0)
@@ -183,8 +183,8 @@ def test_moe_paths_agree():
     dense = experts.forward_dense(x, weights, ids)
     sparse = experts.forward_sparse(x, weights, ids)
     torch.testing.assert_close(dense, sparse, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(experts.forward_gathered(x, weights, ids), sparse, rtol=1e-5, atol=1e-5)
-    one = experts(x[:2], weights[:2], ids[:2])  # 4 choices < 6 experts: the gathered path
+    torch.testing.assert_close(experts.forward_grouped(x, weights, ids), sparse, rtol=1e-5, atol=1e-5)
+    one = experts(x[:2], weights[:2], ids[:2])  # 4 choices < 6 experts: the grouped path
     torch.testing.assert_close(one, sparse[:2], rtol=1e-5, atol=1e-5)
     # an expert no token routes to contributes nothing
     ids[:, :] = torch.tensor([0, 1])

@@ -4,9 +4,21 @@ Expert weights live in two stacked tensors so a fused kernel can replace the
 per-expert loop later without changing the checkpoint mapping. Routing follows
 the two published schemes: V2's softmax scores (greedy or group-limited top-k)
 and V3's sigmoid scores with a bias used only for choosing (noaux_tc).
+
+Which expert path runs, and where it is safe inside a CUDA graph (no host sync):
+- fewer (token, choice) pairs than experts (decode): a grouped GEMM over the pairs
+  sorted by expert reads only the chosen experts' weights in place. Graph-safe on
+  CUDA where torch's grouped GEMM has its device kernel (SM90/SM100, bf16, widths
+  a multiple of 8); elsewhere it would sync, so there a captured step takes the
+  dense path and an eager step the per-expert loop.
+- up to DENSE_MAX_PAIRS token x expert pairs: every expert on every token, graph-safe.
+- larger batches (prefill): a loop over the experts chosen, which syncs per expert.
+No path copies expert weights per token.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -108,19 +120,39 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() < self.num_experts:  # a few tokens: read only the chosen experts
-            return self.forward_gathered(x, weights, ids)
+            if self.grouped_mm_applies(x):
+                return self.forward_grouped(x, weights, ids)
+            if not _capturing(x):
+                return self.forward_sparse(x, weights, ids)
         if x.shape[0] * self.num_experts <= self.DENSE_MAX_PAIRS:
             return self.forward_dense(x, weights, ids)
         return self.forward_sparse(x, weights, ids)
 
-    def forward_gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Copy out each (token, choice)'s expert weights and run them batched: no host sync, and for
-        batches touching fewer than all experts far less weight traffic than the dense path."""
+    def grouped_mm_applies(self, x: torch.Tensor) -> bool:
+        """Whether forward_grouped runs here without a host sync (so inside CUDA graphs too)."""
+        if not hasattr(torch, "_grouped_mm") or x.dtype != self.gate_up_proj.dtype:
+            return False
+        if x.device.type == "cpu":  # torch's reference loop: syncs nothing that matters on the host
+            return True
+        return (x.device.type == "cuda" and x.dtype == torch.bfloat16 and _grouped_mm_device_kernel(x.device)
+                and x.shape[-1] % 8 == 0 and self.intermediate_size % 8 == 0)  # 16-byte aligned rows
+
+    def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The (token, choice) pairs sorted by expert, through one grouped GEMM per projection.
+
+        The GEMM reads each chosen expert's weights where they lie; only activations are gathered.
+        Every shape depends on the batch size alone and the group ends are computed on the device.
+        """
         tokens, top_k = ids.shape
-        flat = ids.reshape(-1)  # [T*k]
-        xk = x.repeat_interleave(top_k, dim=0).unsqueeze(1)  # [T*k, 1, hidden]
-        gate, up = torch.bmm(xk, self.gate_up_proj[flat].transpose(1, 2)).chunk(2, dim=-1)  # each [T*k, 1, I]
-        y = torch.bmm(self.act(gate) * up, self.down_proj[flat].transpose(1, 2))  # [T*k, 1, hidden]
+        flat = ids.reshape(-1)  # [P = T*k]
+        order = torch.argsort(flat, stable=True)  # [P], pairs grouped by expert
+        experts = torch.arange(self.num_experts, device=ids.device)  # [E]
+        group_ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # [E]
+        xs = x[order // top_k]  # [P, hidden]
+        gate_up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=group_ends)  # [P, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)  # each [P, I]
+        y_sorted = torch._grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=group_ends)  # [P, hidden]
+        y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)  # [P, hidden], back in (token, choice) order
         y = y.view(tokens, top_k, -1) * weights.unsqueeze(-1)  # [T, k, hidden] float32
         return y.sum(1).to(x.dtype)
 
@@ -142,6 +174,16 @@ class Experts(nn.Module):
             y = F.linear(self.act(gate) * up, self.down_proj[expert])  # [n, hidden]
             out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(out.dtype))
         return out
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _grouped_mm_device_kernel(device: torch.device) -> bool:
+    """torch's grouped GEMM has a device kernel (no host loop) on SM90 and SM100 only."""
+    return torch.cuda.get_device_capability(device) in ((9, 0), (10, 0))
 
 
 class MoE(nn.Module):

@@ -1,0 +1,154 @@
+"""Routed experts against a per-token loop, and what makes the decode paths safe to capture.
+
+The reference runs each token through each of its chosen experts one at a time. Batches
+mix tokens whose choices overlap, so a path that mixes up which pair belongs to which
+token or expert gives a wrong sum.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnserve.models import moe
+from attnserve.models.moe import Experts
+
+HIDDEN, INTER, NUM_EXPERTS = 64, 32, 16
+
+
+def _experts(dtype=torch.float32, device="cpu", num_experts=NUM_EXPERTS):
+    experts = Experts(num_experts, HIDDEN, INTER, "silu").to(device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * HIDDEN**-0.5)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * INTER**-0.5)
+    return experts
+
+
+def _overlapping_batch(tokens=5, top_k=3, seed=1, device="cpu", dtype=torch.float32):
+    """Distinct experts per token, shared across tokens; experts 0 and 15 chosen by no one."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([3, 7, 8, 11, 12])  # a few popular experts
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:top_k]] for _ in range(tokens)])  # [T, k]
+    ids[0, 0] = 5  # one expert chosen by a single token
+    x = torch.randn(tokens, HIDDEN, generator=g).to(device=device, dtype=dtype)  # [T, hidden]
+    weights = torch.rand(tokens, top_k, generator=g).to(device)  # [T, k] float32, as the router gives
+    return x, weights, ids.to(device)
+
+
+def _per_token_reference(experts, x, weights, ids):
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = F.linear(x[t].double().cpu(), experts.gate_up_proj[e].double().cpu()).chunk(2)
+            y = F.linear(F.silu(gate) * up, experts.down_proj[e].double().cpu())
+            out[t] += float(weights[t, j]) * y
+    return out
+
+
+def _rel_err(out, ref):
+    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("path", ["forward_grouped", "forward_sparse", "forward_dense"])
+def test_every_path_matches_per_token_reference(path):
+    experts = _experts()
+    x, weights, ids = _overlapping_batch()
+    out = getattr(experts, path)(x, weights, ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert _rel_err(out, _per_token_reference(experts, x, weights, ids)) < 1e-5
+
+
+def test_bf16_grouped_path_matches_reference():
+    experts = _experts(torch.bfloat16)
+    x, weights, ids = _overlapping_batch(dtype=torch.bfloat16)
+    assert experts.grouped_mm_applies(x)
+    assert _rel_err(experts.forward_grouped(x, weights, ids), _per_token_reference(experts, x, weights, ids)) < 2e-2
+
+
+class _Recorder(TorchDispatchMode):
+    """Every op run and the largest new tensor any of them produced (views of their inputs aside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.largest = set(), (0, "")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.ops.add(name)
+        inputs = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        storages = {a.untyped_storage().data_ptr() for a in inputs}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in storages:
+                self.largest = max(self.largest, (t.numel(), name))
+        return out
+
+
+# ops whose output size or value the host must read: each would break a CUDA graph capture
+HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "bincount",
+                 "masked_select", "item"}
+
+
+@pytest.mark.parametrize("path", ["forward_grouped", "forward_dense"])
+def test_decode_paths_copy_no_expert_weights_and_read_nothing_back(path):
+    """The decode paths' temporaries stay activation-sized, and no op depends on routed values for shapes."""
+    experts = _experts()
+    x, weights, ids = _overlapping_batch()
+    one_expert = experts.gate_up_proj[0].numel()  # 2I * hidden
+    with _Recorder() as rec:
+        getattr(experts, path)(x, weights, ids)
+    if path == "forward_grouped":
+        assert rec.largest[0] < one_expert, f"{rec.largest[1]} made a temporary as large as an expert's weights"
+        assert "_grouped_mm" in rec.ops
+    assert not rec.ops & HOST_SYNC_OPS, rec.ops & HOST_SYNC_OPS
+
+
+def test_small_batches_choose_a_path_that_fits_where_they_run(monkeypatch):
+    """Grouped where it applies; else the per-expert loop when eager and the dense path while capturing."""
+    experts = _experts()
+    x, weights, ids = _overlapping_batch()  # 15 choices < 16 experts
+    called = []
+    for name in ("forward_grouped", "forward_sparse", "forward_dense"):
+        monkeypatch.setattr(experts, name, lambda *a, _n=name: called.append(_n) or torch.zeros_like(a[0]))
+    experts(x, weights, ids)
+    monkeypatch.setattr(Experts, "grouped_mm_applies", lambda self, x: False)
+    experts(x, weights, ids)
+    monkeypatch.setattr(moe, "_capturing", lambda x: True)
+    experts(x, weights, ids)
+    assert called == ["forward_grouped", "forward_sparse", "forward_dense"]
+    x, weights, ids = _overlapping_batch(tokens=8, top_k=2)  # 16 choices: no longer "a few"
+    experts(x, weights, ids)
+    assert called[-1] == "forward_dense"
+
+
+def test_grouped_path_needs_matching_dtypes():
+    experts = _experts()
+    assert experts.grouped_mm_applies(torch.zeros(2, HIDDEN))
+    assert not experts.grouped_mm_applies(torch.zeros(2, HIDDEN, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_path_in_a_cuda_graph():
+    """bf16 decode batch on the GPU: captured once, replayed with other routing, still the reference."""
+    experts = _experts(torch.bfloat16, "cuda")
+    x, weights, ids = _overlapping_batch(device="cuda", dtype=torch.bfloat16)
+    if not experts.grouped_mm_applies(x):
+        pytest.skip("torch's grouped GEMM has no device kernel on this GPU")
+    static = [t.clone() for t in (x, weights, ids)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        experts(*static)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts(*static)
+    x2, w2, ids2 = _overlapping_batch(seed=7, device="cuda", dtype=torch.bfloat16)
+    for buf, new in zip(static, (x2, w2, ids2)):
+        buf.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel_err(out, _per_token_reference(experts, x2, w2, ids2)) < 2e-2
