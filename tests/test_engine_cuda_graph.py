@@ -13,6 +13,7 @@ from engine_helpers import make_engine, prompts
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
 from attnserve.engine.sampling_params import SamplingParams
+from attnserve.kvcache.allocator import PADDING_PAGE
 
 
 class GraphableNative(TorchNativeBackend):
@@ -28,20 +29,45 @@ class GraphableNative(TorchNativeBackend):
         self.plan(fb)
 
 
+def _kv_snapshot(pool) -> list[torch.Tensor]:
+    return [b.clone() for b in (*pool.k_buffer, *pool.v_buffer)]  # each [num_slots, kv_heads, head_dim]
+
+
+def _changed_pages(before, after, page_size) -> set[int]:
+    pages = set()
+    for old, new in zip(before, after):
+        rows = (old != new).flatten(1).any(dim=1).nonzero().flatten()  # slots whose K or V changed
+        pages.update(int(s) // page_size for s in rows)
+    return pages
+
+
 class EagerGraph:
-    """Stands in for torch.cuda.CUDAGraph: replay() recomputes into the captured output tensor."""
+    """Stands in for torch.cuda.CUDAGraph: replay() recomputes into the captured output tensor.
+
+    Each padded replay also records every page whose K/V it changed outside the real rows' own
+    new slots: padded rows may touch the padding page and nothing else.
+    """
 
     def __init__(self, runner, bs):
         self.runner, self.bs = runner, bs
 
     def replay(self):
         r, bs = self.runner, self.bs
+        real = r.req_pool_indices[:bs] != r.padding_row  # [bs]
+        before = _kv_snapshot(r.pool)
         fb = r._batch(bs, [int(x) for x in r.seq_lens[:bs].tolist()])
         r.outputs[bs].copy_(r.model(r.input_ids[:bs], r.positions[:bs], fb))
+        if bool(real.all()):
+            return
+        r.padded_replays += 1
+        own_pages = {int(s) // r.pool.page_size for s in r.out_cache_loc[:bs][real]}
+        r.stray_pages |= _changed_pages(before, _kv_snapshot(r.pool), r.pool.page_size) - own_pages
 
 
 class CpuGraphRunner(CudaGraphRunner):
     def capture(self):
+        self.padded_replays = 0
+        self.stray_pages: set[int] = set()
         self.backend.init_graph_buffers(self.max_bs, self.max_bs)
         vocab = self.model.config.vocab_size
         for bs in self.batch_sizes:
@@ -58,10 +84,11 @@ def test_default_batch_sizes():
 
 def test_padded_replay_matches_eager_and_touches_only_the_padding_page():
     ps = prompts(7, seed=9)
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    # different lengths: the batch shrinks step by step, so padded rows reuse rows real requests had
+    params = [SamplingParams(max_new_tokens=4 + 2 * i, ignore_eos=True) for i in range(len(ps))]
 
     eager = make_engine(disable_radix_cache=True)
-    ref = [eager.add_request(p, params) for p in ps]
+    ref = [eager.add_request(p, sp) for p, sp in zip(ps, params)]
     eager.run_until_done()
 
     e = make_engine(disable_radix_cache=True)
@@ -71,9 +98,11 @@ def test_padded_replay_matches_eager_and_touches_only_the_padding_page():
     runner = CpuGraphRunner(p.model, backend, p.pool, p.req_pool, p.padding_row, [1, 2, 4, 8], p.device)
     runner.capture()
     e.runner.graph_runner = runner
-    got = [e.add_request(q, params) for q in ps]
+    got = [e.add_request(q, sp) for q, sp in zip(ps, params)]
     e.run_until_done()
     assert e.runner.steps_graphed > 0
+    assert runner.padded_replays > 0
+    assert runner.stray_pages <= {PADDING_PAGE}, f"padded replays changed K/V of pages {runner.stray_pages}"
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     assert e.pages_leaked() == 0
     # padded rows wrote only slot 0 of the padding page; the padding row still points there
