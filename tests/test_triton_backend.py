@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from attention_helpers import poison_unused_slots, rel_err
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, ForwardBatch, ForwardMode, unsupported
@@ -19,22 +20,6 @@ from attnserve.kvcache.pool import MHAKVPool, MLAKVPool
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
-def poison_unused_slots(sb) -> None:
-    fb = sb.fb
-    used = torch.zeros(sb.pool.num_slots, dtype=torch.bool, device=sb.pool.device)
-    for row, seq in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu):
-        used[fb.req_to_token[row, :seq].long()] = True
-    for buf in (sb.pool.k_buffer[0], sb.pool.v_buffer[0]):
-        if sb.pool.is_fp8:
-            buf.view(torch.uint8)[~used] = 0x7F  # NaN in both FP8 formats
-        else:
-            buf[~used] = float("nan")
 
 
 def run_layer(sb, backend) -> torch.Tensor:

@@ -5,6 +5,7 @@ On the CPU these run under TRITON_INTERPRET=1 with small shapes; with CUDA they 
 
 import pytest
 import torch
+from attention_helpers import poison_unused_slots, rel_err
 
 from attnserve.attention.kernels.decode import DecodeConfig, decode_attention
 from attnserve.attention.kernels.extend import ExtendConfig, build_extend_tiles, extend_attention
@@ -16,23 +17,6 @@ from attnserve.attention.synthetic import make_batch
 from attnserve.kvcache.pool import MHAKVPool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
-def poison_unused_slots(sb) -> None:
-    """NaN every pool slot no request owns, so a read outside a request's KV shows in the output."""
-    fb = sb.fb
-    used = torch.zeros(sb.pool.num_slots, dtype=torch.bool, device=sb.pool.device)
-    for row, seq in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu):
-        used[fb.req_to_token[row, :seq].long()] = True
-    for buf in (sb.pool.k_buffer[0], sb.pool.v_buffer[0]):
-        if sb.pool.is_fp8:
-            buf.view(torch.uint8)[~used] = 0x7F  # NaN in both FP8 formats
-        else:
-            buf[~used] = float("nan")
 
 
 # ---- KV store -------------------------------------------------------------------------------------
