@@ -7,6 +7,8 @@ import dataclasses
 import json
 from typing import Any
 
+from attnserve.commands.select import add_machine_arguments, hardware_from_args
+
 _FLAG_NAMES = {
     "sliding_window": "window",
     "attention_sinks": "sinks",
@@ -21,17 +23,13 @@ _FLAG_NAMES = {
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from attnserve.hardware import PRESET_HARDWARE
-
     p = sub.add_parser(
         "backends",
         help="list attention backends, their features and whether they can run here",
         description="Every attention backend attnserve knows (its own and SGLang's), with features and "
         "the reasons one cannot run on this machine.",
     )
-    p.add_argument("--gpu", default=None, choices=sorted(PRESET_HARDWARE),
-                   help="judge availability for a hypothetical machine instead of this one "
-                        "(packages then count as installed)")
+    add_machine_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON object keyed by backend name")
     return p
 
@@ -62,9 +60,7 @@ def backend_entries(hw) -> dict[str, dict[str, Any]]:
 
 
 def run(args) -> int:
-    from attnserve.hardware import PRESET_HARDWARE, detect_hardware
-
-    hw = PRESET_HARDWARE[args.gpu] if args.gpu else detect_hardware()
+    hw = hardware_from_args(args)
     entries = backend_entries(hw)
     if args.json:
         print(json.dumps(entries, indent=2))

@@ -14,7 +14,6 @@ import sys
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from attnserve.hardware import PRESET_HARDWARE
 
     p = sub.add_parser(
         "select",
@@ -22,12 +21,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Resolve the prefill and decode attention backends and print every rule applied and "
         "every candidate rejected. Loads no model.",
     )
-    hw = p.add_argument_group("machine")
-    hw.add_argument("--gpu", choices=sorted(PRESET_HARDWARE), default=None,
-                    help="a hypothetical machine (default: this one, with what is installed here)")
-    hw.add_argument("--installed", default=None, metavar="PKG,PKG",
-                    help="with --gpu: the packages installed there (default: all), e.g. triton,flashinfer")
-    hw.add_argument("--cuda-version", default=None, metavar="MAJOR.MINOR", help="with --gpu: override CUDA version")
+    add_machine_arguments(p)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help="a preset name or a HF config.json (default: a generic GQA model)")
     m.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (heads per rank)")
@@ -52,6 +46,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help='print {"prefill_backend", "decode_backend", "trace", ...} as JSON')
     return p
+
+
+def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
+    """--gpu / --installed / --cuda-version: this machine, or a hypothetical one (select and backends)."""
+    from attnserve.hardware import PRESET_HARDWARE
+
+    hw = parser.add_argument_group("machine")
+    hw.add_argument("--gpu", choices=sorted(PRESET_HARDWARE), default=None,
+                    help="a hypothetical machine (default: this one, with what is installed here)")
+    hw.add_argument("--installed", default=None, metavar="PKG,PKG",
+                    help="with --gpu: the packages installed there (default: all), e.g. triton,flashinfer")
+    hw.add_argument("--cuda-version", default=None, metavar="MAJOR.MINOR", help="with --gpu: override CUDA version")
 
 
 def hardware_from_args(args):
