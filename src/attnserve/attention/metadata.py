@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnserve.kvcache.pool import check_page_size
+
 
 @dataclass
 class PagedKVMetadata:
@@ -63,8 +65,7 @@ def build_paged_metadata(
     With `buffers`, results are written into their first rows and views of them returned.
     `seq_lens_cpu` (a host copy of the lengths) avoids every device->host sync.
     """
-    if page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
+    check_page_size(page_size)
     bs = req_pool_indices.numel()
     device = req_to_token.device
     seq_lens = seq_lens.to(device=device, dtype=torch.int32)

@@ -96,11 +96,11 @@ class ServingFeatures:
     def __post_init__(self):
         if self.speculative_topk < 0:
             raise ValueError(f"speculative_topk must be >= 0, got {self.speculative_topk}")
-        ps = self.page_size
-        if ps is not None and (ps < 1 or ps & (ps - 1)):
-            raise ValueError(f"page_size must be a power of two >= 1, got {ps}")
         from attnserve.kvcache.dtypes import canonical_kv_dtype
+        from attnserve.kvcache.pool import check_page_size
 
+        if self.page_size is not None:
+            check_page_size(self.page_size)
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))
 
 
