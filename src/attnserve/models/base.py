@@ -57,6 +57,19 @@ class CausalLM(nn.Module):
     called as `layer(positions, hidden, fb, cos_sin)`.
     """
 
+    def _build_stack(self, cfg, rotary: nn.Module, make_layer) -> None:
+        """Embeddings, `make_layer(cfg, layer_id, rotary)` per layer, final norm, LM head (tied if asked)."""
+        from attnserve.models.layers import LMHead, RMSNorm, VocabEmbedding
+
+        self.config = cfg
+        self.rotary = rotary
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(make_layer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     def kv_cache_spec(self) -> KVCacheSpec:
         raise NotImplementedError
 

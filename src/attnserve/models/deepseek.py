@@ -30,12 +30,10 @@ from attnserve.models.layers import (
     TP_SIZE,
     ColumnParallelLinear,
     GatedMLP,
-    LMHead,
     ReplicatedLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    VocabEmbedding,
 )
 from attnserve.models.moe import MoE
 from attnserve.models.rope import yarn_mscale
@@ -131,16 +129,9 @@ class DeepseekForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.config = cfg
-        self.rotary = RotaryEmbedding(
-            cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings, interleaved=cfg.rope_interleave
-        )
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings,
+                                 interleaved=cfg.rope_interleave)
+        self._build_stack(cfg, rotary, DeepseekDecoderLayer)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

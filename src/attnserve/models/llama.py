@@ -19,11 +19,9 @@ from attnserve.models.layers import (
     TP_SIZE,
     ColumnParallelLinear,
     GatedMLP,
-    LMHead,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    VocabEmbedding,
 )
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
 
@@ -82,14 +80,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.config = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self._build_stack(cfg, RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings), LlamaDecoderLayer)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self.layers[0].self_attn.attn
