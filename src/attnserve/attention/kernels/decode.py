@@ -69,6 +69,36 @@ def default_decode_config(head_dim: int, page_size: int, target: GpuTarget | Non
 
 
 @triton.jit
+def split_bounds(start, seq, n_splits, split, BLOCK_N: tl.constexpr):
+    """[lo, hi) of one split of keys start..seq: chunks of whole tiles, so only a split's last tile is partial."""
+    chunk = tl.cdiv(tl.cdiv(seq - start, n_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
+    return lo, tl.minimum(lo + chunk, seq)
+
+
+@triton.jit
+def finish_split(acc, m_i, l_i, Out, PartialO, PartialLse, Sinks, b, head, h_mask, split, offs_dv, dv_mask, v_scale,
+                 stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                 HAS_SINKS: tl.constexpr, WRITE_FINAL: tl.constexpr):
+    """A split's epilogue: the final output (one split per request) or a normalised partial and its base-2 LSE."""
+    if WRITE_FINAL:
+        if HAS_SINKS:
+            sink = to_log2(tl.load(Sinks + head, mask=h_mask, other=0.0))
+            l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None] * v_scale
+        tl.store(Out + b * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+                 o.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
+        o = acc / l_safe[:, None]
+        tl.store(PartialO + b * stride_pb + head[:, None] * stride_ph + split * stride_ps + offs_dv[None, :],
+                 o, mask=h_mask[:, None] & dv_mask[None, :])
+        tl.store(PartialLse + b * stride_lb + head * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, Out, PartialO, PartialLse,
     kv_indptr, kv_indices, seq_lens, num_splits, Sinks,
@@ -90,10 +120,7 @@ def _decode_split_kernel(
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(seq - window, 0)
-    # chunks are whole tiles, so only a split's last tile is partial
-    chunk = tl.cdiv(tl.cdiv(seq - start, n_splits), BLOCK_N) * BLOCK_N
-    lo = start + split * chunk
-    hi = tl.minimum(lo + chunk, seq)
+    lo, hi = split_bounds(start, seq, n_splits, split, BLOCK_N)
     page_base = tl.load(kv_indptr + b)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -125,21 +152,8 @@ def _decode_split_kernel(
                     mask=n_mask[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
         acc = dot_pv(p, v, acc * alpha[:, None], q, DOT_F32)
 
-    if WRITE_FINAL:
-        if HAS_SINKS:
-            sink = to_log2(tl.load(Sinks + head, mask=h_mask, other=0.0))
-            l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None] * v_scale
-        tl.store(Out + b * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-                 o.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
-    else:
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
-        o = acc / l_safe[:, None]
-        tl.store(PartialO + b * stride_pb + head[:, None] * stride_ph + split * stride_ps + offs_dv[None, :],
-                 o, mask=h_mask[:, None] & dv_mask[None, :])
-        tl.store(PartialLse + b * stride_lb + head * stride_lh + split, lse, mask=h_mask)
+    finish_split(acc, m_i, l_i, Out, PartialO, PartialLse, Sinks, b, head, h_mask, split, offs_dv, dv_mask, v_scale,
+                 stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HAS_SINKS, WRITE_FINAL)
 
 
 @triton.jit
@@ -177,6 +191,35 @@ def allocate_partials(batch: int, num_heads: int, max_splits: int, v_dim: int, d
     partial_o = torch.empty(batch, num_heads, max_splits, v_dim, dtype=torch.float32, device=device)
     partial_lse = torch.empty(batch, num_heads, max_splits, dtype=torch.float32, device=device)
     return partial_o, partial_lse
+
+
+def split_outputs(out: torch.Tensor, partials, max_splits: int, write_final: bool):
+    """(partial_o, partial_lse) for stage 1: the given buffers (checked), new ones, or `out` when unused."""
+    batch, num_heads, v_dim = out.shape
+    if write_final:
+        return partials if partials is not None else (out, out)
+    if partials is None:
+        return allocate_partials(batch, num_heads, max_splits, v_dim, out.device)
+    if partials[0].shape[0] < batch or partials[0].shape[2] < max_splits:
+        raise ValueError(f"partial buffers {tuple(partials[0].shape)} too small for batch {batch} x {max_splits} splits")
+    return partials
+
+
+def partial_strides(partial_o: torch.Tensor, partial_lse: torch.Tensor) -> tuple[int, ...]:
+    return (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2) if partial_o.dim() > 2 else 0,
+            partial_lse.stride(0), partial_lse.stride(1))
+
+
+def merge_splits(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: torch.Tensor, num_splits: torch.Tensor,
+                 sinks: torch.Tensor | None, v_scale: float) -> None:
+    """Stage 2: each (request, head) merges its splits' partials by their LSEs into out `[B, Hq, Dv]`."""
+    batch, num_heads, v_dim = out.shape
+    _merge_splits_kernel[(batch, num_heads)](
+        out, partial_o, partial_lse, num_splits, sinks if sinks is not None else out, v_scale,
+        out.stride(0), out.stride(1), *partial_strides(partial_o, partial_lse),
+        V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim), HAS_SINKS=sinks is not None,
+        num_warps=4 if v_dim >= 256 else 2,
+    )
 
 
 def decode_attention(
@@ -228,11 +271,7 @@ def decode_attention(
     check_shared_memory("decode", tile_shape(config), target)
     if write_final is None:
         write_final = max_splits == 1
-    if partials is None and not write_final:
-        partials = allocate_partials(batch, num_heads, max_splits, v_dim, q.device)
-    partial_o, partial_lse = partials if partials is not None else (out, out)
-    if not write_final and (partial_o.shape[0] < batch or partial_o.shape[2] < max_splits):
-        raise ValueError(f"partial buffers {tuple(partial_o.shape)} too small for batch {batch} x {max_splits} splits")
+    partial_o, partial_lse = split_outputs(out, partials, max_splits, write_final)
     sm_scale_k = sm_scale * k_scale
     dot_f32 = dot_dtype_is_f32(q)
     sinks_arg = sinks if sinks is not None else q
@@ -242,9 +281,7 @@ def decode_attention(
         kv_indptr, kv_indices, seq_lens, num_splits, sinks_arg,
         sm_scale_k * LOG2E, sm_scale_k, v_scale, float(logit_cap or 1.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        out.stride(0), out.stride(1),
-        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2) if partial_o.dim() > 2 else 0,
-        partial_lse.stride(0), partial_lse.stride(1),
+        out.stride(0), out.stride(1), *partial_strides(partial_o, partial_lse),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
         PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
@@ -252,12 +289,5 @@ def decode_attention(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not write_final:
-        _merge_splits_kernel[(batch, num_heads)](
-            out, partial_o, partial_lse, num_splits, sinks_arg, v_scale,
-            out.stride(0), out.stride(1),
-            partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1),
-            V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim), HAS_SINKS=sinks is not None,
-            num_warps=4 if v_dim >= 256 else 2,
-        )
+        merge_splits(out, partial_o, partial_lse, num_splits, sinks, v_scale)
     return out

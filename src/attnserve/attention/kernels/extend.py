@@ -125,6 +125,27 @@ def _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window
 
 
 @triton.jit
+def key_tile_range(prefix, m0, seq, window, POSITIONS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr):
+    """Key tiles a query tile visits: [lo, full_end) need no mask, [full_end, hi) do.
+
+    The rows are positions prefix + m0 .. prefix + m0 + POSITIONS - 1 of a request of `seq` keys.
+    """
+    if HAS_CUSTOM_MASK:
+        hi = seq
+    else:
+        hi = tl.minimum(seq, prefix + m0 + POSITIONS)  # past the last row's position nothing is visible
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    if HAS_WINDOW or HAS_CUSTOM_MASK:
+        full_end = lo
+    else:
+        full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
+    return lo, full_end, hi
+
+
+@triton.jit
 def _extend_block(
     acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
     qk_scale_log2, sm_scale_k, softcap, window,
@@ -212,17 +233,7 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    if HAS_CUSTOM_MASK:
-        hi = seq
-    else:
-        hi = tl.minimum(seq, prefix + m0 + POSITIONS)  # past the last row's position nothing is visible
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-    if HAS_WINDOW or HAS_CUSTOM_MASK:
-        full_end = lo
-    else:
-        full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
+    lo, full_end, hi = key_tile_range(prefix, m0, seq, window, POSITIONS, BLOCK_N, HAS_WINDOW, HAS_CUSTOM_MASK)
     for n0 in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = _extend_block(
             acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
