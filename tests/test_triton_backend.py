@@ -48,12 +48,13 @@ def test_features_declare_what_the_tests_below_exercise():
     req = AttentionRequirements(page_size=16, kv_dtype="fp8_e4m3", sliding_window=True, attention_sinks=True,
                                 logit_softcap=True, custom_mask=True, spec_topk=4)
     assert unsupported(f, req) == []
-    assert unsupported(f, AttentionRequirements(attention_type="MLA", head_dim=576))
+    assert unsupported(f, AttentionRequirements(attention_type="MLA", head_dim=576, v_head_dim=512, page_size=64,
+                                                kv_dtype="fp8_e4m3")) == []
 
 
 def test_rejects_what_it_cannot_run():
-    with pytest.raises(ValueError, match="MLA"):
-        TritonBackend(MLAKVPool(4, 1, 1, 64, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="kv_lora_rank 48"):
+        TritonBackend(MLAKVPool(4, 1, 1, 48, 16, device=DEVICE))
     pool = MHAKVPool(4, 1, 1, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="unknown triton backend options"):
         TritonBackend(pool, num_splits=3)
