@@ -113,7 +113,7 @@ CASES = [
     ("cpu", "dsv3", {}, False, "torch_native", "torch_native", "CPU"),
     ("cpu", "llama", {"kv_cache_dtype": "fp8_e4m3"}, False, "torch_native", "torch_native", "CPU"),
     ("cpu-amx", "llama", {}, False, "torch_native", "torch_native", "not implemented in attnserve"),
-    ("h100", "dsv3", {}, False, "triton", "triton", "no MLA attention"),
+    ("h100", "dsv3", {}, False, "flashinfer", "flashinfer", "MLA on Hopper"),
     ("l4", "sinks", {}, False, "triton", "triton", "attention sinks"),
     ("l4", "mistral", {}, False, "flashinfer", "flashinfer", "general NVIDIA default"),
     ("h100", "llama", {"deterministic": True}, False, "triton", "triton", "no deterministic mode"),

@@ -213,6 +213,7 @@ class Limit:
     backend: str
     when: When
     why: str
+    attnserve_only: bool = False  # a limit of attnserve's implementation, not of SGLang's backend of that name
 
 
 # Limits SGLang enforces that a backend's feature flags can't express (they depend on a combination).
@@ -221,6 +222,10 @@ LIMITS: tuple[Limit, ...] = (
           "MLA with speculative topk > 1 needs page size 1 on fa3"),
     Limit("triton", When(attention="MLA", min_topk=2, min_page_size=2),
           "MLA with speculative topk > 1 needs page size 1 on triton"),
+    Limit("flashinfer", When(attention="MLA", kv_dtypes=("fp8_e4m3", "fp8_e5m2")),
+          "FlashInfer's MLA wrapper takes no FP8 scale (triton's MLA kernels read FP8 latents)", attnserve_only=True),
+    Limit("flashinfer", When(attention="MLA", min_topk=2),
+          "FlashInfer's MLA wrapper has no custom masks for tree speculative decoding", attnserve_only=True),
 )
 
 # Page size SGLang forces when the user sets none and the backend needs a specific one.
@@ -360,7 +365,8 @@ def problems(
     why += unsupported(feats, requirements(model, serving, side, page_size))
     if serving.deterministic and not feats.deterministic:
         why.append("no deterministic mode")
-    why += [lim.why for lim in LIMITS if lim.backend == spec.name and lim.when.holds(hw, model, serving, page_size)]
+    why += [lim.why for lim in LIMITS if lim.backend == spec.name and not (sglang and lim.attnserve_only)
+            and lim.when.holds(hw, model, serving, page_size)]
     return why
 
 
