@@ -19,15 +19,17 @@ from pathlib import Path
 
 import torch
 
-from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS, Workload, select
+from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS, WORKLOADS, Workload, select
 
-PEER_FOR_RATIO = {"decode": "flashinfer", "prefill": "flashinfer-fa3", "extend": "flashinfer-fa3"}
+PEER_FOR_RATIO = {"decode": "flashinfer", "prefill": "flashinfer-fa3", "extend": "flashinfer-fa3",
+                  "mla": "flashinfer-mla-fa3"}
 YARDSTICKS = ("sdpa-flash", "flashinfer-fa3", "flashinfer-fa2")  # peers to check against without an oracle
 ORACLE_MAX_SCORES = 2**31  # float32 dense score elements the oracle may build per request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workloads", nargs="*", help="run only workloads whose name contains one of these")
+    p.add_argument("--workloads", nargs="*", help="run only workloads whose name contains one of these "
+                   "(MLA workloads only when one mentions mla, e.g. --workloads mla)")
     p.add_argument("--backends", nargs="*", help="contestants to race (default: all available); names as "
                    "printed, a trailing * takes a family, e.g. triton 'sdpa*' torch_native flashinfer flashinfer-fa3")
     p.add_argument("--triton-options", default=None,
@@ -80,6 +82,13 @@ def _check_outputs(rb, records: list[dict], outputs: dict) -> None:
 
 def _metric(w: Workload, us: float, rb, ceilings: dict) -> dict:
     lay = rb.layer
+    if w.mla is not None:  # decode reads the latent once and is compute-bound at 128 heads: both rates
+        rec = {"tflops": round(w.mla_flops() / us / 1e6, 1)}
+        if w.kind == "decode":
+            rec["tbps"] = round(w.mla_bytes(rb.pool.dtype.itemsize) / us / 1e6, 3)
+        if ceilings.get("matmul_tflops"):
+            rec["pct_of_ceiling"] = round(100 * rec["tflops"] / ceilings["matmul_tflops"], 1)
+        return rec
     if w.kind == "decode":
         tbps = w.kv_bytes(lay.num_kv_heads, lay.head_dim, rb.pool.dtype.itemsize) / us / 1e6
         rec = {"tbps": round(tbps, 3)}
@@ -95,7 +104,7 @@ def _metric(w: Workload, us: float, rb, ceilings: dict) -> dict:
 
 # FlashInfer last (its JIT builds take minutes), the peers the ratios use first among its kernels
 CONTESTANT_ORDER = ("triton", "sdpa-cudnn", "sdpa-flash", "torch_native", "flashinfer", "flashinfer-fa3",
-                    "flashinfer-cuda-cores", "flashinfer-fa2")
+                    "flashinfer-cuda-cores", "flashinfer-fa2", "flashinfer-mla-fa3", "flashinfer-mla-fa2")
 
 
 def _order(name: str) -> int:
@@ -108,12 +117,14 @@ def triton_options(text: str | None) -> dict:
         return {}
     from attnserve.attention.kernels.decode import DecodeConfig
     from attnserve.attention.kernels.extend import ExtendConfig
+    from attnserve.attention.kernels.mla_decode import MLADecodeConfig
+    from attnserve.attention.kernels.mla_extend import MLAExtendConfig
 
     opts = json.loads(text)
-    if "decode_config" in opts:
-        opts["decode_config"] = DecodeConfig(**opts["decode_config"])
-    if "extend_config" in opts:
-        opts["extend_config"] = ExtendConfig(**opts["extend_config"])
+    for key, cls in (("decode_config", DecodeConfig), ("extend_config", ExtendConfig),
+                     ("mla_decode_config", MLADecodeConfig), ("mla_extend_config", MLAExtendConfig)):
+        if key in opts:
+            opts[key] = cls(**opts[key])
     return opts
 
 
@@ -158,7 +169,7 @@ def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: 
         recs = [records[(w.name, n)] for n in names if (w.name, n) in records]
         if check:
             _check_outputs(rb, recs, outputs[w.name])
-        _add_ratios(recs, w.kind)
+        _add_ratios(recs, "mla" if w.mla is not None else w.kind)
         ordered += recs
     return ordered
 
@@ -166,7 +177,8 @@ def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: 
 def _add_ratios(records: list[dict], kind: str) -> None:
     peer = next((r for r in records if r["backend"] == PEER_FOR_RATIO[kind] and "us" in r), None)
     if peer is None and kind != "decode":
-        peer = next((r for r in records if r["backend"] == "flashinfer-fa2" and "us" in r), None)
+        fallback = "flashinfer-mla-fa2" if kind == "mla" else "flashinfer-fa2"
+        peer = next((r for r in records if r["backend"] == fallback and "us" in r), None)
     if peer is None:
         return
     for r in records:
@@ -237,7 +249,7 @@ def run_bench(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.tiny:
         raise ValueError("bench kernels needs a CUDA GPU (use --tiny for a CPU smoke run under TRITON_INTERPRET=1)")
-    workloads = select(args.workloads, TINY_WORKLOADS if args.tiny else WORKLOADS)
+    workloads = select(args.workloads, TINY_WORKLOADS if args.tiny else WORKLOADS + MLA_WORKLOADS)
     ceilings = {}
     if device == "cuda":
         ceilings = {"copy_tbps": round(copy_bandwidth_tbps(), 3), "matmul_tflops": round(matmul_tflops(), 1)}
@@ -260,7 +272,8 @@ def run_bench(args) -> dict:
         "gpu": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "versions": _versions(),
-        "shapes": {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"},
+        "shapes": {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16",
+                   "mla": "kv_lora_rank 512 + rope 64, heads as named, softmax scale 192^-1/2"},
         "ceilings": ceilings,
         "triton_options": json.loads(args.triton_options) if args.triton_options else {},
         "records": records,
