@@ -1,4 +1,4 @@
-"""Build FlashInfer's JIT kernels for the race shapes (32/8 heads, d128, bf16) on tiny inputs.
+"""Build FlashInfer's JIT kernels for the race shapes (32/8 heads, d128, bf16; MLA 512 + 64) on tiny inputs.
 
 Run in the background at the start of a GPU run, so the minutes of nvcc work overlap
 with the Triton runs and the race finds the kernels built.
@@ -11,8 +11,13 @@ import time
 
 import torch
 
-from attnserve.bench.racers import build_race_batch, flashinfer_decode_racer, flashinfer_prefill_racer
-from attnserve.bench.workloads import Workload
+from attnserve.bench.racers import (
+    build_race_batch,
+    flashinfer_decode_racer,
+    flashinfer_mla_racer,
+    flashinfer_prefill_racer,
+)
+from attnserve.bench.workloads import MLAShape, Workload
 
 
 def main() -> None:
@@ -27,6 +32,10 @@ def main() -> None:
          lambda rb: flashinfer_prefill_racer(rb, "fa2")),
         ("extend fa2 paged", Workload("warm extend", "extend", 2, 64, 64, 1),
          lambda rb: flashinfer_prefill_racer(rb, "fa2")),
+        ("mla fa3", Workload("warm mla", "decode", 2, 63, 1, 1, MLAShape(16)),
+         lambda rb: flashinfer_mla_racer(rb, "fa3")),
+        ("mla fa2", Workload("warm mla", "decode", 2, 63, 1, 1, MLAShape(16)),
+         lambda rb: flashinfer_mla_racer(rb, "fa2")),
     ]
     wanted = sys.argv[1:]  # substrings of the labels to build; all when empty
     for label, w, make in jobs:

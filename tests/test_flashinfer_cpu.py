@@ -179,15 +179,16 @@ class FakeMLA:
         self.table, self.causal, self.scale, self.heads = table, causal, sm_scale, num_heads
         self.plans += 1
 
-    def run(self, q_nope, q_pe, ckv_cache, kpe_cache):
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale=None, kpe_scale=None):
         assert q_nope.shape[1] == self.heads
+        assert (ckv_cache.dtype == torch.float8_e4m3fn) == (ckv_scale is not None), "FP8 caches need their scales"
         qo, kv_indptr, indices, kv_lens = (t.cpu() for t in self.table)
         out = torch.empty_like(q_nope)
         for b in range(qo.numel() - 1):
             pages = indices[kv_indptr[b] : kv_indptr[b + 1]].long()
             n = int(kv_lens[b])
-            c = ckv_cache[pages].reshape(-1, ckv_cache.shape[-1])[:n].double()  # [n, rank]
-            pe = kpe_cache[pages].reshape(-1, kpe_cache.shape[-1])[:n].double()  # [n, rope]
+            c = ckv_cache[pages].reshape(-1, ckv_cache.shape[-1])[:n].double() * (ckv_scale or 1.0)  # [n, rank]
+            pe = kpe_cache[pages].reshape(-1, kpe_cache.shape[-1])[:n].double() * (kpe_scale or 1.0)  # [n, rope]
             rows = slice(int(qo[b]), int(qo[b + 1]))
             m = rows.stop - rows.start
             s = (torch.einsum("mhd,nd->hmn", q_nope[rows].double(), c)
@@ -297,8 +298,8 @@ def test_bad_options(fake_flashinfer):
         _backend(sb.pool, prefill_kernel="fa9")
     with pytest.raises(ValueError, match="prefill_path"):
         _backend(sb.pool, prefill_path="dense")
-    with pytest.raises(ValueError, match="no FP8 scale"):
-        _backend(make_batch([3], [1], mla=(32, 16), kv_dtype="fp8_e4m3").pool)
+    with pytest.raises(ValueError, match="e4m3 latents only"):
+        _backend(make_batch([3], [1], mla=(32, 16), kv_dtype="fp8_e5m2").pool)
     with pytest.raises(ValueError, match="mla_kernel"):
         _backend(make_batch([3], [1], mla=(32, 16)).pool, mla_kernel="fa9")
 
@@ -399,6 +400,15 @@ def test_mla_matches_oracle(fake_flashinfer, page_size, decode):
     assert (backend.prefill_kernel, backend._mla.kernel) == ("fa2", "fa2") and "cpu" in backend.prefill_kernel_reason
     (wrapper,) = backend._mla._wrappers.values()
     assert wrapper.backend == "fa2" and wrapper.causal == (not decode)
+
+
+def test_mla_fp8_latent_with_its_scale(fake_flashinfer):
+    sb = make_batch([9, 30, 1], [1, 1, 1], num_heads=6, mla=(32, 16), page_size=4, kv_dtype="fp8_e4m3",
+                    dtype=torch.bfloat16, score_scale=8.0)
+    assert sb.pool.k_scale[0] != 1.0
+    backend = _backend(sb.pool)
+    assert backend._mla.q_dtype == torch.bfloat16  # FlashInfer's FP8 MLA takes bf16 queries
+    _check(sb, backend, tol=1e-2)
 
 
 def test_mla_kernel_named_like_the_mha_wrapper(fake_flashinfer):

@@ -21,7 +21,8 @@ def static_fallback_order(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("serving,prefill,decode,reason", [
     ({}, "flashinfer", "flashinfer", "MLA on Hopper"),
-    ({"kv_cache_dtype": "fp8_e4m3"}, "triton", "triton", "takes no FP8 scale"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, "flashinfer", "flashinfer", "MLA on Hopper"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "triton", "triton", "reads FP8 e4m3 latents only"),
     ({"speculative_topk": 2}, "triton", "triton", "no custom masks for tree"),
 ])
 def test_deepseek_on_an_h200_runs_our_mla_backends(serving, prefill, decode, reason):
@@ -38,5 +39,5 @@ def test_only_triton_installed_serves_deepseek_with_triton():
 
 
 def test_sglang_answers_ignore_attnserve_only_limits():
-    sel = select_backends(H200, DSV2_LITE, ServingFeatures(kv_cache_dtype="fp8_e4m3"), sglang=True)
-    assert "takes no FP8 scale" not in sel.describe()
+    sel = select_backends(H200, DSV2_LITE, ServingFeatures(kv_cache_dtype="fp8_e5m2"), sglang=True)
+    assert "e4m3 latents only" not in sel.describe()

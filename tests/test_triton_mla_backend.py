@@ -16,6 +16,8 @@ from attnserve.attention.synthetic import make_batch
 from attnserve.kvcache.pool import ReqToTokenPool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def run_layer(sb, backend) -> torch.Tensor:
@@ -92,10 +94,11 @@ TINY_DEEPSEEK = {
 def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
     """Chunked prefill (`chunk` tokens per step, so later chunks read a cached prefix), then greedy decode."""
     spec = model.kv_cache_spec()
+    device = next(model.parameters()).device
     lengths = [len(p) + new_tokens for p in prompts]
     pages = [-(-n // page_size) for n in lengths]
-    pool = spec.make_pool(sum(pages) + 1, page_size, dtype=torch.float32, device="cpu")
-    req = ReqToTokenPool(len(prompts), max(lengths))
+    pool = spec.make_pool(sum(pages) + 1, page_size, dtype=torch.float32, device=device)
+    req = ReqToTokenPool(len(prompts), max(lengths), device=device)
     first_page = 1
     for row, (n, p) in enumerate(zip(lengths, pages)):
         req.write(row, 0, pool.slots_of_pages(list(range(first_page, first_page + p)))[:n])
@@ -111,9 +114,9 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
         fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, [rows[i] for i in live], [done[i] for i in live],
                                        [ext[i] for i in live], req.req_to_token, pool, attn_backend=backend)
         backend.plan(fb)
-        ids = torch.tensor([t for i in live for t in prompts[i][done[i]: done[i] + ext[i]]])  # [T]
+        ids = torch.tensor([t for i in live for t in prompts[i][done[i]: done[i] + ext[i]]], device=device)  # [T]
         logits = model(ids, fb.positions, fb, logits_indices=None)
-        ends = torch.tensor([ext[i] for i in live]).cumsum(0) - 1
+        ends = torch.tensor([ext[i] for i in live], device=device).cumsum(0) - 1
         for i, e in zip(live, ends.tolist()):
             done[i] += ext[i]
             last_logits[i] = logits[e]
@@ -124,7 +127,7 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
         fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [s - 1 for s in seq], [1] * len(rows),
                                        req.req_to_token, pool, attn_backend=backend)
         backend.plan(fb)
-        logits = model(torch.tensor([t[-1] for t in tokens]), fb.positions, fb)
+        logits = model(torch.tensor([t[-1] for t in tokens], device=device), fb.positions, fb)
         for i, tok in enumerate(logits.argmax(-1).tolist()):
             tokens[i].append(tok)
     return [t[len(p):] for t, p in zip(tokens, prompts)]
@@ -132,10 +135,64 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
 
 def test_tiny_deepseek_greedy_tokens_through_triton_equal_torch_native():
     page_size = 4  # pages of 1 and 64 are the kernel tests'; here requests span several pages
-    model = tiny_model(TINY_DEEPSEEK, seed=3).model
+    model = tiny_model(TINY_DEEPSEEK, seed=3).model.to(DEVICE)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (11, 23, 5)]
     ref = greedy(model, prompts, TorchNativeBackend, page_size, new_tokens=6, chunk=8)
     got = greedy(model, prompts, lambda pool: TritonBackend(pool, num_sms=4, min_split_tokens=8), page_size,
                  new_tokens=6, chunk=8)
     assert got == ref
+
+
+# ---- GPU, DeepSeek's real widths ----------------------------------------------------------------------
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("page_size,kv_dtype,heads", [(1, "bf16", 128), (64, "bf16", 16), (64, "fp8_e4m3", 128)])
+def test_gpu_mla_decode_real_shapes(page_size, kv_dtype, heads):
+    lens = [4096, 1, 777, 2049, 100, 33]
+    sb = make_batch([n - 1 for n in lens], [1] * len(lens), num_heads=heads, mla=(512, 64), page_size=page_size,
+                    dtype=torch.bfloat16, kv_dtype=kv_dtype, device="cuda", score_scale=2.0)
+    out = run_layer(sb, TritonBackend(sb.pool))
+    assert not out.isnan().any()
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_gpu_mla_extend_real_shapes(page_size):
+    sb = make_batch([0, 1000, 37], [512, 256, 300], num_heads=16, mla=(512, 64), page_size=page_size,
+                    dtype=torch.bfloat16, device="cuda", score_scale=2.0)
+    out = run_layer(sb, TritonBackend(sb.pool))
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_mla_cuda_graph_capture_then_replay_with_other_lengths():
+    full = [700, 9, 4100, 120]
+    sb = make_batch([n - 1 for n in full], [1] * 4, num_heads=128, mla=(512, 64), page_size=64,
+                    dtype=torch.bfloat16, device="cuda", score_scale=2.0)
+    backend = TritonBackend(sb.pool)
+    run_layer(sb, backend)  # eager step first: the head groups are learnt
+    backend.init_graph_buffers(8, 8)
+    rows = sb.fb.req_pool_indices.tolist()
+
+    def batch(lens):
+        return ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [n - 1 for n in lens], [1] * 4,
+                                         sb.fb.req_to_token, sb.pool)
+
+    capture_fb = batch([1, 1, 1, 1])
+    backend.plan_for_capture(capture_fb)
+    q_static = sb.q.clone()
+    backend.forward_decode(q_static, sb.layer, capture_fb)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = backend.forward_decode(q_static, sb.layer, capture_fb)
+    for lens in ([5, 9, 2, 77], full):
+        fb = batch(lens)
+        backend.plan_for_replay(fb)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(graph_out, reference_for_batch(sb.q, sb.layer, fb, compute_dtype=torch.float32)) < 1e-2

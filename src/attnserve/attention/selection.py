@@ -222,8 +222,11 @@ LIMITS: tuple[Limit, ...] = (
           "MLA with speculative topk > 1 needs page size 1 on fa3"),
     Limit("triton", When(attention="MLA", min_topk=2, min_page_size=2),
           "MLA with speculative topk > 1 needs page size 1 on triton"),
-    Limit("flashinfer", When(attention="MLA", kv_dtypes=("fp8_e4m3", "fp8_e5m2")),
-          "FlashInfer's MLA wrapper takes no FP8 scale (triton's MLA kernels read FP8 latents)", attnserve_only=True),
+    Limit("flashinfer", When(attention="MLA", kv_dtypes=("fp8_e5m2",)),
+          "FlashInfer's MLA wrapper reads FP8 e4m3 latents only (triton's MLA kernels read both)", attnserve_only=True),
+    Limit("flashinfer", When(attention="MLA", kv_dtypes=("fp8_e4m3",), cc_major=(7, 8, 10, 11, 12)),
+          "FlashInfer's MLA wrapper reads FP8 latents on SM90 only (triton's MLA kernels read them anywhere)",
+          attnserve_only=True),
     Limit("flashinfer", When(attention="MLA", min_topk=2),
           "FlashInfer's MLA wrapper has no custom masks for tree speculative decoding", attnserve_only=True),
 )

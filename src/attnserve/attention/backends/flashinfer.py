@@ -115,7 +115,8 @@ class FlashInferBackend(AttentionBackend):
         if pool.is_mla:  # the latent pool has its own wrapper; the MHA machinery below stays unused
             from attnserve.attention.backends.flashinfer_mla import FlashInferMLA
 
-            self._mla = FlashInferMLA(self._fi, pool, self.workspace, q_dtype or pool.dtype, mla_kernel)
+            self._mla = FlashInferMLA(self._fi, pool, self.workspace, q_dtype or (torch.bfloat16 if pool.is_fp8
+                                                                                  else pool.dtype), mla_kernel)
             self.q_dtype = self._mla.q_dtype
             self.prefill_kernel, self.prefill_kernel_reason = self._mla.kernel, self._mla.kernel_reason
             return

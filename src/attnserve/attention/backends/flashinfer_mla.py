@@ -7,8 +7,9 @@ alike (qo_indptr says how many new tokens each request has; causal masking is al
 request's end, and the new latent rows are already in the pool).
 
 The kernel is named like the MHA prefill's: fa3 on Hopper, fa2 elsewhere, or as requested.
-FlashInfer's MLA wrapper takes no FP8 scale and no custom mask, so those are refused here
-(selection's limits say so before a backend is built).
+FP8 latents: FlashInfer 0.6.18 reads e4m3 on SM90 only, with bf16 queries and a per-tensor
+scale for each cache (the pool's one scale serves both); e5m2, FP8 elsewhere and custom masks
+are refused here (selection's limits say so before a backend is built).
 
 CUDA graphs (decode): one wrapper per captured batch size over fixed index buffers, planned
 again in place before each replay, as for MHA.
@@ -49,8 +50,13 @@ def choose_mla_kernel(requested: str, device: torch.device) -> tuple[str, str]:
 class FlashInferMLA:
     def __init__(self, fi, pool, workspace: torch.Tensor, q_dtype: torch.dtype, kernel: str = "auto"):
         if pool.is_fp8:
-            raise ValueError("FlashInfer's MLA wrapper takes no FP8 scale: use a bf16/fp16 latent pool, or the "
-                             "triton backend for an FP8 one")
+            if pool.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"FlashInfer's MLA wrapper reads FP8 e4m3 latents only, the pool is {pool.dtype}; "
+                                 "the triton backend reads both FP8 formats")
+            if pool.device.type == "cuda" and torch.cuda.get_device_capability(pool.device)[0] != 9:
+                raise ValueError("FlashInfer's MLA wrapper reads FP8 latents on SM90 (Hopper) only; "
+                                 "the triton backend reads them on any GPU")
+            q_dtype = torch.bfloat16
         self._fi = fi
         self.pool = pool
         self.workspace = workspace
@@ -109,7 +115,11 @@ class FlashInferMLA:
         rank = self.pool.kv_lora_rank
         ckv, kpe = self._caches(layer.layer_id)
         q = q.to(self.q_dtype)
-        return wrapper.run(q[..., :rank], q[..., rank:], ckv, kpe)  # [T, H, rank]
+        scales = {}
+        if self.pool.is_fp8:
+            scale = self.pool.k_scale[layer.layer_id]
+            scales = {"ckv_scale": scale, "kpe_scale": scale}
+        return wrapper.run(q[..., :rank], q[..., rank:], ckv, kpe, **scales)  # [T, H, rank]
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_graph_buffers(self, max_bs: int) -> None:
