@@ -22,6 +22,10 @@ from attnserve.bench.workloads import MLAShape, Workload
 
 def main() -> None:
     jobs = [
+        ("mla fa3", Workload("warm mla", "decode", 2, 63, 1, 1, MLAShape(16)),
+         lambda rb: flashinfer_mla_racer(rb, "fa3")),
+        ("mla fa2", Workload("warm mla", "decode", 2, 63, 1, 1, MLAShape(16)),
+         lambda rb: flashinfer_mla_racer(rb, "fa2")),
         ("decode tensor cores", Workload("warm decode", "decode", 2, 63, 1, 1),
          lambda rb: flashinfer_decode_racer(rb, tensor_cores=True)),
         ("prefill fa3 ragged", Workload("warm prefill", "prefill", 2, 0, 64, 1),
@@ -32,10 +36,6 @@ def main() -> None:
          lambda rb: flashinfer_prefill_racer(rb, "fa2")),
         ("extend fa2 paged", Workload("warm extend", "extend", 2, 64, 64, 1),
          lambda rb: flashinfer_prefill_racer(rb, "fa2")),
-        ("mla fa3", Workload("warm mla", "decode", 2, 63, 1, 1, MLAShape(16)),
-         lambda rb: flashinfer_mla_racer(rb, "fa3")),
-        ("mla fa2", Workload("warm mla", "decode", 2, 63, 1, 1, MLAShape(16)),
-         lambda rb: flashinfer_mla_racer(rb, "fa2")),
     ]
     wanted = sys.argv[1:]  # substrings of the labels to build; all when empty
     for label, w, make in jobs:
