@@ -367,6 +367,7 @@ def test_graph_page_buffer_is_fixed_after_capture(fake_flashinfer):
 def test_replay_plans_only_the_graph_metadata(fake_flashinfer, monkeypatch):
     """plan_for_replay builds page ids once, into the fixed buffer, and no eager metadata besides."""
     import attnserve.attention.backends.flashinfer as fi_backend
+    import attnserve.attention.backends.flashinfer_csr as fi_csr
 
     sb = make_batch([20, 3], [1, 1], page_size=4)
     backend = _backend(sb.pool)
@@ -381,6 +382,7 @@ def test_replay_plans_only_the_graph_metadata(fake_flashinfer, monkeypatch):
         return real_build(*args, **kwargs)
 
     monkeypatch.setattr(fi_backend, "build_paged_metadata", counting_build)
+    monkeypatch.setattr(fi_csr, "build_paged_metadata", counting_build)
     monkeypatch.setattr(fi_backend, "metadata_for_batch", lambda *a, **k: calls.__setitem__("eager", 99))
     backend.plan_for_replay(sb.fb)
     assert calls == {"eager": 0, "graph": 1}

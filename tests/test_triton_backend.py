@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from attention_helpers import poison_unused_slots, rel_err
+from attention_helpers import poison_unused_slots, rel_err, run_layer
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, ForwardBatch, ForwardMode, unsupported
@@ -20,15 +20,6 @@ from attnserve.kvcache.pool import MHAKVPool, MLAKVPool
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def run_layer(sb, backend) -> torch.Tensor:
-    """One step the way a model runs it: plan, then the layer stores K/V and calls the backend."""
-    fb = sb.fb
-    fb.attn_backend = backend
-    backend.plan(fb)
-    out = sb.layer(sb.q, sb.k, sb.v, fb)  # [T, Hq * Dv]
-    return out.view(sb.q.shape[0], sb.layer.num_heads, sb.layer.v_head_dim)
 
 
 # ---- features and registry -------------------------------------------------------------------------

@@ -5,7 +5,7 @@ CPU: TRITON_INTERPRET=1 with DeepSeek's shapes scaled down (latent 32 + rope 16)
 
 import pytest
 import torch
-from attention_helpers import rel_err
+from attention_helpers import rel_err, run_layer
 from engine_helpers import VOCAB, tiny_model
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
@@ -18,15 +18,6 @@ from attnserve.kvcache.pool import ReqToTokenPool
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def run_layer(sb, backend) -> torch.Tensor:
-    """One step the way a model runs it: plan, then the layer stores the latent and calls the backend."""
-    fb = sb.fb
-    fb.attn_backend = backend
-    backend.plan(fb)
-    out = sb.layer(sb.q, sb.k, None, fb)  # [T, H * latent]
-    return out.view(sb.q.shape[0], sb.layer.num_heads, sb.layer.v_head_dim)
 
 
 @pytest.mark.parametrize("page_size,kv_dtype", [(1, None), (64, "fp8_e4m3")])

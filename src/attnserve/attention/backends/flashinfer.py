@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backends.flashinfer_csr import HostCSR, host_csr, size_graph_page_buffer
+from attnserve.attention.backends.flashinfer_csr import HostCSR, graph_step_metadata, host_csr
 from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch
 from attnserve.attention.metadata import (
     MetadataBuffers,
@@ -294,22 +294,9 @@ class FlashInferBackend(AttentionBackend):
         if self._mla is not None:
             self._mla.plan_graph(fb)
             return
-        if not fb.mode.is_decode:
-            raise ValueError(f"the flashinfer backend captures decode only, got {fb.mode.value}")
-        if self._graph_buffers is None:
-            raise ValueError("call init_graph_buffers(max_bs, max_tokens) before capturing")
-        if not self._signatures:
-            raise ValueError("run one eager step before capture so the layer signatures are known")
         bs = fb.batch_size
-        if bs > self.graph_max_bs:
-            raise ValueError(f"batch {bs} exceeds the captured maximum {self.graph_max_bs}")
-        size_graph_page_buffer(self._graph_buffers, self.graph_max_bs, fb, self.pool,
-                               captured=bool(self._graph_wrappers))
-        # page ids are written into the fixed buffer here; each wrapper's plan() then copies the host
-        # indptr / last-page lengths into its views of the other buffers
-        meta = build_paged_metadata(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
-                                    self.pool.page_size, buffers=self._graph_buffers,
-                                    seq_lens_cpu=fb.seq_lens_cpu)
+        meta = graph_step_metadata(fb, self._graph_buffers, self.graph_max_bs, self.pool, bool(self._signatures),
+                                   captured=bool(self._graph_wrappers))
         host = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
         self._fb, self._meta, self._host = fb, meta, host
         self._prefix_meta = self._prefix_host = None

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnserve.attention.metadata import PagedKVMetadata, build_paged_metadata
+
 
 @dataclass(frozen=True)
 class HostCSR:
@@ -48,3 +50,21 @@ def size_graph_page_buffer(buffers, max_bs: int, fb, pool, captured: bool) -> No
         raise ValueError(f"req_to_token width {fb.req_to_token.shape[1]} needs {needed} page slots, more than "
                          f"the {buffers.kv_indices.numel()} sized at the first capture")
     buffers.kv_indices = torch.zeros(needed, dtype=torch.int32, device=pool.device)  # [max_bs * max_pages]
+
+
+def graph_step_metadata(fb, buffers, max_bs: int, pool, has_signatures: bool, captured: bool) -> PagedKVMetadata:
+    """Check a capture / replay batch, then write its page ids into the fixed buffers (their views returned).
+
+    Each wrapper's plan() then copies the host indptr / lengths into its views of the other buffers.
+    """
+    if not fb.mode.is_decode:
+        raise ValueError(f"the flashinfer backend captures decode only, got {fb.mode.value}")
+    if buffers is None:
+        raise ValueError("call init_graph_buffers(max_bs, max_tokens) before capturing")
+    if not has_signatures:
+        raise ValueError("run one eager step before capture so the layer signatures are known")
+    if fb.batch_size > max_bs:
+        raise ValueError(f"batch {fb.batch_size} exceeds the captured maximum {max_bs}")
+    size_graph_page_buffer(buffers, max_bs, fb, pool, captured)
+    return build_paged_metadata(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens, pool.page_size,
+                                buffers=buffers, seq_lens_cpu=fb.seq_lens_cpu)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backends.flashinfer_csr import host_csr, size_graph_page_buffer
-from attnserve.attention.metadata import MetadataBuffers, build_paged_metadata, metadata_for_batch
+from attnserve.attention.backends.flashinfer_csr import graph_step_metadata, host_csr
+from attnserve.attention.metadata import MetadataBuffers, metadata_for_batch
 
 
 @dataclass(frozen=True)
@@ -129,18 +129,9 @@ class FlashInferMLA:
 
     def plan_graph(self, fb) -> None:
         """Capture or replay: page ids into the fixed buffer, then every signature's wrapper planned in place."""
-        if not fb.mode.is_decode:
-            raise ValueError(f"the flashinfer backend captures decode only, got {fb.mode.value}")
-        if self._graph is None:
-            raise ValueError("call init_graph_buffers(max_bs, max_tokens) before capturing")
-        if not self._signatures:
-            raise ValueError("run one eager step before capture so the layer signatures are known")
         bs = fb.batch_size
-        if bs > self.graph_max_bs:
-            raise ValueError(f"batch {bs} exceeds the captured maximum {self.graph_max_bs}")
-        size_graph_page_buffer(self._graph, self.graph_max_bs, fb, self.pool, captured=bool(self._graph_wrappers))
-        meta = build_paged_metadata(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
-                                    self.pool.page_size, buffers=self._graph, seq_lens_cpu=fb.seq_lens_cpu)
+        meta = graph_step_metadata(fb, self._graph, self.graph_max_bs, self.pool, bool(self._signatures),
+                                   captured=bool(self._graph_wrappers))
         host = self._host_arrays(fb)
         self._meta, self._host, self._planned = meta, host, set()
         for sig in self._signatures:

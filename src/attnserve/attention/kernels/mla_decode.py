@@ -71,6 +71,25 @@ def default_mla_decode_config(device: torch.device, target: GpuTarget | None = N
     return MLA_DECODE_TILES[(target or target_for(device)).arch]
 
 
+def check_mla_shapes(q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, kv_lora_rank: int) -> int:
+    """Validate an absorbed-MLA call (q `[T, H, rank + rope]`, latent `[slots, 1, rank + rope]`, out `[T, H, rank]`).
+
+    Returns the rope width.
+    """
+    tokens, num_heads, width = q.shape
+    rope = width - kv_lora_rank
+    if kv_lora_rank & (kv_lora_rank - 1) or kv_lora_rank < 16:
+        raise ValueError(f"kv_lora_rank must be a power of two >= 16 for the MLA kernel, got {kv_lora_rank}")
+    if rope < 0 or kv_buffer.dim() != 3 or kv_buffer.shape[1:] != (1, width):
+        raise ValueError(f"kv_buffer {tuple(kv_buffer.shape)} does not match q's width {width} "
+                         f"(kv_lora_rank {kv_lora_rank} + rope {rope}, one latent head)")
+    if out.shape != (tokens, num_heads, kv_lora_rank):
+        raise ValueError(f"out {tuple(out.shape)} must be [{tokens}, {num_heads}, {kv_lora_rank}]")
+    if q.stride(-1) != 1 or kv_buffer.stride(-1) != 1:
+        raise ValueError("q and kv_buffer must be contiguous in their last dimension")
+    return rope
+
+
 def head_groups(num_heads: int, config: MLADecodeConfig) -> int:
     """Programs per (request, split): what the split plan counts as KV heads for MLA."""
     return triton.cdiv(num_heads, config.block_h)
@@ -154,16 +173,7 @@ def mla_decode_attention(
     max_splits / write_final / partials as in decode.decode_attention.
     """
     batch, num_heads, width = q.shape
-    rope = width - kv_lora_rank
-    if kv_lora_rank & (kv_lora_rank - 1) or kv_lora_rank < 16:
-        raise ValueError(f"kv_lora_rank must be a power of two >= 16 for the MLA kernel, got {kv_lora_rank}")
-    if rope < 0 or kv_buffer.dim() != 3 or kv_buffer.shape[1:] != (1, width):
-        raise ValueError(f"kv_buffer {tuple(kv_buffer.shape)} does not match q's width {width} "
-                         f"(kv_lora_rank {kv_lora_rank} + rope {rope}, one latent head)")
-    if out.shape != (batch, num_heads, kv_lora_rank):
-        raise ValueError(f"out {tuple(out.shape)} must be [{batch}, {num_heads}, {kv_lora_rank}]")
-    if q.stride(-1) != 1 or kv_buffer.stride(-1) != 1:
-        raise ValueError("q and kv_buffer must be contiguous in their last dimension")
+    rope = check_mla_shapes(q, kv_buffer, out, kv_lora_rank)
     if batch == 0:
         return out
     target = target or target_for(q.device)

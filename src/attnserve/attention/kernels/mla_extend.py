@@ -35,6 +35,7 @@ from attnserve.attention.kernels.extend import (
     extend_attention,
     key_tile_range,
 )
+from attnserve.attention.kernels.mla_decode import check_mla_shapes
 from attnserve.attention.kernels.tiles import (
     GpuTarget,
     TileShape,
@@ -174,14 +175,7 @@ def mla_extend_attention(
     extend.extend_attention; `tiles` must cover `config.block_m` positions each.
     """
     num_tokens, num_heads, width = q.shape
-    rope = width - kv_lora_rank
-    if kv_lora_rank & (kv_lora_rank - 1) or kv_lora_rank < 16:
-        raise ValueError(f"kv_lora_rank must be a power of two >= 16 for the MLA kernel, got {kv_lora_rank}")
-    if rope < 0 or kv_buffer.dim() != 3 or kv_buffer.shape[1:] != (1, width):
-        raise ValueError(f"kv_buffer {tuple(kv_buffer.shape)} does not match q's width {width} "
-                         f"(kv_lora_rank {kv_lora_rank} + rope {rope}, one latent head)")
-    if out.shape != (num_tokens, num_heads, kv_lora_rank):
-        raise ValueError(f"out {tuple(out.shape)} must be [{num_tokens}, {num_heads}, {kv_lora_rank}]")
+    rope = check_mla_shapes(q, kv_buffer, out, kv_lora_rank)
     if (custom_mask is None) != (mask_indptr is None):
         raise ValueError("custom_mask and mask_indptr must be given together")
     target = target or target_for(q.device)
