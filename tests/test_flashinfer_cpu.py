@@ -447,3 +447,23 @@ def test_mla_decode_graph_buffers_follow_replays(fake_flashinfer):
     assert captured.table[2] is backend._mla._graph.kv_indices and captured.plans == 3
     with pytest.raises(ValueError, match="decode only"):
         backend.plan_for_replay(make_batch([3], [2], num_heads=4, mla=(32, 16)).fb)
+
+
+def test_mla_hybrid_flashinfer_prefill_triton_decode(fake_flashinfer):
+    """What selection picks for DeepSeek on an H200 (prefill flashinfer, decode triton) on one latent pool."""
+    from attnserve.attention.backends.triton import TritonBackend
+    from attnserve.attention.hybrid import HybridAttentionBackend
+
+    sb = make_batch([9, 0, 21], [4, 11, 1], num_heads=4, mla=(32, 16), page_size=4, score_scale=8.0,
+                    dtype=torch.bfloat16)
+    hybrid = HybridAttentionBackend(_backend(sb.pool), TritonBackend(sb.pool))
+    _check(sb, hybrid, tol=1e-2)  # extend: FlashInfer's MLA wrapper
+    fb = ForwardBatch.from_lengths(ForwardMode.DECODE, [1, 2, 3], [12, 10, 21], [1, 1, 1], sb.fb.req_to_token,
+                                   sb.pool)
+    q = sb.q[:3].clone()
+    fb.attn_backend = hybrid
+    hybrid.plan(fb)
+    out = hybrid.forward(q, None, None, sb.layer, fb)  # decode: triton's MLA kernel over the same rows
+    ref = reference_for_batch(q, sb.layer, fb)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert hybrid.backend_for(fb.mode).name == "triton"
