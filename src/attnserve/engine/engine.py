@@ -230,6 +230,21 @@ class Engine:
         cached = self.scheduler.tree.num_pages if self.scheduler.tree else 0
         return self.scheduler.allocator.num_used - cached
 
+    def state(self) -> dict:
+        """Requests and KV pages right now. `pages_in_use`: held by running or queued requests (0 once every
+        request has ended); `pages_cached`: held by the prefix cache alone (evictable)."""
+        sched = self.scheduler
+        alloc = sched.allocator
+        cached = sched.tree.evictable_pages() if sched.tree is not None else 0
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "kv_cache": {"page_size": self.parts.pool.page_size, "pages_total": alloc.total,
+                         "pages_free": alloc.num_free, "pages_cached": cached,
+                         "pages_in_use": alloc.num_used - cached},
+            "prefix_cache": self.cache_stats(),
+        }
+
     def flush_cache(self) -> None:
         if self.scheduler.tree is not None:
             self.scheduler.tree.reset()
