@@ -85,11 +85,11 @@ def test_chat_template_and_bad_input(llm):
 def test_chat_template_from_the_model_file_is_sandboxed(llm, monkeypatch):
     import jinja2
 
-    monkeypatch.setattr(llm.engine.parts, "chat_template", "{{ messages.__class__.__mro__ }}")
+    monkeypatch.setattr(llm.engine.parts.model, "chat_template", "{{ messages.__class__.__mro__ }}")
     with pytest.raises(jinja2.exceptions.SecurityError):
         llm.apply_chat_template("hi")
     # the helpers HF templates rely on are there too
-    monkeypatch.setattr(llm.engine.parts, "chat_template",
+    monkeypatch.setattr(llm.engine.parts.model, "chat_template",
                         "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
                         "{{ messages[0].content | tojson }}")
     assert llm.apply_chat_template("hi") == '"hi"'

@@ -55,22 +55,23 @@ class Engine:
         self.config = config
         self.parts: EngineParts = build_parts(config, loaded)
         p = self.parts
-        self.tokenizer = p.tokenizer
-        self.eos_token_ids = set(p.eos_token_ids)
-        self.max_context_len = p.req_pool.max_context_len
+        self.tokenizer = p.model.tokenizer
+        self.eos_token_ids = set(p.model.eos_token_ids)
+        self.vocab_size = p.model.vocab_size
+        self.max_context_len = p.kv.max_context_len
         self.scheduler = Scheduler(
             SchedulerConfig(
-                page_size=p.pool.page_size,
+                page_size=p.kv.pool.page_size,
                 chunked_prefill_size=config.chunked_prefill_size,
                 max_prefill_tokens=config.max_prefill_tokens,
                 disable_radix_cache=config.disable_radix_cache,
             ),
-            p.allocator,
-            p.req_pool,
+            p.kv.allocator,
+            p.kv.req_pool,
         )
-        self.runner = ModelRunner(p.model, p.pool, p.backend, p.req_pool, p.device)
-        self.runner.graph_runner = p.graph_runner
-        self.sampler = Sampler(p.device, seed=config.seed)
+        self.runner = ModelRunner(p.model.module, p.kv.pool, p.backend, p.kv.req_pool, p.model.device,
+                                  graph_runner=p.graphs.runner)
+        self.sampler = Sampler(p.model.device, seed=config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[int, Request] = {}
         self.step_times = StepTimes()
@@ -91,7 +92,7 @@ class Engine:
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
-            vocab = getattr(self.parts, "vocab_size", None)
+            vocab = self.vocab_size
             if vocab is not None and any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
         rid = next(self._rids) if rid is None else rid
@@ -200,4 +201,4 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        return self.parts.device
+        return self.parts.model.device
