@@ -10,6 +10,33 @@ from attnserve.engine.sampling_params import SamplingParams
 
 PROMPTS = prompts(6, seed=31)
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
+WAIT_S = 60.0  # far beyond what any wait here needs; a lost request fails the test instead of hanging CI
+
+
+def within(fn, seconds: float = WAIT_S):
+    """fn() in a helper thread: its result, or its exception re-raised; fails the test if it is still blocked."""
+    box = []
+
+    def run():
+        try:
+            box.append(("ok", fn()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            box.append(("error", exc))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds} s: a request was lost"
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def join_all(threads, seconds: float = WAIT_S) -> None:
+    for t in threads:
+        t.join(seconds)
+        assert not t.is_alive(), f"{t.name} still running after {seconds} s: a request was lost"
 
 
 def test_threads_get_the_same_tokens_as_one_at_a_time():
@@ -31,11 +58,10 @@ def test_threads_get_the_same_tokens_as_one_at_a_time():
         assert last.finished and last.output.token_ids == streamed
         results[i] = streamed
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(60)
+    join_all(threads)
     loop.stop()
     assert results == ref
     assert loop.error is None and loop.engine.pages_leaked() == 0
@@ -44,14 +70,15 @@ def test_threads_get_the_same_tokens_as_one_at_a_time():
 def test_abort_from_another_thread_and_bad_input():
     loop = EngineLoop(make_engine(disable_radix_cache=True)).start()
     h = loop.submit(PROMPTS[0], SamplingParams(max_new_tokens=500, ignore_eos=True))
-    first = next(iter(h))  # generating now
+    events = iter(h)
+    first = within(lambda: next(events))  # generating now
     assert first.token_ids
     loop.abort(h.rid)
-    rest = list(h)  # ends without a finished output
+    rest = within(lambda: list(events))  # ends without a finished output
     assert not any(ev.finished for ev in rest)
     bad = loop.submit([], PARAMS)
     with pytest.raises(ValueError, match="no tokens"):
-        list(bad)
+        within(lambda: list(bad))
     loop.stop()
     assert loop.engine.scheduler.allocator.num_free == loop.engine.scheduler.allocator.total
 
@@ -79,23 +106,6 @@ class _FailingEngine:
         return None
 
 
-def _result_within(handle, seconds=10.0):
-    """handle.result() in a thread: returns ('ok', value) or ('error', exc); fails the test if it hangs."""
-    box = []
-
-    def wait():
-        try:
-            box.append(("ok", handle.result()))
-        except Exception as exc:  # noqa: BLE001 - handed to the test
-            box.append(("error", exc))
-
-    t = threading.Thread(target=wait, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), "result() is still blocked after the engine loop died"
-    return box[0]
-
-
 def test_dead_loop_wakes_waiters_and_refuses_new_work():
     engine = _FailingEngine()
     loop = EngineLoop(engine).start()
@@ -104,9 +114,9 @@ def test_dead_loop_wakes_waiters_and_refuses_new_work():
     queued = loop.submit([4, 5], PARAMS)  # submitted while the failing step runs: never picked up
     engine.fail.set()
     for handle in (running, queued):
-        kind, exc = _result_within(handle)
-        assert kind == "error" and "model exploded" in str(exc)
-    loop._thread.join(10)
+        with pytest.raises(RuntimeError, match="model exploded"):
+            within(handle.result, seconds=10.0)  # woken, not left blocked on a dead loop
+    join_all([loop._thread], seconds=10.0)
     assert isinstance(loop.error, RuntimeError)
     with pytest.raises(RuntimeError, match="model exploded"):
         loop.submit([6], PARAMS)
