@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
 from engine_runs import max_rel_err, run_engine
 
 from attnserve.models.loader import load_model

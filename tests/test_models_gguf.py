@@ -14,7 +14,6 @@ import accelerate  # noqa: F401  (transformers needs it to load GGUF files)
 import pytest
 import torch
 import transformers
-
 from engine_runs import max_rel_err, run_engine
 
 from attnserve.engine.sampling_params import SamplingParams

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from engine_runs import max_rel_err, run_engine
 
 from attnserve.models.loader import load_model
