@@ -13,7 +13,6 @@ from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
-from attnserve.kvcache.pool import ReqToTokenPool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -89,10 +88,10 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
     lengths = [len(p) + new_tokens for p in prompts]
     pages = [-(-n // page_size) for n in lengths]
     pool = spec.make_pool(sum(pages) + 1, page_size, dtype=torch.float32, device=device)
-    req = ReqToTokenPool(len(prompts), max(lengths), device=device)
+    req_to_token = torch.zeros(len(prompts), max(lengths), dtype=torch.int32, device=device)  # [B, max_len]
     first_page = 1
     for row, (n, p) in enumerate(zip(lengths, pages)):
-        req.write(row, 0, pool.slots_of_pages(list(range(first_page, first_page + p)))[:n])
+        req_to_token[row, :n] = pool.slots_of_pages(list(range(first_page, first_page + p)))[:n].to(torch.int32)
         first_page += p
     backend = make_backend(pool)
     rows = list(range(len(prompts)))
@@ -103,7 +102,7 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
         ext = [min(chunk, len(p) - d) for d, p in zip(done, prompts)]
         live = [i for i, e in enumerate(ext) if e > 0]
         fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, [rows[i] for i in live], [done[i] for i in live],
-                                       [ext[i] for i in live], req.req_to_token, pool, attn_backend=backend)
+                                       [ext[i] for i in live], req_to_token, pool, attn_backend=backend)
         backend.plan(fb)
         ids = torch.tensor([t for i in live for t in prompts[i][done[i]: done[i] + ext[i]]], device=device)  # [T]
         logits = model(ids, fb.positions, fb, logits_indices=None)
@@ -116,7 +115,7 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
     for _ in range(new_tokens - 1):
         seq = [len(t) for t in tokens]
         fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [s - 1 for s in seq], [1] * len(rows),
-                                       req.req_to_token, pool, attn_backend=backend)
+                                       req_to_token, pool, attn_backend=backend)
         backend.plan(fb)
         logits = model(torch.tensor([t[-1] for t in tokens], device=device), fb.positions, fb)
         for i, tok in enumerate(logits.argmax(-1).tolist()):
