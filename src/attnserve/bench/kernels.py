@@ -36,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='JSON options for the triton backend, e.g. \'{"extend_config": {"block_m": 128}}\'')
     p.add_argument("--json", type=Path, default=Path("kernels.json"), help="where to write the results")
     p.add_argument("--png", type=Path, default=None, help="chart path (default: the JSON path with .png)")
-    p.add_argument("--tiny", action="store_true", help="scaled-down shapes (smoke test; CPU under TRITON_INTERPRET=1)")
+    p.add_argument("--tiny", action="store_true",
+                   help="scaled-down shapes (smoke test; CPU under TRITON_INTERPRET=1; Triton 3.6's interpreter needs "
+                        "numpy < 2.3 for it, or the tests' conftest.py, which tests/test_triton_bench.py runs it under)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
 
 
