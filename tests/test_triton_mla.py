@@ -131,7 +131,7 @@ def test_mla_extend_with_a_custom_mask():
 
 def test_mla_expanded_prefill_with_v_narrower_than_k():
     """Per-head k 48 wide (nope 32 + rope 16), v 32 wide, fresh ragged prompts: the oracle per request."""
-    from attnserve.attention.kernels.mla_extend import mla_expanded_prefill
+    from attnserve.attention.kernels.mla_extend import mla_expanded_prefill, plan_expanded_prefill
     from attnserve.attention.reference import attend, visibility_mask
 
     g = torch.Generator().manual_seed(5)
@@ -140,7 +140,8 @@ def test_mla_expanded_prefill_with_v_narrower_than_k():
     q = (torch.randn(t, heads, 48, generator=g) * 3).to(torch.bfloat16).to(DEVICE)  # [T, H, 48]
     k = torch.randn(t, heads, 48, generator=g).to(torch.bfloat16).to(DEVICE)  # [T, H, 48]
     v = torch.randn(t, heads, 32, generator=g).to(torch.bfloat16).to(DEVICE)  # [T, H, 32]
-    out = mla_expanded_prefill(q, k, v, lens, 48**-0.5)
+    plan = plan_expanded_prefill(lens, 48, DEVICE)
+    out = mla_expanded_prefill(q, k, v, plan, 48**-0.5)
     assert out.shape == (t, heads, 32)
     start = 0
     for n in lens:
@@ -150,4 +151,4 @@ def test_mla_expanded_prefill_with_v_narrower_than_k():
         assert rel_err(out[sl], ref) < 1e-2
         start += n
     with pytest.raises(ValueError, match="expanded MLA"):
-        mla_expanded_prefill(q, k, torch.zeros(t, heads, 64), lens, 1.0)
+        mla_expanded_prefill(q, k, torch.zeros(t, heads, 64), plan, 1.0)

@@ -129,9 +129,18 @@ def test_tiny_deepseek_greedy_tokens_through_triton_equal_torch_native():
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (11, 23, 5)]
     ref = greedy(model, prompts, TorchNativeBackend, page_size, new_tokens=6, chunk=8)
-    got = greedy(model, prompts, lambda pool: TritonBackend(pool, num_sms=4, min_split_tokens=8), page_size,
+    expanded_calls = []
+
+    class CountingTriton(TritonBackend):
+        def forward_mla_expanded(self, *args):
+            expanded_calls.append(self._extend.extend_lens)
+            return super().forward_mla_expanded(*args)
+
+    got = greedy(model, prompts, lambda pool: CountingTriton(pool, num_sms=4, min_split_tokens=8), page_size,
                  new_tokens=6, chunk=8)
     assert got == ref
+    # the first chunk (fresh prompts) ran expanded in both layers; later chunks read a prefix, absorbed
+    assert expanded_calls == [[8, 8, 5]] * 2
 
 
 # ---- GPU, DeepSeek's real widths ----------------------------------------------------------------------

@@ -53,6 +53,7 @@ class _ExtendPlan:
     tiles: dict  # positions per tile -> kernels.extend.ExtendTiles (built at the first layer needing it)
     custom_mask: torch.Tensor | None  # flattened per-request [ext, seq] masks, uint8
     mask_indptr: torch.Tensor | None  # [B] int64 offsets into custom_mask
+    expanded: object = None  # kernels.mla_extend.ExpandedPrefillPlan, built at the first expanded MLA layer
 
 
 @dataclass
@@ -229,6 +230,28 @@ class TritonBackend(AttentionBackend):
             layer.scaling, self.pool.k_scale[lid], self.pool.v_scale[lid], layer.sliding_window, layer.logit_cap,
             layer.sinks, plan.custom_mask, plan.mask_indptr, config=self.extend_config,
         )
+
+    def mla_expanded_applies(self, fb: ForwardBatch) -> bool:
+        """Whether this step may run expanded MLA: an MLA pool and fresh prompts only (no cached prefix, no mask)."""
+        plan = self._extend
+        return (self.pool.is_mla and plan is not None and plan.custom_mask is None
+                and not any(plan.prefix_lens))
+
+    def forward_mla_expanded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+                             fb: ForwardBatch) -> torch.Tensor:
+        """Fresh prompts of an MLA model over their latent expanded per head: 3.4x fewer FLOPs than absorbed.
+
+        q, k `[T, H, nope + rope]`, v `[T, H, v_head_dim]` (narrower than k) -> `[T, H, v_head_dim]`. The latent
+        rows still go to the pool (store_kv) for the decode steps that follow.
+        """
+        from attnserve.attention.kernels.mla_extend import mla_expanded_prefill, plan_expanded_prefill
+
+        if not self.mla_expanded_applies(fb):
+            raise ValueError("expanded MLA runs fresh prompts of an MLA model only (no cached prefix, no custom mask)")
+        plan = self._extend
+        if plan.expanded is None:
+            plan.expanded = plan_expanded_prefill(plan.extend_lens, q.shape[-1], self.pool.device)
+        return mla_expanded_prefill(q, k, v, plan.expanded, layer.scaling)
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
         from attnserve.attention.kernels.decode import decode_attention

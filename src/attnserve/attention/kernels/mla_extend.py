@@ -204,39 +204,53 @@ def mla_extend_attention(
     return out
 
 
-def mla_expanded_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    extend_lens: list[int],
-    sm_scale: float,
-    out: torch.Tensor | None = None,
-    config: ExtendConfig | None = None,
-    target: GpuTarget | None = None,
-) -> torch.Tensor:
+@dataclass
+class ExpandedPrefillPlan:
+    """One step's metadata for expanded MLA: the new tokens are their own KV, one page-size-1 "page" each."""
+
+    qo_indptr: torch.Tensor  # [B+1] int32: tokens of request b are rows qo_indptr[b]:qo_indptr[b+1]
+    token_slots: torch.Tensor  # [T] int32: 0..T-1, the page table that makes token t its own KV row
+    extend_lens: torch.Tensor  # [B] int32: each request's KV length (its prompt)
+    tiles: ExtendTiles
+    config: ExtendConfig
+    target: GpuTarget | None
+
+
+def plan_expanded_prefill(extend_lens: list[int], qk_dim: int, device, config: ExtendConfig | None = None,
+                          target: GpuTarget | None = None) -> ExpandedPrefillPlan:
+    """Host-side plan, once per step (every layer of the model reuses it)."""
+    from attnserve.attention.kernels.extend import default_extend_config
+
+    device = torch.device(device)
+    target = target or target_for(device)
+    config = config or default_extend_config(qk_dim, device, target)
+    indptr = [0]
+    for n in extend_lens:
+        indptr.append(indptr[-1] + n)
+    return ExpandedPrefillPlan(
+        qo_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
+        token_slots=torch.arange(indptr[-1], dtype=torch.int32, device=device),
+        extend_lens=torch.tensor(extend_lens, dtype=torch.int32).to(device, non_blocking=True),
+        tiles=build_extend_tiles([0] * len(extend_lens), list(extend_lens), config.positions_per_tile(1), device),
+        config=config,
+        target=target,
+    )
+
+
+def mla_expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ExpandedPrefillPlan,
+                         sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of fresh prompts over their own expanded keys and values.
 
-    q `[T, H, qk_dim]`, k `[T, H, qk_dim]` (nope + rope), v `[T, H, v_dim]` with v_dim <= qk_dim,
-    T = sum(extend_lens) -> `[T, H, v_dim]`. The new tokens are their own KV: extend.py's kernel reads
-    them as a page-size-1 pool whose page table is 0..T-1.
+    q `[T, H, qk_dim]`, k `[T, H, qk_dim]` (nope + rope), v `[T, H, v_dim]` with v_dim <= qk_dim
+    -> `[T, H, v_dim]`. extend.py's kernel reads k/v as a page-size-1 pool whose page table is 0..T-1.
     """
     num_tokens, num_heads, qk_dim = q.shape
     if k.shape != q.shape or v.shape[:2] != q.shape[:2] or v.shape[2] > qk_dim:
         raise ValueError(f"expanded MLA wants k {tuple(q.shape)} and v [{num_tokens}, {num_heads}, <= {qk_dim}], "
                          f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if sum(extend_lens) != num_tokens:
-        raise ValueError(f"extend_lens sum to {sum(extend_lens)}, q has {num_tokens} tokens")
-    from attnserve.attention.kernels.extend import default_extend_config
-
-    target = target or target_for(q.device)
-    config = config or default_extend_config(qk_dim, q.device, target)
-    device = q.device
-    indptr = torch.tensor([0, *torch.tensor(extend_lens).cumsum(0).tolist()], dtype=torch.int32)  # [B+1]
-    indptr = indptr.to(device, non_blocking=True)
-    lens = torch.tensor(extend_lens, dtype=torch.int32).to(device, non_blocking=True)  # [B]
-    slots = torch.arange(num_tokens, dtype=torch.int32, device=device)  # [T]: token t is slot t
-    tiles = build_extend_tiles([0] * len(extend_lens), list(extend_lens), config.positions_per_tile(1), device)
+    if plan.token_slots.numel() != num_tokens:
+        raise ValueError(f"the plan covers {plan.token_slots.numel()} tokens, q has {num_tokens}")
     if out is None:
         out = q.new_empty(num_tokens, num_heads, v.shape[2])  # [T, H, v_dim]
-    return extend_attention(q, k, v, out, tiles, indptr, indptr, slots, lens, 1, sm_scale, config=config,
-                            target=target)
+    return extend_attention(q, k, v, out, plan.tiles, plan.qo_indptr, plan.qo_indptr, plan.token_slots,
+                            plan.extend_lens, 1, sm_scale, config=plan.config, target=plan.target)
