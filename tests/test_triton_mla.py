@@ -152,3 +152,26 @@ def test_mla_expanded_prefill_with_v_narrower_than_k():
         start += n
     with pytest.raises(ValueError, match="expanded MLA"):
         mla_expanded_prefill(q, k, torch.zeros(t, heads, 64), plan, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_mla_expanded_prefill_at_deepseek_widths():
+    """qk 192 (128 nope + 64 rope) and v 128, 16 heads, ragged fresh prompts, against the float32 oracle."""
+    from attnserve.attention.kernels.mla_extend import mla_expanded_prefill, plan_expanded_prefill
+    from attnserve.attention.reference import attend, visibility_mask
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    lens, heads = [1024, 7, 300], 16
+    t = sum(lens)
+    q = torch.randn(t, heads, 192, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 192]
+    k = torch.randn(t, heads, 192, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 192]
+    v = torch.randn(t, heads, 128, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 128]
+    out = mla_expanded_prefill(q, k, v, plan_expanded_prefill(lens, 192, "cuda"), 192**-0.5)
+    start = 0
+    for n in lens:
+        sl = slice(start, start + n)
+        ref = attend(q[sl].float(), k[sl].float(), v[sl].float(), visibility_mask(torch.arange(n, device="cuda"), n),
+                     192**-0.5)
+        assert rel_err(out[sl], ref) < 1e-2
+        start += n
