@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from attnserve.attention.kernels.decode import DECODE_TILES, DecodeConfig, decode_attention, default_decode_config
+from attnserve.attention.kernels.decode import (
+    DECODE_TILES,
+    DecodeConfig,
+    decode_attention,
+    default_decode_config,
+)
 from attnserve.attention.kernels.extend import (
     EXTEND_TILES,
     ExtendConfig,

@@ -3,9 +3,10 @@
 Decode is Flash-Decoding (split-KV + log-sum-exp merge, GQA groups on tensor cores);
 extend/prefill is a FlashAttention-2 style kernel that reads the cached prefix and the
 new tokens through the page table. MLA pools (DeepSeek) run the absorbed MLA kernels of
-kernels/mla_decode.py and kernels/mla_extend.py over the latent rows, with the same plans. plan() builds the CSR metadata, the per-request split
-counts and the extend tile list once per step, from host-side lengths, so nothing here
-synchronises with the device per layer.
+kernels/mla_decode.py and kernels/mla_extend.py over the latent rows with the same plans,
+and fresh prompts may run expanded (forward_mla_expanded). plan() builds the CSR metadata,
+the per-request split counts and the extend tile list once per step, from host-side
+lengths, so nothing here synchronises with the device per layer.
 
 CUDA graphs: init_graph_buffers() allocates fixed metadata buffers; plan_for_capture()
 fixes each captured batch size's split dimension (enough splits for one request to fill

@@ -56,7 +56,7 @@ class GpuTarget:
 ARCHITECTURES = ("sm80", "sm86", "sm89", "sm90")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_target(index: int) -> GpuTarget:
     return GpuTarget.of_device(torch.device("cuda", index))
 
