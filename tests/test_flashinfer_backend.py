@@ -237,3 +237,24 @@ def test_mla_fp8_latent_on_hopper(decode):
     sb = make_batch(prefix, ext, num_heads=16, mla=(512, 64), page_size=64, dtype=torch.bfloat16,
                     kv_dtype="fp8_e4m3", device="cuda", seed=7, score_scale=2.0)
     _check(sb, _backend(sb))  # the oracle dequantises the same FP8 latent with the pool's scale
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+def test_mla_hybrid_with_triton_decode():
+    """DeepSeek's pick on an H200: FlashInfer MLA prefill, triton MLA decode, over one latent pool."""
+    from attnserve.attention.backends.triton import TritonBackend
+    from attnserve.attention.hybrid import HybridAttentionBackend
+
+    sb = _mla_batch(11, False, 64)
+    hybrid = HybridAttentionBackend(_backend(sb), TritonBackend(sb.pool))
+    _check(sb, hybrid)
+    rows = sb.fb.req_pool_indices.tolist()
+    fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [s - 1 for s in sb.fb.seq_lens_cpu], [1] * len(rows),
+                                   sb.fb.req_to_token, sb.pool)
+    q = torch.randn(len(rows), 16, 576, device="cuda", dtype=torch.bfloat16) * 2  # [B, H, rank + rope]
+    fb.attn_backend = hybrid
+    hybrid.plan(fb)
+    out = hybrid.forward(q, None, None, sb.layer, fb)
+    ref = reference_for_batch(q, sb.layer, fb, compute_dtype=torch.float32)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
