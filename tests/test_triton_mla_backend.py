@@ -11,6 +11,7 @@ from engine_helpers import VOCAB, tiny_model
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import ForwardBatch, ForwardMode
+from attnserve.attention.kernels.mla_decode import MLADecodeConfig
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
 
@@ -40,7 +41,8 @@ def test_mla_head_groups_learnt_at_the_first_layer_replan_the_splits():
     """40 heads are 3 groups of 16: three programs per split, so fewer splits than with one."""
     sb = make_batch([300, 250], [1, 1], num_heads=40, mla=(32, 16), dtype=torch.bfloat16, device=DEVICE,
                     score_scale=8.0)
-    backend = TritonBackend(sb.pool, num_sms=4, min_split_tokens=16)
+    backend = TritonBackend(sb.pool, num_sms=4, min_split_tokens=16,
+                            mla_decode_config=MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1))
     sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     before = backend._decode.max_splits
