@@ -88,8 +88,10 @@ def test_auto_dtype_is_fp32_on_the_cpu_and_the_checkpoints_on_a_gpu():
     assert resolve_dtype("auto", torch.device("cuda"), {"torch_dtype": "float16"}) == torch.float16
 
 
-def test_mps_device_is_accepted_and_refused_clearly_without_mps():
+def test_mps_device_is_accepted_and_refused_clearly_without_mps(monkeypatch):
     assert EngineConfig(device="mps").device == "mps"
-    if not torch.backends.mps.is_available():
-        with pytest.raises(ValueError, match="no usable MPS"):
-            resolve_device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no usable MPS"):
+        resolve_device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert resolve_device("mps") == torch.device("mps")
