@@ -9,9 +9,10 @@ from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.base import AttentionBackend, ForwardMode
 from attnserve.attention.hybrid import HybridAttentionBackend, build_backend
 from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.selection import ModelTraits, select_backends
+from attnserve.attention.selection import select_backends
 from attnserve.attention.synthetic import make_batch
 from attnserve.hardware import PRESET_HARDWARE
+from attnserve.shape import GENERIC_GQA
 
 
 class Recording(TorchNativeBackend):
@@ -115,9 +116,9 @@ def test_hybrid_torch_native_prefill_flex_decode_matches_oracle(prefix, ext):
 def test_build_backend_from_a_selection():
     sb = make_batch([5], [1])
     cpu = PRESET_HARDWARE["cpu"]
-    one = build_backend(select_backends(cpu, ModelTraits()), sb.pool, cpu)
+    one = build_backend(select_backends(cpu, GENERIC_GQA), sb.pool, cpu)
     assert isinstance(one, TorchNativeBackend)
-    sel = select_backends(cpu, ModelTraits(), prefill_backend="torch_native", decode_backend="flex_attention")
+    sel = select_backends(cpu, GENERIC_GQA, prefill_backend="torch_native", decode_backend="flex_attention")
     two = build_backend(sel, sb.pool, cpu, speculative_attention_mode="decode")
     assert isinstance(two, HybridAttentionBackend) and isinstance(two, AttentionBackend)
     assert isinstance(two.decode_backend, FlexAttentionBackend)

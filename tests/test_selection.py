@@ -17,9 +17,10 @@ import pytest
 
 from attnserve.attention import selection
 from attnserve.attention.registry import get_spec
-from attnserve.attention.selection import ModelTraits, ServingFeatures, select_backends
+from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.hardware import PRESET_HARDWARE
-from attnserve.presets import AttentionShape, load_model_config
+from attnserve.models.config import ModelConfig
+from attnserve.shape import GENERIC_GQA
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +46,7 @@ H100_DETERMINISTIC = first_with("flashinfer", "triton", "flex_attention", "torch
 
 
 def _preset(name, tp=1):
-    return ModelTraits.from_shape(AttentionShape.from_config(load_model_config(name), with_params=False), tp, name)
+    return ModelConfig.load(name).attention_shape(name).per_rank(tp)
 
 
 LLAMA = _preset("llama-3-8b")
@@ -56,7 +57,7 @@ MODELS = {
     "dsv3-tp8": _preset("deepseek-v3", 8),
     "dsv2lite": _preset("deepseek-v2-lite"),
     "dsv2lite-tp2": _preset("deepseek-v2-lite", 2),
-    "sinks": dataclasses.replace(LLAMA, attention_sinks=True, model_type="gpt_oss", name="gpt-oss-like"),
+    "sinks": dataclasses.replace(LLAMA, has_sinks=True, model_type="gpt_oss", name="gpt-oss-like"),
     "asym": dataclasses.replace(LLAMA, v_head_dim=64, name="asymmetric"),
 }
 
@@ -215,9 +216,9 @@ def test_hopper_without_fa3_takes_the_fastest_measured_backend_per_side(monkeypa
     assert any(e.kind == "adjust" and "hybrid" in e.reason for e in sel.trace)
 
 
-def test_model_traits_from_presets():
-    assert MODELS["dsv3"].attention_type == "MLA" and MODELS["dsv3"].num_heads == 128
-    assert MODELS["dsv3-tp8"].num_heads == 16
+def test_shapes_per_rank_from_presets():
+    assert MODELS["dsv3"].attention_type == "MLA" and MODELS["dsv3"].num_q_heads == 128
+    assert MODELS["dsv3-tp8"].num_q_heads == 16
     assert MODELS["mistral"].sliding_window
     assert MODELS["asym"].kv_widths_differ and not LLAMA.kv_widths_differ
     with pytest.raises(ValueError, match="tp_size 3"):
@@ -230,6 +231,6 @@ def test_serving_features_reject_bad_values(bad):
         ServingFeatures(**bad)
 
 
-def test_model_traits_reject_bad_attention_type():
+def test_shape_rejects_bad_attention_type():
     with pytest.raises(ValueError, match="MHA, GQA or MLA"):
-        ModelTraits(attention_type="MQA")
+        dataclasses.replace(GENERIC_GQA, attention_type="MQA")

@@ -14,7 +14,7 @@ import torch
 
 from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.kvcache.allocator import PageAllocator
-from attnserve.kvcache.pool import ReqToTokenPool
+from attnserve.kvcache.pool import ReqToTokenPool, make_pool
 
 
 @dataclass
@@ -61,7 +61,7 @@ def generate(
     lengths = [len(p) + max_new_tokens for p in prompts]
     pages_per_req = [(n + page_size - 1) // page_size for n in lengths]
     allocator = PageAllocator(sum(pages_per_req) + 1)
-    pool = spec.make_pool(allocator.num_pages, page_size, dtype=kv_dtype or param.dtype, device=device)
+    pool = make_pool(spec, allocator.num_pages, page_size, dtype=kv_dtype or param.dtype, device=device)
     req_pool = ReqToTokenPool(bs, max(lengths), device=device)
     backend = create_backend(attention_backend, pool)
     rows = []
