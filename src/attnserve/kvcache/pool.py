@@ -173,12 +173,6 @@ class MHAKVPool(KVPool):
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v_buffer[layer_id]
 
-    def copy_page(self, src_page: int, dst_page: int) -> None:
-        s, d = self.slots_of_pages([src_page]), self.slots_of_pages([dst_page])
-        for kb, vb in zip(self.k_buffer, self.v_buffer):
-            kb[d] = kb[s]
-            vb[d] = vb[s]
-
 
 class MLAKVPool(KVPool):
     """One latent buffer per layer `[num_slots, 1, kv_lora_rank + rope_dim]`.
@@ -227,11 +221,6 @@ class MLAKVPool(KVPool):
     def set_scales(self, layer_id: int, k_scale: float, v_scale: float | None = None) -> None:
         # V is a view of K: one scale serves both
         super().set_scales(layer_id, k_scale, k_scale)
-
-    def copy_page(self, src_page: int, dst_page: int) -> None:
-        s, d = self.slots_of_pages([src_page]), self.slots_of_pages([dst_page])
-        for b in self.kv_buffer:
-            b[d] = b[s]
 
 
 def make_pool(shape: AttentionShape, num_pages: int, page_size: int, dtype="bf16", device="cpu") -> KVPool:
