@@ -88,3 +88,31 @@ def test_bad_model_names_and_files(tmp_path):
         load_model_config(tmp_path / "tok.json")
     with pytest.raises(ValueError, match="multiple"):
         _shape(dict(PRESETS["llama-3-8b"], num_key_value_heads=5))
+
+
+def test_any_lm_config_parses_and_only_building_needs_support(capsys, tmp_path):
+    """kv-calc and select read configs attnserve cannot build (here a Mixtral-shaped MoE); the loader refuses them."""
+    from attnserve.cli import main
+
+    mixtral = dict(PRESETS["mistral-7b"], architectures=["MixtralForCausalLM"], model_type="mixtral",
+                   num_local_experts=8, num_experts_per_tok=2)
+    cfg = ModelConfig.from_hf(mixtral)
+    assert cfg.n_routed_experts == 8 and cfg.num_params(active_only=True) < cfg.num_params() / 3
+    assert cfg.num_params() > 6 * ModelConfig.from_hf(PRESETS["mistral-7b"]).num_params()
+    with pytest.raises(ValueError, match="unsupported architecture MixtralForCausalLM"):
+        cfg.check_supported()
+    (tmp_path / "config.json").write_text(json.dumps(mixtral))
+    assert main(["kv-calc", "--model", str(tmp_path), "--context", "1024", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_per_token"] == 128 * 1024
+
+
+def test_select_feature_flags_take_a_value_or_stand_alone(capsys):
+    from attnserve.cli import main
+
+    for argv in (["--sliding-window"], ["--sliding-window", "128"], ["--logit-softcap", "30"]):
+        assert main(["select", "--gpu", "l4", "--json", *argv]) == 0
+        model_line = json.loads(capsys.readouterr().out)["trace"][1]["reason"]
+        assert ("sliding window" in model_line) == ("--sliding-window" in argv), model_line
+    with pytest.raises(SystemExit):
+        main(["select", "--sliding-window", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
