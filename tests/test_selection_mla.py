@@ -5,13 +5,12 @@ from dataclasses import replace
 import pytest
 
 from attnserve.attention import selection
-from attnserve.attention.selection import ModelTraits, ServingFeatures, select_backends
+from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.hardware import PRESET_HARDWARE
-from attnserve.presets import AttentionShape, load_model_config
+from attnserve.models.config import ModelConfig
 
 H200 = replace(PRESET_HARDWARE["h200"], installed=frozenset({"torch", "triton", "flashinfer"}))
-DSV2_LITE = ModelTraits.from_shape(AttentionShape.from_config(load_model_config("deepseek-v2-lite"),
-                                                              with_params=False), 1, "deepseek-v2-lite")
+DSV2_LITE = ModelConfig.load("deepseek-v2-lite").attention_shape("deepseek-v2-lite")
 
 
 @pytest.fixture(autouse=True)
