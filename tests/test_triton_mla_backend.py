@@ -14,6 +14,7 @@ from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.kernels.mla_decode import MLADecodeConfig
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
+from attnserve.kvcache.pool import make_pool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -89,7 +90,7 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
     device = next(model.parameters()).device
     lengths = [len(p) + new_tokens for p in prompts]
     pages = [-(-n // page_size) for n in lengths]
-    pool = spec.make_pool(sum(pages) + 1, page_size, dtype=torch.float32, device=device)
+    pool = make_pool(spec, sum(pages) + 1, page_size, dtype=torch.float32, device=device)
     req_to_token = torch.zeros(len(prompts), max(lengths), dtype=torch.int32, device=device)  # [B, max_len]
     first_page = 1
     for row, (n, p) in enumerate(zip(lengths, pages)):
