@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from attnserve.bench.baseline import add_guard_arguments
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS, Workload, select
 
 PEER_FOR_RATIO = {"decode": "flashinfer", "prefill": "flashinfer-fa3", "extend": "flashinfer-fa3"}
@@ -36,18 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", type=Path, default=None, help="chart path (default: the JSON path with .png)")
     p.add_argument("--tiny", action="store_true", help="scaled-down shapes (smoke test; CPU under TRITON_INTERPRET=1)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
+    add_guard_arguments(p)
 
 
 def _versions() -> dict:
-    import importlib.metadata as md
+    from attnserve.versions import package_versions
 
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
-    for pkg in ("triton", "flashinfer-python", "attnserve"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
+    return {**package_versions(), "python": sys.version.split()[0]}
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -231,6 +227,13 @@ def write_chart(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+SHAPES = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"}
+
+
+def _gpu_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+
+
 def run_bench(args) -> dict:
     from attnserve.bench.timing import copy_bandwidth_tbps, matmul_tflops
 
@@ -238,12 +241,17 @@ def run_bench(args) -> dict:
     if device == "cpu" and not args.tiny:
         raise ValueError("bench kernels needs a CUDA GPU (use --tiny for a CPU smoke run under TRITON_INTERPRET=1)")
     workloads = select(args.workloads, TINY_WORKLOADS if args.tiny else WORKLOADS)
+    if getattr(args, "baseline", None) is not None:  # refuse an incomparable baseline before spending GPU time
+        from attnserve.bench.baseline import check_comparable, load_run
+
+        check_comparable({"gpu": _gpu_name(device), "shapes": SHAPES, "records": []}, load_run(args.baseline),
+                         str(args.baseline))
     ceilings = {}
     if device == "cuda":
         ceilings = {"copy_tbps": round(copy_bandwidth_tbps(), 3), "matmul_tflops": round(matmul_tflops(), 1)}
         print(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
     options = triton_options(args.triton_options)
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    gpu = _gpu_name(device)
     partial = args.json.with_suffix(".partial.json")
 
     def progress(done):  # a run cut short still leaves what it measured
@@ -260,7 +268,7 @@ def run_bench(args) -> dict:
         "gpu": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "versions": _versions(),
-        "shapes": {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"},
+        "shapes": SHAPES,
         "ceilings": ceilings,
         "triton_options": json.loads(args.triton_options) if args.triton_options else {},
         "records": records,
@@ -276,4 +284,8 @@ def run(args) -> int:
     write_chart(result, png)
     print("\n".join(summary_lines(result["records"])))
     print(f"wrote {args.json} and {png}")
+    if args.baseline is not None:
+        from attnserve.bench.baseline import load_run, report
+
+        return report(result, load_run(args.baseline), str(args.baseline), args.regression_threshold)
     return 0
