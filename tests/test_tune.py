@@ -8,6 +8,7 @@ import io
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,8 +35,8 @@ def tuned(tmp_path_factory):
         out = io.StringIO()
         mp.setattr(sys, "stdout", out)
         assert main(["tune", "--model", str(cfg), "--quick", "--json"]) == 0
-    files = list((root / "cache").glob("tune-*.json"))
-    assert len(files) == 1
+    files = list((root / "cache").iterdir())
+    assert len(files) == 1 and files[0].name.startswith("tune-")  # the progress checkpoint is gone
     return cfg, files[0], json.loads(out.getvalue())
 
 
@@ -46,10 +47,13 @@ def cache(tuned, tmp_path, monkeypatch):
     return shutil.copy(tuned[1], tmp_path / tuned[1].name)
 
 
+def _read(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
 def _edit(path, **changes):
-    data = json.loads(open(path).read())
-    data.update(changes)
-    open(path, "w").write(json.dumps(data))
+    data = {**_read(path), **changes}
+    Path(path).write_text(json.dumps(data))
     return data
 
 
@@ -59,7 +63,7 @@ def _select(capsys, cfg, *argv):
 
 
 def test_tune_writes_a_well_formed_result(tuned):
-    cfg, path, printed = tuned
+    _, path, printed = tuned
     stored = json.loads(path.read_text())
     assert stored == printed
     hw = detect_hardware()
@@ -106,7 +110,7 @@ def test_select_cites_the_result_and_picks_its_winner(tuned, cache, capsys):
 
 
 def test_other_versions_are_stale_reported_and_not_used(tuned, cache, capsys):
-    versions = json.loads(open(cache).read())["versions"]
+    versions = _read(cache)["versions"]
     _edit(cache, versions={**versions, "torch": "1.0.0"},
           winners={"decode": {"backend": "flex_attention", "runner_up": None, "ratio": None}})
     out = _select(capsys, tuned[0])
@@ -143,10 +147,11 @@ def test_a_broken_cache_file_is_reported_and_ignored(tuned, cache, content):
 
 
 def test_the_engine_prefers_the_tuned_winner_unless_told_not_to(tuned, cache):
-    from attnserve.engine.llm import LLM
     from engine_helpers import tiny_llama
 
-    winners = json.loads(open(cache).read())["winners"]
+    from attnserve.engine.llm import LLM
+
+    winners = _read(cache)["winners"]
     _edit(cache, winners={**winners, "prefill": {"backend": "flex_attention", "runner_up": "torch_native",
                                                  "ratio": 1.2}})
     llm = LLM(loaded=tiny_llama(), device="cpu", max_total_tokens=256)
@@ -191,3 +196,9 @@ def test_tune_baseline_names_every_slowed_workload(tuned, tmp_path, monkeypatch,
     (tmp_path / "other.json").write_text(json.dumps({**old, "machine": "NVIDIA H200"}))
     assert main(["tune", "--model", str(tuned[0]), "--quick", "--baseline", str(tmp_path / "other.json")]) == 2
     assert "measured on 'NVIDIA H200'" in capsys.readouterr().err
+
+
+def test_triton_on_the_cpu_needs_the_interpreter(tuned, monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert main(["tune", "--model", str(tuned[0]), "--backends", "triton"]) == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err

@@ -43,7 +43,7 @@ def load_run(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"baseline {path} can't be read: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("records"), list):
-        raise ValueError(f"baseline {path} is not a run of `attnserve bench kernels` or `attnserve tune` "
+        raise ValueError(  # noqa: TRY004 - bad input file, reported like any other bad valuef"baseline {path} is not a run of `attnserve bench kernels` or `attnserve tune` "
                          "(no \"records\" list)")
     return data
 

@@ -103,12 +103,14 @@ def contestants(hw: Hardware, model: AttentionShape, serving: ServingFeatures, p
             raise ValueError(f"{name!r} is not implemented in attnserve; raceable here: "
                              f"{', '.join(sorted(set(out['prefill']) | set(out['decode'])))}")
         if name == "triton" and interpreting:
-            for side in chosen:
-                chosen[side].append(name)
+            for names in chosen.values():
+                names.append(name)
             continue
         sides = [side for side in out if name in out[side]]
         if not sides:
             why = problems(name, hw, model, serving, None, page_size)
+            if name == "triton" and hw.device == "cpu":
+                why.append("on the CPU it runs only under TRITON_INTERPRET=1")
             raise ValueError(f"{name!r} cannot run here: {'; '.join(why)}. Raceable here: "
                              f"{', '.join(sorted(set(out['prefill']) | set(out['decode']))) or 'none'}")
         for side in sides:
@@ -198,8 +200,10 @@ def machine_detail(hw: Hardware) -> str:
 
 def run_tune(hw: Hardware, model: AttentionShape, serving: ServingFeatures, *, model_name: str, tp_size: int,
              quick: bool, wanted: list[str] | None, max_context: int | None = None, progress_factory=None,
-             log=print) -> dict:
-    """Race, check and time; the result dict `attnserve tune` writes (attention/tuned.py reads it)."""
+             log=print, checkpoint=None) -> dict:
+    """Race, check and time; the result dict `attnserve tune` writes (attention/tuned.py reads it).
+
+    `checkpoint(records)` is called after each workload, so a run cut short still leaves what it measured."""
     from attnserve.bench.timing import ceilings as measure_ceilings
     from attnserve.kvcache.dtypes import KV_DTYPES
 
@@ -223,6 +227,8 @@ def run_tune(hw: Hardware, model: AttentionShape, serving: ServingFeatures, *, m
                 bar.update(1)
         records += race_one(w, field[side_of(w)], model, dtype, device, ceilings, TOLERANCE[serving.kv_cache_dtype],
                             seed=i, progress=step)
+        if checkpoint is not None:
+            checkpoint(records)
     if bar is not None:
         bar.close()
     return {

@@ -112,7 +112,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from attnserve.attention.selection import ServingFeatures
-    from attnserve.attention.tuned import result_path
+    from attnserve.attention.tuned import RESULT_KIND, result_path, shape_key
     from attnserve.bench.baseline import check_comparable, load_run, report
     from attnserve.bench.tune import run_tune
     from attnserve.hardware import detect_hardware
@@ -125,18 +125,24 @@ def run(args) -> int:
     serving = ServingFeatures(page_size=args.page_size, kv_cache_dtype=kv)
     baseline = load_run(args.baseline) if args.baseline is not None else None
     if baseline is not None:  # refuse an incomparable baseline before racing
-        from attnserve.attention.tuned import RESULT_KIND, shape_key
-
         check_comparable({"kind": RESULT_KIND, "machine": hw.name,
                           "shape": shape_key(model, serving.kv_cache_dtype, serving.page_size or 1), "records": []},
                          baseline, str(args.baseline))
+    path = result_path(hw.name, shape_key(model, serving.kv_cache_dtype, serving.page_size or 1))
+    partial = path.with_name(path.name + ".partial")  # not tune-*.json: selection never reads it
+
+    def checkpoint(records):  # a run cut short (a time limit) still leaves what it measured
+        write_atomically(partial, json.dumps({"kind": "attnserve-tune-partial", "machine": hw.name,
+                                              "model": str(args.model), "records": records}, indent=1) + "\n")
+
     # the table (or JSON) goes to stdout, the notes and the progress bar to stderr
     err = Console(stderr=True)
     result = run_tune(hw, model, serving, model_name=str(args.model), tp_size=args.tp_size, quick=args.quick,
                       wanted=args.backends, max_context=max_context, log=lambda m: err.print(m, soft_wrap=True),
-                      progress_factory=lambda n: tqdm(total=n, desc="tune", unit="race", file=sys.stderr))
-    path = result_path(result["machine"], result["shape"])
+                      progress_factory=lambda n: tqdm(total=n, desc="tune", unit="race", file=sys.stderr),
+                      checkpoint=checkpoint)
     write_atomically(path, json.dumps(result, indent=1) + "\n")
+    partial.unlink(missing_ok=True)
     out = Console(stderr=True) if args.json else Console()
     if args.json:
         json.dump(result, sys.stdout, indent=1)
