@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from attnserve.bench.baseline import add_guard_arguments
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS, Workload, select
 
 PEER_FOR_RATIO = {"decode": "flashinfer", "prefill": "flashinfer-fa3", "extend": "flashinfer-fa3"}
@@ -37,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", type=Path, default=None, help="chart path (default: the JSON path with .png)")
     p.add_argument("--tiny", action="store_true", help="scaled-down shapes (smoke test; CPU under TRITON_INTERPRET=1)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
+    from attnserve.bench.baseline import add_guard_arguments
+
     add_guard_arguments(p)
 
 
@@ -227,9 +228,6 @@ def write_chart(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-SHAPES = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"}
-
-
 def _gpu_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
 
@@ -238,14 +236,14 @@ def run_bench(args) -> dict:
     from attnserve.bench.timing import copy_bandwidth_tbps, matmul_tflops
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if getattr(args, "baseline", None) is not None:  # another GPU's baseline is refused before spending GPU time
+        from attnserve.bench.baseline import check_comparable, load_run
+
+        check_comparable({"gpu": _gpu_name(device), "records": []}, load_run(args.baseline), str(args.baseline))
+
     if device == "cpu" and not args.tiny:
         raise ValueError("bench kernels needs a CUDA GPU (use --tiny for a CPU smoke run under TRITON_INTERPRET=1)")
     workloads = select(args.workloads, TINY_WORKLOADS if args.tiny else WORKLOADS)
-    if getattr(args, "baseline", None) is not None:  # refuse an incomparable baseline before spending GPU time
-        from attnserve.bench.baseline import check_comparable, load_run
-
-        check_comparable({"gpu": _gpu_name(device), "shapes": SHAPES, "records": []}, load_run(args.baseline),
-                         str(args.baseline))
     ceilings = {}
     if device == "cuda":
         ceilings = {"copy_tbps": round(copy_bandwidth_tbps(), 3), "matmul_tflops": round(matmul_tflops(), 1)}
@@ -268,7 +266,7 @@ def run_bench(args) -> dict:
         "gpu": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "versions": _versions(),
-        "shapes": SHAPES,
+        "shapes": {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"},
         "ceilings": ceilings,
         "triton_options": json.loads(args.triton_options) if args.triton_options else {},
         "records": records,
