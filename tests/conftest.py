@@ -5,8 +5,13 @@ before the first `import triton`, so it is set here, before any test module is i
 """
 
 import os
+import tempfile
 
 import torch
+
+# Tune results are read from the user's cache by default (attention/tuned.py): tests never see a developer's
+# own results, only what they write themselves into this empty directory (tests point it elsewhere as needed).
+os.environ["ATTNSERVE_CACHE_DIR"] = os.path.join(tempfile.mkdtemp(prefix="attnserve-test-cache-"), "cache")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -40,18 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scaled-down shapes (smoke test; CPU under TRITON_INTERPRET=1; Triton 3.6's interpreter needs "
                         "numpy < 2.3 for it, or the tests' conftest.py, which tests/test_triton_bench.py runs it under)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
+    from attnserve.bench.baseline import add_guard_arguments
+
+    add_guard_arguments(p)
 
 
 def _versions() -> dict:
-    import importlib.metadata as md
+    from attnserve.versions import package_versions
 
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
-    for pkg in ("triton", "flashinfer-python", "attnserve"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
+    return {**package_versions(), "python": sys.version.split()[0]}
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -245,10 +242,19 @@ def write_chart(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _gpu_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+
+
 def run_bench(args) -> dict:
     from attnserve.bench.timing import copy_bandwidth_tbps, matmul_tflops
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if getattr(args, "baseline", None) is not None:  # another GPU's baseline is refused before spending GPU time
+        from attnserve.bench.baseline import check_comparable, load_run
+
+        check_comparable({"gpu": _gpu_name(device), "records": []}, load_run(args.baseline), str(args.baseline))
+
     if device == "cpu" and not args.tiny:
         raise ValueError("bench kernels needs a CUDA GPU (use --tiny for a CPU smoke run under TRITON_INTERPRET=1)")
     workloads = select(args.workloads, TINY_WORKLOADS if args.tiny else WORKLOADS + MLA_WORKLOADS)
@@ -257,7 +263,7 @@ def run_bench(args) -> dict:
         ceilings = {"copy_tbps": round(copy_bandwidth_tbps(), 3), "matmul_tflops": round(matmul_tflops(), 1)}
         print(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
     options = triton_options(args.triton_options)
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    gpu = _gpu_name(device)
     partial = args.json.with_suffix(".partial.json")
 
     def progress(done):  # a run cut short still leaves what it measured
@@ -291,4 +297,8 @@ def run(args) -> int:
     write_chart(result, png)
     print("\n".join(summary_lines(result["records"])))
     print(f"wrote {args.json} and {png}")
+    if args.baseline is not None:
+        from attnserve.bench.baseline import load_run, report
+
+        return report(result, load_run(args.baseline), str(args.baseline), args.regression_threshold)
     return 0
