@@ -16,7 +16,7 @@ DSV2_LITE = ModelConfig.load("deepseek-v2-lite").attention_shape("deepseek-v2-li
 @pytest.fixture
 def static_fallback_order(monkeypatch):
     """No shipped race: the static FALLBACK_ORDER alone decides after the policy's choice."""
-    monkeypatch.setattr(measured, "_shipped", lambda: {})
+    monkeypatch.setattr(measured, "_shipped", dict)
 
 
 @pytest.mark.parametrize("serving,prefill,decode,reason", [
