@@ -66,6 +66,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=2048, help="<= 0 turns chunking off")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-fused-ops", action="store_true",
+                   help="run the unfused torch ops (RMSNorm, SiLU x up, RoPE, K/V store) on the GPU too")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print JSON instead of streaming text")
     p.add_argument("--quiet", action="store_true", help="no start-up log on stderr")
@@ -109,6 +111,7 @@ def run(args) -> int:
         chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
         disable_radix_cache=args.disable_radix_cache,
         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_fused_ops=args.disable_fused_ops,
         random_weights=args.random_weights,
     )
     if args.chat:

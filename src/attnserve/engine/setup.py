@@ -138,6 +138,16 @@ def _select(config: EngineConfig, traits, kv_dtype: str, hw):
                            decode_backend=config.decode_attention_backend)
 
 
+def _use_ops(model: torch.nn.Module, device: torch.device, config: EngineConfig):
+    """Pick the model's non-attention ops once, before any graph is captured (fused Triton on CUDA)."""
+    from attnserve.models.layers import use_ops
+    from attnserve.ops import select_ops
+
+    ops = select_ops(device, fused=not config.disable_fused_ops)
+    use_ops(model, ops)
+    return ops
+
+
 def _pool_tokens(config: EngineConfig, bytes_per_token: int, device: torch.device, max_tokens_needed: int) -> int:
     if config.max_total_tokens is not None:
         return config.max_total_tokens
@@ -168,6 +178,7 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
         loaded = load_bundle(config, device)
     model = loaded.model
     dtype = _loaded_dtype(loaded, dtype)
+    ops = _use_ops(model, device, config)
     load_s = time.perf_counter() - t0
     spec = model.kv_cache_spec()
     kv_dtype = canonical_kv_dtype(dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
@@ -220,6 +231,7 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
         (f"KV pool: {(num_pages - 1) * page_size} tokens, {pool_gb:.2f} GB, page size {page_size}, "
         f"{spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} dim"),
         f"attention: prefill {prefill}, decode {decode}",
+        f"fused ops: {ops.describe()}",
         *[f"  {line}" for line in trace],
         f"CUDA graphs: {graph_note}",
         (f"scheduler: max running {config.max_running_requests}, context {max_ctx}, chunked prefill "

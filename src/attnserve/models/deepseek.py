@@ -36,7 +36,7 @@ from attnserve.models.layers import (
     RowParallelLinear,
 )
 from attnserve.models.moe import MoE
-from attnserve.models.rope import yarn_mscale
+from attnserve.models.rope import RopeStep, yarn_mscale
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
 
 
@@ -87,7 +87,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, rope: RopeStep) -> torch.Tensor:
         tokens = hidden.shape[0]
         if self.q_low_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
@@ -97,7 +97,8 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, rank]
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.view(tokens, 1, self.rope_dim), cos_sin)
+        # the latent row is [latent, k_pe]: RoPE stays unfused here and the layer stores the row
+        q_pe, k_pe = rope.rotate(q_pe, k_pe.view(tokens, 1, self.rope_dim))
         w_uk, w_uv = self._up_projections()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         q_full = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
@@ -116,9 +117,18 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb, cos_sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
+        rope: RopeStep,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same residual convention as LlamaDecoderLayer: returns (MLP output, residual stream)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb, rope)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

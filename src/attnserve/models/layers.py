@@ -16,24 +16,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.models.rope import RotaryEmbedding  # noqa: F401  (re-exported: models import layers from here)
+from attnserve.ops import TORCH_OPS, OpSet
 
 TP_SIZE = 1  # tensor-parallel world size; sharding code below is written for any size
 TP_RANK = 0
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32 and cast back, as the reference implementations do."""
+    """RMS norm computed in float32 and cast back, as the reference implementations do.
+
+    Called with a residual it first adds it (`x + residual`, the residual stream of a
+    pre-norm block) and returns (normed, sum): one fused kernel on the GPU.
+    """
+
+    ops: OpSet = TORCH_OPS  # set for the whole model by use_ops
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rmsnorm(x, self.weight, self.eps)
+        return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+def use_ops(model: nn.Module, ops: OpSet) -> None:
+    """Make every module of `model` that runs a fusable op (norms, MLPs, the RoPE step) use `ops`."""
+    for module in model.modules():
+        if hasattr(type(module), "ops"):
+            module.ops = ops
 
 
 def _shard(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -115,7 +128,12 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), with gate|up fused into one column-parallel matmul."""
+    """down(act(gate(x)) * up(x)), with gate|up fused into one column-parallel matmul.
+
+    SiLU (every Llama-family model) runs as the op set's silu_mul: one kernel on the GPU.
+    """
+
+    ops: OpSet = TORCH_OPS  # set for the whole model by use_ops
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
         super().__init__()
@@ -124,7 +142,10 @@ class GatedMLP(nn.Module):
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate/tp]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate/tp]
+        if self.act is F.silu:
+            return self.down_proj(self.ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # each [T, intermediate/tp]
         return self.down_proj(self.act(gate) * up)
 
 

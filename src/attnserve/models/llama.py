@@ -23,6 +23,7 @@ from attnserve.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
 )
+from attnserve.models.rope import RopeStep
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
 
 
@@ -51,7 +52,7 @@ class LlamaAttention(nn.Module):
             sliding_window=cfg.sliding_windows[layer_id] if cfg.sliding_windows else None,
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, rope: RopeStep) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -59,8 +60,9 @@ class LlamaAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k, cos_sin)
-        o = self.attn(q, k, v.contiguous(), fb)  # [T, Hq * D]
+        if not fb.mode.is_decode:
+            v = v.contiguous()  # extend backends may read the new v directly; decode reads only the pool
+        o = self.attn(q, k, v, fb, rope=rope)  # RoPE, K/V store and attention: [T, Hq * D]
         return self.o_proj(o)
 
 
@@ -72,9 +74,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb, cos_sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
+        rope: RopeStep,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the previous block's output, the residual stream) -> (this MLP's output, the residual stream).
+
+        The residual add is deferred into the next norm, so each add + RMSNorm pair is one fused op;
+        the first layer gets the embeddings with residual None.
+        """
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb, rope)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(CausalLM):

@@ -7,4 +7,4 @@ against. `select_ops` picks one set per model at engine start-up.
 
 from attnserve.ops.select import TORCH_OPS, OpSet, select_ops, triton_ops
 
-__all__ = ["OpSet", "TORCH_OPS", "select_ops", "triton_ops"]
+__all__ = ["TORCH_OPS", "OpSet", "select_ops", "triton_ops"]

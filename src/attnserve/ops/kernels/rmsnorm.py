@@ -41,10 +41,18 @@ def _rmsnorm_kernel(
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2 or weight.dim() != 1 or x.shape[1] != weight.shape[0]:
-        raise ValueError(f"rmsnorm needs x [rows, {tuple(weight.shape)[0]}] for a weight of shape "
-                         f"{tuple(weight.shape)}, got x {tuple(x.shape)}")
+        raise ValueError(f"rmsnorm needs x [rows, N] and a weight [N]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
     if x.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError("rmsnorm needs rows contiguous in their last dimension and a contiguous weight")
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x `[..., N]` as rows `[prod(...), N]` (a copy only when the leading dims cannot be flattened)."""
+    if x.dim() < 1 or weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"rmsnorm needs x [..., N] and a weight [N]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
 def _launch(x, residual, weight, eps, out, residual_out) -> None:
@@ -60,23 +68,24 @@ def _launch(x, residual, weight, eps, out, residual_out) -> None:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x `[T, N]`, weight `[N]` -> `[T, N]` in x's dtype."""
-    _check(x, weight)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, N]
-    if x.shape[0]:
-        _launch(x, None, weight, eps, out, None)
-    return out
+    """x `[..., N]` (q/k norms pass `[T, H, D]`), weight `[N]` -> same shape, x's dtype, contiguous."""
+    rows = _rows(x, weight)
+    _check(rows, weight)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [rows, N]
+    if rows.shape[0]:
+        _launch(rows, None, weight, eps, out, None)
+    return out.view(x.shape)
 
 
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual), both `[T, N]` in x's dtype, from one read of each input."""
-    _check(x, weight)
+    _check(x, weight)  # the residual stream is always [tokens, hidden]
     if residual.shape != x.shape or residual.stride(-1) != 1:
         raise ValueError(f"residual shape {tuple(residual.shape)} must equal x's {tuple(x.shape)} "
                          "and be contiguous in its last dimension")
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, N] normalised
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, N] normalised
     residual_out = torch.empty_like(out)  # [T, N] the new residual stream
     if x.shape[0]:
         _launch(x, residual, weight, eps, out, residual_out)
