@@ -1,7 +1,8 @@
 """Models with the fused ops on and off: the same greedy tokens, close logits, no leaked pages.
 
 On the CPU the engine picks the torch ops; these tests put the Triton op set on the model
-by hand (it runs under the interpreter, in float32) to exercise the fused path the GPU runs:
+by hand (it runs under the interpreter, in float32) to exercise the fused path the GPU runs
+(on a CUDA machine they run on the GPU, where the engine picks that set itself):
 residual carried into add + RMSNorm, SiLU x up, and RoPE fused with the K/V store through
 the backend's rotate_and_store_kv. Qwen3 (q/k norms on `[T, H, D]`) covers the other
 Llama-family path; DeepSeek covers MLA, whose RoPE stays unfused.
@@ -25,11 +26,13 @@ QWEN3 = {
     "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
 }
 PROMPTS = prompts(2, seed=5, shared_prefix=4, lo=3, hi=10)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton kernels under the interpreter
 
 
 def _run(bundle, fused: bool, **kw):
     """Greedy outputs, every step's logits, and the engine (pages checked) with the chosen op set."""
-    cfg = {"device": "cpu", "attention_backend": "torch_native", "max_total_tokens": 512,
+    bundle.model.to(DEVICE)
+    cfg = {"device": DEVICE, "attention_backend": "torch_native", "max_total_tokens": 512,
            "chunked_prefill_size": 8, "page_size": 4, "disable_fused_ops": not fused, **kw}
     engine = Engine(EngineConfig(**cfg), loaded=bundle)
     if fused:
@@ -64,8 +67,9 @@ def test_fused_rope_store_is_used_unless_the_pool_quantises(kv_dtype, fused_call
     fused = triton_ops()
     counting = type(fused)("triton", fused.rmsnorm, fused.add_rmsnorm, fused.silu_mul,
                            lambda *a, **k: calls.append(1) or fused.rope_store(*a, **k))
-    engine = Engine(EngineConfig(device="cpu", attention_backend="torch_native", max_total_tokens=256,
-                                 kv_cache_dtype=kv_dtype), loaded=bundle)
+    bundle.model.to(DEVICE)
+    engine = Engine(EngineConfig(device=DEVICE, attention_backend="torch_native", max_total_tokens=256,
+                                 kv_cache_dtype=kv_dtype, disable_cuda_graph=True), loaded=bundle)
     use_ops(bundle.model, counting)
     engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=2, ignore_eos=True))
     engine.run_until_done()

@@ -1,7 +1,7 @@
 """Every fused op's Triton kernel against the unfused torch composition it replaces.
 
-On the CPU the kernels run under the Triton interpreter in float32 and must match to
-float32 rounding; on a GPU (skipped without CUDA) in bf16 to within a couple of bf16 ulps.
+In float32 (under the Triton interpreter on a CPU, natively on a GPU) they must match to
+float32 rounding; in bf16 on a GPU (skipped without CUDA) to within a couple of bf16 ulps.
 Shapes are ragged (row widths that are not powers of two, partial rotary dims, GQA).
 """
 
@@ -14,8 +14,9 @@ from attnserve.models.config import RopeConfig
 from attnserve.models.rope import RotaryEmbedding
 from attnserve.ops import reference
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the Triton interpreter (conftest sets it)
 DEVICES = [
-    pytest.param("cpu", torch.float32, 1e-6, id="cpu-fp32"),
+    pytest.param(DEVICE, torch.float32, 1e-6, id="fp32"),
     pytest.param("cuda", torch.bfloat16, 8e-3, id="cuda-bf16", marks=[
         pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ]
