@@ -30,6 +30,7 @@ from attnserve.models.layers import (
     TP_SIZE,
     ColumnParallelLinear,
     GatedMLP,
+    PreNormDecoderLayer,
     ReplicatedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -109,26 +110,13 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer_id, rotary)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_id) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
-        rope: RopeStep,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same residual convention as LlamaDecoderLayer: returns (MLP output, residual stream)."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, fb, rope)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

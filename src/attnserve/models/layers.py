@@ -149,6 +149,25 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class PreNormDecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(.)), with each residual add deferred into the next norm.
+
+    Subclasses build `input_layernorm`, `self_attn(positions, hidden, fb, rope)`,
+    `post_attention_layernorm` and `mlp`. The layer takes the previous block's output and the
+    residual stream and returns both, so every add + RMSNorm pair runs as one fused op; the
+    first layer gets the embeddings with residual None, and the model's final norm adds the last.
+    """
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb, rope):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb, rope)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
 class VocabEmbedding(nn.Module):
     """Token embedding with the vocabulary split across ranks (each rank a contiguous id range)."""
 

@@ -19,6 +19,7 @@ from attnserve.models.layers import (
     TP_SIZE,
     ColumnParallelLinear,
     GatedMLP,
+    PreNormDecoderLayer,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -66,30 +67,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
-        rope: RopeStep,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the previous block's output, the residual stream) -> (this MLP's output, the residual stream).
-
-        The residual add is deferred into the next norm, so each add + RMSNorm pair is one fused op;
-        the first layer gets the embeddings with residual None.
-        """
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, fb, rope)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(CausalLM):
