@@ -78,11 +78,28 @@ def test_fused_rope_store_is_used_unless_the_pool_quantises(kv_dtype, fused_call
     assert len(calls) in (0, 2 * 2)  # 2 layers x 2 steps
 
 
-def test_engine_picks_ops_by_device_and_flag():
+def test_engine_picks_ops_by_device_dtype_and_flag():
     assert select_ops("cpu") is TORCH_OPS
     assert select_ops(torch.device("cuda"), fused=False) is TORCH_OPS
     assert select_ops("cuda").name == "triton"  # triton is installed with the test extras
+    assert not select_ops("cuda", dtype=torch.float32).split_gate_up  # merged GEMMs on GPUs
+    assert select_ops("cpu", dtype=torch.float32).split_gate_up  # fp32 CPU GEMMs: two halves measured faster
+    assert not select_ops("cpu", dtype=torch.bfloat16).split_gate_up
     engine = Engine(EngineConfig(device="cpu", attention_backend="torch_native", max_total_tokens=256,
                                  disable_fused_ops=True), loaded=tiny_llama(seed=1))
-    assert engine.parts.model.layers[0].mlp.ops is TORCH_OPS
-    assert "fused ops: off (unfused torch ops)" in engine.parts.startup_lines
+    assert engine.parts.model.layers[0].mlp.ops.split_gate_up
+    assert "fused ops: off (unfused torch ops; gate/up as two GEMMs)" in engine.parts.startup_lines
+
+
+def test_split_gate_up_computes_the_merged_mlp():
+    from attnserve.models.layers import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 48, bias=True)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn_like(p))
+    x = torch.randn(5, 32)  # [T, hidden]
+    merged = mlp(x)
+    mlp.ops = select_ops("cpu", dtype=torch.float32)
+    assert rel_err(mlp(x), merged) < 1e-6

@@ -138,12 +138,12 @@ def _select(config: EngineConfig, traits, kv_dtype: str, hw):
                            decode_backend=config.decode_attention_backend)
 
 
-def _use_ops(model: torch.nn.Module, device: torch.device, config: EngineConfig):
+def _use_ops(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, config: EngineConfig):
     """Pick the model's non-attention ops once, before any graph is captured (fused Triton on CUDA)."""
     from attnserve.models.layers import use_ops
     from attnserve.ops import select_ops
 
-    ops = select_ops(device, fused=not config.disable_fused_ops)
+    ops = select_ops(device, fused=not config.disable_fused_ops, dtype=dtype)
     use_ops(model, ops)
     return ops
 
@@ -178,7 +178,7 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
         loaded = load_bundle(config, device)
     model = loaded.model
     dtype = _loaded_dtype(loaded, dtype)
-    ops = _use_ops(model, device, config)
+    ops = _use_ops(model, device, dtype, config)
     load_s = time.perf_counter() - t0
     spec = model.kv_cache_spec()
     kv_dtype = canonical_kv_dtype(dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 from attnserve.kvcache.allocator import PageAllocator
 
-
 _MATCH_CHUNK = 512  # tokens compared per slice when matching a key
 
 
