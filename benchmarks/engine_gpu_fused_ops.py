@@ -62,7 +62,7 @@ def headline(name: str, report: dict) -> dict:
             k: r.get(k) for k in ("step_wall_ms_median", "kernel_busy_ms_per_step", "host_gap_ms_per_step",
                                   "per_step_ms_by_kind")} for r in report.get("results", [])}
     if name == "host_cost":
-        return {str(r["running_requests"]): r["median_ms"] for r in report.get("results", [])}
+        return {f"{r['backend']}@{r['running_requests']}": r["median_ms"] for r in report.get("results", [])}
     return {}
 
 
