@@ -111,7 +111,7 @@ def profile_config(loaded, args, graphs: bool, fused: bool) -> dict:
     out = {
         "mode": "graphs" if graphs else "eager",
         "fused_ops": fused,
-        "ops": engine.parts.model.ops.name,
+        "ops": engine.parts.model.module.ops.name,
         "graphed_steps": engine.runner.steps_graphed,
         "step_wall_ms_median": round(wall, 3),
         "kernel_busy_ms_per_step": round(busy, 3),

@@ -90,7 +90,7 @@ def measure(running: int, input_len: int, steps: int, backend: str, page_size: i
     if on_cpu_triton:  # selection refuses triton on the CPU; its plan is host work and runs on CPU tensors too
         from attnserve.attention.backends.triton import TritonBackend
 
-        engine.runner.backend = TritonBackend(engine.parts.pool)
+        engine.runner.backend = TritonBackend(engine.parts.kv.pool)
     g = torch.Generator().manual_seed(1)
     for _ in range(running):
         engine.add_request(torch.randint(0, vocab, (input_len,), generator=g).tolist(),

@@ -74,6 +74,7 @@ def test_fused_rope_store_is_used_unless_the_pool_quantises(kv_dtype, fused_call
     engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=2, ignore_eos=True))
     engine.run_until_done()
     use_ops(bundle.model, TORCH_OPS)
+    assert engine.parts.kv.pool.is_fp8 == (kv_dtype != "auto")
     assert bool(calls) == fused_calls  # one call per layer per step when it applies
     assert len(calls) in (0, 2 * 2)  # 2 layers x 2 steps
 
@@ -87,7 +88,7 @@ def test_engine_picks_ops_by_device_dtype_and_flag():
     assert not select_ops("cpu", dtype=torch.bfloat16).split_gate_up
     engine = Engine(EngineConfig(device="cpu", attention_backend="torch_native", max_total_tokens=256,
                                  disable_fused_ops=True), loaded=tiny_llama(seed=1))
-    assert engine.parts.model.layers[0].mlp.ops.split_gate_up
+    assert engine.parts.model.module.layers[0].mlp.ops.split_gate_up
     assert "fused ops: off (unfused torch ops; gate/up as two GEMMs)" in engine.parts.startup_lines
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
-    from attnserve.attention.layer import AttentionLayer
     from attnserve.kvcache.pool import KVPool
 
 
@@ -220,6 +219,39 @@ def unsupported(features: BackendFeatures, req: AttentionRequirements) -> list[s
     return why
 
 
+@runtime_checkable
+class AttentionLayerParams(Protocol):
+    """What a backend reads of the layer it serves (`attention.layer.AttentionLayer` is the one kind).
+
+    The contract names only these attributes, so this module never imports the layer module
+    (which imports this one for ForwardBatch).
+    """
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # K width per head (MLA: the latent row, kv_lora_rank + rope dim)
+    v_head_dim: int
+    scaling: float
+    sliding_window: int | None  # a query at p sees keys > p - sliding_window; None: full attention
+    logit_cap: float | None  # scores -> cap * tanh(scores / cap)
+    sinks: torch.Tensor | None  # [num_heads] logits joining every softmax denominator
+    is_mla: bool
+
+    @property
+    def gqa_group(self) -> int: ...
+
+
+class RopeForStore(Protocol):
+    """What `rotate_and_store_kv` needs of a step's rotary embedding (`models.rope.RopeStep` is the one kind)."""
+
+    fused_store: object | None  # a kernel that rotates and writes the pool in one pass, or None
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotate_and_store(self, q, k, v, k_buffer, v_buffer, loc) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class AttentionBackend(ABC):
     """Attention over the paged pool. Subclasses fill `name`, `features` and the two forward paths."""
 
@@ -236,12 +268,13 @@ class AttentionBackend(ABC):
     def plan(self, fb: ForwardBatch) -> None:
         """Build this step's metadata once, before the layers run. Host-side, never inside a graph."""
 
-    def store_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    def store_kv(self, layer: AttentionLayerParams, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Write this step's K/V at `fb.out_cache_loc`. Backends with their own store kernel override it."""
         self.pool.store(layer.layer_id, fb.out_cache_loc, k, v)
 
     def rotate_and_store_kv(
-        self, layer: AttentionLayer, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope
+        self, layer: AttentionLayerParams, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        rope: RopeForStore,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply RoPE to q and k, write this step's K/V at `fb.out_cache_loc`; returns the rotated (q, k).
 
@@ -259,7 +292,7 @@ class AttentionBackend(ABC):
         return q, k
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayer, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerParams, fb: ForwardBatch
     ) -> torch.Tensor:
         """q `[tokens, heads_q, head_dim]` -> o `[tokens, heads_q, v_head_dim]`."""
         if fb.mode is ForwardMode.IDLE or q.shape[0] == 0:
@@ -270,7 +303,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayer, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerParams, fb: ForwardBatch
     ) -> torch.Tensor:
         """Prefill / chunked prefill / verify: new tokens attend to the cached prefix and, causally, each other.
 
@@ -279,7 +312,7 @@ class AttentionBackend(ABC):
         """
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayerParams, fb: ForwardBatch) -> torch.Tensor:
         """One query token per request against its whole KV."""
 
     # ---- CUDA graphs ------------------------------------------------------------------------

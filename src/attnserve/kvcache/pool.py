@@ -8,9 +8,15 @@ multiply by the layer's scale.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import numpy as np
 import torch
 
 from attnserve.kvcache.dtypes import FP8_DTYPES, parse_kv_dtype
+
+if TYPE_CHECKING:
+    from attnserve.shape import AttentionShape
 
 
 def check_page_size(page_size: int) -> None:
@@ -19,7 +25,11 @@ def check_page_size(page_size: int) -> None:
 
 
 class ReqToTokenPool:
-    """Row per live request; row[i] is the slot of the request's i-th token."""
+    """Row per live request; row[i] is the slot of the request's i-th token.
+
+    The pool is the one owner of the table's bookkeeping: it knows how many entries of each row are
+    written (`filled`), so the runner appends a step's new slots without tracking that on the request.
+    """
 
     def __init__(self, max_reqs: int, max_context_len: int, device: str | torch.device = "cpu"):
         if max_reqs < 1 or max_context_len < 1:
@@ -28,6 +38,7 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         self._free_rows = list(range(max_reqs - 1, -1, -1))
+        self._filled = [0] * max_reqs  # entries of each row written so far, from position 0
 
     @property
     def num_free(self) -> int:
@@ -36,18 +47,42 @@ class ReqToTokenPool:
     def alloc(self) -> int:
         if not self._free_rows:
             raise RuntimeError(f"all {self.max_reqs} request rows are in use")
-        return self._free_rows.pop()
+        row = self._free_rows.pop()
+        self._filled[row] = 0
+        return row
 
     def free(self, row: int) -> None:
         if not 0 <= row < self.max_reqs or row in self._free_rows:
             raise ValueError(f"request row {row} is not allocated")
+        self._filled[row] = 0
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        end = start + slots.numel()
-        if end > self.max_context_len:
-            raise ValueError(f"request row {row}: {end} tokens exceed max_context_len {self.max_context_len}")
-        self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, torch.int32)
+    def filled(self, row: int) -> int:
+        """How many leading entries of `row` hold slots (the next write starts there)."""
+        return self._filled[row]
+
+    def extend(self, rows: list[int], slots: list[np.ndarray]) -> None:
+        """Append `slots[i]` to row `rows[i]` after the entries it holds, for a whole batch in one copy.
+
+        Checked before anything is written: a row that would pass max_context_len leaves the table as it was.
+        """
+        if len(rows) != len(slots):
+            raise ValueError(f"{len(rows)} rows but {len(slots)} slot lists")
+        counts = [len(s) for s in slots]
+        starts = [self._filled[r] for r in rows]
+        for row, start, n in zip(rows, starts, counts):
+            if start + n > self.max_context_len:
+                raise ValueError(f"request row {row}: {start + n} tokens exceed max_context_len {self.max_context_len}")
+        if not sum(counts):
+            return
+        dev = self.req_to_token.device
+        row_idx = np.repeat(np.asarray(rows, dtype=np.int64), counts)  # [total new entries]
+        pos_idx = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, counts)])
+        values = np.concatenate([np.asarray(s, dtype=np.int64) for s in slots])  # [total new entries]
+        self.req_to_token[torch.from_numpy(row_idx).to(dev), torch.from_numpy(pos_idx).to(dev)] = \
+            torch.from_numpy(values).to(dev, torch.int32)
+        for row, start, n in zip(rows, starts, counts):
+            self._filled[row] = start + n
 
 
 class KVPool:
@@ -69,6 +104,16 @@ class KVPool:
         # per-layer dequantisation scales (1.0 unless an FP8 checkpoint or calibration sets them)
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every per-layer buffer, each `[num_slots, heads, width]`."""
+        raise NotImplementedError
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What one token occupies across all layers, measured from the buffers this pool allocated
+        (the calculator's formula, `kvcache.calc.kv_bytes_per_token`, is tested against it)."""
+        return sum(b[0].numel() * b.element_size() for b in self.buffers())
 
     def set_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
         if not (k_scale > 0 and v_scale > 0):
@@ -139,9 +184,8 @@ class MHAKVPool(KVPool):
             for _ in range(num_layers)
         ]  # each [num_slots, kv_heads, v_head_dim]
 
-    @property
-    def bytes_per_token(self) -> int:
-        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
+    def buffers(self) -> list[torch.Tensor]:
+        return [*self.k_buffer, *self.v_buffer]
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_store(layer_id, loc, k, (self.num_kv_heads, self.head_dim), "k")
@@ -158,12 +202,6 @@ class MHAKVPool(KVPool):
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v_buffer[layer_id]
-
-    def copy_page(self, src_page: int, dst_page: int) -> None:
-        s, d = self.slots_of_pages([src_page]), self.slots_of_pages([dst_page])
-        for kb, vb in zip(self.k_buffer, self.v_buffer):
-            kb[d] = kb[s]
-            vb[d] = vb[s]
 
 
 class MLAKVPool(KVPool):
@@ -196,9 +234,8 @@ class MLAKVPool(KVPool):
             for _ in range(num_layers)
         ]  # each [num_slots, 1, kv_lora_rank + rope_dim]
 
-    @property
-    def bytes_per_token(self) -> int:
-        return self.num_layers * self.head_dim * self.dtype.itemsize
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self.kv_buffer)
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """k is the latent row `[tokens, 1, kv_lora_rank + rope_dim]`; v is ignored (a view of k)."""
@@ -215,7 +252,11 @@ class MLAKVPool(KVPool):
         # V is a view of K: one scale serves both
         super().set_scales(layer_id, k_scale, k_scale)
 
-    def copy_page(self, src_page: int, dst_page: int) -> None:
-        s, d = self.slots_of_pages([src_page]), self.slots_of_pages([dst_page])
-        for b in self.kv_buffer:
-            b[d] = b[s]
+
+def make_pool(shape: AttentionShape, num_pages: int, page_size: int, dtype="bf16", device="cpu") -> KVPool:
+    """The pool a model of this shape needs: per-layer K and V for MHA/GQA, one latent buffer for MLA."""
+    if shape.is_mla:
+        return MLAKVPool(num_pages, page_size, shape.num_layers, shape.kv_lora_rank, shape.qk_rope_head_dim,
+                         dtype=dtype, device=device)
+    return MHAKVPool(num_pages, page_size, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.v_head_dim,
+                     dtype=dtype, device=device)
