@@ -14,6 +14,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: the selection policy decides
     prefill_attention_backend: str | None = None
     decode_attention_backend: str | None = None
+    no_tuned: bool = False  # True: ignore `attnserve tune` results when choosing the backend
     page_size: int | None = None  # None: 1, or what the chosen backend needs
     max_running_requests: int = 64
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from memory

@@ -148,7 +148,7 @@ def _select(config: EngineConfig, traits, kv_dtype: str, hw):
     serving = ServingFeatures(page_size=config.page_size, kv_cache_dtype=kv_dtype)
     return select_backends(hw, traits, serving, attention_backend=config.attention_backend,
                            prefill_backend=config.prefill_attention_backend,
-                           decode_backend=config.decode_attention_backend)
+                           decode_backend=config.decode_attention_backend, use_tuned=not config.no_tuned)
 
 
 def _pool_tokens(config: EngineConfig, bytes_per_token: int, device: torch.device, max_tokens_needed: int) -> int:
