@@ -62,6 +62,7 @@ def test_plan_points_seeds_and_prompt_counts():
         ("concurrency", 1, (5, 6, 7), 40), ("concurrency", 8, (5, 6, 7), 40),
         ("rate", 2.5, (5,), 40), ("rate", float("inf"), (5,), 40)]
     assert [p.num_prompts for p in load_points("2,8", "3", "1", 0, "2x")] == [4, 16, 6]
+    assert [p.num_prompts for p in load_points("1,8,64", None, "1", 0, "2x,1x,100")] == [2, 8, 100]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -69,6 +70,7 @@ def test_plan_points_seeds_and_prompt_counts():
     (("1", "fast", "1", 0, "8"), "--request-rate 'fast'"),
     (("1,2", None, "3,1,1", 0, "8"), "3 counts for 2 load points"),
     (("1", None, "1", 0, "many"), "--num-prompts 'many'"),
+    (("1,2", None, "1", 0, "4,4,4"), "3 values for 2 load points"),
     ((None, "inf", "1", 0, "2x"), "give a plain count"),
 ])
 def test_plan_refuses_bad_values_by_name(args, message):

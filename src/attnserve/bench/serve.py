@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ld.add_argument("--request-rate", default=None, metavar="R[,R...]",
                     help="open loop: Poisson arrivals per second (inf: all at once)")
     ld.add_argument("--num-prompts", default="64",
-                    help="requests per point and seed: a count, or Nx = N per client / N seconds of arrivals")
+                    help="requests per point and seed: a count, or Nx = N per client / N seconds of arrivals "
+                    "(or one value per point, e.g. 2x,1x,1x,1x)")
     ld.add_argument("--seeds", default="1", help="repeats of every point (or one count per point, e.g. 3,3,1,1)")
     ld.add_argument("--seed", type=int, default=0, help="first seed (prompts and arrival times)")
     ld.add_argument("--warmup-requests", type=int, default=2, help="uncounted requests per configuration")

@@ -135,4 +135,11 @@ def load_points(concurrency: str | None, request_rate: str | None, seeds: str, s
     if len(counts) != len(loads):
         raise ValueError(f"--seeds {seeds!r}: {len(counts)} counts for {len(loads)} load points "
                          f"({', '.join(p.label for p in loads)}); give one count, or one per point")
-    return [PlannedPoint(p, tuple(range(seed, seed + n)), _prompts_for(num_prompts, p)) for p, n in zip(loads, counts)]
+    prompts = [x for x in num_prompts.split(",") if x.strip()] or [num_prompts]
+    if len(prompts) == 1:
+        prompts = prompts * len(loads)
+    if len(prompts) != len(loads):
+        raise ValueError(f"--num-prompts {num_prompts!r}: {len(prompts)} values for {len(loads)} load points; "
+                         "give one, or one per point")
+    return [PlannedPoint(p, tuple(range(seed, seed + n)), _prompts_for(k, p))
+            for p, n, k in zip(loads, counts, prompts)]

@@ -1,0 +1,159 @@
+"""Merge the H200 serving run into one record: our sweep, the peer's, the offline engine, the targets.
+
+Inputs are the JSON files `serve_h200.sh` wrote: `attnserve bench serve` against our
+servers, the same tool against the peer (`transformers serve`), and
+`benchmarks/engine_gpu_decode.py` (offline throughput, decode step, copy bandwidth,
+weight bytes). Any of them may be missing when its phase failed or ran out of time;
+the record then says so instead of inventing a number.
+
+    python3 benchmarks/serve_h200_report.py --ours O.json --peer P.json --offline E.json \
+        --out benchmarks/results/serve-h200.json [--peer-log LOG] [--note TEXT ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from attnserve.bench.serve_report import write_all  # noqa: E402
+
+PEER_LABEL = "transformers serve (peer)"
+
+
+def _load(path: Path | None) -> dict | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
+
+
+def _point(cfg: dict, concurrency: int) -> dict | None:
+    return next((p for p in cfg.get("points", []) if p["load"] == "concurrency" and p["value"] == concurrency), None)
+
+
+def _median(cfg: dict | None, concurrency: int, key: str, stat: str | None = None):
+    p = _point(cfg, concurrency) if cfg else None
+    if p is None or not p["median"].get("completed") and key != "output_tok_s":
+        return None
+    v = p["median"].get(key)
+    return v.get(stat) if stat and isinstance(v, dict) else v
+
+
+def _ratio(a, b) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _met(ratio: float | None, ok) -> bool | None:
+    """None when the ratio could not be measured (a phase did not run), so it is not read as a miss."""
+    return None if ratio is None else bool(ok(ratio))
+
+
+def targets(ours: dict, peer_cfg: dict | None, offline: dict | None) -> list[dict]:
+    """One row per configuration of ours: the issue's four targets, each with its inputs and verdict."""
+    off_by_decode = {r["decode_backend"]: r for r in (offline or {}).get("results", [])}
+    roofline_ms = None
+    if offline and offline.get("copy_bandwidth_TBps"):
+        roofline_ms = offline["weight_bytes_read_per_step"] / (offline["copy_bandwidth_TBps"] * 1e12) * 1e3
+    rows = []
+    for cfg in ours.get("configs", []):
+        if cfg.get("error"):
+            rows.append({"config": cfg["label"], "error": cfg["error"]})
+            continue
+        dec = (cfg.get("attention_backend") or {}).get("decode")
+        off = off_by_decode.get(dec)
+        tok64, tpot64 = _median(cfg, 64, "output_tok_s"), _median(cfg, 64, "tpot_ms", "p50")
+        tpot1 = _median(cfg, 1, "tpot_ms", "p50")
+        row = {"config": cfg["label"], "decode_backend": dec, "offline_config": off["label"] if off else None}
+        r = _ratio(tok64, off["output_tok_per_s"] if off else None)
+        row["c64_output_tok_s_vs_offline"] = {"server": tok64, "offline": off and off["output_tok_per_s"],
+                                             "ratio": r, "target": ">= 0.9", "met": _met(r, lambda x: x >= 0.9)}
+        r = _ratio(tpot64, off["decode_step_ms_median"] if off else None)
+        row["c64_tpot_p50_vs_offline_step"] = {"server_ms": tpot64, "offline_step_ms": off and off["decode_step_ms_median"],
+                                               "ratio": r, "target": "<= 1.15", "met": _met(r, lambda x: x <= 1.15)}
+        r = _ratio(tpot1, roofline_ms)
+        row["c1_tpot_p50_vs_roofline"] = {"server_ms": tpot1, "roofline_ms": roofline_ms and round(roofline_ms, 3),
+                                          "ratio": r, "target": "<= 1.3", "met": _met(r, lambda x: x <= 1.3)}
+        for c in (32, 64):
+            r = _ratio(_median(cfg, c, "output_tok_s"), _median(peer_cfg, c, "output_tok_s"))
+            row[f"c{c}_output_tok_s_vs_peer"] = {"server": _median(cfg, c, "output_tok_s"),
+                                                 "peer": _median(peer_cfg, c, "output_tok_s"),
+                                                 "ratio": r, "target": ">= 5", "met": _met(r, lambda x: x >= 5)}
+        rows.append(row)
+    return rows
+
+
+def _targets_markdown(rows: list[dict]) -> str:
+    head = ("config", "c64 out tok/s vs offline (>= 0.9)", "c64 TPOT p50 vs offline step (<= 1.15)",
+            "c1 TPOT p50 vs roofline (<= 1.3)", "c32 vs peer (>= 5)", "c64 vs peer (>= 5)")
+    lines = ["", "## Targets", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    keys = ("c64_output_tok_s_vs_offline", "c64_tpot_p50_vs_offline_step", "c1_tpot_p50_vs_roofline",
+            "c32_output_tok_s_vs_peer", "c64_output_tok_s_vs_peer")
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['config']} | did not run |" + " |" * 4)
+            continue
+        cells = []
+        for k in keys:
+            t = row[k]
+            cells.append("-" if t["ratio"] is None else f"{t['ratio']:.2f}x {'met' if t['met'] else 'MISSED'}")
+        lines.append(f"| {row['config']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ours", type=Path, required=True)
+    ap.add_argument("--peer", type=Path)
+    ap.add_argument("--offline", type=Path)
+    ap.add_argument("--peer-log", type=Path, help="the peer server's log, quoted when the peer did not run")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--note", action="append", default=[])
+    args = ap.parse_args()
+
+    ours = _load(args.ours)
+    if ours is None:
+        ours = {"title": "attnserve bench serve", "configs": [], "notes": [f"{args.ours}: our sweep wrote no JSON"]}
+    peer, offline = _load(args.peer), _load(args.offline)
+    report = dict(ours)
+    report["title"] = "H200: Llama-3-8B shape, random bf16 weights, random 1024 in / 256 out"
+    report["command"] = "OUT=out benchmarks/serve_h200.sh"
+    report["commands"] = {"ours": ours.get("command"), "peer": (peer or {}).get("command"),
+                          "offline": (offline or {}).get("command")}
+    notes = list(ours.get("notes", [])) + list(args.note)
+    peer_cfgs = [c for c in (peer or {}).get("configs", []) if not c.get("error")]
+    if peer_cfgs:
+        peer_cfg = dict(peer_cfgs[0], label=PEER_LABEL)
+        report["peer_load"] = peer.get("load")
+    else:
+        why = ((peer or {}).get("configs") or [{}])[0].get("error") or "the peer sweep wrote no results"
+        if args.peer_log and args.peer_log.is_file():
+            tail = args.peer_log.read_text(errors="replace").strip().splitlines()[-12:]
+            why += " | end of the peer's log: " + " / ".join(line.strip() for line in tail)
+        peer_cfg = {"label": PEER_LABEL, "error": why[:2000], "points": []}
+        notes.append(f"the peer did not run: {why[:2000]}")
+    report["configs"] = list(ours.get("configs", [])) + [peer_cfg]
+    if offline:
+        report["offline"] = {k: offline.get(k) for k in ("what", "copy_bandwidth_TBps", "weight_bytes_read_per_step",
+                                                          "ratios", "errors", "versions", "date")}
+        report["offline"]["results"] = [
+            {k: r.get(k) for k in ("label", "prefill_backend", "decode_backend", "output_tok_per_s",
+                                   "decode_step_ms_median", "roofline_step_ms_mean", "prefill_s", "ttft_s_median")}
+            for r in offline.get("results", [])]
+    else:
+        notes.append("the offline engine run (benchmarks/engine_gpu_decode.py) wrote no JSON: no offline ratios")
+    report["targets"] = targets(ours, peer_cfg if peer_cfgs else None, offline)
+    report["notes"] = notes
+    write_all(report, args.out)
+    md = args.out.with_suffix(".md")
+    md.write_text(md.read_text() + _targets_markdown(report["targets"]))
+    print(md.read_text())
+
+
+if __name__ == "__main__":
+    main()
