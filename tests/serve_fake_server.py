@@ -21,10 +21,11 @@ class _Server(ThreadingHTTPServer):
 
 class FakeServer:
     def __init__(self, fail_every: int = 0, drop_every: int = 0, error_every: int = 0, token_delay_s: float = 0.001,
-                 usage: bool = True):
+                 usage: bool = True, done_marker: bool = True, finish_reason: bool = True):
         self.fail_every, self.drop_every, self.error_every = fail_every, drop_every, error_every
         self.token_delay_s = token_delay_s
         self.usage = usage
+        self.done_marker, self.finish_reason = done_marker, finish_reason
         self.bodies: list[dict] = []
         self.lock = threading.Lock()
         self.httpd = _Server(("127.0.0.1", 0), self._handler())
@@ -106,12 +107,16 @@ class FakeServer:
                         break
                     time.sleep(server.token_delay_s)
                     self._chunk("data: " + json.dumps({"choices": [{"index": 0, "text": f" w{i}"}]}) + "\n\n")
+                if server.finish_reason:
+                    self._chunk("data: " + json.dumps({"choices": [{"index": 0, "text": "",
+                                                                     "finish_reason": "length"}]}) + "\n\n")
                 prompt_tokens = len(str(body.get("prompt", "")).split())
                 if server.usage:
                     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
                              "total_tokens": prompt_tokens + tokens}
                     self._chunk("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n")
-                self._chunk("data: [DONE]\n\n")
+                if server.done_marker:
+                    self._chunk("data: [DONE]\n\n")
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
 

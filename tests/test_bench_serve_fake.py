@@ -40,6 +40,18 @@ def test_500s_dropped_streams_and_stream_errors_are_failed_requests():
     assert all(results[i - 1].output_tokens == 6 and len(results[i - 1].itl_s) == 5 for i in ok)
 
 
+@pytest.mark.parametrize("finish_reason, usage, ok", [(True, False, True), (False, True, False)])
+def test_stream_without_done_marker_counts_only_after_a_finish_reason(finish_reason, usage, ok):
+    # transformers serve ends with a finish_reason chunk and no [DONE]; a bare end of body is a failure
+    with FakeServer(done_marker=False, finish_reason=finish_reason, usage=usage) as srv:
+        results, _ = asyncio.run(run_point(RequestSpec(srv.url, None), _reqs(2), LoadPoint("concurrency", 1), seed=0))
+    assert [r.ok for r in results] == [ok, ok]
+    if ok:  # no usage chunk: tokens are counted as chunks with text
+        assert [r.output_tokens for r in results] == [6, 6] and not results[0].usage_reported
+    else:
+        assert results[0].error.startswith("stream ended before data: [DONE]")
+
+
 def test_closed_loop_keeps_n_in_flight_and_sends_every_field():
     with FakeServer(token_delay_s=0.002) as srv:
         spec = RequestSpec(srv.url, "fake-model", extra_body={"top_k": 5})

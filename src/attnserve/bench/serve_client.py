@@ -1,7 +1,9 @@
 """One streamed request to an OpenAI-compatible server, timed chunk by chunk.
 
 Works against any server that streams `/v1/completions` (or `/v1/chat/completions`)
-as SSE `data:` lines ending with `data: [DONE]`. Every way a request can go wrong
+as SSE `data:` lines ending with `data: [DONE]`; a stream that ends cleanly after a
+chunk with a `finish_reason` counts as complete too (`transformers serve` omits
+`[DONE]`). Every way a request can go wrong
 (an HTTP error status, an error object in the stream, a stream that stops before
 `[DONE]`, a dropped connection) ends as a failed result with its reason, so the
 sweep counts it instead of crashing. A request still running when the point's time
@@ -96,8 +98,12 @@ def _error_message(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {str(msg).strip()[:200]}"
 
 
+def _finished(chunk: dict) -> bool:
+    return any(choice.get("finish_reason") for choice in chunk.get("choices") or [])
+
+
 async def _consume(resp: aiohttp.ClientResponse, res: RequestResult) -> None:
-    done = False
+    done = False  # [DONE] seen, or (for servers that omit it) a finish_reason and then a clean end of body
     buf = b""
     async for piece in resp.content.iter_any():
         now = time.perf_counter()
@@ -116,6 +122,7 @@ async def _consume(resp: aiohttp.ClientResponse, res: RequestResult) -> None:
                 err = chunk["error"]
                 res.error = f"error in stream: {err.get('message', err) if isinstance(err, dict) else err}"
                 return
+            done = done or _finished(chunk)
             if _chunk_text(chunk):
                 if res.ttft_s is None:
                     res.ttft_s = now - res.start
@@ -126,7 +133,7 @@ async def _consume(resp: aiohttp.ClientResponse, res: RequestResult) -> None:
                 res.output_tokens = int(usage.get("completion_tokens") or 0)
                 res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)
     if not done:
-        res.error = "stream ended before data: [DONE]"
+        res.error = "stream ended before data: [DONE] (and without a finish_reason)"
     elif not res.usage_reported:
         res.output_tokens = len(res.chunk_times)
 
