@@ -104,15 +104,11 @@ def _gpu_name() -> str:
 
 
 def _versions() -> dict:
+    """The client side's versions (the server's come from its /server_info)."""
     import importlib.metadata as md
 
-    out = {"python": sys.version.split()[0]}
-    for pkg in ("attnserve", "aiohttp", "torch"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
+    found = {(d.metadata["Name"] or "").lower(): d.version for d in md.distributions()}
+    return {"python": sys.version.split()[0], **{p: found[p] for p in ("attnserve", "aiohttp", "torch") if p in found}}
 
 
 def _flag_value(flags: str, *names: str) -> str | None:
