@@ -3,7 +3,7 @@
 #   1. a Llama-3-8B-shaped model directory with random bf16 weights and a word-level tokenizer
 #      (FlashInfer's decode kernel compiles in the background meanwhile);
 #   2. the offline engine on the same shapes (benchmarks/engine_gpu_decode.py: output tok/s,
-#      decode step, copy bandwidth, weight bytes) for the targets;
+#      decode step, copy bandwidth, weight bytes) for the targets, and once more with one request;
 #   3. `attnserve bench serve` launching our server three ways: --attention-backend triton,
 #      --decode-attention-backend flashinfer, and the default selection;
 #   4. the same sweep with --url against `transformers serve --continuous-batching` on the same
@@ -45,6 +45,10 @@ echo "[$(left) s left] offline engine"
 timeout "$(cap 100)" python3 benchmarks/engine_gpu_decode.py --configs triton-graphs,flashinfer-decode \
   --requests 64 --input-len 1024 --output-len 256 --out "$OUT/engine-offline.json" > "$OUT/logs/offline.log" 2>&1
 echo "offline rc=$?"; tail -3 "$OUT/logs/offline.log"
+# one request alone: the engine's own batch-1 decode step, to split c=1 TPOT into engine and server time
+timeout "$(cap 45)" python3 benchmarks/engine_gpu_decode.py --configs triton-graphs --requests 1 --input-len 1024 \
+  --output-len 256 --out "$OUT/engine-offline-c1.json" > "$OUT/logs/offline-c1.log" 2>&1
+echo "offline c=1 rc=$?"
 
 # Shared by ours and the peer: the shape and points. Seeds 3 at c=1 and c=8, 1 at c=32 and c=64;
 # one wave of requests per point (Nx = N per client) except 2 per client at c=1.
@@ -102,7 +106,7 @@ fi
 ARGS=()
 for n in "${NOTES[@]}"; do ARGS+=(--note "$n"); done
 python3 benchmarks/serve_h200_report.py --ours "$OUT/ours.json" --peer "$OUT/peer.json" \
-  --offline "$OUT/engine-offline.json" --peer-log "$OUT/logs/peer.log" --out "$OUT/serve-h200.json" "${ARGS[@]}" \
+  --offline "$OUT/engine-offline.json" --offline-c1 "$OUT/engine-offline-c1.json" --peer-log "$OUT/logs/peer.log" --out "$OUT/serve-h200.json" "${ARGS[@]}" \
   > "$OUT/logs/report.log" 2>&1
 echo "report rc=$?"; cat "$OUT/serve-h200.md" 2>/dev/null || tail -20 "$OUT/logs/report.log"
 cp "$OUT/engine-offline.json" "$OUT/engine_gpu_decode-serve-run.json" 2>/dev/null

@@ -88,6 +88,37 @@ def targets(ours: dict, peer_cfg: dict | None, offline: dict | None) -> list[dic
     return rows
 
 
+def where_time_goes(rows: list[dict], offline: dict | None, offline_c1: dict | None) -> list[str]:
+    """For each missed target, split the gap into engine time (offline, same shapes) and server time."""
+    notes = []
+    step1 = None
+    if offline_c1 and offline_c1.get("results"):
+        step1 = offline_c1["results"][0].get("decode_step_ms_median")
+    for row in rows:
+        if "error" in row:
+            continue
+        c1, t64, s64 = (row["c1_tpot_p50_vs_roofline"], row["c64_output_tok_s_vs_offline"],
+                        row["c64_tpot_p50_vs_offline_step"])
+        if c1["met"] is False:
+            msg = (f"{row['config']}: c=1 TPOT p50 {c1['server_ms']} ms is {c1['ratio']}x the weights-only roofline "
+                   f"{c1['roofline_ms']} ms")
+            if step1:
+                msg += (f"; the offline engine's batch-1 decode step (triton, graphs) is {step1} ms = "
+                        f"{round(step1 / c1['roofline_ms'], 2)}x roofline (the engine's share of the gap), and the "
+                        f"server's TPOT is {round(c1['server_ms'] / step1, 2)}x that step (the server's share)")
+            notes.append(msg)
+        if t64["met"] is False:
+            notes.append(f"{row['config']}: c=64 output {t64['server']} tok/s is {t64['ratio']}x the offline engine's "
+                         f"{t64['offline']} tok/s ({row['offline_config']}); TPOT p50 {s64['server_ms']} ms against an "
+                         f"offline full-batch step of {s64['offline_step_ms']} ms ({s64['ratio']}x): the difference is "
+                         "time outside the decode step (HTTP, detokenization, streaming, scheduling of arrivals)")
+        elif s64["met"] is False:
+            notes.append(f"{row['config']}: c=64 TPOT p50 {s64['server_ms']} ms is {s64['ratio']}x the offline step "
+                         f"{s64['offline_step_ms']} ms while throughput met its target: TPOT also counts the steps "
+                         "that prefill other requests' prompts (all 64 arrive together) after a request's first token")
+    return notes
+
+
 def _targets_markdown(rows: list[dict]) -> str:
     head = ("config", "c64 out tok/s vs offline (>= 0.9)", "c64 TPOT p50 vs offline step (<= 1.15)",
             "c1 TPOT p50 vs roofline (<= 1.3)", "c32 vs peer (>= 5)", "c64 vs peer (>= 5)")
@@ -111,6 +142,7 @@ def main() -> None:
     ap.add_argument("--ours", type=Path, required=True)
     ap.add_argument("--peer", type=Path)
     ap.add_argument("--offline", type=Path)
+    ap.add_argument("--offline-c1", type=Path, help="engine_gpu_decode.py with --requests 1")
     ap.add_argument("--peer-log", type=Path, help="the peer server's log, quoted when the peer did not run")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--note", action="append", default=[])
@@ -119,7 +151,7 @@ def main() -> None:
     ours = _load(args.ours)
     if ours is None:
         ours = {"title": "attnserve bench serve", "configs": [], "notes": [f"{args.ours}: our sweep wrote no JSON"]}
-    peer, offline = _load(args.peer), _load(args.offline)
+    peer, offline, offline_c1 = _load(args.peer), _load(args.offline), _load(args.offline_c1)
     report = dict(ours)
     report["title"] = "H200: Llama-3-8B shape, random bf16 weights, random 1024 in / 256 out"
     report["command"] = "OUT=out benchmarks/serve_h200.sh"
@@ -148,6 +180,11 @@ def main() -> None:
     else:
         notes.append("the offline engine run (benchmarks/engine_gpu_decode.py) wrote no JSON: no offline ratios")
     report["targets"] = targets(ours, peer_cfg if peer_cfgs else None, offline)
+    if offline_c1:
+        r = (offline_c1.get("results") or [{}])[0]
+        report["offline_c1"] = {k: r.get(k) for k in ("label", "decode_backend", "decode_step_ms_median",
+                                                       "roofline_step_ms_mean", "output_tok_per_s")}
+    notes += where_time_goes(report["targets"], offline, offline_c1)
     report["notes"] = notes
     write_all(report, args.out)
     md = args.out.with_suffix(".md")
