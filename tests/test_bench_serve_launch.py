@@ -49,3 +49,13 @@ def test_url_sweep_against_a_running_server(tmp_path):
         rc = main(["bench", "serve", "--url", f"ours={srv.url}", *SMALL, "--json", str(out)])
     assert rc == 0
     _check_report(json.loads(out.read_text()), "ours")
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
+    out = tmp_path / "bad.json"
+    rc = main(["bench", "serve", "--launch", "--device cpu", "--compare", "bad=--attention-backend nope", *SMALL,
+               "--server-log-dir", str(tmp_path / "logs"), "--json", str(out)])
+    assert rc == 1
+    (cfg,) = json.loads(out.read_text())["configs"]
+    assert cfg["label"] == "bad" and cfg["points"] == []
+    assert "exited with code" in cfg["error"] and "nope" in cfg["error"]  # the server's own message, from its log
