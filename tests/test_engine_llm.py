@@ -1,6 +1,7 @@
 """The offline LLM API: ordering, n completions, stop strings, streaming, seeds, early exit."""
 
 import pytest
+import torch
 from engine_helpers import VOCAB, shared_model
 
 from attnserve.engine.llm import LLM
@@ -102,3 +103,36 @@ def test_startup_log_names_what_runs(llm):
     for needle in ("model:", "device: cpu", "KV pool: 2048 tokens", "page size 1", "prefill torch_native",
                    "decode torch_native", "CUDA graphs: off", "chunked prefill 16", "radix cache on"):
         assert needle in text, needle
+
+
+def test_the_earliest_stop_string_in_the_text_wins_whatever_the_list_order(llm):
+    base = llm.generate("abc", SamplingParams(max_new_tokens=12, ignore_eos=True))[0].text
+    early, late = base[2:4], base[6:9]
+    assert base.find(early) < base.find(late)
+    out = llm.generate("abc", SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[late, early]))[0]
+    assert out.matched_stop == early and out.text == base[: base.find(early)]
+    # the tokens kept are those that produced the text up to the match
+    assert CharTokenizer().decode(out.token_ids).startswith(out.text + early[:1])
+
+
+def test_logprobs_are_the_log_softmax_of_the_engine_logits(llm):
+    seen = []
+    real_forward = llm.engine.runner.forward
+
+    def forward(batch):
+        logits = real_forward(batch)
+        seen.append(logits.detach().clone())
+        return logits
+
+    llm.engine.runner.forward = forward
+    try:
+        out = llm.generate("logits", SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0.7, seed=3,
+                                                    logprobs=5))[0]
+    finally:
+        llm.engine.runner.forward = real_forward
+    assert len(out.logprobs) == 4 and len(seen) == 4
+    for lp, logits in zip(out.logprobs, seen):
+        ref = torch.log_softmax(logits[-1].double(), dim=-1)
+        assert abs(lp.logprob - ref[lp.token_id].item()) < 1e-4
+        assert [t for t, _ in lp.top] == ref.topk(5).indices.tolist()
+        assert all(abs(v - ref[t].item()) < 1e-4 for t, v in lp.top)

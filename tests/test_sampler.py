@@ -72,5 +72,6 @@ def test_invalid_values_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
-def test_stop_string_alone_becomes_a_list():
-    assert SamplingParams(stop="\n").stop == ["\n"]
+def test_stop_string_alone_becomes_a_tuple():
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")

@@ -13,6 +13,7 @@ import sys
 
 COMMANDS = [
     "generate",
+    "serve",
     "bench",
     "select",
     "kv_calc",

@@ -6,7 +6,8 @@
 
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
-from attnserve.engine.llm import LLM, RequestOutput, StreamEvent
+from attnserve.engine.llm import LLM
+from attnserve.engine.outputs import RequestOutput, StreamEvent
 from attnserve.engine.loop import EngineLoop
 from attnserve.engine.sampling_params import SamplingParams
 

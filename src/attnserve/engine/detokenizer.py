@@ -1,17 +1,18 @@
-"""Incremental detokenization and stop-string handling.
+"""Incremental detokenization and stop-string matching, for one request.
 
-Decoding a whole output every step costs O(n) per token; instead each request
+Decoding a whole output every step costs O(n) per token; instead the decoder
 keeps two offsets and decodes only a short window (the tokens since the last
 emitted boundary), which also keeps multi-byte characters split across tokens
 from being emitted half-done (the window's text ends in U+FFFD until complete).
 Text that could still grow into a stop string is held back from the stream.
+
+It runs on the consumer's side (the thread or coroutine reading a request's
+stream), not on the engine's step thread: the engine deals in token ids only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from attnserve.engine.request import Request
+from collections.abc import Sequence
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -19,60 +20,66 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(getattr(out, "ids", out))
 
 
-def decode(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+def decode(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
-@dataclass
-class _Offsets:
-    prefix: int = 0  # window start
-    read: int = 0  # tokens whose text has been emitted
-
-
-class Detokenizer:
-    def __init__(self, tokenizer):
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self._offsets: dict[int, _Offsets] = {}
+        self.stop = tuple(stop)
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""  # decoded so far (cut at the stop string once one matched)
+        self.matched_stop: str | None = None
+        self.num_tokens_at_stop: int | None = None  # tokens that produced the text up to the stop string
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text is in self.text
+        self._streamed = 0  # characters of self.text handed out by take_streamable
 
-    def forget(self, rid: int) -> None:
-        self._offsets.pop(rid, None)
-
-    def update(self, req: Request, num_tokens: int | None = None) -> str | None:
-        """Append the text of `req.output_ids[:num_tokens]` to `req.text`; returns the stop string hit, if any."""
-        if self.tokenizer is None:
-            return None
-        ids = req.output_ids if num_tokens is None else req.output_ids[:num_tokens]
-        off = self._offsets.setdefault(req.rid, _Offsets())
-        skip = req.params.skip_special_tokens
-        before = decode(self.tokenizer, ids[off.prefix : off.read], skip)
-        now = decode(self.tokenizer, ids[off.prefix :], skip)
-        if now.endswith("\ufffd"):
-            return None  # a character is split across tokens; wait for the rest
-        delta = now[len(before) :]
-        if not delta:
-            return None
-        start = max(0, len(req.text) - max((len(s) for s in req.params.stop), default=0))
-        req.text += delta
-        off.prefix, off.read = off.read, len(ids)
-        for stop in req.params.stop:
-            at = req.text.find(stop, start)
-            if at != -1:
-                req.text = req.text[:at]
-                return stop
+    def push(self, new_ids: Sequence[int]) -> str | None:
+        """Decode `new_ids` after the previous ones; returns the stop string if one now matches."""
+        self.ids.extend(new_ids)
+        if self.tokenizer is None or self.matched_stop is not None:
+            return self.matched_stop
+        # decode token by token so a stop string is attributed to the token that completed it
+        for n in range(len(self.ids) - len(new_ids) + 1, len(self.ids) + 1):
+            if self._advance(n):
+                return self.matched_stop
         return None
 
-    @staticmethod
-    def streamable(req: Request) -> str:
-        """New text safe to stream: everything except a tail that might begin a stop string."""
-        text = req.text
+    def _advance(self, n: int) -> bool:
+        window = self.ids[self._prefix : n]
+        before = decode(self.tokenizer, self.ids[self._prefix : self._read], self.skip_special_tokens)
+        now = decode(self.tokenizer, window, self.skip_special_tokens)
+        if now.endswith("\ufffd"):
+            return False  # a character is split across tokens; wait for the rest
+        delta = now[len(before) :]
+        if not delta:
+            return False
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        self.text += delta
+        self._prefix, self._read = self._read, n
+        hits = [(at, s) for s in self.stop if (at := self.text.find(s, start)) != -1]
+        if not hits:
+            return False
+        at, stop = min(hits)  # the earliest match in the text wins, whatever the list order
+        self.text = self.text[:at]
+        self.matched_stop = stop
+        self.num_tokens_at_stop = n
+        return True
+
+    def take_streamable(self, finished: bool) -> str:
+        """New text safe to stream: all of it once finished, else all but a tail that may begin a stop string."""
+        text = self.text
         hold = 0
-        if not req.finished:
-            for stop in req.params.stop:
+        if not finished and self.matched_stop is None:
+            for stop in self.stop:
                 for k in range(min(len(stop) - 1, len(text)), 0, -1):
                     if text.endswith(stop[:k]):
                         hold = max(hold, k)
                         break
         end = len(text) - hold
-        out = text[req.streamed_chars : end] if end > req.streamed_chars else ""
-        req.streamed_chars = max(req.streamed_chars, end)
+        out = text[self._streamed : end] if end > self._streamed else ""
+        self._streamed = max(self._streamed, end)
         return out

@@ -1,4 +1,4 @@
-"""Engine: scheduler + model runner + sampler + detokenizer, stepped one batch at a time.
+"""Engine: scheduler + model runner + sampler, stepped one batch at a time, in token ids.
 
 Single-threaded: `add_request`, `abort` and `step` are called from one loop
 (the offline LLM API, or the server's engine loop). Each `step` schedules a
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnserve.engine.config import EngineConfig
-from attnserve.engine.detokenizer import Detokenizer, encode
+from attnserve.engine.detokenizer import encode
 from attnserve.engine.request import FinishReason, Request
 from attnserve.engine.runner import ModelRunner
 from attnserve.engine.sampler import Sampler
@@ -71,7 +71,6 @@ class Engine:
         self.runner = ModelRunner(p.model, p.pool, p.backend, p.req_pool, p.device)
         self.runner.graph_runner = p.graph_runner
         self.sampler = Sampler(p.device, seed=config.seed)
-        self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[int, Request] = {}
         self.step_times = StepTimes()
         self._rids = itertools.count()
@@ -82,25 +81,39 @@ class Engine:
             raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
         return encode(self.tokenizer, prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid=None) -> Request:
-        params = params or SamplingParams()
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid=None) -> Request:
+        """Tokenize and validate a request without touching the engine's state (any thread may call it)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        params.validate()
+        vocab = getattr(self.parts, "vocab_size", None)
+        params.check_vocab(vocab)
         if params.n != 1:
             raise ValueError(f"SamplingParams.n={params.n}: the engine takes one completion per request; "
                              "LLM.generate expands n")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-            vocab = getattr(self.parts, "vocab_size", None)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
             if vocab is not None and any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        rid = next(self._rids) if rid is None else rid
-        if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid=rid, prompt_ids=ids, params=params, prompt=text)
-        self.scheduler.add(req)
-        self.requests[rid] = req
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        req = Request(rid=next(self._rids) if rid is None else rid, prompt_ids=ids, params=params, prompt=text)
+        self.scheduler.check_fits(req)
         return req
+
+    def add(self, req: Request) -> Request:
+        """Queue a request made by make_request (on the engine's thread)."""
+        if req.rid in self.requests:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        self.scheduler.add(req)
+        self.requests[req.rid] = req
+        return req
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid=None) -> Request:
+        return self.add(self.make_request(prompt, params, rid))
 
     def abort(self, rid) -> bool:
         """Stop request `rid` now and free its pages; False if it is unknown or already finished."""
@@ -110,17 +123,29 @@ class Engine:
         self._forget(req)
         return True
 
+    def stop_request(self, rid, stop: str) -> bool:
+        """A consumer matched stop string `stop` in the request's text: finish it (False if already done)."""
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        self._finish(req, FinishReason.STOP, stop)
+        return True
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def _forget(self, req: Request) -> None:
         self.sampler.forget(req.rid)
-        self.detokenizer.forget(req.rid)
         self.requests.pop(req.rid, None)
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that got a new token (finished ones included)."""
+        """Run one batch; returns the requests that got a new token or failed (finished ones included).
+
+        A failure of the batch itself (scheduling, the forward pass) raises; a failure that belongs to one
+        request (its sampling, its stop checks) finishes that request with FinishReason.ERROR and the
+        reason in `Request.error`, frees its pages, and the others go on.
+        """
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -130,33 +155,59 @@ class Engine:
         logits = self.runner.forward(batch)
         self.scheduler.commit(batch)
         sampling = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        tokens = self.sampler.sample(logits, [r.rid for r in sampling], [r.params for r in sampling]) \
-            if sampling else []
+        picks = self._sample(logits, sampling) if sampling else []
         now = time.perf_counter()
         times = {"decode": self.step_times.decode, "extend": self.step_times.extend,
                  "mixed": self.step_times.mixed}[batch.mode.value]
         times.append(now - t0)
         if batch.mode.value == "decode":
             self.step_times.decode_batch.append(batch.batch_size)
-        for r, t in zip(sampling, tokens):
-            self._append_token(r, t, now)
+        for r, pick in zip(sampling, picks):
+            if pick is None:
+                continue  # failed while sampling
+            try:
+                self._append_token(r, *pick, now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
+                self._fail(r, exc)
         return sampling
 
-    def _append_token(self, r: Request, token: int, now: float) -> None:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, object] | None]:
+        """(token, logprob) per request; a request whose sampling raises is failed and gets None."""
+        try:
+            return self._sample_rows(logits, reqs)
+        except Exception:  # noqa: BLE001 - find the request(s) it belongs to, row by row
+            picks = []
+            for i, r in enumerate(reqs):
+                try:
+                    picks += self._sample_rows(logits[i : i + 1], [r])
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(r, exc)
+                    picks.append(None)
+            return picks
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, object]]:
+        params = [r.params for r in reqs]
+        tokens = self.sampler.sample(logits, [r.rid for r in reqs], params)
+        return list(zip(tokens, self.sampler.logprobs(logits, tokens, params)))
+
+    def _append_token(self, r: Request, token: int, logprob, now: float) -> None:
         r.output_ids.append(token)
+        if logprob is not None:
+            r.output_logprobs.append(logprob)
         if r.first_token_time is None:
             r.first_token_time = now
         r.token_times.append(now)
         p = r.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            self.detokenizer.update(r, len(r.output_ids) - 1)  # the stop token itself is not text
             self._finish(r, FinishReason.STOP, token)
-            return
-        stop = self.detokenizer.update(r)
-        if stop is not None:
-            self._finish(r, FinishReason.STOP, stop)
         elif len(r.output_ids) >= p.max_new_tokens or r.seq_len >= self.max_context_len:
             self._finish(r, FinishReason.LENGTH)
+
+    def _fail(self, r: Request, exc: Exception) -> None:
+        log.warning("request %s failed: %r", r.rid, exc)
+        r.error = f"{type(exc).__name__}: {exc}"
+        if not r.finished:
+            self._finish(r, FinishReason.ERROR)
 
     def _finish(self, r: Request, reason: FinishReason, matched=None) -> None:
         self.scheduler.finish(r, reason, matched)
@@ -178,6 +229,21 @@ class Engine:
         self.scheduler.allocator.check_leaks()
         cached = self.scheduler.tree.num_pages if self.scheduler.tree else 0
         return self.scheduler.allocator.num_used - cached
+
+    def state(self) -> dict:
+        """Requests and KV pages right now. `pages_in_use`: held by running or queued requests (0 once every
+        request has ended); `pages_cached`: held by the prefix cache alone (evictable)."""
+        sched = self.scheduler
+        alloc = sched.allocator
+        cached = sched.tree.evictable_pages() if sched.tree is not None else 0
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "kv_cache": {"page_size": self.parts.pool.page_size, "pages_total": alloc.total,
+                         "pages_free": alloc.num_free, "pages_cached": cached,
+                         "pages_in_use": alloc.num_used - cached},
+            "prefix_cache": self.cache_stats(),
+        }
 
     def flush_cache(self) -> None:
         if self.scheduler.tree is not None:

@@ -8,72 +8,13 @@ which is what the CLI prints and what an HTTP server would forward.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from attnserve.engine.config import EngineConfig
-from attnserve.engine.detokenizer import Detokenizer
 from attnserve.engine.engine import Engine
-from attnserve.engine.request import Request
+from attnserve.engine.outputs import RequestOutput, RequestStream, StreamEvent, TokenDelta
 from attnserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-
-
-@dataclass
-class RequestOutput:
-    index: int  # position of the prompt in the input
-    completion: int  # which of the n completions (0 unless n > 1)
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    matched_stop: str | int | None = None
-    cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
-    num_preemptions: int = 0
-    ttft_s: float | None = None  # submission -> first token
-    tpot_s: float | None = None  # mean time per output token after the first
-    token_latencies_s: list[float] = field(default_factory=list)  # gaps between consecutive tokens
-
-    @classmethod
-    def from_request(cls, req: Request, index: int, completion: int) -> RequestOutput:
-        return cls(
-            index=index,
-            completion=completion,
-            prompt=req.prompt,
-            prompt_token_ids=list(req.prompt_ids),
-            text=req.text,
-            token_ids=list(req.output_ids),
-            finish_reason=req.finish_reason.value if req.finish_reason else "unknown",
-            matched_stop=req.matched_stop,
-            cached_tokens=req.cached_len,
-            num_preemptions=req.num_preemptions,
-            ttft_s=req.ttft_s,
-            tpot_s=req.tpot_s,
-            token_latencies_s=req.inter_token_latencies_s,
-        )
-
-    def to_json(self) -> dict:
-        """The shape `attnserve generate --json` prints, one object per completion."""
-        return {
-            "prompt": self.prompt,
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
-            "tpot_s": None if self.tpot_s is None else round(self.tpot_s, 6),
-            "cached_tokens": self.cached_tokens,
-        }
-
-
-@dataclass
-class StreamEvent:
-    index: int
-    completion: int
-    text: str  # new text since the previous event of this completion
-    token_ids: list[int]  # new tokens since the previous event
-    finished: bool
-    output: RequestOutput | None = None  # set on the last event
 
 
 class LLM:
@@ -104,7 +45,7 @@ class LLM:
         return render_chat_template(template, messages, add_generation_prompt=True,
                                     special_tokens={"bos_token": "", "eos_token": ""})
 
-    def _submit(self, prompts, sampling_params) -> dict:
+    def _submit(self, prompts, sampling_params) -> dict[int, RequestStream]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -113,39 +54,39 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts; give one or one each")
-        owners: dict = {}
-        submitted = []
+        streams: dict[int, RequestStream] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 for j in range(p.n):
-                    seed = None if p.seed is None else p.seed + j
-                    req = self.engine.add_request(prompt, p.with_seed(seed) if p.n > 1 else p)
-                    owners[req.rid] = (i, j, req)
-                    submitted.append(req.rid)
+                    req = self.engine.add_request(prompt, p.for_completion(j) if p.n > 1 else p)
+                    streams[req.rid] = RequestStream(self.tokenizer, req.params, req.prompt, req.prompt_ids,
+                                                     req.arrival_time, i, j)
         except Exception:
-            for rid in submitted:  # nothing half-submitted stays behind
+            for rid in streams:  # nothing half-submitted stays behind
                 self.engine.abort(rid)
             raise
-        return owners
+        return streams
 
     def stream(self, prompts: Prompt | list[Prompt], sampling_params=None) -> Iterator[StreamEvent]:
         """Submit every prompt, then yield text as each completion produces it."""
-        owners = self._submit(prompts, sampling_params)
-        sent_tokens = {rid: 0 for rid in owners}
+        streams = self._submit(prompts, sampling_params)
+        sent = dict.fromkeys(streams, 0)
         try:
-            while any(not req.finished for _, _, req in owners.values()):
+            while any(not s.finished for s in streams.values()):
                 for req in self.engine.step():
-                    if req.rid not in owners:
+                    stream = streams.get(req.rid)
+                    if stream is None:
                         continue
-                    i, j, _ = owners[req.rid]
-                    new_ids = req.output_ids[sent_tokens[req.rid]:]
-                    sent_tokens[req.rid] = len(req.output_ids)
-                    out = RequestOutput.from_request(req, i, j) if req.finished else None
-                    yield StreamEvent(i, j, Detokenizer.streamable(req), new_ids, req.finished, out)
+                    event = stream.push(TokenDelta.of(req, sent[req.rid]))
+                    sent[req.rid] = len(req.output_ids)
+                    if stream.stop_hit:  # a stop string: finish it before the next step
+                        self.engine.stop_request(req.rid, stream.output.matched_stop)
+                    if event is not None:
+                        yield event
         finally:
-            for _, _, req in owners.values():  # a consumer that stops early must not leak pages
-                if not req.finished:
-                    self.engine.abort(req.rid)
+            for rid, stream in streams.items():  # a consumer that stops early must not leak pages
+                if not stream.finished:
+                    self.engine.abort(rid)
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params=None) -> list[RequestOutput]:
         """Outputs in input order (a prompt with n > 1 gives n consecutive outputs)."""

@@ -1,60 +1,94 @@
 """EngineLoop: the engine stepping in a background thread, fed and aborted from any thread.
 
 A server handles each HTTP request in its own coroutine or thread; the engine
-itself is single-threaded. The loop owns the engine: other threads only put
-commands (add, abort) on a queue and read events from their request's own
-queue, so the scheduler's state is touched by one thread alone.
+itself is single-threaded. The loop owns the engine: other threads put
+commands (add, abort, stop, query) on a queue and read their request's events,
+so the scheduler's state is touched by one thread alone. The step thread works
+in token ids only: prompts are tokenized and validated by the submitting thread
+(`submit` raises ValueError for bad input before anything is queued), and text
+is decoded by each request's consumer (`RequestHandle`).
+
+Failures: a request that fails inside a step is failed alone (its consumer gets
+`RequestFailed` with the reason, its pages are freed); only a failure of the
+step itself ends the loop, and then every waiter hears about it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import queue
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
-from attnserve.engine.detokenizer import Detokenizer
 from attnserve.engine.engine import Engine
-from attnserve.engine.llm import RequestOutput, StreamEvent
+from attnserve.engine.outputs import RequestOutput, RequestStream, StreamEvent, TokenDelta
 from attnserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("attnserve.engine")
 
+# What a handle receives, in order: TokenDelta per step with new tokens, then None (the end), or an
+# exception (the request or the loop failed) followed by None.
+Item = TokenDelta | BaseException | None
 
-@dataclass
+
 class RequestHandle:
-    rid: int
-    events: queue.Queue  # StreamEvent, then None once the request is finished or failed
+    """One submitted request. Its consumer reads events by iterating (a thread), or passes `sink` to
+    `submit` and calls `process` on each delivered item (a coroutine: the sink hops to its event loop)."""
+
+    def __init__(self, loop: EngineLoop, rid: int, stream: RequestStream, sink: Callable[[Item], None] | None):
+        self.rid = rid
+        self.stream = stream
+        self._loop = loop
+        self._queue: queue.SimpleQueue | None = None if sink is not None else queue.SimpleQueue()
+        self.deliver: Callable[[Item], None] = sink if sink is not None else self._queue.put
+
+    def process(self, item: TokenDelta | BaseException) -> StreamEvent | None:
+        """The event for one delivered item (None when it adds nothing); raises the request's failure."""
+        if isinstance(item, BaseException):
+            raise item
+        event = self.stream.push(item)
+        if self.stream.stop_hit:  # the text reached a stop string: the engine can stop generating
+            self.stream.stop_hit = False
+            self._loop.stop_request(self.rid, self.stream.output.matched_stop)
+        return event
 
     def __iter__(self) -> Iterator[StreamEvent]:
-        while True:
-            ev = self.events.get()
-            if ev is None:
-                return
-            if isinstance(ev, Exception):
-                raise ev
-            yield ev
+        return self.events()
 
-    def result(self) -> RequestOutput | None:
-        """Block until the request ends; its final output (None if it was aborted before a token)."""
-        last = None
-        for ev in self:
-            last = ev
-        return last.output if last is not None and last.finished else None
+    def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
+        """Events until the request ends; `timeout` seconds without one raises TimeoutError."""
+        if self._queue is None:
+            raise RuntimeError("this request's events go to its sink")
+        while not self.stream.finished:
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.rid}: no event for {timeout} s") from None
+            if item is None:
+                return  # aborted (or the loop stopped) before it finished
+            event = self.process(item)
+            if event is not None:
+                yield event
+
+    def result(self, timeout: float | None = None) -> RequestOutput | None:
+        """Block until the request ends; its final output (None if it was aborted first)."""
+        for _ in self.events(timeout):
+            pass
+        return self.stream.output
 
 
 class EngineLoop:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._commands: queue.Queue = queue.Queue()
-        self._handles: dict[int, RequestHandle] = {}
-        self._sent_tokens: dict[int, int] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._handles: dict[int, RequestHandle] = {}  # loop thread only
+        self._sent_tokens: dict[int, int] = {}  # loop thread only
         self._rids = itertools.count()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._submit_lock = threading.Lock()  # a submit either lands before the loop ends or raises
+        self._lock = threading.Lock()  # a submit either lands before the loop ends or raises
+        self._stopping = False
+        self._pending_adds = 0  # submitted, not yet taken by the loop
         self._thread = threading.Thread(target=self._run, name="attnserve-engine", daemon=True)
         self.error: BaseException | None = None
 
@@ -63,93 +97,132 @@ class EngineLoop:
         self._thread.start()
         return self
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stopping
+
+    @property
+    def pending_adds(self) -> int:
+        return self._pending_adds
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is left and end the thread."""
-        self._stop.set()
-        self._wake.set()
+        with self._lock:
+            self._stopping = True
+        self._commands.put(("shutdown",))
         self._thread.join(timeout)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestHandle:
-        with self._submit_lock:
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+               sink: Callable[[Item], None] | None = None) -> RequestHandle:
+        """Validate and tokenize here (ValueError for bad input), then queue the request for the loop."""
+        rid = next(self._rids)
+        req = self.engine.make_request(prompt, params, rid=rid)
+        stream = RequestStream(self.engine.tokenizer, req.params, req.prompt, req.prompt_ids, req.arrival_time)
+        handle = RequestHandle(self, rid, stream, sink)
+        with self._lock:
             if self.error is not None:
                 raise RuntimeError(f"the engine loop failed: {self.error!r}") from self.error
-            if self._stop.is_set():
+            if self._stopping:
                 raise RuntimeError("the engine loop has stopped")
-            handle = RequestHandle(next(self._rids), queue.Queue())
-            self._commands.put(("add", handle, prompt, params or SamplingParams()))
-        self._wake.set()
+            self._pending_adds += 1
+            self._commands.put(("add", handle, req))
         return handle
 
     def abort(self, rid: int) -> None:
         self._commands.put(("abort", rid))
-        self._wake.set()
+
+    def stop_request(self, rid: int, stop: str) -> None:
+        self._commands.put(("stop", rid, stop))
+
+    def query(self, fn: Callable[[Engine], object], timeout: float = 10.0):
+        """fn(engine) run on the loop thread between steps (a consistent view); its result."""
+        if not self._thread.is_alive():
+            return fn(self.engine)  # nothing else touches the engine any more
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("query", fn, future))
+        return future.result(timeout)
 
     # ---- the loop thread --------------------------------------------------------------------
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _, handle, prompt, params = cmd
-                try:
-                    self.engine.add_request(prompt, params, rid=handle.rid)
-                except Exception as exc:  # noqa: BLE001 - bad input goes back to its submitter
-                    handle.events.put(exc)
-                    handle.events.put(None)
-                    continue
-                self._handles[handle.rid] = handle
-                self._sent_tokens[handle.rid] = 0
-            else:
-                rid = cmd[1]
-                if self.engine.abort(rid):
-                    self._close(rid)
-
-    def _close(self, rid: int) -> None:
-        handle = self._handles.pop(rid, None)
-        self._sent_tokens.pop(rid, None)
-        if handle is not None:
-            handle.events.put(None)
-
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                self._drain_commands()
-                if not self.engine.has_work():
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                for req in self.engine.step():
-                    handle = self._handles.get(req.rid)
-                    if handle is None:
-                        continue
-                    new_ids = req.output_ids[self._sent_tokens[req.rid]:]
-                    self._sent_tokens[req.rid] = len(req.output_ids)
-                    out = RequestOutput.from_request(req, 0, 0) if req.finished else None
-                    handle.events.put(StreamEvent(0, 0, Detokenizer.streamable(req), new_ids, req.finished, out))
-                    if req.finished:
-                        self._close(req.rid)
+            while self._take_commands(block=not self.engine.has_work()):
+                if self.engine.has_work():
+                    self._step()
         except BaseException as exc:  # every waiter must hear about a dead loop
-            with self._submit_lock:
+            with self._lock:
                 self.error = exc
-                self._stop.set()
-            failed = [*self._handles.values(), *self._queued_handles()]
-            for handle in failed:
-                handle.events.put(RuntimeError(f"engine loop failed: {exc!r}"))
-                handle.events.put(None)
-            self._handles.clear()
+                self._stopping = True
             log.error("engine loop failed; new requests are refused", exc_info=exc)
+            for handle in [*self._handles.values(), *self._queued_handles()]:
+                handle.deliver(RuntimeError(f"engine loop failed: {exc!r}"))
+                handle.deliver(None)
+            self._handles.clear()
         finally:
-            with self._submit_lock:
-                self._stop.set()
+            with self._lock:
+                self._stopping = True
             for handle in self._queued_handles():  # submitted while stopping: ends without output
-                handle.events.put(None)
+                handle.deliver(None)
             for rid in list(self._handles):
                 try:
                     self.engine.abort(rid)
                 finally:
                     self._close(rid)
+
+    def _take_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one when idle); False once asked to shut down."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            kind = cmd[0]
+            if kind == "shutdown":
+                return False
+            if kind == "add":
+                self._add(cmd[1], cmd[2])
+            elif kind == "abort":
+                if self.engine.abort(cmd[1]):
+                    self._close(cmd[1])
+            elif kind == "stop":
+                self.engine.stop_request(cmd[1], cmd[2])
+                self._close(cmd[1])
+            elif kind == "query":
+                fn, future = cmd[1], cmd[2]
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - the asker gets it
+                    future.set_exception(exc)
+
+    def _add(self, handle: RequestHandle, req) -> None:
+        with self._lock:
+            self._pending_adds -= 1
+        try:
+            self.engine.add(req)
+        except BaseException as exc:  # bad input goes back to its submitter; the loop goes on
+            handle.deliver(exc)
+            handle.deliver(None)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self._handles[handle.rid] = handle
+        self._sent_tokens[handle.rid] = 0
+
+    def _step(self) -> None:
+        for req in self.engine.step():
+            handle = self._handles.get(req.rid)
+            if handle is None:
+                continue
+            handle.deliver(TokenDelta.of(req, self._sent_tokens[req.rid]))
+            self._sent_tokens[req.rid] = len(req.output_ids)
+            if req.finished:
+                self._close(req.rid)
+
+    def _close(self, rid: int) -> None:
+        handle = self._handles.pop(rid, None)
+        self._sent_tokens.pop(rid, None)
+        if handle is not None:
+            handle.deliver(None)
 
     def _queued_handles(self) -> list[RequestHandle]:
         """Take every submitted request the loop has not picked up yet (once no submit can add more)."""
@@ -161,3 +234,5 @@ class EngineLoop:
                 return handles
             if cmd[0] == "add":
                 handles.append(cmd[1])
+            elif cmd[0] == "query":
+                cmd[2].set_exception(RuntimeError("the engine loop has stopped"))

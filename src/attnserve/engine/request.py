@@ -25,6 +25,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_new_tokens reached (or the context limit)
     ABORT = "abort"
+    ERROR = "error"  # this request failed inside the engine (Request.error says why); the others go on
 
 
 @dataclass
@@ -38,7 +39,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
+    error: str | None = None  # why the request failed, with finish_reason ERROR
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when params.logprobs is set
 
     # KV state (valid while RUNNING)
     row: int | None = None  # row of req_to_token
@@ -53,10 +56,6 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
-
-    # text (filled by the detokenizer)
-    text: str = ""
-    streamed_chars: int = 0
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from attnserve.engine.outputs import TokenLogprob
 from attnserve.engine.sampling_params import SamplingParams
 
 
@@ -55,13 +56,31 @@ class Sampler:
         return tokens.tolist()
 
     @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:
+        """Per row asking for them: the sampled token's log-softmax and the `params.logprobs` most likely."""
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(params)
+        if not rows:
+            return out
+        index = torch.tensor(rows, device=logits.device)
+        logp = torch.log_softmax(logits[index].float(), dim=-1)  # [R, vocab]
+        chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device))  # [R, 1]
+        k = max(params[i].logprobs for i in rows)
+        top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())  # [R, k]
+        chosen, top_lp, top_ids = chosen[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(top_ids[j][:n], top_lp[j][:n])))
+        return out
+
+    @staticmethod
     def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Probabilities after temperature, top-k, top-p and min-p, renormalised: `[S, vocab]`."""
         device = logits.device
         temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         vocab = probs.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
         min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
         if bool((top_k < vocab).any()) or bool((top_p < 1).any()):

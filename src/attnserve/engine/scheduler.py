@@ -94,6 +94,12 @@ class Scheduler:
 
     # ---- queue ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self.check_fits(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def check_fits(self, req: Request) -> None:
+        """Refuse a request that could never run (reads only fixed sizes, so any thread may call it)."""
         ps = self.page_size
         need_tokens = min(len(req.prompt_ids) + req.params.max_new_tokens, self.req_pool.max_context_len)
         if len(req.prompt_ids) >= self.req_pool.max_context_len:
@@ -107,8 +113,6 @@ class Scheduler:
                 f"request needs {need_pages} KV pages ({need_tokens} tokens) but the pool has only "
                 f"{self.allocator.total}; lower max_new_tokens or enlarge the KV pool"
             )
-        req.status = RequestStatus.WAITING
-        self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,0 +1,67 @@
+"""`attnserve serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
+
+The engine is built before the port is bound, so a model or backend that
+cannot run is refused with its reason and a non-zero exit, never a server that
+answers with errors. SIGINT/SIGTERM stop accepting, let open streams finish
+(up to --graceful-shutdown-timeout, then abort them), stop the engine and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from attnserve.commands.engine_args import add_engine_arguments, engine_settings
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics and /server_info. "
+        "Without --model it serves the embedded SmolLM2-135M-Instruct.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="port to bind (default: 30000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1/ route")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: from the model path)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="more completions than this waiting for the engine are refused with 503 (default: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest request body accepted, in bytes (default: 8 MiB; larger ones get 413)")
+    p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
+                   help="seconds open streams may take to finish after SIGINT/SIGTERM (default: 10)")
+    p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    add_engine_arguments(p)
+    return p
+
+
+def served_name(model: str | None) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return Path(model).name.removesuffix(".gguf") or model
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from attnserve.engine.llm import LLM
+    from attnserve.server.app import ServerSettings, ServerState, create_app
+    from attnserve.server.uvicorn_server import UvicornServer
+
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests {args.max_queued_requests}: give a number >= 0")
+    if args.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes {args.max_request_bytes}: give at least 1024")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    llm = LLM(**engine_settings(args))  # refuses a model or backend that cannot run, before the port is bound
+    settings = ServerSettings(served_model_name=args.served_model_name or served_name(args.model),
+                              api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                              max_request_bytes=args.max_request_bytes)
+    state = ServerState(llm, settings)
+    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
+                            access_log=args.log_requests, timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    UvicornServer(config).run()  # a port it cannot bind exits 1 with uvicorn's message
+    return 0

@@ -1,0 +1,125 @@
+"""Running requests from asyncio: the bridge between HTTP coroutines and the engine loop's thread.
+
+Each completion is submitted to the EngineLoop with a sink that hops its items
+onto the event loop (call_soon_threadsafe), so a coroutine awaits tokens without
+a thread per request. The completions of one HTTP request (several prompts, n
+each) share one queue and come out merged, tagged with their choice index.
+Submitting is separate from reading, so bad input is refused before a stream's
+headers are sent. Whatever ends the reading early (the client going away, an
+error, shutdown) aborts every completion still running, which frees its pages
+in the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from attnserve.engine.loop import EngineLoop, RequestHandle
+from attnserve.engine.outputs import StreamEvent
+from attnserve.engine.sampling_params import SamplingParams
+from attnserve.server.protocol import APIError
+
+
+@dataclass
+class Completion:
+    choice: int  # index in the response's choices
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class ClientGone(Exception):
+    """The client disconnected; its completions were aborted."""
+
+
+class Admission:
+    """Counts completions submitted but not yet generating, to refuse work past --max-queued-requests."""
+
+    def __init__(self, max_queued: int | None):
+        self.max_queued = max_queued
+        self.queued = 0
+
+    def admit(self, n: int) -> None:
+        if self.max_queued is not None and self.queued + n > self.max_queued:
+            raise APIError(503, f"the server has {self.queued} requests queued (limit {self.max_queued}); "
+                           "retry later", kind="server_overloaded", headers={"Retry-After": "1"})
+        self.queued += n
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client disconnects (the request body has been read, so only that message is left)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class CompletionGroup:
+    """The completions of one HTTP request, submitted together and read as one merged stream."""
+
+    def __init__(self, loop: EngineLoop, completions: list[Completion], admission: Admission):
+        self.loop = loop
+        self.admission = admission
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._aio = asyncio.get_running_loop()
+        self.handles: dict[int, RequestHandle] = {}
+        self._starting: set[int] = set()  # choices counted as queued until their first item
+        admission.admit(len(completions))
+        self._starting = {c.choice for c in completions}
+        try:
+            for c in completions:  # raises ValueError for input the engine refuses
+                self.handles[c.choice] = loop.submit(c.prompt_ids, c.params, sink=self._sink(c.choice))
+        except BaseException:
+            self.close()
+            raise
+
+    def _sink(self, choice: int):
+        def sink(item) -> None:  # called on the engine loop's thread
+            try:
+                self._aio.call_soon_threadsafe(self._inbox.put_nowait, (choice, item))
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+        return sink
+
+    async def events(self, receive=None) -> AsyncIterator[tuple[int, StreamEvent]]:
+        """(choice, event) until every completion finished. Raises RequestFailed / RuntimeError when a
+        completion or the engine fails, ClientGone when `receive` (ASGI) reports a disconnect."""
+        watcher = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
+        open_choices = set(self.handles)
+        try:
+            while open_choices:
+                getter = asyncio.ensure_future(self._inbox.get())
+                if watcher is not None:
+                    await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        raise ClientGone()
+                choice, item = await getter
+                self._started(choice)
+                handle = self.handles[choice]
+                if item is None:  # ended without finishing: the engine loop stopped under it
+                    if not handle.stream.finished:
+                        raise RuntimeError("the engine stopped before the request finished")
+                    open_choices.discard(choice)
+                    continue
+                event = handle.process(item)
+                if event is not None:
+                    yield choice, event
+                if handle.stream.finished:
+                    open_choices.discard(choice)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self.close()
+
+    def _started(self, choice: int) -> None:
+        if choice in self._starting:
+            self._starting.discard(choice)
+            self.admission.queued -= 1
+
+    def close(self) -> None:
+        """Abort what is still running; release the queue slots of what never started."""
+        self.admission.queued -= len(self._starting)
+        self._starting.clear()
+        for handle in self.handles.values():
+            if not handle.stream.finished:
+                self.loop.abort(handle.rid)

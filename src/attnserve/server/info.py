@@ -1,0 +1,45 @@
+"""What /server_info reports: the engine's fixed choices (read once) and its state (read per call)."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from importlib import metadata
+
+from attnserve.engine.engine import Engine
+
+_PACKAGES = ("attnserve", "torch", "triton", "flashinfer-python", "transformers", "fastapi", "uvicorn")
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions from package metadata (importing torch's peers here would be slow or fail)."""
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    if "torch" in sys.modules:
+        import torch
+
+        found["cuda"] = torch.version.cuda
+    return found
+
+
+def static_info(engine: Engine, served_model_name: str) -> dict:
+    parts = engine.parts
+    return {
+        "model": served_model_name,
+        "model_path": engine.config.model,
+        "device": str(parts.model.device),
+        "dtype": str(parts.model.dtype).removeprefix("torch."),
+        "context_length": engine.max_context_len,
+        "attention_backend": {"prefill": parts.attention.prefill_backend, "decode": parts.attention.decode_backend},
+        "selection_trace": list(parts.attention.trace),
+        "cuda_graph_batch_sizes": list(parts.graphs.batch_sizes),
+        "max_running_requests": engine.config.max_running_requests,
+        "chunked_prefill_size": engine.config.chunked_prefill_size,
+        "radix_cache": not engine.config.disable_radix_cache,
+        "startup_log": list(parts.startup_lines),
+        "versions": versions(),
+    }

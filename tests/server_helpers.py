@@ -1,0 +1,34 @@
+"""An attnserve server on 127.0.0.1 and a free port, in this process (one model load serves many tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import uvicorn
+
+from attnserve.server.app import ServerSettings, ServerState, create_app
+from attnserve.server.uvicorn_server import UvicornServer
+
+
+@contextlib.contextmanager
+def running_server(llm, **settings):
+    """Yields (base_url, state); stops the server and the engine loop afterwards."""
+    state = ServerState(llm, ServerSettings(**{"served_model_name": "test-model", **settings}))
+    config = uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    server = UvicornServer(config)
+    thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: no signal handlers
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the test server did not stop"

@@ -1,0 +1,85 @@
+"""The server's start and end: refusing a backend that cannot run, a dying engine, SIGTERM mid-stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+from engine_helpers import shared_model
+from server_helpers import running_server
+
+from attnserve.engine.llm import LLM
+
+
+def _serve(*flags: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--port", "0", "--device", "cpu", *flags],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+
+
+def test_unknown_backend_is_refused_before_the_port_is_bound():
+    proc = _serve("--attention-backend", "no_such_backend")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2
+    assert "no_such_backend" in err and "serving on" not in err
+
+
+def test_a_failing_engine_turns_health_to_503_and_open_requests_to_500():
+    llm = LLM(loaded=shared_model(), device="cpu", max_total_tokens=1024, attention_backend="torch_native")
+    engine = llm.engine
+    real_forward = engine.runner.forward
+    broken = threading.Event()
+
+    def forward(batch):
+        if broken.is_set():
+            raise RuntimeError("device lost")
+        return real_forward(batch)
+
+    engine.runner.forward = forward
+    with running_server(llm) as (url, state):
+        ok = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True},
+                        timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        broken.set()
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
+        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and "device lost" in health.json()["error"]["message"]
+        again = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
+        assert again.status_code == 503  # refused at once, never hung
+
+
+def test_sigterm_during_a_stream_exits_cleanly():
+    proc = _serve("--max-total-tokens", "2048")
+    lines: list[str] = []
+    try:
+        port = None
+        for line in proc.stderr:
+            lines.append(line)
+            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port is not None, "".join(lines)
+        body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        proc.send_signal(signal.SIGTERM)  # mid-stream
+        assert events[-1] == "[DONE]"
+        finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if e.startswith("{")]
+        assert finishes[-1] == "length"  # the open stream was allowed to finish
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
