@@ -127,11 +127,11 @@ def _tokenizer_path(args, configs: list[ServerConfig]) -> str | None:
     if launched:
         return _flag_value(launched[0].flags, "--model", "--model-path")  # None: the embedded model
     info = _get_json(configs[0].url + "/server_info", args.api_key) or {}
-    model = info.get("model")
-    if isinstance(model, dict):
-        model = model.get("path") or model.get("source")
-    if isinstance(model, str) and Path(model).exists():
-        return model
+    if "model_path" in info and info["model_path"] is None:  # attnserve serve on its embedded model
+        return None
+    for model in (info.get("model_path"), info.get("model")):
+        if isinstance(model, str) and Path(model).exists():
+            return model
     raise ValueError(f"--url {configs[0].url}: cannot tell which tokenizer sizes the prompts; pass --tokenizer "
                      "PATH (the server's model directory or .gguf)")
 
