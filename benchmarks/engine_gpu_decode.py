@@ -101,7 +101,7 @@ def run_config(loaded, label: str, args, bw: float, wbytes: int, **engine_kw) ->
     total_s = time.perf_counter() - start
     st = engine.step_times
     full = [t for t, b in zip(st.decode, st.decode_batch) if b == args.requests]
-    bpt = engine.parts.pool.bytes_per_token
+    bpt = engine.parts.kv.pool.bytes_per_token
     # full-batch decode step k (k = 1..output_len-1) reads K/V of input_len + k tokens per request
     kv_bytes = [args.requests * (args.input_len + k) * bpt for k in range(1, args.output_len)]
     bound_s = [(wbytes + kv) / bw for kv in kv_bytes]
@@ -111,9 +111,9 @@ def run_config(loaded, label: str, args, bw: float, wbytes: int, **engine_kw) ->
     out = {
         "label": label,
         "engine_settings": {k: v for k, v in engine_kw.items()},
-        "prefill_backend": engine.parts.prefill_backend,
-        "decode_backend": engine.parts.decode_backend,
-        "cuda_graph_batch_sizes": engine.parts.graph_batch_sizes,
+        "prefill_backend": engine.parts.attention.prefill_backend,
+        "decode_backend": engine.parts.attention.decode_backend,
+        "cuda_graph_batch_sizes": engine.parts.graphs.batch_sizes,
         "startup_s": round(startup_s, 2),
         "total_s": round(total_s, 3),
         "output_tok_per_s": round(args.requests * args.output_len / total_s, 1),

@@ -12,6 +12,7 @@ from engine_helpers import make_engine, prompts
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
+from attnserve.engine.runner import ModelRunner
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.kvcache.allocator import PADDING_PAGE
 
@@ -92,12 +93,11 @@ def test_padded_replay_matches_eager_and_touches_only_the_padding_page():
     eager.run_until_done()
 
     e = make_engine(disable_radix_cache=True)
-    p = e.parts
-    backend = GraphableNative(p.pool)
-    e.runner.backend = backend
-    runner = CpuGraphRunner(p.model, backend, p.pool, p.req_pool, p.padding_row, [1, 2, 4, 8], p.device)
+    kv, device = e.parts.kv, e.parts.model.device
+    backend = GraphableNative(kv.pool)
+    runner = CpuGraphRunner(e.parts.model.module, backend, kv.pool, kv.req_pool, kv.padding_row, [1, 2, 4, 8], device)
     runner.capture()
-    e.runner.graph_runner = runner
+    e.runner = ModelRunner(e.parts.model.module, kv.pool, backend, kv.req_pool, device, graph_runner=runner)
     got = [e.add_request(q, sp) for q, sp in zip(ps, params)]
     e.run_until_done()
     assert e.runner.steps_graphed > 0
@@ -106,4 +106,4 @@ def test_padded_replay_matches_eager_and_touches_only_the_padding_page():
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     assert e.pages_leaked() == 0
     # padded rows wrote only slot 0 of the padding page; the padding row still points there
-    assert int(p.req_pool.req_to_token[p.padding_row].abs().sum()) == 0
+    assert int(kv.req_pool.req_to_token[kv.padding_row].abs().sum()) == 0

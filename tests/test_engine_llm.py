@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from engine_helpers import VOCAB, shared_model
+from engine_helpers import VOCAB, shared_model, tiny_llama
 
 from attnserve.engine.llm import LLM
 from attnserve.engine.sampling_params import SamplingParams
@@ -56,13 +56,30 @@ def test_stop_string_cuts_text_and_stream_never_shows_it(llm):
     assert "".join(e.text for e in events) == final.text
 
 
-def test_n_completions_and_seeds(llm):
-    p = SamplingParams(max_new_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
-    outs = llm.generate(["seeded"], p)
+@pytest.fixture(scope="module")
+def flat_llm():
+    """A model whose logits are all zero (its LM head is zeroed): every step's distribution is uniform."""
+    bundle = tiny_llama(seed=4, layers=1, hidden=32, heads=2, kv_heads=1)
+    with torch.no_grad():
+        bundle.model.lm_head.weight.zero_()
+    return LLM(loaded=bundle, device="cpu", max_total_tokens=512, attention_backend="torch_native")
+
+
+def test_n_completions_and_seeds(flat_llm):
+    """Identical logits every step, so a generator restarted per step would repeat its first token.
+
+    24 draws from 512 equally likely tokens are almost all distinct; the seeds make the check deterministic.
+    """
+    p = SamplingParams(max_new_tokens=24, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    outs = flat_llm.generate([[1, 2, 3]], p)
     assert [(o.index, o.completion) for o in outs] == [(0, 0), (0, 1), (0, 2)]
-    assert len({tuple(o.token_ids) for o in outs}) > 1  # different seeds, different samples
-    again = llm.generate(["noise", "seeded"], [SamplingParams(temperature=1.0, max_new_tokens=8), p])
-    assert [o.token_ids for o in again[1:]] == [o.token_ids for o in outs]
+    assert len({tuple(o.token_ids) for o in outs}) == 3  # different seeds, different samples
+    assert all(len(set(o.token_ids)) > len(o.token_ids) // 2 for o in outs)
+    # in a batch with other requests (sampled, seeded or not, finishing at other steps): the same tokens
+    others = [SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=6, max_new_tokens=7, ignore_eos=True)]
+    again = flat_llm.generate([[4, 5], [1, 2, 3], [6]], [others[0], p, others[1]])
+    assert [o.token_ids for o in again[1:4]] == [o.token_ids for o in outs]
 
 
 def test_closing_a_stream_early_aborts_and_frees(llm):
@@ -86,11 +103,11 @@ def test_chat_template_and_bad_input(llm):
 def test_chat_template_from_the_model_file_is_sandboxed(llm, monkeypatch):
     import jinja2
 
-    monkeypatch.setattr(llm.engine.parts, "chat_template", "{{ messages.__class__.__mro__ }}")
+    monkeypatch.setattr(llm.engine.parts.model, "chat_template", "{{ messages.__class__.__mro__ }}")
     with pytest.raises(jinja2.exceptions.SecurityError):
         llm.apply_chat_template("hi")
     # the helpers HF templates rely on are there too
-    monkeypatch.setattr(llm.engine.parts, "chat_template",
+    monkeypatch.setattr(llm.engine.parts.model, "chat_template",
                         "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
                         "{{ messages[0].content | tojson }}")
     assert llm.apply_chat_template("hi") == '"hi"'

@@ -49,4 +49,4 @@ def test_batched_chunked_preempted_match_one_at_a_time(name):
     e = _engine(bundle, page_size=4, max_total_tokens=64, chunked_prefill_size=12, disable_radix_cache=False)
     assert _outputs(e, PROMPTS) == alone
     assert e.scheduler.counters.preemptions > 0
-    assert e.parts.pool.is_mla == (name.startswith("deepseek"))
+    assert e.parts.kv.pool.is_mla == (name.startswith("deepseek"))

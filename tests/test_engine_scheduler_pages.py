@@ -94,3 +94,15 @@ def test_a_cache_that_over_promises_makes_requests_wait_not_crash(monkeypatch):
         _check_references(sched)
     assert running.finished and late.finished
     sched.check_leaks()
+
+
+def test_requests_with_equal_fields_are_distinct_in_the_scheduler():
+    """Requests compare by identity: membership checks are one pointer compare, and never confuse two."""
+    sched = _scheduler(21)
+    a, b = _request(0, [1, 2, 3], max_new=2), _request(0, [1, 2, 3], max_new=2)
+    b.arrival_time = a.arrival_time  # now every field is equal
+    sched.add(a)
+    assert a in sched.waiting and b not in sched.waiting
+    _step(sched)
+    assert a in sched.running and b not in sched.running
+    assert a != b and len({a, b}) == 2  # hashable by identity too

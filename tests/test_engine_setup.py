@@ -67,17 +67,47 @@ def test_cpu_engine_on_a_gpu_machine_checks_backends_against_the_cpu(monkeypatch
 
     monkeypatch.setattr(registry, "availability", spy)
     engine = make_engine(attention_backend=None)
-    assert engine.parts.prefill_backend == engine.parts.decode_backend == "torch_native"
+    assert engine.parts.attention.prefill_backend == engine.parts.attention.decode_backend == "torch_native"
     assert seen and set(seen) == {"cpu"}  # building the backend did not detect the (pretend) GPU again
 
 
+def _small(**kw) -> EngineConfig:
+    return EngineConfig(device="cpu", max_total_tokens=64, max_running_requests=2, attention_backend="torch_native",
+                        **kw)
+
+
 def test_dtype_names_are_the_loaders():
-    bundle = shared_model()
-    parts = build_parts(EngineConfig(device="cpu", dtype="half", max_total_tokens=64, max_running_requests=2,
-                                     attention_backend="torch_native"), loaded=bundle)
-    assert parts.dtype == torch.float32  # a bundle already loaded keeps its own dtype
+    bundle = shared_model()  # float32
+    for name in ("auto", "fp32", "float32"):
+        assert build_parts(_small(dtype=name), loaded=bundle).model.dtype == torch.float32
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
-        build_parts(EngineConfig(device="cpu", dtype="int3", max_total_tokens=64), loaded=bundle)
+        build_parts(_small(dtype="int3"), loaded=bundle)
+
+
+def test_an_explicit_dtype_the_model_does_not_have_is_an_error_not_ignored():
+    """dtype='half' with a float32 model already loaded cannot be honoured: say so, name both dtypes."""
+    with pytest.raises(ValueError, match=r"dtype 'half' \(float16\) cannot be honoured.*loaded float32"):
+        build_parts(_small(dtype="half"), loaded=shared_model())
+
+
+def test_an_explicit_dtype_is_what_the_loader_builds(tmp_path):
+    """Loading from a path honours the dtype asked for, and start-up says which it is."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    parts = build_parts(_small(model=str(tmp_path), dtype="half", random_weights=True))
+    assert parts.model.dtype == torch.float16
+    assert next(parts.model.module.parameters()).dtype == torch.float16
+    assert "dtype: float16" in "\n".join(parts.startup_lines)
+
+
+def test_setup_steps_hand_the_runner_its_graph_runner():
+    engine = make_engine()
+    assert engine.parts.graphs.runner is None and engine.parts.graphs.note == "off (CPU)"
+    assert engine.runner.graph_runner is engine.parts.graphs.runner
+    kv = engine.parts.kv
+    assert kv.req_pool.filled(kv.padding_row) == 0 and kv.max_context_len == engine.max_context_len
 
 
 def test_auto_dtype_is_fp32_on_the_cpu_and_the_checkpoints_on_a_gpu():

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from engine_runs import max_rel_err, run_engine
 
-from attnserve.models.driver import generate
 from attnserve.models.loader import load_model
 
 VOCAB = 96
@@ -112,16 +112,16 @@ def test_written_gguf_matches_transformers(arch, family, qtype, extra, tmp_path)
     assert lm.format == "gguf" and lm.tokenizer is None
     assert lm.config.tie_word_embeddings == extra["tie_word_embeddings"]
     prompt = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(1)).tolist()
-    gens, logits = generate(lm.model, [prompt], max_new_tokens=8, return_prefill_logits=True)
+    run, = run_engine(lm, [prompt], 8)
     hf.config._attn_implementation = "eager"
     with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
+        ref = hf(torch.tensor([prompt + run.token_ids[:-1]])).logits[0, len(prompt) - 1 :]  # [8, vocab]
         ids = torch.tensor([prompt])
         expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    rel = (logits - ref).abs().max() / ref.abs().max()
+    rel = max_rel_err(run.logits, ref)  # the prefill's and every decode step's
     assert rel < 1e-4, f"max relative error {rel:.2e}"
-    assert gens[0].token_ids == expected
+    assert run.token_ids == expected
 
 
 def _sentencepiece_gguf(path) -> None:

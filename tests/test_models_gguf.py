@@ -14,8 +14,9 @@ import accelerate  # noqa: F401  (transformers needs it to load GGUF files)
 import pytest
 import torch
 import transformers
+from engine_runs import max_rel_err, run_engine
 
-from attnserve.models.driver import generate
+from attnserve.engine.sampling_params import SamplingParams
 from attnserve.models.loader import embedded_model_path, load_model
 
 log = logging.getLogger(__name__)
@@ -80,18 +81,24 @@ def test_chat_template_renders_the_same(ours, reference):
             assert ours.tokenizer.apply_chat_template(messages, add_generation_prompt=gen_prompt) == expected
 
 
-def test_greedy_continuations_match(ours, reference):
+def test_engine_greedy_continuations_and_logits_match(ours, reference):
+    """The engine (EOS on) continues each prompt as transformers' generate does, from the same logits."""
     tok, model = reference
     prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
-    gens = generate(ours.model, prompts, max_new_tokens=NEW_TOKENS, eos_token_ids=ours.eos_token_ids)
-    for prompt, g in zip(prompts, gens):
+    runs = run_engine(ours, prompts, NEW_TOKENS, params=SamplingParams(max_new_tokens=NEW_TOKENS))
+    for prompt, run in zip(prompts, runs):
         with torch.no_grad():
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
                                  eos_token_id=ours.eos_token_ids, pad_token_id=ours.eos_token_ids[0])
+            # [len(run), vocab]: transformers' logits where each of our tokens was sampled
+            ref = model(torch.tensor([prompt + run.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
         expected = out[0, len(prompt):].tolist()
-        assert g.token_ids == expected, f"{tok.decode(prompt)!r}: {tok.decode(g.token_ids)!r} != {tok.decode(expected)!r}"
-        assert g.finish_reason == ("stop" if expected[-1] in ours.eos_token_ids else "length")
+        assert run.token_ids == expected, \
+            f"{tok.decode(prompt)!r}: {tok.decode(run.token_ids)!r} != {tok.decode(expected)!r}"
+        assert run.finish_reason == ("stop" if expected[-1] in ours.eos_token_ids else "length")
+        rel = max_rel_err(run.logits, ref)
+        assert rel < 1e-4, f"{tok.decode(prompt)!r}: logits differ, max relative error {rel:.2e}"
 
 
 def test_hf_directory_tokenizer_and_template(ours, reference, tmp_path):

@@ -1,9 +1,11 @@
-"""Models against transformers on tiny random checkpoints (CPU, float32).
+"""The engine against transformers on tiny random checkpoints (CPU, float32).
 
 Each architecture is built with transformers from a small config, given random
 norms and biases (so nothing that should be loaded can silently stay at its
-init), saved as safetensors and loaded by attnserve. Prefill logits must match to
-1e-4 relative, and greedy continuations must be identical token for token.
+init), saved as safetensors, loaded by attnserve and run by the engine itself
+(scheduler, paged KV cache, sampler). The logits every step sampled from (the
+prefill's, then each decode step's) must match transformers' to 1e-4 relative,
+and the greedy tokens must be transformers' token for token.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from engine_runs import max_rel_err, run_engine
 
-from attnserve.models.driver import generate
 from attnserve.models.loader import load_model
 
 VOCAB = 160
@@ -96,39 +98,29 @@ def _build(case: str, tmp_path_factory) -> tuple[torch.nn.Module, str]:
     return hf, str(out)
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = hf(ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return ids[0, len(prompt):].tolist()
-
-
 def _prompts(seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (13, 5)]
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_prefill_logits_and_greedy_match_transformers(case, tmp_path_factory):
+def test_engine_logits_and_greedy_match_transformers(case, tmp_path_factory):
     hf, path = _build(case, tmp_path_factory)
     lm = load_model(path, dtype=torch.float32)
     assert lm.format == "hf" and lm.config.architecture == f"{CASES[case][0]}ForCausalLM"
     prompts = _prompts(seed=len(case))
     page_size = 4 if case.startswith(("deepseek-v2", "mistral")) else 1  # pages that split requests unevenly
-    gens, logits = generate(lm.model, prompts, max_new_tokens=NEW_TOKENS, return_prefill_logits=True,
-                            page_size=page_size)
-    start = 0
-    for prompt, g in zip(prompts, gens):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0]  # [len, vocab]
-        ours = logits[start : start + len(prompt)]
-        start += len(prompt)
-        rel = (ours - ref).abs().max() / ref.abs().max()
+    runs = run_engine(lm, prompts, NEW_TOKENS, page_size=page_size)
+    for prompt, run in zip(prompts, runs):
+        with torch.no_grad():  # transformers on the same tokens: [NEW_TOKENS, vocab] at the sampled positions
+            ref = hf(torch.tensor([prompt + run.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
+        rel = max_rel_err(run.logits[0], ref[0])
         assert rel < 1e-4, f"{case}: prefill logits differ, max relative error {rel:.2e}"
-        assert g.token_ids == _hf_greedy(hf, prompt, NEW_TOKENS), f"{case}: greedy continuation differs"
-        assert g.finish_reason == "length"
+        rel = max_rel_err(run.logits[1:], ref[1:])
+        assert rel < 1e-4, f"{case}: decode logits differ, max relative error {rel:.2e}"
+        # transformers' greedy choice at every position is our token, so its greedy run is ours
+        assert run.token_ids == ref.argmax(-1).tolist(), f"{case}: greedy continuation differs"
+        assert run.finish_reason == "length" and len(run.token_ids) == NEW_TOKENS
 
 
 def test_kv_cache_spec_describes_the_pool(tmp_path_factory):
@@ -146,7 +138,6 @@ def test_logits_indices_select_rows(tmp_path_factory):
     _, path = _build("qwen3-qk-norm", tmp_path_factory)
     lm = load_model(path)
     prompts = _prompts(seed=3)
-    _, full = generate(lm.model, prompts, max_new_tokens=1, return_prefill_logits=True)
     from attnserve.attention.base import ForwardBatch, ForwardMode
     from attnserve.attention.registry import create_backend
 
@@ -163,6 +154,7 @@ def test_logits_indices_select_rows(tmp_path_factory):
     ids = torch.tensor([t for p in prompts for t in p])
     last = torch.tensor([12, 17])
     with torch.no_grad():
+        full = lm.model(ids, fb.positions, fb)  # [18, vocab]: every position
         picked = lm.model(ids, fb.positions, fb, logits_indices=last)
     assert picked.shape == (2, VOCAB)
     torch.testing.assert_close(picked, full[last], rtol=1e-5, atol=1e-5)
@@ -204,11 +196,13 @@ def test_dynamic_ntk_rope_past_the_trained_context(tmp_path):
     lm = load_model(tmp_path, dtype=torch.float32)
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 21)]
     for prompt in prompts:
-        gens, logits = generate(lm.model, [prompt], max_new_tokens=10, return_prefill_logits=True)
+        # one at a time: batched requests share the RoPE base of the batch's longest (see RotaryEmbedding)
+        run, = run_engine(lm, [prompt], 10, max_context_len=64)  # past the trained 16 positions
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            ref = hf(ids).logits[0]
+            ref = hf(ids).logits[0, -1]  # [vocab]
+            # transformers' incremental generate, whose RoPE base changes with the length reached
             expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert (logits - ref).abs().max() / ref.abs().max() < 1e-4
-        assert gens[0].token_ids == expected
+        assert max_rel_err(run.logits[0], ref) < 1e-4
+        assert run.token_ids == expected

@@ -180,11 +180,16 @@ def test_req_to_token_rows():
     assert {r0, r1} == {0, 1}
     with pytest.raises(RuntimeError):
         table.alloc()
-    table.write(r1, 2, torch.tensor([9, 8, 7]))
-    assert table.req_to_token[r1, 2:5].tolist() == [9, 8, 7]
+    table.extend([r1, r0], [[9, 8], [5]])
+    table.extend([r1], [[7]])  # appended after what the row holds
+    assert table.req_to_token[r1].tolist() == [9, 8, 7, 0, 0, 0] and table.filled(r1) == 3
     with pytest.raises(ValueError, match="max_context_len"):
-        table.write(r1, 4, torch.tensor([1, 2, 3]))
-    assert table.req_to_token[r1].tolist() == [0, 0, 9, 8, 7, 0]  # the refused write left nothing
+        table.extend([r0, r1], [[4], [1, 2, 3, 4]])
+    # the refused write left nothing, in either row
+    assert table.req_to_token[r1].tolist() == [9, 8, 7, 0, 0, 0] and table.filled(r1) == 3
+    assert table.req_to_token[r0].tolist() == [5, 0, 0, 0, 0, 0] and table.filled(r0) == 1
+    table.free(r1)
+    assert table.alloc() == r1 and table.filled(r1) == 0  # a reused row starts empty
     table.free(r0)
     with pytest.raises(ValueError, match="not allocated"):
         table.free(r0)

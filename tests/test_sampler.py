@@ -39,18 +39,38 @@ def test_min_p_drops_tokens_below_fraction_of_peak():
 
 def test_seeded_requests_reproduce_regardless_of_batch():
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(4, 200, generator=g)
+    logits = torch.randn(4, 200, generator=g) * 0.1  # [4, 200], nearly flat: each draw could be almost any token
     seeded = SamplingParams(temperature=1.0, seed=42)
     other = SamplingParams(temperature=0.7)
-    alone = [Sampler().sample(logits[2:3], [7], [seeded])[0] for _ in range(1)]
+    other_seeded = SamplingParams(temperature=1.0, seed=43)
+    alone_sampler = Sampler()
+    alone = [alone_sampler.sample(logits[2:3], [7], [seeded])[0] for _ in range(12)]
+    # in a batch whose other rows change every step, the seeded row draws what it drew alone, step by step
     s = Sampler(seed=123)
-    batch = s.sample(logits, [1, 2, 7, 9], [other, other, seeded, other])
-    assert batch[2] == alone[0]
-    # the next draw continues the same stream
-    a, b = Sampler(), Sampler(seed=5)
-    seq_a = [a.sample(logits[:1], [0], [seeded])[0] for _ in range(8)]
-    seq_b = [b.sample(logits[:1], [0], [seeded])[0] for _ in range(8)]
-    assert seq_a == seq_b
+    batched = []
+    for step in range(12):
+        rids, params = ([1, 2, 7, 9], [other, other_seeded, seeded, other]) if step % 2 else ([7], [seeded])
+        rows = logits if step % 2 else logits[2:3]
+        batched.append(s.sample(rows, rids, params)[rids.index(7)])
+    assert batched == alone
+    # a restarted generator would redraw its first token every step
+    assert len(set(alone)) > 1
+
+
+def test_a_seeded_request_keeps_one_stream_across_steps():
+    """The same logits every step: a request's draws follow the distribution, as one stream of noise does.
+
+    A generator restarted each step (from the request's seed) would draw the same token every time.
+    """
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    s = Sampler()
+    p = SamplingParams(temperature=1.0, seed=9)
+    draws = [s.sample(logits, [0], [p])[0] for _ in range(3000)]
+    freq = [draws.count(i) / len(draws) for i in range(3)]
+    assert freq == pytest.approx([0.7, 0.2, 0.1], abs=0.04)
+    # and the stream is the request's own: a second sampler replays it exactly
+    again = Sampler(seed=77)
+    assert [again.sample(logits, [5], [p])[0] for _ in range(3000)] == draws
 
 
 def test_sampling_follows_the_distribution():

@@ -119,6 +119,6 @@ def _totals(llm, outputs, elapsed: float) -> dict:
         "cached_tokens": stats["cache"].get("hit_tokens", 0),
         "preemptions": stats["preemptions"],
         "pages_leaked": llm.engine.pages_leaked(),
-        "attention_backend": {"prefill": llm.engine.parts.prefill_backend,
-                              "decode": llm.engine.parts.decode_backend},
+        "attention_backend": {"prefill": llm.engine.parts.attention.prefill_backend,
+                              "decode": llm.engine.parts.attention.decode_backend},
     }

@@ -55,22 +55,23 @@ class Engine:
         self.config = config
         self.parts: EngineParts = build_parts(config, loaded)
         p = self.parts
-        self.tokenizer = p.tokenizer
-        self.eos_token_ids = set(p.eos_token_ids)
-        self.max_context_len = p.req_pool.max_context_len
+        self.tokenizer = p.model.tokenizer
+        self.eos_token_ids = set(p.model.eos_token_ids)
+        self.vocab_size = p.model.vocab_size
+        self.max_context_len = p.kv.max_context_len
         self.scheduler = Scheduler(
             SchedulerConfig(
-                page_size=p.pool.page_size,
+                page_size=p.kv.pool.page_size,
                 chunked_prefill_size=config.chunked_prefill_size,
                 max_prefill_tokens=config.max_prefill_tokens,
                 disable_radix_cache=config.disable_radix_cache,
             ),
-            p.allocator,
-            p.req_pool,
+            p.kv.allocator,
+            p.kv.req_pool,
         )
-        self.runner = ModelRunner(p.model, p.pool, p.backend, p.req_pool, p.device)
-        self.runner.graph_runner = p.graph_runner
-        self.sampler = Sampler(p.device, seed=config.seed)
+        self.runner = ModelRunner(p.model.module, p.kv.pool, p.backend, p.kv.req_pool, p.model.device,
+                                  graph_runner=p.graphs.runner)
+        self.sampler = Sampler(p.model.device, seed=config.seed)
         self.requests: dict[int, Request] = {}
         self.step_times = StepTimes()
         self._rids = itertools.count()
@@ -87,7 +88,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
         params.validate()
-        vocab = getattr(self.parts, "vocab_size", None)
+        vocab = self.vocab_size
         params.check_vocab(vocab)
         if params.n != 1:
             raise ValueError(f"SamplingParams.n={params.n}: the engine takes one completion per request; "
@@ -239,7 +240,7 @@ class Engine:
         return {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
-            "kv_cache": {"page_size": self.parts.pool.page_size, "pages_total": alloc.total,
+            "kv_cache": {"page_size": self.parts.kv.pool.page_size, "pages_total": alloc.total,
                          "pages_free": alloc.num_free, "pages_cached": cached,
                          "pages_in_use": alloc.num_used - cached},
             "prefix_cache": self.cache_stats(),
@@ -266,4 +267,4 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        return self.parts.device
+        return self.parts.model.device

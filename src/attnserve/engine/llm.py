@@ -30,7 +30,7 @@ class LLM:
 
     def apply_chat_template(self, prompt: str | list[dict], system: str | None = None) -> str:
         """Render one user message (or a message list) with the model's chat template."""
-        template = self.engine.parts.chat_template or getattr(self.tokenizer, "chat_template", None)
+        template = self.engine.parts.model.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ValueError("this model has no chat template; drop --chat")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)

@@ -3,6 +3,8 @@
 All per-step index arithmetic (slots, positions, the request->slot table rows
 to write) is done on the host from the requests' page lists, then moved to the
 device in a few copies; the backend plans once per step, outside any graph.
+The runner reads requests and never writes them: how much of each table row is
+written is the request->slot pool's bookkeeping.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import numpy as np
 import torch
 
 from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from attnserve.engine.cuda_graph import CudaGraphRunner
 from attnserve.engine.scheduler import ScheduleBatch
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool
 
@@ -23,14 +26,16 @@ class ModelRunner:
         backend: AttentionBackend,
         req_pool: ReqToTokenPool,
         device: str | torch.device,
+        graph_runner: CudaGraphRunner | None = None,
     ):
+        """`graph_runner`: captured decode graphs to replay for the batch sizes it holds (None: always eager)."""
         self.model = model
         self.pool = pool
         self.backend = backend
         self.req_pool = req_pool
         self.device = torch.device(device)
         self.page_size = pool.page_size
-        self.graph_runner = None  # set by the engine when decode CUDA graphs are captured
+        self.graph_runner = graph_runner
         self.steps_graphed = 0
         self.steps_eager = 0
 
@@ -51,15 +56,14 @@ class ModelRunner:
 
     def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
         ids, positions, out_loc = [], [], []
-        table_rows, table_pos, table_slots = [], [], []
+        table_rows, table_slots = [], []
         for r, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             end = prefix + ext
-            slots = self._slots(r.pages, r.table_len, end)  # [end - table_len]
-            table_rows.append(np.full(slots.size, r.row, dtype=np.int64))
-            table_pos.append(np.arange(r.table_len, end, dtype=np.int64))
+            filled = self.req_pool.filled(r.row)  # below prefix only when a cached prefix was just matched
+            slots = self._slots(r.pages, filled, end)  # [end - filled]
+            table_rows.append(r.row)
             table_slots.append(slots)
-            out_loc.append(slots[prefix - r.table_len :])
-            r.table_len = end
+            out_loc.append(slots[prefix - filled :])
             ids.append(np.asarray(r.tokens(prefix, end), dtype=np.int64))
             positions.append(np.arange(prefix, end, dtype=np.int64))
         dev = self.device
@@ -68,8 +72,7 @@ class ModelRunner:
             return torch.from_numpy(np.concatenate(parts)).to(dev, dtype)
 
         # write the new tokens' slots (and a newly admitted request's cached prefix) into its row
-        rows_t, pos_t = to_dev(table_rows), to_dev(table_pos)
-        self.req_pool.req_to_token[rows_t, pos_t] = to_dev(table_slots, torch.int32)
+        self.req_pool.extend(table_rows, table_slots)
 
         seq_lens_cpu = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
         input_ids = to_dev(ids)  # [T]

@@ -158,7 +158,7 @@ class Scheduler:
             self.tree.insert(req.fill_ids[: req.kv_len], req.pages)
         self.allocator.free(req.pages)
         self.req_pool.free(req.row)
-        req.pages, req.row, req.kv_len, req.table_len = [], None, 0, 0
+        req.pages, req.row, req.kv_len = [], None, 0
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduleBatch | None:
@@ -279,7 +279,6 @@ class Scheduler:
             st.hit_tokens += len(cached) * self.page_size
         req.cached_len = len(cached) * self.page_size
         req.row = row
-        req.table_len = 0
         req.status = RequestStatus.RUNNING
         req.admit_order = next(self._admissions)
         self.running.append(req)

@@ -1,4 +1,11 @@
-"""Engine start-up: load the model, resolve the attention backend, size the KV pool, capture graphs.
+"""Engine start-up: load the model, choose the attention backends, size the KV cache, capture graphs.
+
+Each step is a function with a small typed result, and `build_parts` runs them in order:
+
+    load_model_setup  -> ModelSetup      the model, its tokenizer and dtype
+    choose_attention  -> AttentionChoice what `attnserve select` would pick for this model and device
+    size_kv_cache     -> KVCacheSetup    the KV pool, its page allocator and the request->slot table
+    build_graphs      -> GraphSetup      decode CUDA graphs (or why there are none)
 
 Everything decided here is logged once at start-up (model, device, dtype, pool
 size in tokens and GB, page size, the backends and why, CUDA-graph sizes), so a
@@ -10,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,27 +33,60 @@ MAX_DEFAULT_CONTEXT = 32768
 
 
 @dataclass
-class EngineParts:
-    model: torch.nn.Module
+class ModelSetup:
+    """The model as loaded, with what the engine needs from its bundle."""
+
+    module: torch.nn.Module
     tokenizer: object | None
     eos_token_ids: list[int]
     chat_template: str | None
     device: torch.device
     dtype: torch.dtype
+    vocab_size: int | None
+    name: str  # for the start-up log
+    load_seconds: float
+    bundle: object  # as the loader returned it (hf_config, source, ...)
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The selection's decision for this model on this device."""
+
+    prefill_backend: str
+    decode_backend: str
+    page_size: int
+    kv_dtype: str
+    trace: list[str]  # why, one line per decision
+    graph_capturable: bool  # the selection allows capturing decode in CUDA graphs
+    selection: object  # the full selection result, which builds the backend
+    hardware: object
+
+
+@dataclass(frozen=True)
+class KVCacheSetup:
     pool: KVPool
     allocator: PageAllocator
     req_pool: ReqToTokenPool
-    padding_row: int
-    backend: object
-    prefill_backend: str
-    decode_backend: str
-    selection_trace: list[str] = field(default_factory=list)
-    graph_runner: object | None = None
-    graph_batch_sizes: list[int] = field(default_factory=list)
-    vocab_size: int | None = None
-    model_name: str = ""
-    loaded: object | None = None
-    startup_lines: list[str] = field(default_factory=list)
+    padding_row: int  # request->slot row of all zeros, for padded CUDA-graph rows
+    max_context_len: int
+    bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class GraphSetup:
+    runner: object | None  # a captured CudaGraphRunner, or None when decode runs eagerly
+    batch_sizes: list[int]
+    note: str  # the start-up log's "CUDA graphs:" line
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    model: ModelSetup
+    attention: AttentionChoice
+    backend: object  # the attention backend built from `attention` over `kv.pool`
+    kv: KVCacheSetup
+    graphs: GraphSetup
+    startup_lines: list[str]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -157,74 +197,114 @@ def _pool_tokens(config: EngineConfig, bytes_per_token: int, device: torch.devic
     return max(1, min(tokens, max_tokens_needed))
 
 
-def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
+def load_model_setup(config: EngineConfig, loaded=None) -> ModelSetup:
+    """Load `config.model` (or take the bundle already loaded) and check the dtype asked for is the one it has."""
     t0 = time.perf_counter()
-    from attnserve.attention.hybrid import build_backend
     from attnserve.models.loader import resolve_dtype
 
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)  # a bad name fails before any loading
+    requested = resolve_dtype(config.dtype, device)  # a bad name fails before any loading
+    given = loaded is not None
     if loaded is None:
         loaded = load_bundle(config, device)
     model = loaded.model
-    dtype = _loaded_dtype(loaded, dtype)
-    load_s = time.perf_counter() - t0
-    spec = model.kv_cache_spec()
-    kv_dtype = canonical_kv_dtype(dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
-
-    hw = hardware_for(device)
-    selection = _select(config, selection_traits(loaded, spec), kv_dtype, hw)
-    prefill, decode, page_size = selection.prefill_backend, selection.decode_backend, selection.page_size
-    trace, graph_ok = [str(e) for e in selection.trace], selection.cuda_graph
-
-    model_ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
-    max_ctx = config.max_context_len or min(int(model_ctx), MAX_DEFAULT_CONTEXT)
-    bpt = spec.bytes_per_token(dtype_bytes(kv_dtype))
-    tokens = _pool_tokens(config, bpt, device, config.max_running_requests * max_ctx)
-    num_pages = max(2, -(-tokens // page_size) + 1)  # + the padding page
-    pool = spec.make_pool(num_pages, page_size, dtype=kv_dtype, device=device)
-    allocator = PageAllocator(num_pages)
-    req_pool = ReqToTokenPool(config.max_running_requests + 1, max_ctx, device=device)
-    padding_row = req_pool.alloc()  # all zeros: every slot is slot 0 of the padding page
-    backend = build_backend(selection, pool, hw)
-
-    parts = EngineParts(
-        model=model, tokenizer=getattr(loaded, "tokenizer", None),
+    dtype = _loaded_dtype(loaded, requested)
+    if config.dtype != "auto" and dtype != requested:
+        where = "the model passed in was already loaded" if given else "the loader gave"
+        raise ValueError(f"dtype {config.dtype!r} ({_dtype_name(requested)}) cannot be honoured: {where} "
+                         f"{_dtype_name(dtype)}; load it as {_dtype_name(requested)}, or pass dtype='auto'")
+    name = str(getattr(loaded, "source", None) or getattr(loaded, "name", None) or config.model
+               or "embedded SmolLM2-135M-Instruct")
+    return ModelSetup(
+        module=model, tokenizer=getattr(loaded, "tokenizer", None),
         eos_token_ids=list(getattr(loaded, "eos_token_ids", []) or []),
-        chat_template=getattr(loaded, "chat_template", None), device=device, dtype=dtype, pool=pool,
-        allocator=allocator, req_pool=req_pool, padding_row=padding_row, backend=backend,
-        prefill_backend=prefill, decode_backend=decode, selection_trace=trace,
+        chat_template=getattr(loaded, "chat_template", None), device=device, dtype=dtype,
         vocab_size=getattr(getattr(model, "config", None), "vocab_size", None),
-        model_name=str(getattr(loaded, "source", None) or getattr(loaded, "name", None) or config.model
-                       or "embedded SmolLM2-135M-Instruct")
-        + ("  [RANDOM WEIGHTS]" if getattr(loaded, "random_weights", False) else ""),
-        loaded=loaded,
+        name=name + ("  [RANDOM WEIGHTS]" if getattr(loaded, "random_weights", False) else ""),
+        load_seconds=time.perf_counter() - t0, bundle=loaded,
     )
-    graph_note = "off (CPU)" if device.type != "cuda" else "off (--disable-cuda-graph)"
-    if device.type == "cuda" and not config.disable_cuda_graph:
-        if not graph_ok or not backend.features.cuda_graph:
-            graph_note = f"off ({decode} cannot be captured; decode runs eagerly)"
-        else:
-            from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
 
-            max_bs = min(config.cuda_graph_max_bs or 128, config.max_running_requests)
-            sizes = default_batch_sizes(max_bs)
-            runner = CudaGraphRunner(model, backend, pool, req_pool, padding_row, sizes, device)
-            secs = runner.capture()
-            parts.graph_runner, parts.graph_batch_sizes = runner, sizes
-            graph_note = f"batch sizes {sizes} (captured in {secs:.1f} s)"
-    pool_gb = num_pages * page_size * bpt / 1e9
-    parts.startup_lines = [
-        f"model: {parts.model_name} ({type(model).__name__}, load {load_s:.1f} s)",
-        f"device: {device}   dtype: {str(dtype).replace('torch.', '')}   KV dtype: {kv_dtype}",
-        (f"KV pool: {(num_pages - 1) * page_size} tokens, {pool_gb:.2f} GB, page size {page_size}, "
-        f"{spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} dim"),
-        f"attention: prefill {prefill}, decode {decode}",
-        *[f"  {line}" for line in trace],
-        f"CUDA graphs: {graph_note}",
-        (f"scheduler: max running {config.max_running_requests}, context {max_ctx}, chunked prefill "
-        f"{config.chunked_prefill_size or 'off'}, radix cache {'off' if config.disable_radix_cache else 'on'}"),
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def choose_attention(config: EngineConfig, model: ModelSetup) -> AttentionChoice:
+    """Decide the backends as `attnserve select` would, on the device the engine was told to use."""
+    kv_dtype = canonical_kv_dtype(model.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
+    hw = hardware_for(model.device)
+    traits = selection_traits(model.bundle, model.module.kv_cache_spec())
+    selection = _select(config, traits, kv_dtype, hw)
+    return AttentionChoice(
+        prefill_backend=selection.prefill_backend, decode_backend=selection.decode_backend,
+        page_size=selection.page_size, kv_dtype=kv_dtype, trace=[str(e) for e in selection.trace],
+        graph_capturable=selection.cuda_graph, selection=selection, hardware=hw,
+    )
+
+
+def size_kv_cache(config: EngineConfig, model: ModelSetup, attention: AttentionChoice) -> KVCacheSetup:
+    """The KV pool (from the memory left, or --max-total-tokens), its allocator and the request->slot table."""
+    spec = model.module.kv_cache_spec()
+    page_size = attention.page_size
+    model_ctx = getattr(getattr(model.module, "config", None), "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
+    max_ctx = config.max_context_len or min(int(model_ctx), MAX_DEFAULT_CONTEXT)
+    bpt = spec.bytes_per_token(dtype_bytes(attention.kv_dtype))
+    tokens = _pool_tokens(config, bpt, model.device, config.max_running_requests * max_ctx)
+    num_pages = max(2, -(-tokens // page_size) + 1)  # + the padding page
+    pool = spec.make_pool(num_pages, page_size, dtype=attention.kv_dtype, device=model.device)
+    req_pool = ReqToTokenPool(config.max_running_requests + 1, max_ctx, device=model.device)
+    padding_row = req_pool.alloc()  # all zeros: every slot is slot 0 of the padding page
+    return KVCacheSetup(pool=pool, allocator=PageAllocator(num_pages), req_pool=req_pool, padding_row=padding_row,
+                        max_context_len=max_ctx, bytes_per_token=bpt)
+
+
+def build_graphs(config: EngineConfig, model: ModelSetup, attention: AttentionChoice, backend,
+                 kv: KVCacheSetup) -> GraphSetup:
+    """Capture decode CUDA graphs when on CUDA, allowed, and the decode backend can be captured."""
+    if model.device.type != "cuda":
+        return GraphSetup(None, [], "off (CPU)")
+    if config.disable_cuda_graph:
+        return GraphSetup(None, [], "off (--disable-cuda-graph)")
+    if not attention.graph_capturable or not backend.features.cuda_graph:
+        return GraphSetup(None, [], f"off ({attention.decode_backend} cannot be captured; decode runs eagerly)")
+    from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
+
+    max_bs = min(config.cuda_graph_max_bs or 128, config.max_running_requests)
+    sizes = default_batch_sizes(max_bs)
+    runner = CudaGraphRunner(model.module, backend, kv.pool, kv.req_pool, kv.padding_row, sizes, model.device)
+    secs = runner.capture()
+    return GraphSetup(runner, sizes, f"batch sizes {sizes} (captured in {secs:.1f} s)")
+
+
+def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionChoice, kv: KVCacheSetup,
+                  graphs: GraphSetup) -> list[str]:
+    """What the engine runs, in the words the start-up log prints."""
+    spec = model.module.kv_cache_spec()
+    pool = kv.pool
+    pool_gb = pool.num_pages * pool.page_size * kv.bytes_per_token / 1e9
+    return [
+        f"model: {model.name} ({type(model.module).__name__}, load {model.load_seconds:.1f} s)",
+        f"device: {model.device}   dtype: {_dtype_name(model.dtype)}   KV dtype: {attention.kv_dtype}",
+        (f"KV pool: {(pool.num_pages - 1) * pool.page_size} tokens, {pool_gb:.2f} GB, page size {pool.page_size}, "
+         f"{spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} dim"),
+        f"attention: prefill {attention.prefill_backend}, decode {attention.decode_backend}",
+        *[f"  {line}" for line in attention.trace],
+        f"CUDA graphs: {graphs.note}",
+        (f"scheduler: max running {config.max_running_requests}, context {kv.max_context_len}, chunked prefill "
+         f"{config.chunked_prefill_size or 'off'}, radix cache {'off' if config.disable_radix_cache else 'on'}"),
     ]
-    for line in parts.startup_lines:
+
+
+def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
+    """Every start-up step in order; logs what was decided."""
+    from attnserve.attention.hybrid import build_backend
+
+    model = load_model_setup(config, loaded)
+    attention = choose_attention(config, model)
+    kv = size_kv_cache(config, model, attention)
+    backend = build_backend(attention.selection, kv.pool, attention.hardware)
+    graphs = build_graphs(config, model, attention, backend, kv)
+    lines = startup_lines(config, model, attention, kv, graphs)
+    for line in lines:
         log.info(line)
-    return parts
+    return EngineParts(model=model, attention=attention, backend=backend, kv=kv, graphs=graphs, startup_lines=lines)

@@ -8,6 +8,7 @@ multiply by the layer's scale.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attnserve.kvcache.dtypes import FP8_DTYPES, parse_kv_dtype
@@ -19,7 +20,11 @@ def check_page_size(page_size: int) -> None:
 
 
 class ReqToTokenPool:
-    """Row per live request; row[i] is the slot of the request's i-th token."""
+    """Row per live request; row[i] is the slot of the request's i-th token.
+
+    The pool is the one owner of the table's bookkeeping: it knows how many entries of each row are
+    written (`filled`), so the runner appends a step's new slots without tracking that on the request.
+    """
 
     def __init__(self, max_reqs: int, max_context_len: int, device: str | torch.device = "cpu"):
         if max_reqs < 1 or max_context_len < 1:
@@ -28,6 +33,7 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         self._free_rows = list(range(max_reqs - 1, -1, -1))
+        self._filled = [0] * max_reqs  # entries of each row written so far, from position 0
 
     @property
     def num_free(self) -> int:
@@ -36,18 +42,42 @@ class ReqToTokenPool:
     def alloc(self) -> int:
         if not self._free_rows:
             raise RuntimeError(f"all {self.max_reqs} request rows are in use")
-        return self._free_rows.pop()
+        row = self._free_rows.pop()
+        self._filled[row] = 0
+        return row
 
     def free(self, row: int) -> None:
         if not 0 <= row < self.max_reqs or row in self._free_rows:
             raise ValueError(f"request row {row} is not allocated")
+        self._filled[row] = 0
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        end = start + slots.numel()
-        if end > self.max_context_len:
-            raise ValueError(f"request row {row}: {end} tokens exceed max_context_len {self.max_context_len}")
-        self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, torch.int32)
+    def filled(self, row: int) -> int:
+        """How many leading entries of `row` hold slots (the next write starts there)."""
+        return self._filled[row]
+
+    def extend(self, rows: list[int], slots: list[np.ndarray]) -> None:
+        """Append `slots[i]` to row `rows[i]` after the entries it holds, for a whole batch in one copy.
+
+        Checked before anything is written: a row that would pass max_context_len leaves the table as it was.
+        """
+        if len(rows) != len(slots):
+            raise ValueError(f"{len(rows)} rows but {len(slots)} slot lists")
+        counts = [len(s) for s in slots]
+        starts = [self._filled[r] for r in rows]
+        for row, start, n in zip(rows, starts, counts):
+            if start + n > self.max_context_len:
+                raise ValueError(f"request row {row}: {start + n} tokens exceed max_context_len {self.max_context_len}")
+        if not sum(counts):
+            return
+        dev = self.req_to_token.device
+        row_idx = np.repeat(np.asarray(rows, dtype=np.int64), counts)  # [total new entries]
+        pos_idx = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, counts)])
+        values = np.concatenate([np.asarray(s, dtype=np.int64) for s in slots])  # [total new entries]
+        self.req_to_token[torch.from_numpy(row_idx).to(dev), torch.from_numpy(pos_idx).to(dev)] = \
+            torch.from_numpy(values).to(dev, torch.int32)
+        for row, start, n in zip(rows, starts, counts):
+            self._filled[row] = start + n
 
 
 class KVPool:
