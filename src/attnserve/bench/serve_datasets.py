@@ -8,6 +8,7 @@ is re-encoded until text and ids agree; the length recorded is the re-encoded on
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +25,10 @@ class BenchRequest:
     output_len: int  # max_tokens asked for (exact with ignore_eos)
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(path: str | None):
-    """The attnserve Tokenizer of an HF model directory or a .gguf file (None: the embedded model)."""
+    """The attnserve Tokenizer of an HF model directory or a .gguf file (None: the embedded model).
+    Cached: reading a GGUF file's vocabulary takes seconds, and a process may sweep several times."""
     from attnserve.models.loader import embedded_model_path
     from attnserve.models.tokenizer import Tokenizer
 
