@@ -18,6 +18,12 @@
 set -u
 OUT=${OUT:-out}
 MODEL_DIR=${MODEL_DIR:-/tmp/llama3-8b-random}
+# knobs for a smoke run of this script on a CPU (defaults are the H200 run):
+#   PEER_DEVICE=cpu MODEL_ARGS=--tiny IN_LEN=64 OUT_LEN=8 OUT=/tmp/smoke benchmarks/serve_h200.sh
+PEER_DEVICE=${PEER_DEVICE:-cuda}
+MODEL_ARGS=${MODEL_ARGS:-}
+IN_LEN=${IN_LEN:-1024}
+OUT_LEN=${OUT_LEN:-256}
 BUDGET_S=${BUDGET_S:-540}          # the whole script, leaving a minute of the 10 for start-up and transfers
 START=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
@@ -28,7 +34,7 @@ export MAX_JOBS=16
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/smi.txt" 2>&1
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/logs/pip.log" 2>&1
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  export PYTHONPATH=src:/tmp/site${PYTHONPATH#src}
 fi
 python3 -m pip list 2>/dev/null | grep -i -E "^(torch|triton|transformers|flashinfer-python|fastapi|uvicorn|aiohttp|openai) " \
   > "$OUT/versions.txt"
@@ -37,22 +43,22 @@ python3 benchmarks/warm_flashinfer.py "decode tensor cores" > "$OUT/logs/warm-fl
 WARM_PID=$!
 
 echo "[$(left) s left] model directory"
-timeout "$(cap 150)" python3 benchmarks/serve_h200_model.py "$MODEL_DIR" > "$OUT/logs/model.log" 2>&1
+timeout "$(cap 150)" python3 benchmarks/serve_h200_model.py "$MODEL_DIR" $MODEL_ARGS > "$OUT/logs/model.log" 2>&1
 echo "model rc=$?"; tail -2 "$OUT/logs/model.log"
 wait "$WARM_PID"; tail -2 "$OUT/logs/warm-flashinfer.log"
 
 echo "[$(left) s left] offline engine"
 timeout "$(cap 100)" python3 benchmarks/engine_gpu_decode.py --configs triton-graphs,flashinfer-decode \
-  --requests 64 --input-len 1024 --output-len 256 --out "$OUT/engine-offline.json" > "$OUT/logs/offline.log" 2>&1
+  --requests 64 --input-len "$IN_LEN" --output-len "$OUT_LEN" --out "$OUT/engine-offline.json" > "$OUT/logs/offline.log" 2>&1
 echo "offline rc=$?"; tail -3 "$OUT/logs/offline.log"
 # one request alone: the engine's own batch-1 decode step, to split c=1 TPOT into engine and server time
-timeout "$(cap 45)" python3 benchmarks/engine_gpu_decode.py --configs triton-graphs --requests 1 --input-len 1024 \
-  --output-len 256 --out "$OUT/engine-offline-c1.json" > "$OUT/logs/offline-c1.log" 2>&1
+timeout "$(cap 45)" python3 benchmarks/engine_gpu_decode.py --configs triton-graphs --requests 1 --input-len "$IN_LEN" \
+  --output-len "$OUT_LEN" --out "$OUT/engine-offline-c1.json" > "$OUT/logs/offline-c1.log" 2>&1
 echo "offline c=1 rc=$?"
 
 # Shared by ours and the peer: the issue's shape and points. Seeds 3 at c=1 and c=8, 1 at c=32 and c=64;
 # one wave of requests per point (Nx = N per client) except 2 per client at c=1.
-SWEEP=(--dataset random --input-len 1024 --output-len 256 --tokenizer "$MODEL_DIR" --concurrency 1,8,32,64
+SWEEP=(--dataset random --input-len "$IN_LEN" --output-len "$OUT_LEN" --tokenizer "$MODEL_DIR" --concurrency 1,8,32,64
        --no-progress --server-log-dir "$OUT/logs")
 NOTES+=("reduced to fit one 10-minute GPU call: seeds 3 at concurrency 1 and 8 and 1 at 32 and 64; prompts per point and seed 2 at c=1 and one wave (= concurrency) at 8, 32, 64")
 NOTES+=("our servers load $MODEL_DIR with --random-weights (its config and tokenizer, weights drawn on the GPU: same shapes, no 16 GB read per launch); the peer loads the directory's safetensors")
@@ -69,7 +75,7 @@ PEER_S=$(left)
 if [ "$PEER_S" -gt 60 ]; then
   echo "[$PEER_S s left] peer: transformers serve --continuous-batching"
   PORT=8011
-  python3 -m transformers.cli.transformers serve "$MODEL_DIR" --continuous-batching --device cuda --dtype bfloat16 \
+  python3 -m transformers.cli.transformers serve "$MODEL_DIR" --continuous-batching --device "$PEER_DEVICE" --dtype bfloat16 \
     --host 127.0.0.1 --port $PORT > "$OUT/logs/peer.log" 2>&1 &
   PEER_PID=$!
   python3 - "$PORT" "$PEER_PID" "$(cap 120)" <<'EOF'

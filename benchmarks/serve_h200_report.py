@@ -153,7 +153,9 @@ def main() -> None:
         ours = {"title": "attnserve bench serve", "configs": [], "notes": [f"{args.ours}: our sweep wrote no JSON"]}
     peer, offline, offline_c1 = _load(args.peer), _load(args.offline), _load(args.offline_c1)
     report = dict(ours)
-    report["title"] = "H200: Llama-3-8B shape, random bf16 weights, random 1024 in / 256 out"
+    ds = ours.get("dataset", {})
+    report["title"] = (f"{ours.get('gpu', '?')}: Llama-3-8B shape, random bf16 weights, random "
+                       f"{ds.get('input_len')} in / {ds.get('output_len')} out")
     report["command"] = "OUT=out benchmarks/serve_h200.sh"
     report["commands"] = {"ours": ours.get("command"), "peer": (peer or {}).get("command"),
                           "offline": (offline or {}).get("command")}
@@ -164,6 +166,7 @@ def main() -> None:
         report["peer_load"] = peer.get("load")
     else:
         why = ((peer or {}).get("configs") or [{}])[0].get("error") or "the peer sweep wrote no results"
+        why = why.replace("\n", " / ")
         if args.peer_log and args.peer_log.is_file():
             tail = args.peer_log.read_text(errors="replace").strip().splitlines()[-12:]
             why += " | end of the peer's log: " + " / ".join(line.strip() for line in tail)

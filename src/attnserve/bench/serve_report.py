@@ -48,7 +48,8 @@ def markdown(report: dict) -> str:
     errors = []
     for cfg in report.get("configs", []):
         if cfg.get("error"):
-            lines.append(f"| {cfg['label']} | {_backends(cfg)} | did not run: {cfg['error'][:120]} |"
+            reason = cfg["error"].strip().splitlines()[-1].replace("|", "/")  # the server's last word
+            lines.append(f"| {cfg['label']} | {_backends(cfg)} | did not run: {reason[:160]} |"
                          + " |" * (len(COLUMNS) - 3))
         for p in cfg.get("points", []):
             m = p["median"]
