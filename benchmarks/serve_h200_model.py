@@ -41,7 +41,8 @@ def llama_tensors(cfg: dict):
 
 
 def write_weights(path: Path, cfg: dict, device: str, shard_bytes: int = 4 << 30) -> int:
-    """Random weights in shards of about shard_bytes, plus model.safetensors.index.json; returns total bytes."""
+    """Random weights in shards of about shard_bytes, plus model.safetensors.index.json.
+    Returns the total bytes."""
     from safetensors.torch import save_file
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -51,7 +52,11 @@ def write_weights(path: Path, cfg: dict, device: str, shard_bytes: int = 4 << 30
         if len(shape) == 1:
             t = torch.ones(shape, dtype=torch.bfloat16)  # [h] norm weights
         else:
-            t = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen).cpu()
+            t = (
+                torch.empty(shape, dtype=torch.bfloat16, device=device)
+                .normal_(0.0, 0.02, generator=gen)
+                .cpu()
+            )
         nbytes = t.numel() * t.element_size()
         if size and size + nbytes > shard_bytes:
             shards.append({})
@@ -73,7 +78,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path", type=Path)
     ap.add_argument("--preset", default="llama-3-8b")
-    ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 256, vocab 1000 (checks the script on a CPU)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="2 layers, hidden 256, vocab 1000 (checks the script on a CPU)"
+    )
     args = ap.parse_args()
 
     from attnserve.bench.serve_synthetic import write_tokenizer_dir
@@ -82,8 +89,17 @@ def main() -> None:
     start = time.perf_counter()
     cfg = {k: v for k, v in PRESETS[args.preset].items() if not k.startswith("_")}
     if args.tiny:
-        cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=64, vocab_size=1000, bos_token_id=1, eos_token_id=2)
+        cfg.update(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            vocab_size=1000,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     cfg["torch_dtype"] = "bfloat16"
     args.path.mkdir(parents=True, exist_ok=True)
     (args.path / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
@@ -92,8 +108,18 @@ def main() -> None:
     write_tokenizer_dir(args.path, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     total = write_weights(args.path, cfg, device)
-    print(json.dumps({"model_dir": str(args.path), "weight_bytes": total, "preset": args.preset, "tiny": args.tiny,
-                      "seconds": round(time.perf_counter() - start, 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "model_dir": str(args.path),
+                "weight_bytes": total,
+                "preset": args.preset,
+                "tiny": args.tiny,
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ def _load(path: Path | None) -> dict | None:
 
 
 def _point(cfg: dict, concurrency: int) -> dict | None:
-    return next((p for p in cfg.get("points", []) if p["load"] == "concurrency" and p["value"] == concurrency), None)
+    return next(
+        (p for p in cfg.get("points", []) if p["load"] == "concurrency" and p["value"] == concurrency), None
+    )
 
 
 def _median(cfg: dict | None, concurrency: int, key: str, stat: str | None = None):
@@ -71,19 +73,38 @@ def targets(ours: dict, peer_cfg: dict | None, offline: dict | None) -> list[dic
         tpot1 = _median(cfg, 1, "tpot_ms", "p50")
         row = {"config": cfg["label"], "decode_backend": dec, "offline_config": off["label"] if off else None}
         r = _ratio(tok64, off["output_tok_per_s"] if off else None)
-        row["c64_output_tok_s_vs_offline"] = {"server": tok64, "offline": off and off["output_tok_per_s"],
-                                             "ratio": r, "target": ">= 0.9", "met": _met(r, lambda x: x >= 0.9)}
+        row["c64_output_tok_s_vs_offline"] = {
+            "server": tok64,
+            "offline": off and off["output_tok_per_s"],
+            "ratio": r,
+            "target": ">= 0.9",
+            "met": _met(r, lambda x: x >= 0.9),
+        }
         r = _ratio(tpot64, off["decode_step_ms_median"] if off else None)
-        row["c64_tpot_p50_vs_offline_step"] = {"server_ms": tpot64, "offline_step_ms": off and off["decode_step_ms_median"],
-                                               "ratio": r, "target": "<= 1.15", "met": _met(r, lambda x: x <= 1.15)}
+        row["c64_tpot_p50_vs_offline_step"] = {
+            "server_ms": tpot64,
+            "offline_step_ms": off and off["decode_step_ms_median"],
+            "ratio": r,
+            "target": "<= 1.15",
+            "met": _met(r, lambda x: x <= 1.15),
+        }
         r = _ratio(tpot1, roofline_ms)
-        row["c1_tpot_p50_vs_roofline"] = {"server_ms": tpot1, "roofline_ms": roofline_ms and round(roofline_ms, 3),
-                                          "ratio": r, "target": "<= 1.3", "met": _met(r, lambda x: x <= 1.3)}
+        row["c1_tpot_p50_vs_roofline"] = {
+            "server_ms": tpot1,
+            "roofline_ms": roofline_ms and round(roofline_ms, 3),
+            "ratio": r,
+            "target": "<= 1.3",
+            "met": _met(r, lambda x: x <= 1.3),
+        }
         for c in (32, 64):
             r = _ratio(_median(cfg, c, "output_tok_s"), _median(peer_cfg, c, "output_tok_s"))
-            row[f"c{c}_output_tok_s_vs_peer"] = {"server": _median(cfg, c, "output_tok_s"),
-                                                 "peer": _median(peer_cfg, c, "output_tok_s"),
-                                                 "ratio": r, "target": ">= 5", "met": _met(r, lambda x: x >= 5)}
+            row[f"c{c}_output_tok_s_vs_peer"] = {
+                "server": _median(cfg, c, "output_tok_s"),
+                "peer": _median(peer_cfg, c, "output_tok_s"),
+                "ratio": r,
+                "target": ">= 5",
+                "met": _met(r, lambda x: x >= 5),
+            }
         rows.append(row)
     return rows
 
@@ -97,34 +118,56 @@ def where_time_goes(rows: list[dict], offline: dict | None, offline_c1: dict | N
     for row in rows:
         if "error" in row:
             continue
-        c1, t64, s64 = (row["c1_tpot_p50_vs_roofline"], row["c64_output_tok_s_vs_offline"],
-                        row["c64_tpot_p50_vs_offline_step"])
+        c1, t64, s64 = (
+            row["c1_tpot_p50_vs_roofline"],
+            row["c64_output_tok_s_vs_offline"],
+            row["c64_tpot_p50_vs_offline_step"],
+        )
         if c1["met"] is False:
-            msg = (f"{row['config']}: c=1 TPOT p50 {c1['server_ms']} ms is {c1['ratio']}x the weights-only roofline "
-                   f"{c1['roofline_ms']} ms")
+            msg = (
+                f"{row['config']}: c=1 TPOT p50 {c1['server_ms']} ms is {c1['ratio']}x the weights-only "
+                f"roofline {c1['roofline_ms']} ms"
+            )
             if step1:
-                msg += (f"; the offline engine's batch-1 decode step (triton, graphs) is {step1} ms = "
-                        f"{round(step1 / c1['roofline_ms'], 2)}x roofline (the engine's share of the gap), and the "
-                        f"server's TPOT is {round(c1['server_ms'] / step1, 2)}x that step (the server's share)")
+                msg += (
+                    f"; the offline engine's batch-1 decode step (triton, graphs) is {step1} ms = "
+                    f"{round(step1 / c1['roofline_ms'], 2)}x roofline (the engine's share), and the "
+                    f"server's TPOT is {round(c1['server_ms'] / step1, 2)}x that step (the server's share)"
+                )
             notes.append(msg)
         if t64["met"] is False:
-            notes.append(f"{row['config']}: c=64 output {t64['server']} tok/s is {t64['ratio']}x the offline engine's "
-                         f"{t64['offline']} tok/s ({row['offline_config']}); TPOT p50 {s64['server_ms']} ms against an "
-                         f"offline full-batch step of {s64['offline_step_ms']} ms ({s64['ratio']}x): the difference is "
-                         "time outside the decode step (HTTP, detokenization, streaming, scheduling of arrivals)")
+            notes.append(
+                f"{row['config']}: c=64 output {t64['server']} tok/s is {t64['ratio']}x the offline engine's "
+                f"{t64['offline']} tok/s ({row['offline_config']}); TPOT p50 {s64['server_ms']} ms against "
+                f"an offline full-batch step of {s64['offline_step_ms']} ms ({s64['ratio']}x): the rest is "
+                "time outside the decode step (HTTP, detokenization, streaming, scheduling of arrivals)"
+            )
         elif s64["met"] is False:
-            notes.append(f"{row['config']}: c=64 TPOT p50 {s64['server_ms']} ms is {s64['ratio']}x the offline step "
-                         f"{s64['offline_step_ms']} ms while throughput met its target: TPOT also counts the steps "
-                         "that prefill other requests' prompts (all 64 arrive together) after a request's first token")
+            notes.append(
+                f"{row['config']}: c=64 TPOT p50 {s64['server_ms']} ms is {s64['ratio']}x the offline step "
+                f"{s64['offline_step_ms']} ms while throughput met its target: TPOT also counts the steps "
+                "that prefill other requests' prompts (all 64 arrive together) after a request's first token"
+            )
     return notes
 
 
 def _targets_markdown(rows: list[dict]) -> str:
-    head = ("config", "c64 out tok/s vs offline (>= 0.9)", "c64 TPOT p50 vs offline step (<= 1.15)",
-            "c1 TPOT p50 vs roofline (<= 1.3)", "c32 vs peer (>= 5)", "c64 vs peer (>= 5)")
+    head = (
+        "config",
+        "c64 out tok/s vs offline (>= 0.9)",
+        "c64 TPOT p50 vs offline step (<= 1.15)",
+        "c1 TPOT p50 vs roofline (<= 1.3)",
+        "c32 vs peer (>= 5)",
+        "c64 vs peer (>= 5)",
+    )
     lines = ["", "## Targets", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    keys = ("c64_output_tok_s_vs_offline", "c64_tpot_p50_vs_offline_step", "c1_tpot_p50_vs_roofline",
-            "c32_output_tok_s_vs_peer", "c64_output_tok_s_vs_peer")
+    keys = (
+        "c64_output_tok_s_vs_offline",
+        "c64_tpot_p50_vs_offline_step",
+        "c1_tpot_p50_vs_roofline",
+        "c32_output_tok_s_vs_peer",
+        "c64_output_tok_s_vs_peer",
+    )
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['config']} | did not run |" + " |" * 4)
@@ -132,7 +175,9 @@ def _targets_markdown(rows: list[dict]) -> str:
         cells = []
         for k in keys:
             t = row[k]
-            cells.append("-" if t["ratio"] is None else f"{t['ratio']:.2f}x {'met' if t['met'] else 'MISSED'}")
+            cells.append(
+                "-" if t["ratio"] is None else f"{t['ratio']:.2f}x {'met' if t['met'] else 'MISSED'}"
+            )
         lines.append(f"| {row['config']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -150,15 +195,24 @@ def main() -> None:
 
     ours = _load(args.ours)
     if ours is None:
-        ours = {"title": "attnserve bench serve", "configs": [], "notes": [f"{args.ours}: our sweep wrote no JSON"]}
+        ours = {
+            "title": "attnserve bench serve",
+            "configs": [],
+            "notes": [f"{args.ours}: our sweep wrote no JSON"],
+        }
     peer, offline, offline_c1 = _load(args.peer), _load(args.offline), _load(args.offline_c1)
     report = dict(ours)
     ds = ours.get("dataset", {})
-    report["title"] = (f"{ours.get('gpu', '?')}: Llama-3-8B shape, random bf16 weights, random "
-                       f"{ds.get('input_len')} in / {ds.get('output_len')} out")
+    report["title"] = (
+        f"{ours.get('gpu', '?')}: Llama-3-8B shape, random bf16 weights, random "
+        f"{ds.get('input_len')} in / {ds.get('output_len')} out"
+    )
     report["command"] = "OUT=out benchmarks/serve_h200.sh"
-    report["commands"] = {"ours": ours.get("command"), "peer": (peer or {}).get("command"),
-                          "offline": (offline or {}).get("command")}
+    report["commands"] = {
+        "ours": ours.get("command"),
+        "peer": (peer or {}).get("command"),
+        "offline": (offline or {}).get("command"),
+    }
     notes = list(ours.get("notes", [])) + list(args.note)
     peer_cfgs = [c for c in (peer or {}).get("configs", []) if not c.get("error")]
     if peer_cfgs:
@@ -174,19 +228,51 @@ def main() -> None:
         notes.append(f"the peer did not run: {why[:2000]}")
     report["configs"] = list(ours.get("configs", [])) + [peer_cfg]
     if offline:
-        report["offline"] = {k: offline.get(k) for k in ("what", "copy_bandwidth_TBps", "weight_bytes_read_per_step",
-                                                          "ratios", "errors", "versions", "date")}
+        report["offline"] = {
+            k: offline.get(k)
+            for k in (
+                "what",
+                "copy_bandwidth_TBps",
+                "weight_bytes_read_per_step",
+                "ratios",
+                "errors",
+                "versions",
+                "date",
+            )
+        }
         report["offline"]["results"] = [
-            {k: r.get(k) for k in ("label", "prefill_backend", "decode_backend", "output_tok_per_s",
-                                   "decode_step_ms_median", "roofline_step_ms_mean", "prefill_s", "ttft_s_median")}
-            for r in offline.get("results", [])]
+            {
+                k: r.get(k)
+                for k in (
+                    "label",
+                    "prefill_backend",
+                    "decode_backend",
+                    "output_tok_per_s",
+                    "decode_step_ms_median",
+                    "roofline_step_ms_mean",
+                    "prefill_s",
+                    "ttft_s_median",
+                )
+            }
+            for r in offline.get("results", [])
+        ]
     else:
-        notes.append("the offline engine run (benchmarks/engine_gpu_decode.py) wrote no JSON: no offline ratios")
+        notes.append(
+            "the offline engine run (benchmarks/engine_gpu_decode.py) wrote no JSON: no offline ratios"
+        )
     report["targets"] = targets(ours, peer_cfg if peer_cfgs else None, offline)
     if offline_c1:
         r = (offline_c1.get("results") or [{}])[0]
-        report["offline_c1"] = {k: r.get(k) for k in ("label", "decode_backend", "decode_step_ms_median",
-                                                       "roofline_step_ms_mean", "output_tok_per_s")}
+        report["offline_c1"] = {
+            k: r.get(k)
+            for k in (
+                "label",
+                "decode_backend",
+                "decode_step_ms_median",
+                "roofline_step_ms_mean",
+                "output_tok_per_s",
+            )
+        }
     notes += where_time_goes(report["targets"], offline, offline_c1)
     report["notes"] = notes
     write_all(report, args.out)

@@ -20,8 +20,16 @@ class _Server(ThreadingHTTPServer):
 
 
 class FakeServer:
-    def __init__(self, fail_every: int = 0, drop_every: int = 0, error_every: int = 0, token_delay_s: float = 0.001,
-                 usage: bool = True, done_marker: bool = True, finish_reason: bool = True):
+    def __init__(
+        self,
+        fail_every: int = 0,
+        drop_every: int = 0,
+        error_every: int = 0,
+        token_delay_s: float = 0.001,
+        usage: bool = True,
+        done_marker: bool = True,
+        finish_reason: bool = True,
+    ):
         self.fail_every, self.drop_every, self.error_every = fail_every, drop_every, error_every
         self.token_delay_s = token_delay_s
         self.usage = usage
@@ -78,8 +86,14 @@ class FakeServer:
                 elif self.path == "/v1/models":
                     self._json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
                 elif self.path == "/server_info":
-                    self._json(200, {"model": "fake-model", "attention_backend": {"prefill": "fake", "decode": "fake"},
-                                     "versions": {"fake": "1"}})
+                    self._json(
+                        200,
+                        {
+                            "model": "fake-model",
+                            "attention_backend": {"prefill": "fake", "decode": "fake"},
+                            "versions": {"fake": "1"},
+                        },
+                    )
                 else:
                     self._json(404, {"error": {"message": "not found"}})
 
@@ -108,12 +122,18 @@ class FakeServer:
                     time.sleep(server.token_delay_s)
                     self._chunk("data: " + json.dumps({"choices": [{"index": 0, "text": f" w{i}"}]}) + "\n\n")
                 if server.finish_reason:
-                    self._chunk("data: " + json.dumps({"choices": [{"index": 0, "text": "",
-                                                                     "finish_reason": "length"}]}) + "\n\n")
+                    self._chunk(
+                        "data: "
+                        + json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+                        + "\n\n"
+                    )
                 prompt_tokens = len(str(body.get("prompt", "")).split())
                 if server.usage:
-                    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
-                             "total_tokens": prompt_tokens + tokens}
+                    usage = {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": tokens,
+                        "total_tokens": prompt_tokens + tokens,
+                    }
                     self._chunk("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n")
                 if server.done_marker:
                     self._chunk("data: [DONE]\n\n")

@@ -4,13 +4,13 @@ import asyncio
 import json
 
 import pytest
+from serve_fake_server import FakeServer
 
 from attnserve.bench.serve_client import RequestSpec
 from attnserve.bench.serve_datasets import BenchRequest
 from attnserve.bench.serve_load import LoadPoint, run_point
 from attnserve.bench.serve_synthetic import write_tokenizer_dir
 from attnserve.cli import main
-from serve_fake_server import FakeServer
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,11 @@ def test_500s_dropped_streams_and_stream_errors_are_failed_requests():
         results, _ = asyncio.run(run_point(spec, _reqs(12), LoadPoint("concurrency", 1), seed=0))
     errors = [r.error for r in results]
     assert errors[2].startswith("HTTP 500: injected failure 3")
-    assert errors[5].startswith("HTTP 500") and errors[8].startswith("HTTP 500") and errors[11].startswith("HTTP 500")
+    assert (
+        errors[5].startswith("HTTP 500")
+        and errors[8].startswith("HTTP 500")
+        and errors[11].startswith("HTTP 500")
+    )
     assert errors[3] is not None and errors[7] is not None  # dropped connections (4, 8)
     assert errors[4] == "error in stream: injected engine error"  # 5 (10 is also dropped? no: 10 % 4 != 0)
     assert errors[9] == "error in stream: injected engine error"
@@ -44,7 +48,9 @@ def test_500s_dropped_streams_and_stream_errors_are_failed_requests():
 def test_stream_without_done_marker_counts_only_after_a_finish_reason(finish_reason, usage, ok):
     # transformers serve ends with a finish_reason chunk and no [DONE]; a bare end of body is a failure
     with FakeServer(done_marker=False, finish_reason=finish_reason, usage=usage) as srv:
-        results, _ = asyncio.run(run_point(RequestSpec(srv.url, None), _reqs(2), LoadPoint("concurrency", 1), seed=0))
+        results, _ = asyncio.run(
+            run_point(RequestSpec(srv.url, None), _reqs(2), LoadPoint("concurrency", 1), seed=0)
+        )
     assert [r.ok for r in results] == [ok, ok]
     if ok:  # no usage chunk: tokens are counted as chunks with text
         assert [r.output_tokens for r in results] == [6, 6] and not results[0].usage_reported
@@ -55,7 +61,9 @@ def test_stream_without_done_marker_counts_only_after_a_finish_reason(finish_rea
 def test_closed_loop_keeps_n_in_flight_and_sends_every_field():
     with FakeServer(token_delay_s=0.002) as srv:
         spec = RequestSpec(srv.url, "fake-model", extra_body={"top_k": 5})
-        results, duration = asyncio.run(run_point(spec, _reqs(8, out_len=4), LoadPoint("concurrency", 4), seed=0))
+        results, duration = asyncio.run(
+            run_point(spec, _reqs(8, out_len=4), LoadPoint("concurrency", 4), seed=0)
+        )
         bodies = srv.bodies
     assert len(results) == 8 and all(r.ok for r in results)
     b = bodies[0]
@@ -67,8 +75,9 @@ def test_closed_loop_keeps_n_in_flight_and_sends_every_field():
 def test_time_budget_cuts_in_flight_requests_without_calling_them_failures():
     with FakeServer(token_delay_s=0.05) as srv:
         spec = RequestSpec(srv.url, "fake-model")
-        results, duration = asyncio.run(run_point(spec, _reqs(6, out_len=200), LoadPoint("rate", float("inf")),
-                                                  seed=0, max_seconds=0.5))
+        results, duration = asyncio.run(
+            run_point(spec, _reqs(6, out_len=200), LoadPoint("rate", float("inf")), seed=0, max_seconds=0.5)
+        )
     assert len(results) == 6 and all(r.cut and r.error is None for r in results)
     assert all(0 < r.output_tokens < 200 for r in results)
 
@@ -76,10 +85,35 @@ def test_time_budget_cuts_in_flight_requests_without_calling_them_failures():
 def test_cli_sweep_against_url_writes_json_markdown_png(tmp_path, word_tokenizer_dir, capsys):
     out = tmp_path / "res.json"
     with FakeServer(fail_every=4) as srv:
-        rc = main(["bench", "serve", "--url", f"fake={srv.url}", "--tokenizer", str(word_tokenizer_dir),
-                   "--input-len", "12", "--output-len", "5", "--concurrency", "1,2", "--request-rate", "50",
-                   "--num-prompts", "4", "--seeds", "2,1,1", "--warmup-requests", "1", "--json", str(out),
-                   "--no-progress", "--note", "a note"])
+        rc = main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                f"fake={srv.url}",
+                "--tokenizer",
+                str(word_tokenizer_dir),
+                "--input-len",
+                "12",
+                "--output-len",
+                "5",
+                "--concurrency",
+                "1,2",
+                "--request-rate",
+                "50",
+                "--num-prompts",
+                "4",
+                "--seeds",
+                "2,1,1",
+                "--warmup-requests",
+                "1",
+                "--json",
+                str(out),
+                "--no-progress",
+                "--note",
+                "a note",
+            ]
+        )
         prompts = [b["prompt"] for b in srv.bodies]
     assert rc == 0
     rep = json.loads(out.read_text())
@@ -89,10 +123,15 @@ def test_cli_sweep_against_url_writes_json_markdown_png(tmp_path, word_tokenizer
     assert cfg["label"] == "fake" and cfg["attention_backend"] == {"prefill": "fake", "decode": "fake"}
     assert cfg["model"] == "fake-model" and cfg["server_info"]["versions"] == {"fake": "1"}
     assert [(p["load"], p["value"], p["seeds"]) for p in cfg["points"]] == [
-        ("concurrency", 1, [0, 1]), ("concurrency", 2, [0]), ("rate", 50, [0])]
+        ("concurrency", 1, [0, 1]),
+        ("concurrency", 2, [0]),
+        ("rate", 50, [0]),
+    ]
     total_failed = sum(p["median"]["failed"] for p in cfg["points"])
     total_ok = sum(p["median"]["completed"] for p in cfg["points"])
-    assert total_ok + total_failed == 16 and total_failed == 4  # 17 requests with the warm-up; every 4th fails
+    assert (
+        total_ok + total_failed == 16 and total_failed == 4
+    )  # 17 requests with the warm-up; every 4th fails
     for p in cfg["points"]:
         m = p["median"]
         for key in ("request_throughput", "input_tok_s", "output_tok_s", "duration_s"):
@@ -108,9 +147,29 @@ def test_cli_sweep_against_url_writes_json_markdown_png(tmp_path, word_tokenizer
 
 
 def test_cli_refuses_a_server_that_is_not_there(tmp_path, word_tokenizer_dir):
-    rc = main(["bench", "serve", "--url", "http://127.0.0.1:9", "--tokenizer", str(word_tokenizer_dir),
-               "--input-len", "4", "--output-len", "2", "--concurrency", "1", "--num-prompts", "2",
-               "--warmup-requests", "0", "--json", str(tmp_path / "r.json"), "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            "http://127.0.0.1:9",
+            "--tokenizer",
+            str(word_tokenizer_dir),
+            "--input-len",
+            "4",
+            "--output-len",
+            "2",
+            "--concurrency",
+            "1",
+            "--num-prompts",
+            "2",
+            "--warmup-requests",
+            "0",
+            "--json",
+            str(tmp_path / "r.json"),
+            "--no-progress",
+        ]
+    )
     rep = json.loads((tmp_path / "r.json").read_text())
     m = rep["configs"][0]["points"][0]["median"]
     assert rc == 0 and m["failed"] == 2 and m["completed"] == 0

@@ -5,11 +5,37 @@ import json
 from attnserve.bench.serve_launch import LaunchedServer
 from attnserve.cli import main
 
-SMALL = ["--input-len", "16", "--output-len", "4", "--concurrency", "1,4", "--num-prompts", "4",
-         "--warmup-requests", "1", "--no-progress"]
-POINT_FIELDS = {"requests_sent", "completed", "failed", "cut_by_time_budget", "errors", "duration_s",
-                "request_throughput", "input_tok_s", "output_tok_s", "total_tok_s", "output_tokens_mean",
-                "usage_reported", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"}
+SMALL = [
+    "--input-len",
+    "16",
+    "--output-len",
+    "4",
+    "--concurrency",
+    "1,4",
+    "--num-prompts",
+    "4",
+    "--warmup-requests",
+    "1",
+    "--no-progress",
+]
+POINT_FIELDS = {
+    "requests_sent",
+    "completed",
+    "failed",
+    "cut_by_time_budget",
+    "errors",
+    "duration_s",
+    "request_throughput",
+    "input_tok_s",
+    "output_tok_s",
+    "total_tok_s",
+    "output_tokens_mean",
+    "usage_reported",
+    "ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "e2e_ms",
+}
 
 
 def _check_report(rep: dict, label: str) -> dict:
@@ -34,8 +60,19 @@ def _check_report(rep: dict, label: str) -> dict:
 
 def test_launch_sweep_on_embedded_model(tmp_path):
     out = tmp_path / "launch.json"
-    rc = main(["bench", "serve", "--launch", "--device cpu --max-running-requests 4", *SMALL,
-               "--server-log-dir", str(tmp_path / "logs"), "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--launch",
+            "--device cpu --max-running-requests 4",
+            *SMALL,
+            "--server-log-dir",
+            str(tmp_path / "logs"),
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     cfg = _check_report(json.loads(out.read_text()), "--device cpu --max-running-requests 4")
     assert cfg["server_command"].startswith("attnserve serve --device cpu")
@@ -45,7 +82,9 @@ def test_launch_sweep_on_embedded_model(tmp_path):
 
 def test_url_sweep_against_a_running_server(tmp_path):
     out = tmp_path / "url.json"
-    with LaunchedServer("--device cpu --max-running-requests 4", tmp_path / "server.log", timeout_s=300) as srv:
+    with LaunchedServer(
+        "--device cpu --max-running-requests 4", tmp_path / "server.log", timeout_s=300
+    ) as srv:
         rc = main(["bench", "serve", "--url", f"ours={srv.url}", *SMALL, "--json", str(out)])
     assert rc == 0
     _check_report(json.loads(out.read_text()), "ours")
@@ -53,8 +92,21 @@ def test_url_sweep_against_a_running_server(tmp_path):
 
 def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
     out = tmp_path / "bad.json"
-    rc = main(["bench", "serve", "--launch", "--device cpu", "--compare", "bad=--no-such-flag 1", *SMALL,
-               "--server-log-dir", str(tmp_path / "logs"), "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--launch",
+            "--device cpu",
+            "--compare",
+            "bad=--no-such-flag 1",
+            *SMALL,
+            "--server-log-dir",
+            str(tmp_path / "logs"),
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 1
     (cfg,) = json.loads(out.read_text())["configs"]
     assert cfg["label"] == "bad" and cfg["points"] == []

@@ -1,4 +1,4 @@
-"""bench serve arithmetic: percentiles, per-request TPOT/ITL, seed aggregation, and the sweep plan's checks."""
+"""bench serve arithmetic: percentiles, per-request TPOT/ITL, seed aggregation, the sweep plan's checks."""
 
 import pytest
 
@@ -59,20 +59,26 @@ def test_seed_aggregate_sums_counts_and_takes_medians():
 def test_plan_points_seeds_and_prompt_counts():
     pts = load_points("1,8", "2.5,inf", "3,3,1,1", 5, "40")
     assert [(p.load.kind, p.load.value, p.seeds, p.num_prompts) for p in pts] == [
-        ("concurrency", 1, (5, 6, 7), 40), ("concurrency", 8, (5, 6, 7), 40),
-        ("rate", 2.5, (5,), 40), ("rate", float("inf"), (5,), 40)]
+        ("concurrency", 1, (5, 6, 7), 40),
+        ("concurrency", 8, (5, 6, 7), 40),
+        ("rate", 2.5, (5,), 40),
+        ("rate", float("inf"), (5,), 40),
+    ]
     assert [p.num_prompts for p in load_points("2,8", "3", "1", 0, "2x")] == [4, 16, 6]
     assert [p.num_prompts for p in load_points("1,8,64", None, "1", 0, "2x,1x,100")] == [2, 8, 100]
 
 
-@pytest.mark.parametrize("args, message", [
-    (("0,8", None, "1", 0, "8"), "--concurrency '0,8'"),
-    (("1", "fast", "1", 0, "8"), "--request-rate 'fast'"),
-    (("1,2", None, "3,1,1", 0, "8"), "3 counts for 2 load points"),
-    (("1", None, "1", 0, "many"), "--num-prompts 'many'"),
-    (("1,2", None, "1", 0, "4,4,4"), "3 values for 2 load points"),
-    ((None, "inf", "1", 0, "2x"), "give a plain count"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("0,8", None, "1", 0, "8"), "--concurrency '0,8'"),
+        (("1", "fast", "1", 0, "8"), "--request-rate 'fast'"),
+        (("1,2", None, "3,1,1", 0, "8"), "3 counts for 2 load points"),
+        (("1", None, "1", 0, "many"), "--num-prompts 'many'"),
+        (("1,2", None, "1", 0, "4,4,4"), "3 values for 2 load points"),
+        ((None, "inf", "1", 0, "2x"), "give a plain count"),
+    ],
+)
 def test_plan_refuses_bad_values_by_name(args, message):
     with pytest.raises(ValueError, match=message):
         load_points(*args)
@@ -82,10 +88,14 @@ def test_configs_from_backends_compare_and_urls():
     cfgs = server_configs(None, "--model m --page-size 16", "triton,flashinfer", None)
     assert [(c.label, c.flags) for c in cfgs] == [
         ("triton", "--model m --page-size 16 --attention-backend triton"),
-        ("flashinfer", "--model m --page-size 16 --attention-backend flashinfer")]
+        ("flashinfer", "--model m --page-size 16 --attention-backend flashinfer"),
+    ]
     cfgs = server_configs(["peer=http://h:1/"], None, None, ["fi=--decode-attention-backend flashinfer", ""])
     assert [(c.label, c.url, c.flags) for c in cfgs] == [
-        ("peer", "http://h:1", None), ("fi", None, "--decode-attention-backend flashinfer"), ("default", None, "")]
+        ("peer", "http://h:1", None),
+        ("fi", None, "--decode-attention-backend flashinfer"),
+        ("default", None, ""),
+    ]
     with pytest.raises(ValueError, match="no server"):
         server_configs(None, None, None, None)
     with pytest.raises(ValueError, match="--url 'localhost:1'"):

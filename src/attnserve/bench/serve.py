@@ -34,53 +34,112 @@ from attnserve.bench.serve_report import markdown, write_all
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("servers")
-    g.add_argument("--url", action="append", metavar="[LABEL=]URL",
-                   help="a running OpenAI-compatible server, e.g. http://127.0.0.1:30000 (repeatable)")
-    g.add_argument("--launch", metavar="FLAGS", default=None,
-                   help='start `attnserve serve FLAGS` on a free loopback port for the sweep, e.g. "--model DIR"')
-    g.add_argument("--backends", metavar="A,B", help="launch one server per attention backend "
-                   "(--launch flags + --attention-backend NAME), e.g. triton,flashinfer")
-    g.add_argument("--compare", nargs="+", metavar="[LABEL=]FLAGS",
-                   help='launch one server per flag set on top of --launch, e.g. "--attention-backend triton" '
-                   '"fi=--decode-attention-backend flashinfer"')
-    g.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for /health (default 900)")
-    g.add_argument("--server-log-dir", type=Path, default=None, help="where launched servers log (default: a temp dir)")
-    g.add_argument("--model-name", default=None,
-                   help="the request's \"model\" field (default: the first id of GET /v1/models)")
-    g.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions",
-                   help="completions (prompt text) or chat (the prompt as one user message)")
+    g.add_argument(
+        "--url",
+        action="append",
+        metavar="[LABEL=]URL",
+        help="a running OpenAI-compatible server, e.g. http://127.0.0.1:30000 (repeatable)",
+    )
+    g.add_argument(
+        "--launch",
+        metavar="FLAGS",
+        default=None,
+        help='start `attnserve serve FLAGS` on a free loopback port for the sweep, e.g. "--model DIR" '
+        "(a single flag with no space needs the = form: --launch=--disable-cuda-graph)",
+    )
+    g.add_argument(
+        "--backends",
+        metavar="A,B",
+        help="launch one server per attention backend "
+        "(--launch flags + --attention-backend NAME), e.g. triton,flashinfer",
+    )
+    g.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="[LABEL=]FLAGS",
+        help='launch one server per flag set on top of --launch, e.g. "--attention-backend triton" '
+        '"fi=--decode-attention-backend flashinfer"',
+    )
+    g.add_argument(
+        "--launch-timeout", type=float, default=900.0, help="seconds to wait for /health (default 900)"
+    )
+    g.add_argument(
+        "--server-log-dir", type=Path, default=None, help="where launched servers log (default: a temp dir)"
+    )
+    g.add_argument(
+        "--model-name",
+        default=None,
+        help='the request\'s "model" field (default: the first id of GET /v1/models)',
+    )
+    g.add_argument(
+        "--endpoint",
+        choices=sorted(ENDPOINTS),
+        default="completions",
+        help="completions (prompt text) or chat (the prompt as one user message)",
+    )
     g.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="ask for exactly --output-len tokens (default on; off for servers that refuse the field)")
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly --output-len tokens (default on; off for servers that refuse the field)",
+    )
     g.add_argument("--extra-body", default=None, metavar="JSON", help="fields merged into every request body")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=ds.DATASETS, default="random")
     d.add_argument("--dataset-path", type=Path, help="the JSONL file for --dataset jsonl")
-    d.add_argument("--tokenizer", default=None, help="HF model directory or .gguf whose tokenizer sizes the "
-                   "prompts (default: the launched --model, or the embedded model)")
+    d.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF model directory or .gguf whose tokenizer sizes the "
+        "prompts (default: the launched --model, or the embedded model)",
+    )
     d.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens (default 1024)")
     d.add_argument("--output-len", type=int, default=128, help="random/shared-prefix: tokens to generate")
-    d.add_argument("--range-ratio", type=float, default=0.0,
-                   help="random: lengths uniform in [len * (1 - r), len] (default 0: all equal)")
+    d.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random: lengths uniform in [len * (1 - r), len] (default 0: all equal)",
+    )
     d.add_argument("--sp-groups", type=int, default=4, help="shared-prefix: number of system prompts")
     d.add_argument("--sp-system-len", type=int, default=512, help="shared-prefix: tokens per system prompt")
     d.add_argument("--sp-question-len", type=int, default=64, help="shared-prefix: tokens per question")
     ld = p.add_argument_group("load")
-    ld.add_argument("--concurrency", default=None, metavar="N[,N...]",
-                    help="closed loop: clients each sending the next request when the last ends (default 1,8,32,64 "
-                    "unless --request-rate is given)")
-    ld.add_argument("--request-rate", default=None, metavar="R[,R...]",
-                    help="open loop: Poisson arrivals per second (inf: all at once)")
-    ld.add_argument("--num-prompts", default="64",
-                    help="requests per point and seed: a count, or Nx = N per client / N seconds of arrivals "
-                    "(or one value per point, e.g. 2x,1x,1x,1x)")
-    ld.add_argument("--seeds", default="1", help="repeats of every point (or one count per point, e.g. 3,3,1,1)")
+    ld.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="N[,N...]",
+        help="closed loop: clients each sending the next request when the last ends (default 1,8,32,64 "
+        "unless --request-rate is given)",
+    )
+    ld.add_argument(
+        "--request-rate",
+        default=None,
+        metavar="R[,R...]",
+        help="open loop: Poisson arrivals per second (inf: all at once)",
+    )
+    ld.add_argument(
+        "--num-prompts",
+        default="64",
+        help="requests per point and seed: a count, or Nx = N per client / N seconds of arrivals "
+        "(or one value per point, e.g. 2x,1x,1x,1x)",
+    )
+    ld.add_argument(
+        "--seeds", default="1", help="repeats of every point (or one count per point, e.g. 3,3,1,1)"
+    )
     ld.add_argument("--seed", type=int, default=0, help="first seed (prompts and arrival times)")
     ld.add_argument("--warmup-requests", type=int, default=2, help="uncounted requests per configuration")
-    ld.add_argument("--max-point-seconds", type=float, default=None,
-                    help="time budget of one point and seed: requests still running are cut (counted apart)")
+    ld.add_argument(
+        "--max-point-seconds",
+        type=float,
+        default=None,
+        help="time budget of one point and seed: requests still running are cut (counted apart)",
+    )
     o = p.add_argument_group("output")
-    o.add_argument("--json", type=Path, default=Path("serve-bench.json"), help="results (Markdown and PNG beside it)")
+    o.add_argument(
+        "--json", type=Path, default=Path("serve-bench.json"), help="results (Markdown and PNG beside it)"
+    )
     o.add_argument("--title", default=None, help="heading of the report")
     o.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -97,7 +156,9 @@ def _get_json(url: str, api_key: str | None = None) -> dict | None:
 
 def _gpu_name() -> str:
     if shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip().splitlines()[0]
     return f"none ({platform.processor() or platform.machine()} CPU)"
@@ -108,7 +169,10 @@ def _versions() -> dict:
     import importlib.metadata as md
 
     found = {(d.metadata["Name"] or "").lower(): d.version for d in md.distributions()}
-    return {"python": sys.version.split()[0], **{p: found[p] for p in ("attnserve", "aiohttp", "torch") if p in found}}
+    return {
+        "python": sys.version.split()[0],
+        **{p: found[p] for p in ("attnserve", "aiohttp", "torch") if p in found},
+    }
 
 
 def _flag_value(flags: str, *names: str) -> str | None:
@@ -132,8 +196,10 @@ def _tokenizer_path(args, configs: list[ServerConfig]) -> str | None:
     for model in (info.get("model_path"), info.get("model")):
         if isinstance(model, str) and Path(model).exists():
             return model
-    raise ValueError(f"--url {configs[0].url}: cannot tell which tokenizer sizes the prompts; pass --tokenizer "
-                     "PATH (the server's model directory or .gguf)")
+    raise ValueError(
+        f"--url {configs[0].url}: cannot tell which tokenizer sizes the prompts; pass --tokenizer "
+        "PATH (the server's model directory or .gguf)"
+    )
 
 
 class Requests:
@@ -162,10 +228,13 @@ class Requests:
         if key not in self.cache:
             a = self.args
             if a.dataset == "random":
-                self.cache[key] = ds.random_requests(self.sampler, num, a.input_len, a.output_len, a.range_ratio, seed)
+                self.cache[key] = ds.random_requests(
+                    self.sampler, num, a.input_len, a.output_len, a.range_ratio, seed
+                )
             elif a.dataset == "shared-prefix":
-                self.cache[key] = ds.shared_prefix_requests(self.sampler, num, a.sp_groups, a.sp_system_len,
-                                                            a.sp_question_len, a.output_len, seed)
+                self.cache[key] = ds.shared_prefix_requests(
+                    self.sampler, num, a.sp_groups, a.sp_system_len, a.sp_question_len, a.output_len, seed
+                )
             else:
                 reqs = ds.jsonl_requests(a.dataset_path, None, self.tokenizer)
                 self.cache[key] = [reqs[(seed + i) % len(reqs)] for i in range(num)]
@@ -186,9 +255,18 @@ def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: d
         ids = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
         model = ids[0] if ids else None
     spec = RequestSpec(url, model, args.endpoint, args.ignore_eos, extra, args.api_key)
-    out = {"label": cfg.label, "url": cfg.url, "flags": cfg.flags, "model": model, "server_info": info,
-           "attention_backend": (info or {}).get("attention_backend"), "error": None}
-    warm = asyncio.run(warm_up(spec, requests.get(10_000 + args.seed, args.warmup_requests), args.warmup_requests))
+    out = {
+        "label": cfg.label,
+        "url": cfg.url,
+        "flags": cfg.flags,
+        "model": model,
+        "server_info": info,
+        "attention_backend": (info or {}).get("attention_backend"),
+        "error": None,
+    }
+    warm = asyncio.run(
+        warm_up(spec, requests.get(10_000 + args.seed, args.warmup_requests), args.warmup_requests)
+    )
     out["warmup_failed"] = sum(1 for r in warm if not r.ok)
     points = []
     for planned in plan:
@@ -197,19 +275,39 @@ def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: d
             reqs = requests.get(seed, planned.num_prompts)
             desc = f"{cfg.label} {planned.load.label} seed {seed}"
             with _progress(len(reqs), desc, args.no_progress) as bar:
-                results, duration = asyncio.run(run_point(spec, reqs, planned.load, seed, args.max_point_seconds,
-                                                          on_done=lambda _r: bar.update(1)))
+                results, duration = asyncio.run(
+                    run_point(
+                        spec,
+                        reqs,
+                        planned.load,
+                        seed,
+                        args.max_point_seconds,
+                        on_done=lambda _r: bar.update(1),
+                    )
+                )
             s = summarize(results, duration)
             s["seed"] = seed
             per_seed.append(s)
-            print(f"  {desc}: {s['completed']} ok, {s['failed']} failed, {s['cut_by_time_budget']} cut, "
-                  f"{s['output_tok_s']:.0f} out tok/s, TPOT p50 {s['tpot_ms']['p50']} ms", file=sys.stderr)
+            print(
+                f"  {desc}: {s['completed']} ok, {s['failed']} failed, {s['cut_by_time_budget']} cut, "
+                f"{s['output_tok_s']:.0f} out tok/s, TPOT p50 {s['tpot_ms']['p50']} ms",
+                file=sys.stderr,
+            )
         median, spread = aggregate_seeds(per_seed)
         median.pop("seed", None)
         spread.pop("seed", None)
         value = "inf" if math.isinf(planned.load.value) else planned.load.value
-        points.append({"load": planned.load.kind, "value": value, "seeds": list(planned.seeds),
-                       "num_prompts": planned.num_prompts, "median": median, "spread": spread, "per_seed": per_seed})
+        points.append(
+            {
+                "load": planned.load.kind,
+                "value": value,
+                "seeds": list(planned.seeds),
+                "num_prompts": planned.num_prompts,
+                "median": median,
+                "spread": spread,
+                "per_seed": per_seed,
+            }
+        )
     out["points"] = points
     return out
 
@@ -240,7 +338,9 @@ def run(args) -> int:
         raise ValueError(f"--extra-body {args.extra_body!r}: not JSON ({exc})") from exc
     if not isinstance(extra, dict):
         raise ValueError(f"--extra-body {args.extra_body!r}: must be a JSON object")
-    requests = Requests(args, _tokenizer_path(args, configs) if args.dataset != "jsonl" or args.tokenizer else None)
+    requests = Requests(
+        args, _tokenizer_path(args, configs) if args.dataset != "jsonl" or args.tokenizer else None
+    )
     log_dir = args.server_log_dir or Path(tempfile.mkdtemp(prefix="attnserve-bench-serve-"))
     argv = getattr(args, "_argv", None) or sys.argv[1:]
     report = {
@@ -249,14 +349,37 @@ def run(args) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": _gpu_name(),
         "client_versions": _versions(),
-        "dataset": {"name": args.dataset, **({"path": str(args.dataset_path)} if args.dataset == "jsonl" else
-                    {"input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio}),
-                    **({"sp_groups": args.sp_groups, "sp_system_len": args.sp_system_len,
-                        "sp_question_len": args.sp_question_len} if args.dataset == "shared-prefix" else {})},
-        "load": {"points": [p.load.label for p in plan], "seeds": {p.load.label: len(p.seeds) for p in plan},
-                 "num_prompts": {p.load.label: p.num_prompts for p in plan}, "warmup_requests": args.warmup_requests,
-                 "max_point_seconds": args.max_point_seconds, "ignore_eos": args.ignore_eos,
-                 "endpoint": ENDPOINTS[args.endpoint], "extra_body": extra},
+        "dataset": {
+            "name": args.dataset,
+            **(
+                {"path": str(args.dataset_path)}
+                if args.dataset == "jsonl"
+                else {
+                    "input_len": args.input_len,
+                    "output_len": args.output_len,
+                    "range_ratio": args.range_ratio,
+                }
+            ),
+            **(
+                {
+                    "sp_groups": args.sp_groups,
+                    "sp_system_len": args.sp_system_len,
+                    "sp_question_len": args.sp_question_len,
+                }
+                if args.dataset == "shared-prefix"
+                else {}
+            ),
+        },
+        "load": {
+            "points": [p.load.label for p in plan],
+            "seeds": {p.load.label: len(p.seeds) for p in plan},
+            "num_prompts": {p.load.label: p.num_prompts for p in plan},
+            "warmup_requests": args.warmup_requests,
+            "max_point_seconds": args.max_point_seconds,
+            "ignore_eos": args.ignore_eos,
+            "endpoint": ENDPOINTS[args.endpoint],
+            "extra_body": extra,
+        },
         "notes": list(args.note),
         "configs": [],
     }

@@ -57,6 +57,7 @@ class RequestResult:
 @dataclass(frozen=True)
 class RequestSpec:
     """What every request of a run shares."""
+
     base_url: str
     model: str | None
     endpoint: str = "completions"
@@ -65,8 +66,12 @@ class RequestSpec:
     api_key: str | None = None
 
     def body(self, req: BenchRequest) -> dict:
-        body: dict = {"max_tokens": req.output_len, "temperature": 0.0, "stream": True,
-                      "stream_options": {"include_usage": True}}
+        body: dict = {
+            "max_tokens": req.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.model is not None:
             body["model"] = self.model
         if self.endpoint == "chat":
@@ -138,14 +143,16 @@ async def _consume(resp: aiohttp.ClientResponse, res: RequestResult) -> None:
         res.output_tokens = len(res.chunk_times)
 
 
-async def send(session: aiohttp.ClientSession, spec: RequestSpec, req: BenchRequest,
-               res: RequestResult | None = None) -> RequestResult:
+async def send(
+    session: aiohttp.ClientSession, spec: RequestSpec, req: BenchRequest, res: RequestResult | None = None
+) -> RequestResult:
     """Stream one request; fill `res` as it goes (so a cancelled request keeps what it streamed)."""
     res = res or RequestResult(req.prompt_len, req.output_len)
     res.start = time.perf_counter()
     try:
-        async with session.post(spec.base_url + ENDPOINTS[spec.endpoint], json=spec.body(req),
-                                headers=spec.headers()) as resp:
+        async with session.post(
+            spec.base_url + ENDPOINTS[spec.endpoint], json=spec.body(req), headers=spec.headers()
+        ) as resp:
             if resp.status != 200:
                 res.error = _error_message(resp.status, await resp.read())
             else:

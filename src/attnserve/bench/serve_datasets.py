@@ -49,8 +49,10 @@ def load_tokenizer(path: str | None):
         tok = Tokenizer.from_hf_dir(resolved, config)
         if tok is not None:
             return tok
-    raise FileNotFoundError(f"no tokenizer at {resolved}: expected an HF model directory with tokenizer.json "
-                            "or a .gguf file (pass --tokenizer PATH)")
+    raise FileNotFoundError(
+        f"no tokenizer at {resolved}: expected an HF model directory with tokenizer.json "
+        "or a .gguf file (pass --tokenizer PATH)"
+    )
 
 
 class TokenSampler:
@@ -63,11 +65,19 @@ class TokenSampler:
         texts = [backend.decode([i]) for i in range(size)]
         encoded = backend.encode_batch([t for t in texts], add_special_tokens=False)
         # a token is usable when its text is printable and encodes back to that one token
-        self.pool = np.array([i for i, (t, e) in enumerate(zip(texts, encoded))
-                              if t.strip() and t.isprintable() and e.ids == [i]], dtype=np.int64)
+        self.pool = np.array(
+            [
+                i
+                for i, (t, e) in enumerate(zip(texts, encoded))
+                if t.strip() and t.isprintable() and e.ids == [i]
+            ],
+            dtype=np.int64,
+        )
         if len(self.pool) < 16:
-            raise ValueError(f"the tokenizer has only {len(self.pool)} tokens that round-trip through text; "
-                             "random prompts need a real vocabulary")
+            raise ValueError(
+                f"the tokenizer has only {len(self.pool)} tokens that round-trip through text; "
+                "random prompts need a real vocabulary"
+            )
 
     def encode(self, text: str) -> list[int]:
         return self.tok.backend.encode(text, add_special_tokens=False).ids
@@ -79,7 +89,9 @@ class TokenSampler:
             again = self.encode(self.tok.backend.decode(ids))
             if again == ids:
                 break
-            ids = again[:n] if len(again) >= n else again + rng.choice(self.pool, size=n - len(again)).tolist()
+            ids = (
+                again[:n] if len(again) >= n else again + rng.choice(self.pool, size=n - len(again)).tolist()
+            )
         text = self.tok.backend.decode(ids)
         return text, len(self.encode(text))
 
@@ -90,8 +102,9 @@ def _lengths(rng: np.random.Generator, mean: int, range_ratio: float, num: int) 
     return rng.integers(low, max(low, mean) + 1, size=num).tolist()
 
 
-def random_requests(sampler: TokenSampler, num: int, input_len: int, output_len: int, range_ratio: float,
-                    seed: int) -> list[BenchRequest]:
+def random_requests(
+    sampler: TokenSampler, num: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[BenchRequest]:
     rng = np.random.default_rng(seed)
     ins, outs = _lengths(rng, input_len, range_ratio, num), _lengths(rng, output_len, range_ratio, num)
     out = []
@@ -101,9 +114,17 @@ def random_requests(sampler: TokenSampler, num: int, input_len: int, output_len:
     return out
 
 
-def shared_prefix_requests(sampler: TokenSampler, num: int, num_groups: int, system_len: int, question_len: int,
-                           output_len: int, seed: int) -> list[BenchRequest]:
-    """num_groups system prompts of system_len tokens, each shared by num / num_groups questions (round robin)."""
+def shared_prefix_requests(
+    sampler: TokenSampler,
+    num: int,
+    num_groups: int,
+    system_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+) -> list[BenchRequest]:
+    """num_groups system prompts of system_len tokens, each shared by num / num_groups questions
+    (round robin)."""
     rng = np.random.default_rng(seed)
     systems = [sampler.text(rng, system_len)[0] for _ in range(num_groups)]
     out = []
@@ -125,7 +146,9 @@ def jsonl_requests(path: Path, num: int | None, tokenizer=None) -> list[BenchReq
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from exc
-            prompt, n_out = (row.get("prompt"), row.get("output_len")) if isinstance(row, dict) else (None, None)
+            prompt, n_out = (
+                (row.get("prompt"), row.get("output_len")) if isinstance(row, dict) else (None, None)
+            )
             if not isinstance(prompt, str) or not prompt:
                 raise ValueError(f"{path}:{lineno}: 'prompt' must be a non-empty string, got {prompt!r}")
             if not isinstance(n_out, int) or isinstance(n_out, bool) or n_out < 1:
@@ -135,5 +158,7 @@ def jsonl_requests(path: Path, num: int | None, tokenizer=None) -> list[BenchReq
             if num is not None and len(out) == num:
                 break
     if not out:
-        raise ValueError(f"{path}: no requests (one JSON object per line: {{\"prompt\": ..., \"output_len\": ...}})")
+        raise ValueError(
+            f'{path}: no requests (one JSON object per line: {{"prompt": ..., "output_len": ...}})'
+        )
     return out

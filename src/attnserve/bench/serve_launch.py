@@ -44,8 +44,10 @@ def split_flags(flags: str) -> list[str]:
     args = shlex.split(flags)
     for a in args:
         if a.split("=", 1)[0] in RESERVED_FLAGS:
-            raise ValueError(f"launch flags {flags!r}: {a.split('=', 1)[0]} is chosen by the launcher "
-                             "(a free loopback port); leave it out, or run the server yourself and pass --url")
+            raise ValueError(
+                f"launch flags {flags!r}: {a.split('=', 1)[0]} is chosen by the launcher "
+                "(a free loopback port); leave it out, or run the server yourself and pass --url"
+            )
     return args
 
 
@@ -64,7 +66,17 @@ class LaunchedServer:
 
     @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "attnserve", "serve", *self.args, "--host", self.host, "--port", str(self.port)]
+        return [
+            sys.executable,
+            "-m",
+            "attnserve",
+            "serve",
+            *self.args,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
 
     def log_tail(self, lines: int = 25) -> str:
         try:
@@ -76,8 +88,14 @@ class LaunchedServer:
         self.port = free_port(self.host)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         try:
             self._wait_healthy()
         except BaseException:
@@ -90,13 +108,17 @@ class LaunchedServer:
         while time.monotonic() < deadline:
             rc = self.proc.poll()
             if rc is not None:
-                raise RuntimeError(f"`{shlex.join(self.command)}` exited with code {rc} before /health answered; "
-                                   f"end of its log ({self.log_path}):\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"`{shlex.join(self.command)}` exited with code {rc} before /health answered; "
+                    f"end of its log ({self.log_path}):\n{self.log_tail()}"
+                )
             if http_status(self.url + "/health") == 200:
                 return
             time.sleep(0.25)
-        raise TimeoutError(f"`{shlex.join(self.command)}`: /health did not answer 200 within {self.timeout_s:.0f} s; "
-                           f"end of its log ({self.log_path}):\n{self.log_tail()}")
+        raise TimeoutError(
+            f"`{shlex.join(self.command)}`: /health did not answer 200 within {self.timeout_s:.0f} s; "
+            f"end of its log ({self.log_path}):\n{self.log_tail()}"
+        )
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         if self.proc is None or self.proc.poll() is not None:

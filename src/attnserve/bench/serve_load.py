@@ -42,9 +42,16 @@ def new_session(connections: int) -> aiohttp.ClientSession:
     )
 
 
-async def run_point(spec: RequestSpec, requests: list[BenchRequest], point: LoadPoint, seed: int,
-                    max_seconds: float | None = None, on_done=None) -> tuple[list[RequestResult], float]:
-    """Send `requests` under `point`'s load; returns (results of requests sent, seconds from first send to end)."""
+async def run_point(
+    spec: RequestSpec,
+    requests: list[BenchRequest],
+    point: LoadPoint,
+    seed: int,
+    max_seconds: float | None = None,
+    on_done=None,
+) -> tuple[list[RequestResult], float]:
+    """Send `requests` under `point`'s load.
+    Returns (results of the requests sent, seconds from the first send to the end)."""
     results: list[RequestResult] = []
 
     def start(req: BenchRequest) -> RequestResult:

@@ -24,8 +24,12 @@ def distribution(values_s: list[float]) -> dict[str, float | None]:
         return {k: None for k in STATS}
     ms = np.asarray(values_s, dtype=np.float64) * 1e3
     p50, p90, p99 = np.percentile(ms, [50, 90, 99])
-    return {"mean": round(float(ms.mean()), 3), "p50": round(float(p50), 3), "p90": round(float(p90), 3),
-            "p99": round(float(p99), 3)}
+    return {
+        "mean": round(float(ms.mean()), 3),
+        "p50": round(float(p50), 3),
+        "p90": round(float(p90), 3),
+        "p99": round(float(p99), 3),
+    }
 
 
 def summarize(results, duration_s: float) -> dict:

@@ -41,12 +41,15 @@ def _labelled(text: str) -> tuple[str | None, str]:
     return None, text
 
 
-def server_configs(url: list[str] | None, launch: str | None, backends: str | None,
-                   compare: list[str] | None) -> list[ServerConfig]:
+def server_configs(
+    url: list[str] | None, launch: str | None, backends: str | None, compare: list[str] | None
+) -> list[ServerConfig]:
     launching = launch is not None or backends or compare
     if not url and not launching:
-        raise ValueError("no server: give --url http://host:port (a running server) or --launch \"serve flags\" "
-                         "(with --backends a,b or --compare \"flags A\" \"flags B\" to compare configurations)")
+        raise ValueError(
+            'no server: give --url http://host:port (a running server) or --launch "serve flags" '
+            '(with --backends a,b or --compare "flags A" "flags B" to compare configurations)'
+        )
     configs: list[ServerConfig] = []
     for u in url or []:
         label, address = _labelled(u)
@@ -61,12 +64,18 @@ def server_configs(url: list[str] | None, launch: str | None, backends: str | No
     if backends:
         names = [b.strip() for b in backends.split(",")]
         if not all(names):
-            raise ValueError(f"--backends {backends!r}: expected comma-separated backend names, e.g. triton,flashinfer")
-        configs += [ServerConfig(n, flags=f"{base} --attention-backend {shlex.quote(n)}".strip()) for n in names]
+            raise ValueError(
+                f"--backends {backends!r}: expected comma-separated backend names, e.g. triton,flashinfer"
+            )
+        configs += [
+            ServerConfig(n, flags=f"{base} --attention-backend {shlex.quote(n)}".strip()) for n in names
+        ]
     elif compare:
         for i, item in enumerate(compare):
             label, flags = _labelled(item)
-            configs.append(ServerConfig(label or (flags.strip() or "default"), flags=f"{base} {flags}".strip()))
+            configs.append(
+                ServerConfig(label or (flags.strip() or "default"), flags=f"{base} {flags}".strip())
+            )
     else:
         configs.append(ServerConfig(base.strip() or "default", flags=base))
     labels = [c.label for c in configs]
@@ -109,8 +118,10 @@ def _prompts_for(num_prompts: str, load: LoadPoint) -> int:
     except ValueError:
         per = fixed = None
     if (per is None and fixed is None) or (fixed is not None and fixed < 1) or (per is not None and per <= 0):
-        raise ValueError(f"--num-prompts {num_prompts!r}: expected a count like 64, or 'Nx' (e.g. 4x: 4 per "
-                         "client at each concurrency, 4 seconds of arrivals at each rate)")
+        raise ValueError(
+            f"--num-prompts {num_prompts!r}: expected a count like 64, or 'Nx' (e.g. 4x: 4 per "
+            "client at each concurrency, 4 seconds of arrivals at each rate)"
+        )
     if fixed is not None:
         return fixed
     if math.isinf(load.value):
@@ -118,28 +129,43 @@ def _prompts_for(num_prompts: str, load: LoadPoint) -> int:
     return max(1, math.ceil(per * load.value))
 
 
-def load_points(concurrency: str | None, request_rate: str | None, seeds: str, seed: int,
-                num_prompts: str) -> list[PlannedPoint]:
+def load_points(
+    concurrency: str | None, request_rate: str | None, seeds: str, seed: int, num_prompts: str
+) -> list[PlannedPoint]:
     loads = []
     if concurrency:
-        loads += [LoadPoint("concurrency", c) for c in
-                  _numbers(concurrency, "--concurrency", _positive_int, "comma-separated integers >= 1, e.g. 1,8,32")]
+        loads += [
+            LoadPoint("concurrency", c)
+            for c in _numbers(
+                concurrency, "--concurrency", _positive_int, "comma-separated integers >= 1, e.g. 1,8,32"
+            )
+        ]
     if request_rate:
-        loads += [LoadPoint("rate", r) for r in
-                  _numbers(request_rate, "--request-rate", _rate, "comma-separated requests/s > 0 or inf, e.g. 4,16,inf")]
+        loads += [
+            LoadPoint("rate", r)
+            for r in _numbers(
+                request_rate, "--request-rate", _rate, "comma-separated requests/s > 0 or inf, e.g. 4,16,inf"
+            )
+        ]
     if not loads:
         raise ValueError("no load: give --concurrency and/or --request-rate")
     counts = _numbers(seeds, "--seeds", _positive_int, "a count >= 1, or one count per load point")
     if len(counts) == 1:
         counts = counts * len(loads)
     if len(counts) != len(loads):
-        raise ValueError(f"--seeds {seeds!r}: {len(counts)} counts for {len(loads)} load points "
-                         f"({', '.join(p.label for p in loads)}); give one count, or one per point")
+        raise ValueError(
+            f"--seeds {seeds!r}: {len(counts)} counts for {len(loads)} load points "
+            f"({', '.join(p.label for p in loads)}); give one count, or one per point"
+        )
     prompts = [x for x in num_prompts.split(",") if x.strip()] or [num_prompts]
     if len(prompts) == 1:
         prompts = prompts * len(loads)
     if len(prompts) != len(loads):
-        raise ValueError(f"--num-prompts {num_prompts!r}: {len(prompts)} values for {len(loads)} load points; "
-                         "give one, or one per point")
-    return [PlannedPoint(p, tuple(range(seed, seed + n)), _prompts_for(k, p))
-            for p, n, k in zip(loads, counts, prompts)]
+        raise ValueError(
+            f"--num-prompts {num_prompts!r}: {len(prompts)} values for {len(loads)} load points; "
+            "give one, or one per point"
+        )
+    return [
+        PlannedPoint(p, tuple(range(seed, seed + n)), _prompts_for(k, p))
+        for p, n, k in zip(loads, counts, prompts)
+    ]

@@ -31,17 +31,30 @@ def _backends(cfg: dict) -> str:
     return str(pre) if pre == dec else f"{pre} / {dec}"
 
 
-COLUMNS = ("config", "backends (prefill / decode)", "load", "seeds", "ok / failed / cut", "req/s", "out tok/s",
-           "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p50 / p99 ms", "E2E p50 / p99 ms")
+COLUMNS = (
+    "config",
+    "backends (prefill / decode)",
+    "load",
+    "seeds",
+    "ok / failed / cut",
+    "req/s",
+    "out tok/s",
+    "TTFT p50 / p99 ms",
+    "TPOT p50 / p99 ms",
+    "ITL p50 / p99 ms",
+    "E2E p50 / p99 ms",
+)
 
 
 def markdown(report: dict) -> str:
     lines = [f"# Serving benchmark: {report.get('title', 'attnserve bench serve')}", ""]
     ds, load = report.get("dataset", {}), report.get("load", {})
-    lines += [f"- date: {report.get('date')}; GPU: {report.get('gpu')}",
-              f"- dataset: {json.dumps(ds)}",
-              f"- load: {json.dumps(load)}",
-              f"- command: `{report.get('command')}`"]
+    lines += [
+        f"- date: {report.get('date')}; GPU: {report.get('gpu')}",
+        f"- dataset: {json.dumps(ds)}",
+        f"- load: {json.dumps(load)}",
+        f"- command: `{report.get('command')}`",
+    ]
     for note in report.get("notes", []):
         lines.append(f"- note: {note}")
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
@@ -49,23 +62,33 @@ def markdown(report: dict) -> str:
     for cfg in report.get("configs", []):
         if cfg.get("error"):
             reason = cfg["error"].strip().splitlines()[-1].replace("|", "/")  # the server's last word
-            lines.append(f"| {cfg['label']} | {_backends(cfg)} | did not run: {reason[:160]} |"
-                         + " |" * (len(COLUMNS) - 3))
+            lines.append(
+                f"| {cfg['label']} | {_backends(cfg)} | did not run: {reason[:160]} |"
+                + " |" * (len(COLUMNS) - 3)
+            )
         for p in cfg.get("points", []):
             m = p["median"]
-            row = (cfg["label"], _backends(cfg), _load(p), str(len(p["seeds"])),
-                   f"{m['completed']} / {m['failed']} / {m['cut_by_time_budget']}",
-                   f"{m['request_throughput']:.2f}", f"{m['output_tok_s']:.0f}",
-                   f"{_ms(m['ttft_ms'], 'p50')} / {_ms(m['ttft_ms'], 'p99')}",
-                   f"{_ms(m['tpot_ms'], 'p50')} / {_ms(m['tpot_ms'], 'p99')}",
-                   f"{_ms(m['itl_ms'], 'p50')} / {_ms(m['itl_ms'], 'p99')}",
-                   f"{_ms(m['e2e_ms'], 'p50')} / {_ms(m['e2e_ms'], 'p99')}")
+            row = (
+                cfg["label"],
+                _backends(cfg),
+                _load(p),
+                str(len(p["seeds"])),
+                f"{m['completed']} / {m['failed']} / {m['cut_by_time_budget']}",
+                f"{m['request_throughput']:.2f}",
+                f"{m['output_tok_s']:.0f}",
+                f"{_ms(m['ttft_ms'], 'p50')} / {_ms(m['ttft_ms'], 'p99')}",
+                f"{_ms(m['tpot_ms'], 'p50')} / {_ms(m['tpot_ms'], 'p99')}",
+                f"{_ms(m['itl_ms'], 'p50')} / {_ms(m['itl_ms'], 'p99')}",
+                f"{_ms(m['e2e_ms'], 'p50')} / {_ms(m['e2e_ms'], 'p99')}",
+            )
             lines.append("| " + " | ".join(row) + " |")
             kinds = sorted(m["errors"].items(), key=lambda kv: -kv[1])
             errors += [f"- {cfg['label']} {_load(p)}: {n} x {msg}" for msg, n in kinds[:5]]
             if len(kinds) > 5:
-                errors.append(f"- {cfg['label']} {_load(p)}: {sum(n for _, n in kinds[5:])} more, "
-                              f"{len(kinds) - 5} other messages (all in the JSON)")
+                errors.append(
+                    f"- {cfg['label']} {_load(p)}: {sum(n for _, n in kinds[5:])} more, "
+                    f"{len(kinds) - 5} other messages (all in the JSON)"
+                )
     if errors:
         lines += ["", "Failed requests:", *errors]
     return "\n".join(lines) + "\n"
@@ -93,7 +116,9 @@ def plot(report: dict, path: Path) -> str | None:
                 y = [p["median"][key]["p50"] for p in pts]
                 if all(v is None for v in y):
                     continue
-                ax.plot(x, [float("nan") if v is None else v for v in y], style, color=f"C{i % 10}", label=label)
+                ax.plot(
+                    x, [float("nan") if v is None else v for v in y], style, color=f"C{i % 10}", label=label
+                )
                 for xi, yi, p in zip(x, y, pts):
                     if yi is not None:
                         ax.annotate(_load(p), (xi, yi), fontsize=7, textcoords="offset points", xytext=(3, 3))
@@ -112,7 +137,9 @@ def plot(report: dict, path: Path) -> str | None:
     return None
 
 
-def write_all(report: dict, json_path: Path, md_path: Path | None = None, png_path: Path | None = None) -> list[str]:
+def write_all(
+    report: dict, json_path: Path, md_path: Path | None = None, png_path: Path | None = None
+) -> list[str]:
     """JSON, Markdown and PNG next to each other (written whole, through a temporary file); returns notes."""
     json_path = Path(json_path)
     md_path = md_path or json_path.with_suffix(".md")

@@ -42,7 +42,15 @@ def write_tokenizer_dir(path: Path, vocab_size: int, bos_token_id: int = 1, eos_
     def name(i: int) -> str:
         return tok.id_to_token(i)
 
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(bos_token_id),
-              "eos_token": name(eos_token_id), "unk_token": "<unk>", "pad_token": name(eos_token_id),
-              "add_bos_token": False, "add_eos_token": False, "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name(bos_token_id),
+        "eos_token": name(eos_token_id),
+        "unk_token": "<unk>",
+        "pad_token": name(eos_token_id),
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": 1 << 20,
+        "clean_up_tokenization_spaces": False,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
