@@ -2,6 +2,9 @@
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
 from serve_fake_server import FakeServer
@@ -174,3 +177,44 @@ def test_cli_refuses_a_server_that_is_not_there(tmp_path, word_tokenizer_dir):
     m = rep["configs"][0]["points"][0]["median"]
     assert rc == 0 and m["failed"] == 2 and m["completed"] == 0
     assert all("ClientConnectorError" in e or "Connect" in e for e in m["errors"])
+
+
+def test_sigterm_keeps_the_points_already_measured(tmp_path, word_tokenizer_dir):
+    out = tmp_path / "int.json"
+    with FakeServer() as srv:
+        cmd = [
+            sys.executable,
+            "-m",
+            "attnserve",
+            "bench",
+            "serve",
+            "--url",
+            srv.url,
+            "--tokenizer",
+            str(word_tokenizer_dir),
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--concurrency",
+            "1",
+            "--request-rate",
+            "0.05",
+            "--num-prompts",
+            "2",
+            "--warmup-requests",
+            "0",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        for line in proc.stderr:  # the closed-loop point is done; the open loop now waits ~20 s per arrival
+            if "concurrency 1 seed 0:" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    assert rc == 130
+    (cfg,) = json.loads(out.read_text())["configs"]
+    assert cfg["error"] == "interrupted after 1 of 2 load points"
+    assert [p["median"]["completed"] for p in cfg["points"]] == [2]

@@ -17,9 +17,11 @@ import math
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -247,7 +249,8 @@ def _progress(total: int, desc: str, disable: bool):
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=disable, leave=False)
 
 
-def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: dict) -> dict:
+def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: dict, out: dict) -> None:
+    """Fill `out` as points finish, so an interrupted sweep still reports the points it measured."""
     info = _get_json(url + "/server_info", args.api_key)
     model = args.model_name
     if model is None:
@@ -255,20 +258,12 @@ def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: d
         ids = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
         model = ids[0] if ids else None
     spec = RequestSpec(url, model, args.endpoint, args.ignore_eos, extra, args.api_key)
-    out = {
-        "label": cfg.label,
-        "url": cfg.url,
-        "flags": cfg.flags,
-        "model": model,
-        "server_info": info,
-        "attention_backend": (info or {}).get("attention_backend"),
-        "error": None,
-    }
+    out.update(model=model, server_info=info, attention_backend=(info or {}).get("attention_backend"))
     warm = asyncio.run(
         warm_up(spec, requests.get(10_000 + args.seed, args.warmup_requests), args.warmup_requests)
     )
     out["warmup_failed"] = sum(1 for r in warm if not r.ok)
-    points = []
+    points = out["points"]
     for planned in plan:
         per_seed = []
         for seed in planned.seeds:
@@ -308,20 +303,31 @@ def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: d
                 "per_seed": per_seed,
             }
         )
-    out["points"] = points
-    return out
 
 
-def _run_config(cfg: ServerConfig, args, plan, requests: Requests, extra: dict, log_dir: Path) -> dict:
+def _run_config(
+    cfg: ServerConfig, args, plan, requests: Requests, extra: dict, log_dir: Path, out: dict
+) -> None:
     if cfg.url is not None:
-        return _sweep(cfg, cfg.url, args, plan, requests, extra)
+        _sweep(cfg, cfg.url, args, plan, requests, extra, out)
+        return
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in cfg.label)[:60]
     print(f"launching attnserve serve {cfg.flags}  (log: {log_dir / (safe + '.log')})", file=sys.stderr)
-    with LaunchedServer(cfg.flags, log_dir / f"{safe}.log", args.launch_timeout) as server:
-        out = _sweep(cfg, server.url, args, plan, requests, extra)
-        out["server_command"] = shlex.join(["attnserve", *server.command[3:]])
+    server = LaunchedServer(cfg.flags, log_dir / f"{safe}.log", args.launch_timeout)
+    out["server_command"] = shlex.join(["attnserve", *server.command[3:-4]])
+    with server:
+        _sweep(cfg, server.url, args, plan, requests, extra, out)
     out["server_exit_code"] = server.proc.returncode
-    return out
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C: launched servers are stopped, results written."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def run(args) -> int:
@@ -383,18 +389,31 @@ def run(args) -> int:
         "notes": list(args.note),
         "configs": [],
     }
-    failed_configs = 0
+    failed_configs, interrupted = 0, False
+    _interrupt_on_sigterm()
     for cfg in configs:
+        result = {"label": cfg.label, "url": cfg.url, "flags": cfg.flags, "error": None, "points": []}
+        report["configs"].append(result)
         try:
-            result = _run_config(cfg, args, plan, requests, extra, log_dir)
+            _run_config(cfg, args, plan, requests, extra, log_dir, result)
         except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
             failed_configs += 1
             print(f"attnserve bench serve: configuration {cfg.label!r} did not run: {exc}", file=sys.stderr)
-            result = {"label": cfg.label, "url": cfg.url, "flags": cfg.flags, "error": str(exc), "points": []}
-        report["configs"].append(result)
+            result["error"] = str(exc)
+        except KeyboardInterrupt:
+            interrupted = True
+            result["error"] = f"interrupted after {len(result['points'])} of {len(plan)} load points"
         report["notes_written"] = write_all(report, args.json)
+        if interrupted:
+            break
     print(markdown(report))
     for note in report.get("notes_written", []):
         print(note, file=sys.stderr)
     print(f"wrote {args.json} (+ .md, .png)", file=sys.stderr)
+    if interrupted:
+        print(
+            "attnserve bench serve: interrupted; the points measured so far are in the report",
+            file=sys.stderr,
+        )
+        return 130
     return 1 if failed_configs else 0

@@ -62,9 +62,9 @@ def markdown(report: dict) -> str:
     for cfg in report.get("configs", []):
         if cfg.get("error"):
             reason = cfg["error"].strip().splitlines()[-1].replace("|", "/")  # the server's last word
+            state = "stopped" if cfg.get("points") else "did not run"
             lines.append(
-                f"| {cfg['label']} | {_backends(cfg)} | did not run: {reason[:160]} |"
-                + " |" * (len(COLUMNS) - 3)
+                f"| {cfg['label']} | {_backends(cfg)} | {state}: {reason[:160]} |" + " |" * (len(COLUMNS) - 3)
             )
         for p in cfg.get("points", []):
             m = p["median"]
