@@ -39,7 +39,7 @@ fi
 python3 -m pip list 2>/dev/null | grep -i -E "^(torch|triton|transformers|flashinfer-python|fastapi|uvicorn|aiohttp|openai) " \
   > "$OUT/versions.txt"
 NOTES=()
-python3 benchmarks/warm_flashinfer.py "decode tensor cores" > "$OUT/logs/warm-flashinfer.log" 2>&1 &
+timeout 150 python3 benchmarks/warm_flashinfer.py "decode tensor cores" > "$OUT/logs/warm-flashinfer.log" 2>&1 &
 WARM_PID=$!
 
 echo "[$(left) s left] model directory"
