@@ -31,6 +31,7 @@ POINT_FIELDS = {
     "total_tok_s",
     "output_tokens_mean",
     "usage_reported",
+    "cached_prompt_fraction",
     "ttft_ms",
     "tpot_ms",
     "itl_ms",
@@ -81,13 +82,44 @@ def test_launch_sweep_on_embedded_model(tmp_path):
 
 
 def test_url_sweep_against_a_running_server(tmp_path):
-    out = tmp_path / "url.json"
+    out, shared = tmp_path / "url.json", tmp_path / "shared.json"
     with LaunchedServer(
         "--device cpu --max-running-requests 4", tmp_path / "server.log", timeout_s=300
     ) as srv:
         rc = main(["bench", "serve", "--url", f"ours={srv.url}", *SMALL, "--json", str(out)])
-    assert rc == 0
+        # one system prompt of 64 tokens shared by 3 questions: after the first, the radix cache serves it
+        rc_shared = main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                srv.url,
+                "--dataset",
+                "shared-prefix",
+                "--sp-groups",
+                "1",
+                "--sp-system-len",
+                "64",
+                "--sp-question-len",
+                "4",
+                "--output-len",
+                "2",
+                "--concurrency",
+                "1",
+                "--num-prompts",
+                "3",
+                "--warmup-requests",
+                "0",
+                "--no-progress",
+                "--json",
+                str(shared),
+            ]
+        )
+    assert rc == 0 and rc_shared == 0
     _check_report(json.loads(out.read_text()), "ours")
+    (point,) = json.loads(shared.read_text())["configs"][0]["points"]
+    assert point["median"]["completed"] == 3
+    assert point["median"]["cached_prompt_fraction"] > 0.5  # 2 x 64 of about 3 x 69 prompt tokens
 
 
 def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):

@@ -34,6 +34,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # arrival of every chunk with text
     output_tokens: int = 0  # usage.completion_tokens when reported, else chunks with text
     usage_reported: bool = False
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt served by a prefix cache
     error: str | None = None
     cut: bool = False  # stopped by the point's time budget (not a server failure)
 
@@ -137,6 +138,8 @@ async def _consume(resp: aiohttp.ClientResponse, res: RequestResult) -> None:
                 res.usage_reported = True
                 res.output_tokens = int(usage.get("completion_tokens") or 0)
                 res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)
+                details = usage.get("prompt_tokens_details") or {}
+                res.cached_tokens = int(details.get("cached_tokens") or usage.get("cached_tokens") or 0)
     if not done:
         res.error = "stream ended before data: [DONE] (and without a finish_reason)"
     elif not res.usage_reported:

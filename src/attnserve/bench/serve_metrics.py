@@ -54,6 +54,9 @@ def summarize(results, duration_s: float) -> dict:
         "total_tok_s": round((in_tokens + out_tokens) / dur, 1),
         "output_tokens_mean": round(out_tokens / len(streamed), 1) if streamed else None,
         "usage_reported": bool(streamed) and all(r.usage_reported for r in done),
+        "cached_prompt_fraction": round(
+            sum(r.cached_tokens for r in done) / max(1, sum(r.prompt_len for r in done)), 3
+        ),
         "ttft_ms": distribution([r.ttft_s for r in streamed if r.ttft_s is not None]),
         "tpot_ms": distribution([r.tpot_s for r in done if r.tpot_s is not None]),
         "itl_ms": distribution([gap for r in streamed for gap in r.itl_s]),
