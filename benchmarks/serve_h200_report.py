@@ -6,7 +6,7 @@ servers, the same tool against the peer (`transformers serve`), and
 weight bytes). Any of them may be missing when its phase failed or ran out of time;
 the record then says so instead of inventing a number.
 
-    python3 benchmarks/serve_h200_report.py --ours O.json --peer P.json --offline E.json \
+    python3 benchmarks/serve_h200_report.py --ours O1.json [--ours O2.json] --peer P.json --offline E.json \
         --out benchmarks/results/serve-h200.json [--peer-log LOG] [--note TEXT ...]
 """
 
@@ -182,9 +182,25 @@ def _targets_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_ours(paths: list[Path]) -> dict:
+    """Our sweeps as one: the first readable file's dataset/load/command, every file's configurations."""
+    found = [(p, _load(p)) for p in paths]
+    readable = [d for _, d in found if d is not None]
+    ours = dict(readable[0]) if readable else {"title": "attnserve bench serve"}
+    ours["configs"] = [c for d in readable for c in d.get("configs", [])]
+    ours["notes"] = list(ours.get("notes", [])) + [
+        f"{p}: this part of our sweep wrote no JSON" for p, d in found if d is None
+    ]
+    if len(readable) > 1:
+        ours["command"] = " ; ".join(d.get("command", "?") for d in readable)
+    return ours
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ours", type=Path, required=True)
+    ap.add_argument(
+        "--ours", type=Path, action="append", required=True, help="our sweeps, in order (repeatable)"
+    )
     ap.add_argument("--peer", type=Path)
     ap.add_argument("--offline", type=Path)
     ap.add_argument("--offline-c1", type=Path, help="engine_gpu_decode.py with --requests 1")
@@ -193,13 +209,7 @@ def main() -> None:
     ap.add_argument("--note", action="append", default=[])
     args = ap.parse_args()
 
-    ours = _load(args.ours)
-    if ours is None:
-        ours = {
-            "title": "attnserve bench serve",
-            "configs": [],
-            "notes": [f"{args.ours}: our sweep wrote no JSON"],
-        }
+    ours = merge_ours(args.ours)
     peer, offline, offline_c1 = _load(args.peer), _load(args.offline), _load(args.offline_c1)
     report = dict(ours)
     ds = ours.get("dataset", {})
