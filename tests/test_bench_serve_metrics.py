@@ -102,3 +102,16 @@ def test_configs_from_backends_compare_and_urls():
         server_configs(["localhost:1"], None, None, None)
     with pytest.raises(ValueError, match="repeats"):
         server_configs(None, "", None, ["--x", "--x"])
+
+
+def test_report_without_matplotlib_still_writes_json_and_markdown(tmp_path, monkeypatch):
+    import sys
+
+    from attnserve.bench.serve_report import write_all
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the [bench] extra is not installed
+    report = {"title": "t", "configs": [{"label": "x", "error": "boom\nlast line", "points": []}]}
+    notes = write_all(report, tmp_path / "r.json")
+    assert notes and "pip install 'attnserve[bench]'" in notes[0]
+    assert (tmp_path / "r.json").is_file() and not (tmp_path / "r.png").exists()
+    assert "| x | - | did not run: last line |" in (tmp_path / "r.md").read_text()
