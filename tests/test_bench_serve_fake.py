@@ -218,3 +218,36 @@ def test_sigterm_keeps_the_points_already_measured(tmp_path, word_tokenizer_dir)
     (cfg,) = json.loads(out.read_text())["configs"]
     assert cfg["error"] == "interrupted after 1 of 2 load points"
     assert [p["median"]["completed"] for p in cfg["points"]] == [2]
+
+
+def test_cli_jsonl_dataset_sends_the_file_prompts_and_lengths(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{i} w9", "output_len": i + 1}) + "\n" for i in range(3)))
+    with FakeServer() as srv:
+        rc = main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                srv.url,
+                "--dataset",
+                "jsonl",
+                "--dataset-path",
+                str(data),
+                "--concurrency",
+                "2",
+                "--num-prompts",
+                "3",
+                "--warmup-requests",
+                "0",
+                "--no-progress",
+                "--json",
+                str(tmp_path / "j.json"),
+            ]
+        )
+        sent = sorted((b["prompt"], b["max_tokens"]) for b in srv.bodies)
+    assert rc == 0 and sent == [("w0 w9", 1), ("w1 w9", 2), ("w2 w9", 3)]
+    (point,) = json.loads((tmp_path / "j.json").read_text())["configs"][0]["points"]
+    assert (
+        point["median"]["completed"] == 3 and point["median"]["input_tok_s"] > 0
+    )  # prompt tokens from usage
