@@ -113,7 +113,7 @@ def test_models_health_server_info_and_metrics(served):
     assert info["kv_cache"]["pages_total"] > 0 and info["versions"]["torch"]
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
     assert "attnserve:time_to_first_token_seconds" in families and "attnserve:kv_pages" in families
-    backend = families["attnserve:backend"].samples[0].labels
+    backend = families["attnserve:backend_info"].samples[0].labels
     assert backend["decode_backend"] == info["attention_backend"]["decode"]
 
 

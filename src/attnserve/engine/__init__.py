@@ -7,8 +7,8 @@
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
 from attnserve.engine.llm import LLM
-from attnserve.engine.outputs import RequestOutput, StreamEvent
 from attnserve.engine.loop import EngineLoop
+from attnserve.engine.outputs import RequestOutput, StreamEvent
 from attnserve.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "Engine", "EngineConfig", "EngineLoop", "RequestOutput", "SamplingParams", "StreamEvent"]

@@ -72,7 +72,7 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             self._bad("min_p", "a number in [0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            self._bad("seed", f"None or an integer in [0, 2**64 - 1]")
+            self._bad("seed", "None or an integer in [0, 2**64 - 1]")
         if not all(isinstance(s, str) and s for s in self.stop):
             self._bad("stop", "a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
