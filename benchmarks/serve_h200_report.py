@@ -22,6 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from attnserve.bench.serve_report import write_all  # noqa: E402
 
 PEER_LABEL = "transformers serve (peer)"
+OFFLINE_KEYS = "what copy_bandwidth_TBps weight_bytes_read_per_step ratios errors versions date".split()
+OFFLINE_RESULT_KEYS = ("label prefill_backend decode_backend output_tok_per_s decode_step_ms_median "
+                       "roofline_step_ms_mean prefill_s ttft_s_median").split()
+
+
+def _pick(d: dict, keys: list[str]) -> dict:
+    return {k: d.get(k) for k in keys}
 
 
 def _load(path: Path | None) -> dict | None:
@@ -51,9 +58,14 @@ def _ratio(a, b) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def _met(ratio: float | None, ok) -> bool | None:
-    """None when the ratio could not be measured (a phase did not run), so it is not read as a miss."""
-    return None if ratio is None else bool(ok(ratio))
+def _target(pair: dict, target: str) -> dict:
+    """{measured, reference, ratio = measured / reference, target, met}; met is None when either side
+    is missing (a phase did not run), so it is not read as a miss."""
+    measured, reference = pair.values()
+    r = _ratio(measured, reference)
+    op, bound = target.split()
+    met = None if r is None else (r >= float(bound) if op == ">=" else r <= float(bound))
+    return {**pair, "ratio": r, "target": target, "met": met}
 
 
 def targets(ours: dict, peer_cfg: dict | None, offline: dict | None) -> list[dict]:
@@ -72,39 +84,16 @@ def targets(ours: dict, peer_cfg: dict | None, offline: dict | None) -> list[dic
         tok64, tpot64 = _median(cfg, 64, "output_tok_s"), _median(cfg, 64, "tpot_ms", "p50")
         tpot1 = _median(cfg, 1, "tpot_ms", "p50")
         row = {"config": cfg["label"], "decode_backend": dec, "offline_config": off["label"] if off else None}
-        r = _ratio(tok64, off["output_tok_per_s"] if off else None)
-        row["c64_output_tok_s_vs_offline"] = {
-            "server": tok64,
-            "offline": off and off["output_tok_per_s"],
-            "ratio": r,
-            "target": ">= 0.9",
-            "met": _met(r, lambda x: x >= 0.9),
-        }
-        r = _ratio(tpot64, off["decode_step_ms_median"] if off else None)
-        row["c64_tpot_p50_vs_offline_step"] = {
-            "server_ms": tpot64,
-            "offline_step_ms": off and off["decode_step_ms_median"],
-            "ratio": r,
-            "target": "<= 1.15",
-            "met": _met(r, lambda x: x <= 1.15),
-        }
-        r = _ratio(tpot1, roofline_ms)
-        row["c1_tpot_p50_vs_roofline"] = {
-            "server_ms": tpot1,
-            "roofline_ms": roofline_ms and round(roofline_ms, 3),
-            "ratio": r,
-            "target": "<= 1.3",
-            "met": _met(r, lambda x: x <= 1.3),
-        }
+        off_tok = off["output_tok_per_s"] if off else None
+        off_step = off["decode_step_ms_median"] if off else None
+        row["c64_output_tok_s_vs_offline"] = _target({"server": tok64, "offline": off_tok}, ">= 0.9")
+        step = {"server_ms": tpot64, "offline_step_ms": off_step}
+        row["c64_tpot_p50_vs_offline_step"] = _target(step, "<= 1.15")
+        roof = roofline_ms and round(roofline_ms, 3)
+        row["c1_tpot_p50_vs_roofline"] = _target({"server_ms": tpot1, "roofline_ms": roof}, "<= 1.3")
         for c in (32, 64):
-            r = _ratio(_median(cfg, c, "output_tok_s"), _median(peer_cfg, c, "output_tok_s"))
-            row[f"c{c}_output_tok_s_vs_peer"] = {
-                "server": _median(cfg, c, "output_tok_s"),
-                "peer": _median(peer_cfg, c, "output_tok_s"),
-                "ratio": r,
-                "target": ">= 5",
-                "met": _met(r, lambda x: x >= 5),
-            }
+            pair = {"server": _median(cfg, c, "output_tok_s"), "peer": _median(peer_cfg, c, "output_tok_s")}
+            row[f"c{c}_output_tok_s_vs_peer"] = _target(pair, ">= 5")
         rows.append(row)
     return rows
 
@@ -238,34 +227,8 @@ def main() -> None:
         notes.append(f"the peer did not run: {why[:2000]}")
     report["configs"] = list(ours.get("configs", [])) + [peer_cfg]
     if offline:
-        report["offline"] = {
-            k: offline.get(k)
-            for k in (
-                "what",
-                "copy_bandwidth_TBps",
-                "weight_bytes_read_per_step",
-                "ratios",
-                "errors",
-                "versions",
-                "date",
-            )
-        }
-        report["offline"]["results"] = [
-            {
-                k: r.get(k)
-                for k in (
-                    "label",
-                    "prefill_backend",
-                    "decode_backend",
-                    "output_tok_per_s",
-                    "decode_step_ms_median",
-                    "roofline_step_ms_mean",
-                    "prefill_s",
-                    "ttft_s_median",
-                )
-            }
-            for r in offline.get("results", [])
-        ]
+        report["offline"] = _pick(offline, OFFLINE_KEYS)
+        report["offline"]["results"] = [_pick(r, OFFLINE_RESULT_KEYS) for r in offline.get("results", [])]
     else:
         notes.append(
             "the offline engine run (benchmarks/engine_gpu_decode.py) wrote no JSON: no offline ratios"
@@ -273,16 +236,7 @@ def main() -> None:
     report["targets"] = targets(ours, peer_cfg if peer_cfgs else None, offline)
     if offline_c1:
         r = (offline_c1.get("results") or [{}])[0]
-        report["offline_c1"] = {
-            k: r.get(k)
-            for k in (
-                "label",
-                "decode_backend",
-                "decode_step_ms_median",
-                "roofline_step_ms_mean",
-                "output_tok_per_s",
-            )
-        }
+        report["offline_c1"] = _pick(r, OFFLINE_RESULT_KEYS)
     notes += where_time_goes(report["targets"], offline, offline_c1)
     report["notes"] = notes
     write_all(report, args.out)

@@ -16,6 +16,11 @@ from attnserve.bench.serve_synthetic import write_tokenizer_dir
 from attnserve.cli import main
 
 
+def bench(args: str) -> int:
+    """`attnserve bench serve ARGS` in this process (paths here have no spaces)."""
+    return main(["bench", "serve", *args.split()])
+
+
 @pytest.fixture(scope="module")
 def word_tokenizer_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("words")
@@ -34,13 +39,9 @@ def test_500s_dropped_streams_and_stream_errors_are_failed_requests():
         results, _ = asyncio.run(run_point(spec, _reqs(12), LoadPoint("concurrency", 1), seed=0))
     errors = [r.error for r in results]
     assert errors[2].startswith("HTTP 500: injected failure 3")
-    assert (
-        errors[5].startswith("HTTP 500")
-        and errors[8].startswith("HTTP 500")
-        and errors[11].startswith("HTTP 500")
-    )
+    assert all(errors[i].startswith("HTTP 500") for i in (5, 8, 11))
     assert errors[3] is not None and errors[7] is not None  # dropped connections (4, 8)
-    assert errors[4] == "error in stream: injected engine error"  # 5 (10 is also dropped? no: 10 % 4 != 0)
+    assert errors[4] == "error in stream: injected engine error"  # 5 and 10
     assert errors[9] == "error in stream: injected engine error"
     ok = [i + 1 for i, e in enumerate(errors) if e is None]
     assert ok == [1, 2, 7, 11]
@@ -88,53 +89,22 @@ def test_time_budget_cuts_in_flight_requests_without_calling_them_failures():
 def test_cli_sweep_against_url_writes_json_markdown_png(tmp_path, word_tokenizer_dir, capsys):
     out = tmp_path / "res.json"
     with FakeServer(fail_every=4) as srv:
-        rc = main(
-            [
-                "bench",
-                "serve",
-                "--url",
-                f"fake={srv.url}",
-                "--tokenizer",
-                str(word_tokenizer_dir),
-                "--input-len",
-                "12",
-                "--output-len",
-                "5",
-                "--concurrency",
-                "1,2",
-                "--request-rate",
-                "50",
-                "--num-prompts",
-                "4",
-                "--seeds",
-                "2,1,1",
-                "--warmup-requests",
-                "1",
-                "--json",
-                str(out),
-                "--no-progress",
-                "--note",
-                "a note",
-            ]
-        )
+        rc = bench(f"--url fake={srv.url} --tokenizer {word_tokenizer_dir} --input-len 12 --output-len 5 "
+                   f"--concurrency 1,2 --request-rate 50 --num-prompts 4 --seeds 2,1,1 --warmup-requests 1 "
+                   f"--json {out} --no-progress --note a-note")
         prompts = [b["prompt"] for b in srv.bodies]
     assert rc == 0
     rep = json.loads(out.read_text())
     assert rep["command"].startswith("attnserve bench serve --url fake=")
-    assert rep["notes"] == ["a note"] and rep["gpu"] and rep["date"]
+    assert rep["notes"] == ["a-note"] and rep["gpu"] and rep["date"]
     (cfg,) = rep["configs"]
     assert cfg["label"] == "fake" and cfg["attention_backend"] == {"prefill": "fake", "decode": "fake"}
     assert cfg["model"] == "fake-model" and cfg["server_info"]["versions"] == {"fake": "1"}
     assert [(p["load"], p["value"], p["seeds"]) for p in cfg["points"]] == [
-        ("concurrency", 1, [0, 1]),
-        ("concurrency", 2, [0]),
-        ("rate", 50, [0]),
-    ]
+        ("concurrency", 1, [0, 1]), ("concurrency", 2, [0]), ("rate", 50, [0])]
     total_failed = sum(p["median"]["failed"] for p in cfg["points"])
     total_ok = sum(p["median"]["completed"] for p in cfg["points"])
-    assert (
-        total_ok + total_failed == 16 and total_failed == 4
-    )  # 17 requests with the warm-up; every 4th fails
+    assert total_ok + total_failed == 16 and total_failed == 4  # 17 with the warm-up; every 4th fails
     for p in cfg["points"]:
         m = p["median"]
         for key in ("request_throughput", "input_tok_s", "output_tok_s", "duration_s"):
@@ -150,29 +120,8 @@ def test_cli_sweep_against_url_writes_json_markdown_png(tmp_path, word_tokenizer
 
 
 def test_cli_refuses_a_server_that_is_not_there(tmp_path, word_tokenizer_dir):
-    rc = main(
-        [
-            "bench",
-            "serve",
-            "--url",
-            "http://127.0.0.1:9",
-            "--tokenizer",
-            str(word_tokenizer_dir),
-            "--input-len",
-            "4",
-            "--output-len",
-            "2",
-            "--concurrency",
-            "1",
-            "--num-prompts",
-            "2",
-            "--warmup-requests",
-            "0",
-            "--json",
-            str(tmp_path / "r.json"),
-            "--no-progress",
-        ]
-    )
+    rc = bench(f"--url http://127.0.0.1:9 --tokenizer {word_tokenizer_dir} --input-len 4 --output-len 2 "
+               f"--concurrency 1 --num-prompts 2 --warmup-requests 0 --no-progress --json {tmp_path}/r.json")
     rep = json.loads((tmp_path / "r.json").read_text())
     m = rep["configs"][0]["points"][0]["median"]
     assert rc == 0 and m["failed"] == 2 and m["completed"] == 0
@@ -182,35 +131,13 @@ def test_cli_refuses_a_server_that_is_not_there(tmp_path, word_tokenizer_dir):
 def test_sigterm_keeps_the_points_already_measured(tmp_path, word_tokenizer_dir):
     out = tmp_path / "int.json"
     with FakeServer() as srv:
-        cmd = [
-            sys.executable,
-            "-m",
-            "attnserve",
-            "bench",
-            "serve",
-            "--url",
-            srv.url,
-            "--tokenizer",
-            str(word_tokenizer_dir),
-            "--input-len",
-            "4",
-            "--output-len",
-            "3",
-            "--concurrency",
-            "1",
-            "--request-rate",
-            "0.05",
-            "--num-prompts",
-            "2",
-            "--warmup-requests",
-            "0",
-            "--no-progress",
-            "--json",
-            str(out),
-        ]
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        args = (f"--url {srv.url} --tokenizer {word_tokenizer_dir} --input-len 4 --output-len 3 "
+                "--concurrency 1 --request-rate 0.05 --num-prompts 2 --warmup-requests 0 --no-progress "
+                f"--json {out}")
+        proc = subprocess.Popen([sys.executable, "-m", "attnserve", "bench", "serve", *args.split()],
+                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         for line in proc.stderr:  # the closed-loop point is done; the open loop now waits ~20 s per arrival
-            if "concurrency 1 seed 0:" in line:
+            if "=> " in line and "concurrency 1:" in line:
                 break
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
@@ -224,30 +151,10 @@ def test_cli_jsonl_dataset_sends_the_file_prompts_and_lengths(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"w{i} w9", "output_len": i + 1}) + "\n" for i in range(3)))
     with FakeServer() as srv:
-        rc = main(
-            [
-                "bench",
-                "serve",
-                "--url",
-                srv.url,
-                "--dataset",
-                "jsonl",
-                "--dataset-path",
-                str(data),
-                "--concurrency",
-                "2",
-                "--num-prompts",
-                "3",
-                "--warmup-requests",
-                "0",
-                "--no-progress",
-                "--json",
-                str(tmp_path / "j.json"),
-            ]
-        )
+        rc = bench(f"--url {srv.url} --dataset jsonl --dataset-path {data} --concurrency 2 --num-prompts 3 "
+                   f"--warmup-requests 0 --no-progress --json {tmp_path / 'j.json'}")
         sent = sorted((b["prompt"], b["max_tokens"]) for b in srv.bodies)
     assert rc == 0 and sent == [("w0 w9", 1), ("w1 w9", 2), ("w2 w9", 3)]
     (point,) = json.loads((tmp_path / "j.json").read_text())["configs"][0]["points"]
-    assert (
-        point["median"]["completed"] == 3 and point["median"]["input_tok_s"] > 0
-    )  # prompt tokens from usage
+    assert point["median"]["completed"] == 3
+    assert point["median"]["input_tok_s"] > 0  # prompt tokens from the server's usage

@@ -303,6 +303,9 @@ def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: d
                 "per_seed": per_seed,
             }
         )
+        tpot = median["tpot_ms"]["p50"]
+        print(f"  => {cfg.label} {planned.load.label}: median of {len(per_seed)} seed(s) "
+              f"{median['output_tok_s']:.0f} out tok/s, TPOT p50 {tpot} ms", file=sys.stderr)
 
 
 def _run_config(
