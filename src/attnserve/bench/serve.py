@@ -9,7 +9,6 @@ what each number means.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import json
@@ -22,138 +21,16 @@ import subprocess
 import sys
 import tempfile
 import threading
-import urllib.request
 from pathlib import Path
 
-from attnserve.bench import serve_datasets as ds
+from attnserve.bench.serve_args import add_arguments  # noqa: F401 - `attnserve bench` builds the parser from it
 from attnserve.bench.serve_client import ENDPOINTS, RequestSpec
-from attnserve.bench.serve_launch import LaunchedServer
+from attnserve.bench.serve_launch import LaunchedServer, get_json
 from attnserve.bench.serve_load import run_point, warm_up
 from attnserve.bench.serve_metrics import aggregate_seeds, summarize
 from attnserve.bench.serve_plan import ServerConfig, load_points, server_configs
+from attnserve.bench.serve_prompts import Requests, tokenizer_path
 from attnserve.bench.serve_report import markdown, write_all
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("servers")
-    g.add_argument(
-        "--url",
-        action="append",
-        metavar="[LABEL=]URL",
-        help="a running OpenAI-compatible server, e.g. http://127.0.0.1:30000 (repeatable)",
-    )
-    g.add_argument(
-        "--launch",
-        metavar="FLAGS",
-        default=None,
-        help='start `attnserve serve FLAGS` on a free loopback port for the sweep, e.g. "--model DIR" '
-        "(a single flag with no space needs the = form: --launch=--disable-cuda-graph)",
-    )
-    g.add_argument(
-        "--backends",
-        metavar="A,B",
-        help="launch one server per attention backend "
-        "(--launch flags + --attention-backend NAME), e.g. triton,flashinfer",
-    )
-    g.add_argument(
-        "--compare",
-        nargs="+",
-        metavar="[LABEL=]FLAGS",
-        help='launch one server per flag set on top of --launch, e.g. "--attention-backend triton" '
-        '"fi=--decode-attention-backend flashinfer"',
-    )
-    g.add_argument(
-        "--launch-timeout", type=float, default=900.0, help="seconds to wait for /health (default 900)"
-    )
-    g.add_argument(
-        "--server-log-dir", type=Path, default=None, help="where launched servers log (default: a temp dir)"
-    )
-    g.add_argument(
-        "--model-name",
-        default=None,
-        help='the request\'s "model" field (default: the first id of GET /v1/models)',
-    )
-    g.add_argument(
-        "--endpoint",
-        choices=sorted(ENDPOINTS),
-        default="completions",
-        help="completions (prompt text) or chat (the prompt as one user message)",
-    )
-    g.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
-    g.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="ask for exactly --output-len tokens (default on; off for servers that refuse the field)",
-    )
-    g.add_argument("--extra-body", default=None, metavar="JSON", help="fields merged into every request body")
-    d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", choices=ds.DATASETS, default="random")
-    d.add_argument("--dataset-path", type=Path, help="the JSONL file for --dataset jsonl")
-    d.add_argument(
-        "--tokenizer",
-        default=None,
-        help="HF model directory or .gguf whose tokenizer sizes the "
-        "prompts (default: the launched --model, or the embedded model)",
-    )
-    d.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens (default 1024)")
-    d.add_argument("--output-len", type=int, default=128, help="random/shared-prefix: tokens to generate")
-    d.add_argument(
-        "--range-ratio",
-        type=float,
-        default=0.0,
-        help="random: lengths uniform in [len * (1 - r), len] (default 0: all equal)",
-    )
-    d.add_argument("--sp-groups", type=int, default=4, help="shared-prefix: number of system prompts")
-    d.add_argument("--sp-system-len", type=int, default=512, help="shared-prefix: tokens per system prompt")
-    d.add_argument("--sp-question-len", type=int, default=64, help="shared-prefix: tokens per question")
-    ld = p.add_argument_group("load")
-    ld.add_argument(
-        "--concurrency",
-        default=None,
-        metavar="N[,N...]",
-        help="closed loop: clients each sending the next request when the last ends (default 1,8,32,64 "
-        "unless --request-rate is given)",
-    )
-    ld.add_argument(
-        "--request-rate",
-        default=None,
-        metavar="R[,R...]",
-        help="open loop: Poisson arrivals per second (inf: all at once)",
-    )
-    ld.add_argument(
-        "--num-prompts",
-        default="64",
-        help="requests per point and seed: a count, or Nx = N per client / N seconds of arrivals "
-        "(or one value per point, e.g. 2x,1x,1x,1x)",
-    )
-    ld.add_argument(
-        "--seeds", default="1", help="repeats of every point (or one count per point, e.g. 3,3,1,1)"
-    )
-    ld.add_argument("--seed", type=int, default=0, help="first seed (prompts and arrival times)")
-    ld.add_argument("--warmup-requests", type=int, default=2, help="uncounted requests per configuration")
-    ld.add_argument(
-        "--max-point-seconds",
-        type=float,
-        default=None,
-        help="time budget of one point and seed: requests still running are cut (counted apart)",
-    )
-    o = p.add_argument_group("output")
-    o.add_argument(
-        "--json", type=Path, default=Path("serve-bench.json"), help="results (Markdown and PNG beside it)"
-    )
-    o.add_argument("--title", default=None, help="heading of the report")
-    o.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _get_json(url: str, api_key: str | None = None) -> dict | None:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read())
-    except (OSError, ValueError):
-        return None
 
 
 def _gpu_name() -> str:
@@ -177,72 +54,6 @@ def _versions() -> dict:
     }
 
 
-def _flag_value(flags: str, *names: str) -> str | None:
-    args = shlex.split(flags)
-    for i, a in enumerate(args):
-        key, _, val = a.partition("=")
-        if key in names:
-            return val if val else (args[i + 1] if i + 1 < len(args) else None)
-    return None
-
-
-def _tokenizer_path(args, configs: list[ServerConfig]) -> str | None:
-    if args.tokenizer:
-        return args.tokenizer
-    launched = [c for c in configs if c.flags is not None]
-    if launched:
-        return _flag_value(launched[0].flags, "--model", "--model-path")  # None: the embedded model
-    info = _get_json(configs[0].url + "/server_info", args.api_key) or {}
-    if "model_path" in info and info["model_path"] is None:  # attnserve serve on its embedded model
-        return None
-    for model in (info.get("model_path"), info.get("model")):
-        if isinstance(model, str) and Path(model).exists():
-            return model
-    raise ValueError(
-        f"--url {configs[0].url}: cannot tell which tokenizer sizes the prompts; pass --tokenizer "
-        "PATH (the server's model directory or .gguf)"
-    )
-
-
-class Requests:
-    """The prompts of each (seed, count), built once and shared by every configuration."""
-
-    def __init__(self, args, tokenizer_path: str | None):
-        self.args = args
-        self.sampler = None
-        self.tokenizer = None
-        self.cache: dict = {}
-        if args.dataset == "jsonl":
-            if args.dataset_path is None:
-                raise ValueError("--dataset jsonl needs --dataset-path FILE")
-            if tokenizer_path is not None or args.tokenizer:
-                self.tokenizer = ds.load_tokenizer(tokenizer_path)
-        else:
-            for name in ("input_len", "output_len", "sp_groups", "sp_system_len", "sp_question_len"):
-                if getattr(args, name) < 1:
-                    raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-            if not 0.0 <= args.range_ratio < 1.0:
-                raise ValueError(f"--range-ratio {args.range_ratio}: must be in [0, 1)")
-            self.sampler = ds.TokenSampler(ds.load_tokenizer(tokenizer_path))
-
-    def get(self, seed: int, num: int) -> list[ds.BenchRequest]:
-        key = (seed, num)
-        if key not in self.cache:
-            a = self.args
-            if a.dataset == "random":
-                self.cache[key] = ds.random_requests(
-                    self.sampler, num, a.input_len, a.output_len, a.range_ratio, seed
-                )
-            elif a.dataset == "shared-prefix":
-                self.cache[key] = ds.shared_prefix_requests(
-                    self.sampler, num, a.sp_groups, a.sp_system_len, a.sp_question_len, a.output_len, seed
-                )
-            else:
-                reqs = ds.jsonl_requests(a.dataset_path, None, self.tokenizer)
-                self.cache[key] = [reqs[(seed + i) % len(reqs)] for i in range(num)]
-        return self.cache[key]
-
-
 def _progress(total: int, desc: str, disable: bool):
     from tqdm import tqdm
 
@@ -251,10 +62,10 @@ def _progress(total: int, desc: str, disable: bool):
 
 def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: dict, out: dict) -> None:
     """Fill `out` as points finish, so an interrupted sweep still reports the points it measured."""
-    info = _get_json(url + "/server_info", args.api_key)
+    info = get_json(url + "/server_info", args.api_key)
     model = args.model_name
     if model is None:
-        models = _get_json(url + "/v1/models", args.api_key) or {}
+        models = get_json(url + "/v1/models", args.api_key) or {}
         ids = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
         model = ids[0] if ids else None
     spec = RequestSpec(url, model, args.endpoint, args.ignore_eos, extra, args.api_key)
@@ -348,7 +159,7 @@ def run(args) -> int:
     if not isinstance(extra, dict):
         raise ValueError(f"--extra-body {args.extra_body!r}: must be a JSON object")
     requests = Requests(
-        args, _tokenizer_path(args, configs) if args.dataset != "jsonl" or args.tokenizer else None
+        args, tokenizer_path(args, configs) if args.dataset != "jsonl" or args.tokenizer else None
     )
     log_dir = args.server_log_dir or Path(tempfile.mkdtemp(prefix="attnserve-bench-serve-"))
     argv = getattr(args, "_argv", None) or sys.argv[1:]

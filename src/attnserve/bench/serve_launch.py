@@ -9,6 +9,7 @@ process group only if that does not end it.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -36,6 +37,16 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
     except urllib.error.HTTPError as exc:
         return exc.code
     except (urllib.error.URLError, OSError):
+        return None
+
+
+def get_json(url: str, api_key: str | None = None) -> dict | None:
+    """GET a JSON endpoint (/server_info, /v1/models); None when the server does not have it."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
         return None
 
 
