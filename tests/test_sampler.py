@@ -95,3 +95,24 @@ def test_invalid_values_name_the_field(field, value):
 def test_stop_string_alone_becomes_a_tuple():
     assert SamplingParams(stop="\n").stop == ("\n",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+def test_sampling_and_logprobs_read_nothing_back_to_the_host():
+    """Every filter, seeded and unseeded rows, greedy rows and logprobs: all queued, nothing read."""
+    from host_reads import no_host_reads
+
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))  # [5, 64]
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, logprobs=3),
+              SamplingParams(temperature=1.0, top_p=0.7, seed=11), SamplingParams(temperature=0.5, min_p=0.2),
+              SamplingParams(temperature=1.2, seed=12, logprobs=0)]
+    s = Sampler(seed=5)
+    with no_host_reads():
+        tokens = s.sample(logits, list(range(5)), params)  # [5]
+        lps = Sampler.logprobs(logits, tokens, params)
+        greedy = s.sample(logits, list(range(5)), [SamplingParams()] * 5)
+    assert greedy.tolist() == logits.argmax(-1).tolist()
+    assert tokens[0] == logits[0].argmax() and lps.rows == [1, 4] and lps.counts == [3, 0]
+    host = lps.on_host(tokens.tolist(), lps.tensors())
+    ref = torch.log_softmax(logits[1], -1)
+    assert host[1].logprob == pytest.approx(ref[int(tokens[1])].item(), abs=1e-5)
+    assert [t for t, _ in host[1].top] == ref.topk(3).indices.tolist() and host[4].top == ()
