@@ -252,7 +252,7 @@ def main() -> None:
     for workload in {r["workload"] for r in results}:
         by = {r["label"]: r for r in results if r["workload"] == workload}
 
-        def ratio(slow: str, fast: str, key: str = "decode_step_ms_median"):
+        def ratio(slow: str, fast: str, key: str = "decode_step_ms_median", by=by):
             if slow in by and fast in by and by[slow][key] and by[fast][key]:
                 return round(by[slow][key] / by[fast][key], 3)
             return None

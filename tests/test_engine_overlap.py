@@ -7,6 +7,7 @@ which is what a pinned buffer looks like before its CUDA event fires.
 """
 
 import random
+from typing import ClassVar
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ class SlowCopy:
     Logs when each copy is made (its step launched) and waited for, in order.
     """
 
-    log: list[tuple[str, int]] = []
+    log: ClassVar[list[tuple[str, int]]] = []
 
     def __init__(self, tensors):
         self.index = sum(1 for kind, _ in self.log if kind == "launch")

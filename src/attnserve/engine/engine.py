@@ -252,8 +252,8 @@ class Engine:
         raised (each failed alone; its token is a placeholder that is never read)."""
         try:
             return (*self._sample_rows(logits, reqs), set())
-        except Exception:  # noqa: BLE001 - find the request(s) it belongs to, row by row
-            pass
+        except Exception as exc:  # noqa: BLE001 - find the request(s) it belongs to, row by row
+            log.debug("sampling the batch failed (%r); sampling row by row", exc)
         tokens, parts, failed = [], [], set()
         for i, r in enumerate(reqs):
             try:
