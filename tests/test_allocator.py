@@ -1,12 +1,10 @@
-"""Page allocator invariants: no partial allocation, reference counts, copy-on-write, leak check."""
+"""Page allocator invariants: no partial allocation, reference counts, leak check."""
 
 import random
 
 import pytest
-import torch
 
 from attnserve.kvcache.allocator import PADDING_PAGE, KVCacheExhausted, PageAllocator
-from attnserve.kvcache.pool import MHAKVPool
 
 
 def _snapshot(a: PageAllocator):
@@ -103,39 +101,6 @@ def test_random_alloc_share_free_sequences_keep_the_books_balanced():
     assert a.num_free == a.total
 
 
-def test_copy_on_write_copies_only_shared_pages():
-    pool = MHAKVPool(6, 4, 2, 1, 8, dtype="fp32")
-    a = PageAllocator(6)
-    (p,) = a.alloc(1)
-    slots = pool.slots_of_pages([p])
-    k = torch.randn(4, 1, 8)  # [page_size, kv_heads, head_dim]
-    v = torch.randn(4, 1, 8)
-    for layer in range(2):
-        pool.store(layer, slots, k + layer, v - layer)
-
-    assert a.copy_on_write(p, pool.copy_page) == p  # sole owner writes in place
-
-    a.share([p])
-    new = a.copy_on_write(p, pool.copy_page)
-    assert new != p
-    assert a.refcount[p] == 1 and a.refcount[new] == 1
-    new_slots = pool.slots_of_pages([new])
-    for layer in range(2):
-        assert torch.equal(pool.k_buffer[layer][new_slots], k + layer)
-        assert torch.equal(pool.v_buffer[layer][new_slots], v - layer)
-    a.check_leaks()
-
-
-def test_copy_on_write_under_exhaustion_keeps_the_share():
-    a = PageAllocator(3)
-    pages = a.alloc(2)
-    a.share(pages[:1])
-    with pytest.raises(KVCacheExhausted):
-        a.copy_on_write(pages[0], lambda s, d: None)
-    assert a.refcount[pages[0]] == 2
-    a.check_leaks()
-
-
 def test_leak_check_catches_a_leak_and_a_double_free():
     a = PageAllocator(8)
     a.alloc(3)
@@ -154,18 +119,3 @@ def test_leak_check_catches_a_leak_and_a_double_free():
     with pytest.raises(AssertionError):
         b.check_leaks()
     assert p not in b._free
-
-
-def test_failed_copy_on_write_returns_the_fresh_page():
-    a = PageAllocator(4)
-    (p,) = a.alloc(1)
-    a.share([p])
-    free_before = a.num_free
-
-    def broken_copy(src, dst):
-        raise RuntimeError("device copy failed")
-
-    with pytest.raises(RuntimeError, match="device copy failed"):
-        a.copy_on_write(p, broken_copy)
-    assert a.num_free == free_before and a.refcount[p] == 2
-    a.check_leaks()

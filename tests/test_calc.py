@@ -16,13 +16,15 @@ from attnserve.kvcache.calc import (
     weight_bytes,
 )
 from attnserve.kvcache.pool import MHAKVPool, MLAKVPool
-from attnserve.presets import PRESETS, AttentionShape, estimate_num_params, load_model_config
+from attnserve.models.config import ModelConfig
+from attnserve.presets import PRESETS
+from attnserve.shape import AttentionShape
 
 KiB, GiB = 1024, 1024**3
 
 
 def shape(name: str) -> AttentionShape:
-    return AttentionShape.from_config(load_model_config(name))
+    return ModelConfig.load(name).attention_shape()
 
 
 @pytest.mark.parametrize(
@@ -78,8 +80,8 @@ def test_parameter_estimates_match_published_sizes():
                  "mistral-7b": 7.24e9, "qwen3-8b": 8.19e9, "deepseek-v2": 236e9, "deepseek-v3": 671e9,
                  "deepseek-v2-lite": 15.7e9, "smollm2-135m": 134.5e6}
     for name, n in published.items():
-        assert abs(estimate_num_params(PRESETS[name]) / n - 1) < 0.01, name
-    active = estimate_num_params(PRESETS["deepseek-v3"], active_only=True)
+        assert abs(ModelConfig.from_hf(PRESETS[name]).num_params() / n - 1) < 0.01, name
+    active = ModelConfig.from_hf(PRESETS["deepseek-v3"]).num_params(active_only=True)
     assert 36e9 < active < 39e9  # 37B activated per token
 
 

@@ -55,15 +55,31 @@ def test_kv_calc_bad_input_exits_2_with_a_message(capsys, argv, message):
     assert "error" in err and message in err
 
 
-def test_backends_json(capsys):
+def _installed_here(monkeypatch, absent=(), present=()):
+    """This machine as detect_hardware sees it, with `absent` reported missing and `present` installed."""
+    from attnserve import hardware
+
+    real = hardware.is_installed
+    monkeypatch.setattr(hardware, "is_installed", lambda name: name in present or (name not in absent and real(name)))
+
+
+def test_backends_json(capsys, monkeypatch):
+    _installed_here(monkeypatch, absent=("flashinfer",))
     d = _json(capsys, ["backends", "--json"])
     assert d["torch_native"]["available"] and d["torch_native"]["reasons"] == []
     assert "cpu" in d["torch_native"]["features"]["devices"]
-    assert not d["flashinfer"]["available"] and d["flashinfer"]["reasons"]
+    assert not d["flashinfer"]["available"]
+    assert "package 'flashinfer' is not installed" in d["flashinfer"]["reasons"]
     assert d["nsa"]["alias_of"] == "dsa" and d["compressed"]["alias_of"] == "dsv4"
     assert len(d) == 27
     for entry in d.values():
         assert entry["available"] == (not entry["reasons"])
+
+
+def test_backends_json_reports_flashinfer_installed_when_it_is(capsys, monkeypatch):
+    _installed_here(monkeypatch, present=("flashinfer",))
+    d = _json(capsys, ["backends", "--json"])
+    assert not any("not installed" in r for r in d["flashinfer"]["reasons"])
 
 
 def test_backends_for_a_hypothetical_gpu(capsys):

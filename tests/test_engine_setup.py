@@ -12,7 +12,9 @@ from attnserve import hardware
 from attnserve.attention import registry
 from attnserve.commands.select import model_from_args
 from attnserve.engine.config import EngineConfig
-from attnserve.engine.setup import build_parts, resolve_device, selection_traits
+from attnserve.engine.setup import build_parts, model_shape, resolve_device
+from attnserve.models.base import CausalLM
+from attnserve.models.config import ModelConfig
 
 GPT_OSS_LIKE = {
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 256, "num_hidden_layers": 2,
@@ -25,35 +27,48 @@ GEMMA2_LIKE = {
 }
 
 
+class _Model:
+    """What the engine reads of a loaded model's shape, for architectures we parse but cannot build."""
+
+    kv_cache_spec = CausalLM.kv_cache_spec
+
+    def __init__(self, hf_config: dict):
+        self.config = ModelConfig.from_hf(hf_config)
+
+
 @dataclasses.dataclass
 class _Bundle:
     hf_config: dict
     source: str = "test model"
 
+    @property
+    def model(self):
+        return _Model(self.hf_config)
+
 
 def _select_traits(cfg: dict, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    args = argparse.Namespace(model=str(path), tp_size=1, attention_sinks=False, sliding_window=False,
-                              logit_softcap=False, v_head_dim=None)
+    args = argparse.Namespace(model=str(path), tp_size=1, attention_sinks=False, sliding_window=None,
+                              logit_softcap=None, v_head_dim=None)
     return model_from_args(args)
 
 
 @pytest.mark.parametrize("cfg", [GPT_OSS_LIKE, GEMMA2_LIKE], ids=["sinks+window", "softcap"])
 def test_engine_traits_are_the_select_commands(cfg, tmp_path):
-    engine_traits = selection_traits(_Bundle(cfg), spec=None)
+    engine_traits = model_shape(_Bundle(cfg))
     assert dataclasses.replace(engine_traits, name="") == dataclasses.replace(_select_traits(cfg, tmp_path), name="")
     assert engine_traits.model_type == cfg["model_type"]
-    assert engine_traits.attention_sinks == (cfg["model_type"] == "gpt_oss")
-    assert engine_traits.logit_softcap == ("attn_logit_softcapping" in cfg)
+    assert engine_traits.has_sinks == (cfg["model_type"] == "gpt_oss")
+    assert (engine_traits.logit_softcap is not None) == ("attn_logit_softcapping" in cfg)
 
 
 def test_gguf_config_without_model_type_gets_it_from_the_architecture():
     cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}  # what a GGUF file yields
-    traits = selection_traits(_Bundle(cfg), spec=None)
+    traits = model_shape(_Bundle(cfg))
     assert traits.model_type == "qwen2"
-    assert (traits.num_heads, traits.num_kv_heads, traits.head_dim) == (4, 2, 32)
+    assert (traits.num_q_heads, traits.num_kv_heads, traits.head_dim) == (4, 2, 32)
 
 
 def test_cpu_engine_on_a_gpu_machine_checks_backends_against_the_cpu(monkeypatch):
@@ -118,8 +133,10 @@ def test_auto_dtype_is_fp32_on_the_cpu_and_the_checkpoints_on_a_gpu():
     assert resolve_dtype("auto", torch.device("cuda"), {"torch_dtype": "float16"}) == torch.float16
 
 
-def test_mps_device_is_accepted_and_refused_clearly_without_mps():
+def test_mps_device_is_accepted_and_refused_clearly_without_mps(monkeypatch):
     assert EngineConfig(device="mps").device == "mps"
-    if not torch.backends.mps.is_available():
-        with pytest.raises(ValueError, match="no usable MPS"):
-            resolve_device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no usable MPS"):
+        resolve_device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert resolve_device("mps") == torch.device("mps")

@@ -1,17 +1,32 @@
 """The hybrid backend routes each step by forward mode; results match the oracle on the CPU."""
 
+import dataclasses
 import warnings
 
 import pytest
 
 from attnserve.attention.backends.flex import FlexAttentionBackend
 from attnserve.attention.backends.torch_native import TorchNativeBackend
-from attnserve.attention.base import AttentionBackend, ForwardMode
-from attnserve.attention.hybrid import HybridAttentionBackend, build_backend
+from attnserve.attention.base import (
+    AttentionBackend,
+    AttentionRequirements,
+    BackendFeatures,
+    ForwardMode,
+    unsupported,
+)
+from attnserve.attention.hybrid import (
+    COMBINE_BOTH_SIDES,
+    ONE_SIDE,
+    HybridAttentionBackend,
+    build_backend,
+    hybrid_features,
+)
 from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.selection import ModelTraits, select_backends
+from attnserve.attention.registry import get_spec
+from attnserve.attention.selection import select_backends
 from attnserve.attention.synthetic import make_batch
 from attnserve.hardware import PRESET_HARDWARE
+from attnserve.shape import GENERIC_GQA
 
 
 class Recording(TorchNativeBackend):
@@ -88,6 +103,36 @@ def test_features_combine_both_sides():
     hybrid = HybridAttentionBackend(TorchNativeBackend(sb.pool), FlexAttentionBackend(sb.pool))
     assert not hybrid.features.cuda_graph
     assert hybrid.name == "hybrid(prefill=torch_native, decode=flex_attention)"
+    tn, flex = TorchNativeBackend.features, FlexAttentionBackend.features
+    assert "MLA" in tn.attention_types and hybrid.features.attention_types == flex.attention_types
+    assert hybrid.features.kv_dtypes == tn.kv_dtypes & flex.kv_dtypes != tn.kv_dtypes
+    assert hybrid.features.devices == frozenset({"cpu", "cuda"})  # torch_native's mps is not flex's
+
+
+def test_hybrid_claims_only_what_both_sides_support():
+    """FlashInfer prefill + Triton decode: Triton runs sinks, FlashInfer does not, so the pair does not."""
+    fi, tr = get_spec("flashinfer").features, get_spec("triton").features
+    both = hybrid_features(fi, tr, verify=fi)
+    assert tr.attention_sinks and not fi.attention_sinks and not both.attention_sinks
+    assert unsupported(both, AttentionRequirements(attention_sinks=True)) == ["no attention sinks"]
+    assert both.head_dims == tuple(d for d in fi.head_dims if d in tr.head_dims)
+    assert both.kv_dtypes == fi.kv_dtypes & tr.kv_dtypes
+    assert both.required_packages == ("flashinfer", "triton") and both.min_compute_capability == (8, 0)
+    assert (both.cuda_graph, both.custom_mask) == (tr.cuda_graph, fi.custom_mask)  # decode graphs; verify masks
+
+
+def test_hybrid_features_per_feature_rules():
+    prefill_only = BackendFeatures(page_sizes=(16, 32), decode=False, cuda_graph=False, custom_mask=True,
+                                   min_compute_capability=(9, 0), compute_capabilities=None, deterministic=True)
+    decode_only = BackendFeatures(page_sizes=(32, 64), prefill=False, cuda_graph=True, custom_mask=False,
+                                  min_compute_capability=(8, 0), compute_capabilities=(9, 10))
+    f = hybrid_features(prefill_only, decode_only, verify=decode_only)
+    assert (f.prefill, f.decode, f.cuda_graph, f.custom_mask) == (True, True, True, False)
+    assert f.page_sizes == (32,) and f.compute_capabilities == (9, 10) and f.min_compute_capability == (9, 0)
+    assert not f.deterministic
+    assert hybrid_features(prefill_only, decode_only, verify=prefill_only).custom_mask
+    assert hybrid_features(BackendFeatures(), BackendFeatures(), BackendFeatures()) == BackendFeatures()
+    assert set(COMBINE_BOTH_SIDES) | set(ONE_SIDE) == {f.name for f in dataclasses.fields(BackendFeatures)}
 
 
 def test_bad_arguments():
@@ -115,9 +160,9 @@ def test_hybrid_torch_native_prefill_flex_decode_matches_oracle(prefix, ext):
 def test_build_backend_from_a_selection():
     sb = make_batch([5], [1])
     cpu = PRESET_HARDWARE["cpu"]
-    one = build_backend(select_backends(cpu, ModelTraits()), sb.pool, cpu)
+    one = build_backend(select_backends(cpu, GENERIC_GQA), sb.pool, cpu)
     assert isinstance(one, TorchNativeBackend)
-    sel = select_backends(cpu, ModelTraits(), prefill_backend="torch_native", decode_backend="flex_attention")
+    sel = select_backends(cpu, GENERIC_GQA, prefill_backend="torch_native", decode_backend="flex_attention")
     two = build_backend(sel, sb.pool, cpu, speculative_attention_mode="decode")
     assert isinstance(two, HybridAttentionBackend) and isinstance(two, AttentionBackend)
     assert isinstance(two.decode_backend, FlexAttentionBackend)

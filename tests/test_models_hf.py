@@ -15,6 +15,7 @@ import torch
 import transformers
 from engine_runs import max_rel_err, run_engine
 
+from attnserve.kvcache.pool import make_pool
 from attnserve.models.loader import load_model
 
 VOCAB = 160
@@ -127,7 +128,7 @@ def test_kv_cache_spec_describes_the_pool(tmp_path_factory):
     _, path = _build("deepseek-v2-yarn-moe", tmp_path_factory)
     spec = load_model(path).model.kv_cache_spec()
     assert (spec.is_mla, spec.num_kv_heads, spec.head_dim, spec.v_head_dim) == (True, 1, 32 + 8, 32)
-    assert spec.attention_type == "MLA" and spec.make_pool(4, 1, "fp32").head_dim == 40
+    assert spec.attention_type == "MLA" and make_pool(spec, 4, 1, "fp32").head_dim == 40
     _, path = _build("mistral-sliding-window", tmp_path_factory)
     spec = load_model(path).model.kv_cache_spec()
     assert (spec.is_mla, spec.num_kv_heads, spec.head_dim, spec.sliding_window) == (False, 2, 16, 7)
@@ -143,7 +144,7 @@ def test_logits_indices_select_rows(tmp_path_factory):
 
     spec = lm.model.kv_cache_spec()
     total = sum(map(len, prompts))
-    pool = spec.make_pool(total + 1, 1, "fp32")
+    pool = make_pool(spec, total + 1, 1, "fp32")
     req_to_token = torch.zeros(2, max(map(len, prompts)), dtype=torch.int32)
     req_to_token[0, :13] = torch.arange(1, 14)
     req_to_token[1, :5] = torch.arange(14, 19)

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from attnserve.presets import PRESETS, AttentionShape, load_model_config
+from attnserve.models.config import ModelConfig
+from attnserve.presets import PRESETS, load_model_config
 
 REQUIRED = ["architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
@@ -12,6 +13,10 @@ REQUIRED = ["architectures", "model_type", "hidden_size", "intermediate_size", "
 DEEPSEEK = ["kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
             "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
             "first_k_dense_replace"]
+
+
+def _shape(cfg: dict):
+    return ModelConfig.from_hf(cfg).attention_shape()
 
 
 def test_presets_are_complete_hf_configs():
@@ -31,7 +36,7 @@ def test_presets_are_complete_hf_configs():
      ("deepseek-v3", "MLA", 128, 1, 576, 512), ("deepseek-v2-lite", "MLA", 16, 1, 576, 512)],
 )
 def test_attention_shapes(name, kind, q, kv, k_width, v_width):
-    s = AttentionShape.from_config(load_model_config(name))
+    s = _shape(load_model_config(name))
     assert (s.attention_type, s.num_q_heads, s.num_kv_heads, s.head_dim, s.v_head_dim) == (kind, q, kv, k_width,
                                                                                            v_width)
     assert s.num_params > 0 and s.num_active_params <= s.num_params
@@ -41,13 +46,13 @@ def test_attention_shapes(name, kind, q, kv, k_width, v_width):
 
 
 def test_sliding_window_sinks_and_softcap():
-    assert AttentionShape.from_config(load_model_config("mistral-7b")).sliding_window == 4096
+    assert _shape(load_model_config("mistral-7b")).sliding_window == 4096
     qwen = dict(load_model_config("qwen3-8b"), sliding_window=4096, use_sliding_window=False)
-    assert AttentionShape.from_config(qwen).sliding_window is None
+    assert _shape(qwen).sliding_window is None
     gemma_like = dict(load_model_config("llama-3-8b"), attn_logit_softcapping=50.0, model_type="gemma2")
-    assert AttentionShape.from_config(gemma_like).logit_softcap == 50.0
+    assert _shape(gemma_like).logit_softcap == 50.0
     sinks = dict(load_model_config("llama-3-8b"), model_type="gpt_oss")
-    assert AttentionShape.from_config(sinks).has_sinks
+    assert _shape(sinks).has_sinks
 
 
 def test_load_returns_a_copy_and_accepts_hf_ids():
@@ -82,4 +87,32 @@ def test_bad_model_names_and_files(tmp_path):
     with pytest.raises(ValueError, match="num_hidden_layers"):
         load_model_config(tmp_path / "tok.json")
     with pytest.raises(ValueError, match="multiple"):
-        AttentionShape.from_config(dict(PRESETS["llama-3-8b"], num_key_value_heads=5))
+        _shape(dict(PRESETS["llama-3-8b"], num_key_value_heads=5))
+
+
+def test_any_lm_config_parses_and_only_building_needs_support(capsys, tmp_path):
+    """kv-calc and select read configs attnserve cannot build (here a Mixtral-shaped MoE); the loader refuses them."""
+    from attnserve.cli import main
+
+    mixtral = dict(PRESETS["mistral-7b"], architectures=["MixtralForCausalLM"], model_type="mixtral",
+                   num_local_experts=8, num_experts_per_tok=2)
+    cfg = ModelConfig.from_hf(mixtral)
+    assert cfg.n_routed_experts == 8 and cfg.num_params(active_only=True) < cfg.num_params() / 3
+    assert cfg.num_params() > 6 * ModelConfig.from_hf(PRESETS["mistral-7b"]).num_params()
+    with pytest.raises(ValueError, match="unsupported architecture MixtralForCausalLM"):
+        cfg.check_supported()
+    (tmp_path / "config.json").write_text(json.dumps(mixtral))
+    assert main(["kv-calc", "--model", str(tmp_path), "--context", "1024", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_per_token"] == 128 * 1024
+
+
+def test_select_feature_flags_take_a_value_or_stand_alone(capsys):
+    from attnserve.cli import main
+
+    for argv in (["--sliding-window"], ["--sliding-window", "128"], ["--logit-softcap", "30"]):
+        assert main(["select", "--gpu", "l4", "--json", *argv]) == 0
+        model_line = json.loads(capsys.readouterr().out)["trace"][1]["reason"]
+        assert ("sliding window" in model_line) == ("--sliding-window" in argv), model_line
+    with pytest.raises(SystemExit):
+        main(["select", "--sliding-window", "0"])
+    assert "must be >= 1" in capsys.readouterr().err

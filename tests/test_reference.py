@@ -5,13 +5,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from streaming_oracles import flash_attention_forward, merge_attention_states, online_softmax
 
 from attnserve.attention.base import ForwardMode
 from attnserve.attention.reference import (
     attend,
-    flash_attention_forward,
-    merge_attention_states,
-    online_softmax,
     paged_attention_reference,
     reference_for_batch,
     visibility_mask,

@@ -1,8 +1,11 @@
 """Default backend selection: a table of GPU x model x features -> backends and the key reason.
 
 `sglang` rows ask what SGLang's policy would run (its unimplemented backends count);
-the others ask what attnserve can instantiate. Triton's features are pinned to a
-stand-in here so that the table tests the policy, not another module's flags.
+the others ask what attnserve can instantiate, from the registry's real feature
+tables. Where that answer turns on a feature one of our backends may gain (Triton's
+MLA or ROCm support, a deterministic mode), the row names the backends in fallback
+order with the feature they need (`first_with`), so the table follows the backends
+instead of pinning today's flags.
 """
 
 import dataclasses
@@ -13,34 +16,37 @@ from pathlib import Path
 import pytest
 
 from attnserve.attention import selection
-from attnserve.attention.base import BackendFeatures
-from attnserve.attention.selection import ModelTraits, ServingFeatures, select_backends
+from attnserve.attention.registry import get_spec
+from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.hardware import PRESET_HARDWARE
-from attnserve.presets import AttentionShape, load_model_config
-
-TRITON_STAND_IN = BackendFeatures(
-    kv_dtypes=frozenset({"bf16", "fp16", "fp32"}), attention_types=frozenset({"MHA", "GQA", "MLA"}),
-    asymmetric_kv=True, sliding_window=True, attention_sinks=True, logit_softcap=True, custom_mask=True,
-    spec_topk1=True, spec_topk_gt1=True, spec_topk_gt1_paged=True, cuda_graph=True, deterministic=True,
-    devices=frozenset({"cuda", "rocm"}), required_packages=("triton",),
-)
+from attnserve.models.config import ModelConfig
+from attnserve.shape import GENERIC_GQA
 
 
 @pytest.fixture(autouse=True)
-def pinned_triton(monkeypatch, tmp_path):
-    monkeypatch.setattr(selection, "MEASUREMENTS_DIR", tmp_path / "none")  # static fallback order only
-    real = selection._features
+def static_fallback_order(monkeypatch, tmp_path):
+    monkeypatch.setattr(selection, "MEASUREMENTS_DIR", tmp_path / "none")  # no measured order
 
-    def features(name, sglang=False):
-        if name == "triton" and not sglang:
-            return TRITON_STAND_IN, None
-        return real(name, sglang)
 
-    monkeypatch.setattr(selection, "_features", features)
+def first_with(*names, device, attention="GQA", deterministic=False):
+    """The first of `names` whose real features run `attention` on `device` (and deterministically if asked);
+    None when none does (selection must then refuse with a ValueError)."""
+    for name in names:
+        f = get_spec(name).features
+        if device in f.devices and attention in f.attention_types and (f.deterministic or not deterministic):
+            return name
+    return None
+
+
+# attnserve's answers that depend on our backends' features (fallback order after the policy's choice)
+H100_DSV3 = first_with("triton", "flex_attention", "torch_native", device="cuda", attention="MLA")
+MI300_LLAMA = first_with("triton", "flex_attention", "torch_native", device="rocm")
+H100_DETERMINISTIC = first_with("flashinfer", "triton", "flex_attention", "torch_native", device="cuda",
+                                deterministic=True)
 
 
 def _preset(name, tp=1):
-    return ModelTraits.from_shape(AttentionShape.from_config(load_model_config(name), with_params=False), tp, name)
+    return ModelConfig.load(name).attention_shape(name).per_rank(tp)
 
 
 LLAMA = _preset("llama-3-8b")
@@ -51,7 +57,7 @@ MODELS = {
     "dsv3-tp8": _preset("deepseek-v3", 8),
     "dsv2lite": _preset("deepseek-v2-lite"),
     "dsv2lite-tp2": _preset("deepseek-v2-lite", 2),
-    "sinks": dataclasses.replace(LLAMA, attention_sinks=True, model_type="gpt_oss", name="gpt-oss-like"),
+    "sinks": dataclasses.replace(LLAMA, has_sinks=True, model_type="gpt_oss", name="gpt-oss-like"),
     "asym": dataclasses.replace(LLAMA, v_head_dim=64, name="asymmetric"),
 }
 
@@ -108,15 +114,16 @@ CASES = [
     # what attnserve runs: SGLang's choice first, then the fallback order, each fall recorded
     ("h100", "llama", {}, False, "flashinfer", "flashinfer", "not implemented in attnserve"),
     ("b200", "llama", {}, False, "flashinfer", "flashinfer", "not implemented in attnserve"),
-    ("mi300", "llama", {}, False, "triton", "triton", "not implemented in attnserve"),
+    ("mi300", "llama", {}, False, MI300_LLAMA, MI300_LLAMA, "not implemented in attnserve"),
     ("cpu", "llama", {}, False, "torch_native", "torch_native", "CPU"),
     ("cpu", "dsv3", {}, False, "torch_native", "torch_native", "CPU"),
     ("cpu", "llama", {"kv_cache_dtype": "fp8_e4m3"}, False, "torch_native", "torch_native", "CPU"),
     ("cpu-amx", "llama", {}, False, "torch_native", "torch_native", "not implemented in attnserve"),
-    ("h100", "dsv3", {}, False, "triton", "triton", "no MLA attention"),
+    ("h100", "dsv3", {}, False, H100_DSV3, H100_DSV3, "no MLA attention"),
     ("l4", "sinks", {}, False, "triton", "triton", "attention sinks"),
     ("l4", "mistral", {}, False, "flashinfer", "flashinfer", "general NVIDIA default"),
-    ("h100", "llama", {"deterministic": True}, False, "triton", "triton", "no deterministic mode"),
+    ("h100", "llama", {"deterministic": True}, False, H100_DETERMINISTIC, H100_DETERMINISTIC,
+     "no deterministic mode"),
     ("h100", "llama", {"kv_cache_dtype": "fp8_e4m3"}, False, "flashinfer", "flashinfer", "17411"),
     ("h100@installed=triton", "llama", {}, False, "triton", "triton", "package 'flashinfer' is not installed"),
     ("h100@installed=", "llama", {}, False, "flex_attention", "flex_attention", "CUDA graphs disabled"),
@@ -127,6 +134,11 @@ CASES = [
 @pytest.mark.parametrize("gpu,model,serving,sglang,prefill,decode,reason", CASES,
                          ids=[f"{c[0]}-{c[1]}-{'sglang' if c[3] else 'attnserve'}-{i}" for i, c in enumerate(CASES)])
 def test_selection_table(gpu, model, serving, sglang, prefill, decode, reason):
+    if prefill is None:  # no backend attnserve implements runs here: a refusal that says why
+        with pytest.raises(ValueError, match="no attention backend can serve") as err:
+            select_backends(_hw(gpu), MODELS[model], ServingFeatures(**serving), sglang=sglang)
+        assert reason in str(err.value)
+        return
     sel = select_backends(_hw(gpu), MODELS[model], ServingFeatures(**serving), sglang=sglang)
     assert (sel.prefill_backend, sel.decode_backend) == (prefill, decode), sel.describe()
     assert any(reason in e.reason for e in sel.trace), f"no trace entry mentions {reason!r}:\n{sel.describe()}"
@@ -204,9 +216,9 @@ def test_hopper_without_fa3_takes_the_fastest_measured_backend_per_side(monkeypa
     assert any(e.kind == "adjust" and "hybrid" in e.reason for e in sel.trace)
 
 
-def test_model_traits_from_presets():
-    assert MODELS["dsv3"].attention_type == "MLA" and MODELS["dsv3"].num_heads == 128
-    assert MODELS["dsv3-tp8"].num_heads == 16
+def test_shapes_per_rank_from_presets():
+    assert MODELS["dsv3"].attention_type == "MLA" and MODELS["dsv3"].num_q_heads == 128
+    assert MODELS["dsv3-tp8"].num_q_heads == 16
     assert MODELS["mistral"].sliding_window
     assert MODELS["asym"].kv_widths_differ and not LLAMA.kv_widths_differ
     with pytest.raises(ValueError, match="tp_size 3"):
@@ -219,6 +231,6 @@ def test_serving_features_reject_bad_values(bad):
         ServingFeatures(**bad)
 
 
-def test_model_traits_reject_bad_attention_type():
+def test_shape_rejects_bad_attention_type():
     with pytest.raises(ValueError, match="MHA, GQA or MLA"):
-        ModelTraits(attention_type="MQA")
+        dataclasses.replace(GENERIC_GQA, attention_type="MQA")

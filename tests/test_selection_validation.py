@@ -7,14 +7,15 @@ import json
 import pytest
 
 from attnserve.attention import selection
-from attnserve.attention.selection import ModelTraits, ServingFeatures, TraceEntry, select_backends
+from attnserve.attention.selection import ServingFeatures, TraceEntry, select_backends
 from attnserve.hardware import PRESET_HARDWARE
+from attnserve.shape import GENERIC_GQA, AttentionShape
 
 H100, B200, L4, RTX5090, CPU = (PRESET_HARDWARE[n] for n in ("h100", "b200", "l4", "rtx5090", "cpu"))
-GQA = ModelTraits()
-MLA = ModelTraits(attention_type="MLA", num_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512,
-                  model_type="deepseek_v3")
-SINKS = dataclasses.replace(GQA, attention_sinks=True)
+GQA = GENERIC_GQA
+MLA = AttentionShape(num_layers=61, num_q_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512,
+                     attention_type="MLA", kv_lora_rank=512, qk_rope_head_dim=64, model_type="deepseek_v3")
+SINKS = dataclasses.replace(GQA, has_sinks=True)
 
 
 # (hardware, model, serving, request kwargs, sglang?, words the error must contain)

@@ -1,16 +1,15 @@
-"""Model presets as Hugging Face `config.json` dicts, and the attention shape derived from one.
+"""Model presets as Hugging Face `config.json` dicts, and loading one (or a real `config.json`) by name.
 
 The calculator, backend selection and the model code all start from the same
-config dict, so a preset name and a real checkpoint's `config.json` are
-interchangeable everywhere. Values are those of the published configs on the
-Hugging Face Hub (the repo is kept in `_name_or_path`).
+config dict, parsed once by `models.config.ModelConfig`, so a preset name and a
+real checkpoint's `config.json` are interchangeable everywhere. Values are those
+of the published configs on the Hugging Face Hub (the repo is kept in `_name_or_path`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -198,120 +197,4 @@ def load_model_config(preset_or_path: str | Path) -> dict[str, Any]:
     return cfg
 
 
-def _is_mla(cfg: dict[str, Any]) -> bool:
-    return bool(cfg.get("kv_lora_rank")) and "qk_rope_head_dim" in cfg
-
-
-def _attention_params(cfg: dict[str, Any], hq: int, hkv: int, head_dim: int) -> int:
-    """Weights of one attention block (projections, plus MLA's low-rank norms)."""
-    h = cfg["hidden_size"]
-    if _is_mla(cfg):
-        rope, nope, v = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-        q_rank, kv_rank = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
-        q = h * q_rank + q_rank + q_rank * hq * (nope + rope) if q_rank else h * hq * (nope + rope)
-        kv = h * (kv_rank + rope) + kv_rank + kv_rank * hq * (nope + v)
-        return q + kv + hq * v * h
-    bias = (hq + 2 * hkv) * head_dim if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2" else 0
-    qk_norm = 2 * head_dim if cfg.get("model_type") == "qwen3" else 0
-    return h * head_dim * (2 * hq + 2 * hkv) + bias + qk_norm
-
-
-def _mlp_params(cfg: dict[str, Any], active_only: bool) -> int:
-    """Weights of all MLP blocks (gated: gate, up, down), MoE routed/shared experts counted per layer."""
-    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    dense = 3 * h * cfg["intermediate_size"]
-    n_routed = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")
-    if not n_routed:
-        return layers * dense
-    first_dense = cfg.get("first_k_dense_replace", 0)
-    expert = 3 * h * cfg.get("moe_intermediate_size", cfg["intermediate_size"])
-    used = cfg.get("num_experts_per_tok", n_routed) if active_only else n_routed
-    moe = (used + (cfg.get("n_shared_experts") or 0)) * expert + h * n_routed  # + router
-    return first_dense * dense + (layers - first_dense) * moe
-
-
-def estimate_num_params(cfg: dict[str, Any], active_only: bool = False) -> int:
-    """Parameter count from the config alone (embeddings, attention, MLP/MoE, norms).
-
-    Good to well under 1% for the presets (Llama-2-7B 6.74B, DeepSeek-V3 671B);
-    used to size the weights next to the KV cache, not to load anything.
-    With `active_only`, MoE layers count only the experts one token uses.
-    """
-    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("vocab_size", 0)
-    shape = AttentionShape.from_config(cfg, with_params=False)
-    hkv = cfg.get("num_key_value_heads") or shape.num_q_heads
-    head_dim = cfg.get("head_dim") or h // shape.num_q_heads
-    attn = layers * _attention_params(cfg, shape.num_q_heads, hkv, head_dim)
-    norms = layers * 2 * h + h
-    embed = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return embed + attn + _mlp_params(cfg, active_only) + norms
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """What the attention layer and the KV cache see of a model.
-
-    For MLA the shape is the absorbed form the pool stores: one latent KV head
-    whose K is kv_lora_rank + qk_rope_head_dim wide (576 for DeepSeek) and
-    whose V is its first kv_lora_rank (512) columns.
-    """
-
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int  # K width per head
-    v_head_dim: int  # V width per head
-    attention_type: str  # "MHA", "GQA" or "MLA"
-    kv_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
-    sliding_window: int | None = None
-    has_sinks: bool = False
-    logit_softcap: float | None = None
-    num_params: int = 0
-    num_active_params: int = 0
-    model_type: str = ""
-
-    @property
-    def gqa_ratio(self) -> int:
-        """Query heads per KV head (1 for MHA; all heads share the latent for MLA)."""
-        return self.num_q_heads // self.num_kv_heads
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any], with_params: bool = True) -> AttentionShape:
-        for k in _REQUIRED_KEYS:
-            if k not in cfg:
-                raise ValueError(f"model config lacks {k!r}; needed keys: {', '.join(_REQUIRED_KEYS)}")
-        hq = int(cfg["num_attention_heads"])
-        sliding = cfg.get("sliding_window")
-        if cfg.get("use_sliding_window") is False:  # Qwen configs carry a window they do not use
-            sliding = None
-        softcap = cfg.get("attn_logit_softcapping")
-        common = {
-            "num_layers": int(cfg["num_hidden_layers"]),
-            "num_q_heads": hq,
-            "sliding_window": int(sliding) if sliding else None,
-            "has_sinks": cfg.get("model_type") == "gpt_oss" or bool(cfg.get("attention_sinks")),
-            "logit_softcap": float(softcap) if softcap else None,
-            "model_type": str(cfg.get("model_type", "")),
-        }
-        if _is_mla(cfg):
-            rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
-            shape = cls(num_kv_heads=1, head_dim=rank + rope, v_head_dim=rank, attention_type="MLA",
-                        kv_lora_rank=rank, qk_rope_head_dim=rope, **common)
-        else:
-            hkv = int(cfg.get("num_key_value_heads") or hq)
-            if hq % hkv:
-                raise ValueError(f"num_attention_heads {hq} is not a multiple of num_key_value_heads {hkv}")
-            head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // hq)
-            v_dim = int(cfg.get("v_head_dim") or head_dim)
-            shape = cls(num_kv_heads=hkv, head_dim=head_dim, v_head_dim=v_dim,
-                        attention_type="MHA" if hkv == hq else "GQA", **common)
-        if with_params and "vocab_size" in cfg and "intermediate_size" in cfg:
-            from dataclasses import replace
-
-            shape = replace(shape, num_params=estimate_num_params(cfg),
-                            num_active_params=estimate_num_params(cfg, active_only=True))
-        return shape
-
-
-__all__ = ["PRESETS", "AttentionShape", "estimate_num_params", "load_model_config"]
+__all__ = ["PRESETS", "load_model_config"]

@@ -11,12 +11,11 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
-    from attnserve.attention.layer import AttentionLayer
     from attnserve.kvcache.pool import KVPool
 
 
@@ -220,6 +219,29 @@ def unsupported(features: BackendFeatures, req: AttentionRequirements) -> list[s
     return why
 
 
+@runtime_checkable
+class AttentionLayerParams(Protocol):
+    """What a backend reads of the layer it serves (`attention.layer.AttentionLayer` is the one kind).
+
+    The contract names only these attributes, so this module never imports the layer module
+    (which imports this one for ForwardBatch).
+    """
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # K width per head (MLA: the latent row, kv_lora_rank + rope dim)
+    v_head_dim: int
+    scaling: float
+    sliding_window: int | None  # a query at p sees keys > p - sliding_window; None: full attention
+    logit_cap: float | None  # scores -> cap * tanh(scores / cap)
+    sinks: torch.Tensor | None  # [num_heads] logits joining every softmax denominator
+    is_mla: bool
+
+    @property
+    def gqa_group(self) -> int: ...
+
+
 class AttentionBackend(ABC):
     """Attention over the paged pool. Subclasses fill `name`, `features` and the two forward paths."""
 
@@ -236,12 +258,12 @@ class AttentionBackend(ABC):
     def plan(self, fb: ForwardBatch) -> None:
         """Build this step's metadata once, before the layers run. Host-side, never inside a graph."""
 
-    def store_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    def store_kv(self, layer: AttentionLayerParams, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Write this step's K/V at `fb.out_cache_loc`. Backends with their own store kernel override it."""
         self.pool.store(layer.layer_id, fb.out_cache_loc, k, v)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayer, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerParams, fb: ForwardBatch
     ) -> torch.Tensor:
         """q `[tokens, heads_q, head_dim]` -> o `[tokens, heads_q, v_head_dim]`."""
         if fb.mode is ForwardMode.IDLE or q.shape[0] == 0:
@@ -252,7 +274,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayer, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerParams, fb: ForwardBatch
     ) -> torch.Tensor:
         """Prefill / chunked prefill / verify: new tokens attend to the cached prefix and, causally, each other.
 
@@ -261,7 +283,7 @@ class AttentionBackend(ABC):
         """
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayerParams, fb: ForwardBatch) -> torch.Tensor:
         """One query token per request against its whole KV."""
 
     # ---- CUDA graphs ------------------------------------------------------------------------

@@ -15,9 +15,62 @@ from __future__ import annotations
 
 import dataclasses
 
-from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch, ForwardMode
 
 SPECULATIVE_ATTENTION_MODES = ("prefill", "decode")
+
+
+# ---- what the pair can do -------------------------------------------------------------------------
+# Every layer runs on both sides (prefill steps on one, decode steps on the other), so a feature the model
+# needs must hold on both: flags are and-ed, sets and allowed lists intersected (None means any), the
+# strictest minimum wins and the packages of both are needed. Four features belong to the steps of
+# one side only (the engine captures CUDA graphs for decode steps; custom masks serve speculative
+# verify); `hybrid_features` takes those from that side.
+def _both(a: bool, b: bool) -> bool:
+    return a and b
+
+
+def _intersect(a, b):
+    """Allowed values on both sides; None allows anything."""
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, frozenset):
+        return a & b
+    return tuple(x for x in a if x in b)
+
+
+def _strictest_minimum(a, b):
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _all_packages(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys((*a, *b)))
+
+
+COMBINE_BOTH_SIDES = {
+    "page_sizes": _intersect, "kv_dtypes": _intersect, "attention_types": _intersect, "head_dims": _intersect,
+    "devices": _intersect, "compute_capabilities": _intersect,
+    "asymmetric_kv": _both, "sliding_window": _both, "attention_sinks": _both, "logit_softcap": _both,
+    "spec_topk1": _both, "spec_topk_gt1": _both, "spec_topk_gt1_paged": _both, "deterministic": _both,
+    "implemented": _both,
+    "min_compute_capability": _strictest_minimum,
+    "required_packages": _all_packages,
+}
+ONE_SIDE = {"prefill": "prefill", "decode": "decode", "cuda_graph": "decode", "custom_mask": "verify"}
+
+
+def hybrid_features(prefill: BackendFeatures, decode: BackendFeatures, verify: BackendFeatures) -> BackendFeatures:
+    """What a hybrid of these backends supports; `verify` is the features of the side that runs verify steps."""
+    sides = {"prefill": prefill, "decode": decode, "verify": verify}
+    values = {}
+    for f in dataclasses.fields(BackendFeatures):
+        if f.name in ONE_SIDE:
+            values[f.name] = getattr(sides[ONE_SIDE[f.name]], f.name)
+        elif f.name in COMBINE_BOTH_SIDES:
+            values[f.name] = COMBINE_BOTH_SIDES[f.name](getattr(prefill, f.name), getattr(decode, f.name))
+        else:
+            raise TypeError(f"BackendFeatures.{f.name} has no rule for combining a hybrid's two sides")
+    return BackendFeatures(**values)
 
 
 class HybridAttentionBackend(AttentionBackend):
@@ -34,10 +87,8 @@ class HybridAttentionBackend(AttentionBackend):
         self.decode_backend = decode
         self.speculative_attention_mode = speculative_attention_mode
         self.name = f"hybrid(prefill={prefill.name}, decode={decode.name})"
-        # what the pair can do: prefill traits from one, decode traits (and CUDA graphs) from the other
-        pf, df = prefill.features, decode.features
-        self.features = dataclasses.replace(df, prefill=pf.prefill, decode=df.decode,
-                                            custom_mask=(pf if speculative_attention_mode == "prefill" else df).custom_mask)
+        verify = prefill if speculative_attention_mode == "prefill" else decode
+        self.features = hybrid_features(prefill.features, decode.features, verify.features)
         self._active: AttentionBackend = prefill
 
     def backend_for(self, mode: ForwardMode) -> AttentionBackend:

@@ -33,55 +33,13 @@ from pathlib import Path
 from attnserve.attention.base import AttentionRequirements, BackendFeatures, unsupported
 from attnserve.attention.registry import REGISTRY, get_spec, hardware_problems, resolve_name
 from attnserve.hardware import Hardware
+from attnserve.shape import AttentionShape
 
 SIDES = ("prefill", "decode")
 
 
 # ---- inputs ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelTraits:
-    """What selection needs to know about a model's attention (per tensor-parallel rank)."""
-
-    attention_type: str = "GQA"  # MHA, GQA or MLA
-    num_heads: int = 32  # query heads per rank
-    num_kv_heads: int = 8
-    head_dim: int = 128  # K width
-    v_head_dim: int | None = None  # None: same as head_dim
-    sliding_window: bool = False
-    attention_sinks: bool = False
-    logit_softcap: bool = False
-    model_type: str = ""  # HF model_type, e.g. "deepseek_v3" (some policy rows name a family)
-    name: str = "custom"
-
-    def __post_init__(self):
-        if self.attention_type not in ("MHA", "GQA", "MLA"):
-            raise ValueError(f"attention_type must be MHA, GQA or MLA, got {self.attention_type!r}")
-        for what in ("num_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, what) < 1:
-                raise ValueError(f"{what} must be >= 1, got {getattr(self, what)}")
-
-    @property
-    def kv_widths_differ(self) -> bool:
-        return self.attention_type != "MLA" and self.v_head_dim is not None and self.v_head_dim != self.head_dim
-
-    @classmethod
-    def from_shape(cls, shape, tp_size: int = 1, name: str = "") -> ModelTraits:
-        """From presets.AttentionShape; heads are divided by the tensor-parallel size."""
-        if tp_size < 1 or shape.num_q_heads % tp_size:
-            raise ValueError(f"tp_size {tp_size} must be >= 1 and divide {shape.num_q_heads} query heads")
-        kv = shape.num_kv_heads if shape.attention_type == "MLA" else max(1, shape.num_kv_heads // tp_size)
-        return cls(
-            attention_type=shape.attention_type,
-            num_heads=shape.num_q_heads // tp_size,
-            num_kv_heads=kv,
-            head_dim=shape.head_dim,
-            v_head_dim=shape.v_head_dim,
-            sliding_window=shape.sliding_window is not None,
-            attention_sinks=shape.has_sinks,
-            logit_softcap=shape.logit_softcap is not None,
-            model_type=shape.model_type,
-            name=name or shape.model_type or "custom",
-        )
+# The model is an `AttentionShape` (attnserve.shape) as one tensor-parallel rank sees it (`shape.per_rank`).
 
 
 @dataclass(frozen=True)
@@ -124,7 +82,7 @@ class When:
     heads_per_rank: tuple[int, ...] | None = None
     kv_dtypes: tuple[str, ...] | None = None
 
-    def holds(self, hw: Hardware, model: ModelTraits, serving: ServingFeatures, page_size: int = 1) -> bool:
+    def holds(self, hw: Hardware, model: AttentionShape, serving: ServingFeatures, page_size: int = 1) -> bool:
         attention = "MLA" if model.attention_type == "MLA" else "MHA"
         topk = serving.speculative_topk
         checks = (
@@ -136,11 +94,11 @@ class When:
             (self.min_topk, lambda v: topk >= v),
             (self.min_page_size, lambda v: page_size >= v),
             (self.kv_widths_differ, lambda v: model.kv_widths_differ == v),
-            (self.sinks, lambda v: model.attention_sinks == v),
+            (self.sinks, lambda v: model.has_sinks == v),
             (self.arch, lambda v: hw.arch in v),
             (self.vendor, lambda v: hw.vendor == v),
             (self.model_types, lambda v: model.model_type in v),
-            (self.heads_per_rank, lambda v: model.num_heads in v),
+            (self.heads_per_rank, lambda v: model.num_q_heads in v),
             (self.kv_dtypes, lambda v: serving.kv_cache_dtype in v),
         )
         return all(want is None or test(want) for want, test in checks)
@@ -277,7 +235,7 @@ class Selection:
 
 
 # ---- checking one candidate -------------------------------------------------------------------------------
-def policy_row(hw: Hardware, model: ModelTraits, serving: ServingFeatures) -> PolicyRow:
+def policy_row(hw: Hardware, model: AttentionShape, serving: ServingFeatures) -> PolicyRow:
     for row in POLICY:
         if row.when.holds(hw, model, serving):
             return row
@@ -312,16 +270,16 @@ def _features(name: str, sglang: bool = False) -> tuple[BackendFeatures | None, 
     return feats, None
 
 
-def requirements(model: ModelTraits, serving: ServingFeatures, side: str | None, page_size: int) -> AttentionRequirements:
+def requirements(model: AttentionShape, serving: ServingFeatures, side: str | None, page_size: int) -> AttentionRequirements:
     return AttentionRequirements(
         attention_type=model.attention_type,
         head_dim=model.head_dim,
         v_head_dim=model.v_head_dim,
         page_size=page_size,
         kv_dtype=serving.kv_cache_dtype,
-        sliding_window=model.sliding_window,
-        attention_sinks=model.attention_sinks,
-        logit_softcap=model.logit_softcap,
+        sliding_window=model.sliding_window is not None,
+        attention_sinks=model.has_sinks,
+        logit_softcap=model.logit_softcap is not None,
         spec_topk=serving.speculative_topk,
         needs_prefill=side in (None, "prefill"),
         needs_decode=side in (None, "decode"),
@@ -340,7 +298,7 @@ def page_size_for(name: str, serving: ServingFeatures, fixed: int | None) -> int
 def problems(
     name: str,
     hw: Hardware,
-    model: ModelTraits,
+    model: AttentionShape,
     serving: ServingFeatures,
     side: str | None = None,
     page_size: int = 1,
@@ -364,7 +322,7 @@ def problems(
     return why
 
 
-def runnable_backends(hw: Hardware, model: ModelTraits, serving: ServingFeatures, side: str | None = None,
+def runnable_backends(hw: Hardware, model: AttentionShape, serving: ServingFeatures, side: str | None = None,
                       page_size: int | None = None, sglang: bool = False) -> list[str]:
     """Every backend that passes all checks, in registry order (what an error message offers)."""
     out = []
@@ -440,7 +398,7 @@ def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry], side:
 
 def select_backends(
     hw: Hardware,
-    model: ModelTraits,
+    model: AttentionShape,
     serving: ServingFeatures | None = None,
     attention_backend: str | None = None,
     prefill_backend: str | None = None,
@@ -537,12 +495,12 @@ def _first_passing(candidates, hw, model, serving, side, fixed_page, sglang, tra
     raise ValueError(f"no attention backend can serve {side} here; tried: {', '.join(tried)}")
 
 
-def _describe_model(m: ModelTraits) -> str:
-    extra = [t for t, on in (("sliding window", m.sliding_window), ("attention sinks", m.attention_sinks),
-                             ("logit soft-cap", m.logit_softcap)) if on]
-    v = f", V width {m.v_head_dim}" if m.v_head_dim not in (None, m.head_dim) else ""
-    return (f"model: {m.name}, {m.attention_type}, {m.num_heads} query / {m.num_kv_heads} KV heads per rank, "
-            f"head_dim {m.head_dim}{v}" + (f", {', '.join(extra)}" if extra else ""))
+def _describe_model(m: AttentionShape) -> str:
+    extra = [t for t, on in (("sliding window", m.sliding_window is not None), ("attention sinks", m.has_sinks),
+                             ("logit soft-cap", m.logit_softcap is not None)) if on]
+    v = f", V width {m.v_head_dim}" if m.v_head_dim != m.head_dim else ""
+    return (f"model: {m.name or m.model_type or 'custom'}, {m.attention_type}, {m.num_q_heads} query / "
+            f"{m.num_kv_heads} KV heads per rank, head_dim {m.head_dim}{v}" + (f", {', '.join(extra)}" if extra else ""))
 
 
 def _describe_serving(s: ServingFeatures) -> str:
@@ -552,6 +510,6 @@ def _describe_serving(s: ServingFeatures) -> str:
     return f"serving: {spec}, {page}, KV {s.kv_cache_dtype}{det}"
 
 
-__all__ = ["FALLBACK_ORDER", "LIMITS", "POLICY", "Limit", "ModelTraits", "PolicyRow", "Selection",
+__all__ = ["FALLBACK_ORDER", "LIMITS", "POLICY", "Limit", "PolicyRow", "Selection",
            "ServingFeatures", "TraceEntry", "When", "measured_order", "policy_row", "problems",
            "runnable_backends", "select_backends"]

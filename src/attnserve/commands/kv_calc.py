@@ -31,10 +31,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from attnserve.kvcache.calc import kv_cache_report
-    from attnserve.presets import AttentionShape, load_model_config
+    from attnserve.models.config import ModelConfig
 
-    cfg = load_model_config(args.model)
-    shape = AttentionShape.from_config(cfg)
+    shape = ModelConfig.load(args.model).attention_shape(name=str(args.model))
     report = kv_cache_report(args.model, shape, args.context, args.batch, args.kv_cache_dtype,
                              args.gpu_memory_gb, args.weight_dtype)
     if args.json:

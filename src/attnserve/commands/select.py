@@ -12,6 +12,24 @@ import dataclasses
 import json
 import sys
 
+# what --sliding-window / --logit-softcap without a value stand for (Mistral's window, Gemma-2's cap)
+DEFAULT_FLAG_WINDOW = 4096
+DEFAULT_FLAG_SOFTCAP = 50.0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
 
@@ -27,8 +45,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (heads per rank)")
     m.add_argument("--attention-sinks", action="store_true", help="the model has attention sinks")
     m.add_argument("--v-head-dim", type=int, default=None, help="V head width when it differs from K's")
-    m.add_argument("--sliding-window", action="store_true", help="the model uses sliding-window attention")
-    m.add_argument("--logit-softcap", action="store_true", help="the model soft-caps attention logits")
+    m.add_argument("--sliding-window", type=_positive_int, nargs="?", const=DEFAULT_FLAG_WINDOW, default=None,
+                   metavar="TOKENS", help="the model uses sliding-window attention (of TOKENS; default "
+                   f"{DEFAULT_FLAG_WINDOW}: selection only asks whether there is one)")
+    m.add_argument("--logit-softcap", type=_positive_float, nargs="?", const=DEFAULT_FLAG_SOFTCAP, default=None,
+                   metavar="CAP", help="the model soft-caps attention logits (at CAP; default "
+                   f"{DEFAULT_FLAG_SOFTCAP:g})")
     f = p.add_argument_group("features")
     f.add_argument("--speculative-topk", type=int, default=0, help="speculative decoding topk (0: none)")
     f.add_argument("--page-size", type=int, default=None, help="KV page size (default: 1 or what the backend needs)")
@@ -81,27 +103,28 @@ def hardware_from_args(args):
 
 
 def model_from_args(args):
-    from attnserve.attention.selection import ModelTraits
+    """The AttentionShape one tensor-parallel rank sees: a preset or config.json (or a generic GQA model),
+    with the feature flags forced on."""
+    from attnserve.shape import GENERIC_GQA
 
     if args.model is None:
-        traits = ModelTraits(name="generic")
+        shape = GENERIC_GQA
     else:
-        from attnserve.presets import AttentionShape, load_model_config
+        from attnserve.models.config import ModelConfig
 
-        shape = AttentionShape.from_config(load_model_config(args.model), with_params=False)
-        traits = ModelTraits.from_shape(shape, args.tp_size, name=str(args.model))
+        shape = ModelConfig.load(args.model).attention_shape(name=str(args.model)).per_rank(args.tp_size)
     overrides = {}
     if args.attention_sinks:
-        overrides["attention_sinks"] = True
-    if args.sliding_window:
-        overrides["sliding_window"] = True
-    if args.logit_softcap:
-        overrides["logit_softcap"] = True
+        overrides["has_sinks"] = True
+    if args.sliding_window is not None:
+        overrides["sliding_window"] = args.sliding_window
+    if args.logit_softcap is not None:
+        overrides["logit_softcap"] = args.logit_softcap
     if args.v_head_dim is not None:
         if args.v_head_dim < 1:
             raise ValueError(f"--v-head-dim must be >= 1, got {args.v_head_dim}")
         overrides["v_head_dim"] = args.v_head_dim
-    return dataclasses.replace(traits, **overrides) if overrides else traits
+    return dataclasses.replace(shape, **overrides) if overrides else shape
 
 
 def _kv_dtype(name: str, hw) -> str:

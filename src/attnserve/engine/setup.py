@@ -23,8 +23,9 @@ import torch
 
 from attnserve.engine.config import EngineConfig
 from attnserve.kvcache.allocator import PageAllocator
-from attnserve.kvcache.dtypes import canonical_kv_dtype, dtype_bytes
-from attnserve.kvcache.pool import KVPool, ReqToTokenPool
+from attnserve.kvcache.calc import kv_bytes_per_token
+from attnserve.kvcache.dtypes import canonical_kv_dtype
+from attnserve.kvcache.pool import KVPool, ReqToTokenPool, make_pool
 
 log = logging.getLogger("attnserve.engine")
 
@@ -110,40 +111,12 @@ def load_bundle(config: EngineConfig, device: torch.device):
                       seed=config.seed)
 
 
-def _hf_model_type(hf_config: dict) -> str:
-    """model_type of a config that lacks it (a GGUF file names only the architecture)."""
-    from attnserve.models.config import _MODEL_TYPE_TO_ARCH
+def model_shape(loaded):
+    """The shape the pool is built from and selection checks: the model's parsed config, named as the log
+    names the model (so the engine and `attnserve select --model config.json` decide alike)."""
+    from dataclasses import replace
 
-    archs = hf_config.get("architectures") or []
-    by_arch = {arch: model_type for model_type, arch in _MODEL_TYPE_TO_ARCH.items()}
-    return by_arch.get(archs[0], "") if archs else ""
-
-
-def selection_traits(loaded, spec):
-    """The ModelTraits `attnserve select --model config.json` would build for this model.
-
-    Built from the model's HF config dict the same way, so the engine and `select` decide alike
-    (sinks, soft-cap and model_type included). A bundle without one falls back to the KV spec.
-    """
-    from attnserve.attention.selection import ModelTraits
-    from attnserve.presets import AttentionShape
-
-    hf_config = getattr(loaded, "hf_config", None)
-    if isinstance(hf_config, dict):
-        if "num_hidden_layers" not in hf_config and isinstance(hf_config.get("text_config"), dict):
-            hf_config = {**hf_config["text_config"], "architectures": hf_config.get("architectures", [])}
-        if not hf_config.get("model_type"):
-            hf_config = {**hf_config, "model_type": _hf_model_type(hf_config)}
-        shape = AttentionShape.from_config(hf_config, with_params=False)
-        return ModelTraits.from_shape(shape, 1, name=str(getattr(loaded, "source", "") or ""))
-    return ModelTraits(
-        attention_type=spec.attention_type,
-        num_heads=spec.num_q_heads or spec.num_kv_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        v_head_dim=spec.v_head_dim,
-        sliding_window=spec.sliding_window is not None,
-    )
+    return replace(loaded.model.kv_cache_spec(), name=str(getattr(loaded, "source", "") or ""))
 
 
 def _loaded_dtype(loaded, fallback: torch.dtype) -> torch.dtype:
@@ -233,7 +206,7 @@ def choose_attention(config: EngineConfig, model: ModelSetup) -> AttentionChoice
     """Decide the backends as `attnserve select` would, on the device the engine was told to use."""
     kv_dtype = canonical_kv_dtype(model.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
     hw = hardware_for(model.device)
-    traits = selection_traits(model.bundle, model.module.kv_cache_spec())
+    traits = model_shape(model.bundle)
     selection = _select(config, traits, kv_dtype, hw)
     return AttentionChoice(
         prefill_backend=selection.prefill_backend, decode_backend=selection.decode_backend,
@@ -248,10 +221,10 @@ def size_kv_cache(config: EngineConfig, model: ModelSetup, attention: AttentionC
     page_size = attention.page_size
     model_ctx = getattr(getattr(model.module, "config", None), "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
     max_ctx = config.max_context_len or min(int(model_ctx), MAX_DEFAULT_CONTEXT)
-    bpt = spec.bytes_per_token(dtype_bytes(attention.kv_dtype))
+    bpt = kv_bytes_per_token(spec, attention.kv_dtype)
     tokens = _pool_tokens(config, bpt, model.device, config.max_running_requests * max_ctx)
     num_pages = max(2, -(-tokens // page_size) + 1)  # + the padding page
-    pool = spec.make_pool(num_pages, page_size, dtype=attention.kv_dtype, device=model.device)
+    pool = make_pool(spec, num_pages, page_size, dtype=attention.kv_dtype, device=model.device)
     req_pool = ReqToTokenPool(config.max_running_requests + 1, max_ctx, device=model.device)
     padding_row = req_pool.alloc()  # all zeros: every slot is slot 0 of the padding page
     return KVCacheSetup(pool=pool, allocator=PageAllocator(num_pages), req_pool=req_pool, padding_row=padding_row,

@@ -86,23 +86,6 @@ class PageAllocator:
             if self.refcount[p] == 0:
                 self._free.append(p)
 
-    def copy_on_write(self, page: int, copy_fn) -> int:
-        """Return a page the caller may write: `page` itself if unshared, else a fresh copy.
-
-        `copy_fn(src_page, dst_page)` copies the contents (e.g. `KVPool.copy_page`).
-        """
-        self._check([page])
-        if self.refcount[page] == 1:
-            return page
-        (new,) = self.alloc(1)
-        try:
-            copy_fn(page, new)
-        except BaseException:
-            self.free([new])  # a failed copy must not leak the fresh page
-            raise
-        self.refcount[page] -= 1
-        return new
-
     def check_leaks(self) -> None:
         """Raise if pages went missing or are double-counted: free + used must equal total."""
         free_set = set(self._free)

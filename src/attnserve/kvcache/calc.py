@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from attnserve.kvcache.dtypes import canonical_kv_dtype, dtype_bytes
-from attnserve.presets import AttentionShape
+from attnserve.shape import AttentionShape
 
 # bytes per weight element, by the names quantised checkpoints use
 WEIGHT_DTYPE_BYTES: dict[str, float] = {
@@ -28,6 +28,8 @@ def kv_bytes_per_token_per_layer(shape: AttentionShape, kv_dtype: str = "bf16") 
     MHA/GQA: num_kv_heads * (head_dim + v_head_dim) * dtype_bytes  (a K row and a V row per KV head).
     MLA:     (kv_lora_rank + qk_rope_head_dim) * dtype_bytes  (one latent row; V is a view of it).
     FP8 per-layer scales are two scalars per layer, not per token, so they do not count.
+    The one formula for it: the engine sizes its pool with it, and the pools' own `bytes_per_token`
+    (measured from their buffers) is tested against it.
     """
     b = dtype_bytes(kv_dtype)
     if shape.attention_type == "MLA":

@@ -8,11 +8,16 @@ multiply by the layer's scale.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from attnserve.kvcache.dtypes import FP8_DTYPES, parse_kv_dtype
 from attnserve.transfers import to_device
+
+if TYPE_CHECKING:
+    from attnserve.shape import AttentionShape
 
 
 def check_page_size(page_size: int) -> None:
@@ -102,6 +107,16 @@ class KVPool:
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every per-layer buffer, each `[num_slots, heads, width]`."""
+        raise NotImplementedError
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What one token occupies across all layers, measured from the buffers this pool allocated
+        (the calculator's formula, `kvcache.calc.kv_bytes_per_token`, is tested against it)."""
+        return sum(b[0].numel() * b.element_size() for b in self.buffers())
+
     def set_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
         if not (k_scale > 0 and v_scale > 0):
             raise ValueError(f"scales must be positive, got k_scale={k_scale}, v_scale={v_scale}")
@@ -171,9 +186,8 @@ class MHAKVPool(KVPool):
             for _ in range(num_layers)
         ]  # each [num_slots, kv_heads, v_head_dim]
 
-    @property
-    def bytes_per_token(self) -> int:
-        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
+    def buffers(self) -> list[torch.Tensor]:
+        return [*self.k_buffer, *self.v_buffer]
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_store(layer_id, loc, k, (self.num_kv_heads, self.head_dim), "k")
@@ -190,12 +204,6 @@ class MHAKVPool(KVPool):
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v_buffer[layer_id]
-
-    def copy_page(self, src_page: int, dst_page: int) -> None:
-        s, d = self.slots_of_pages([src_page]), self.slots_of_pages([dst_page])
-        for kb, vb in zip(self.k_buffer, self.v_buffer):
-            kb[d] = kb[s]
-            vb[d] = vb[s]
 
 
 class MLAKVPool(KVPool):
@@ -228,9 +236,8 @@ class MLAKVPool(KVPool):
             for _ in range(num_layers)
         ]  # each [num_slots, 1, kv_lora_rank + rope_dim]
 
-    @property
-    def bytes_per_token(self) -> int:
-        return self.num_layers * self.head_dim * self.dtype.itemsize
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self.kv_buffer)
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """k is the latent row `[tokens, 1, kv_lora_rank + rope_dim]`; v is ignored (a view of k)."""
@@ -247,7 +254,11 @@ class MLAKVPool(KVPool):
         # V is a view of K: one scale serves both
         super().set_scales(layer_id, k_scale, k_scale)
 
-    def copy_page(self, src_page: int, dst_page: int) -> None:
-        s, d = self.slots_of_pages([src_page]), self.slots_of_pages([dst_page])
-        for b in self.kv_buffer:
-            b[d] = b[s]
+
+def make_pool(shape: AttentionShape, num_pages: int, page_size: int, dtype="bf16", device="cpu") -> KVPool:
+    """The pool a model of this shape needs: per-layer K and V for MHA/GQA, one latent buffer for MLA."""
+    if shape.is_mla:
+        return MLAKVPool(num_pages, page_size, shape.num_layers, shape.kv_lora_rank, shape.qk_rope_head_dim,
+                         dtype=dtype, device=device)
+    return MHAKVPool(num_pages, page_size, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.v_head_dim,
+                     dtype=dtype, device=device)

@@ -1,53 +1,19 @@
-"""What every model offers the engine: a KV-cache description and a forward over a ForwardBatch.
+"""What every model offers the engine: its attention shape and a forward over a ForwardBatch.
 
-The engine builds the KV pool from `model.kv_cache_spec()` before the first step,
-then calls `model(input_ids [T], positions [T], fb, logits_indices=None)` for
-every step; with `logits_indices` only those rows of the hidden states reach the
-LM head (the last token of each request is all sampling needs).
+The engine builds the KV pool from `model.kv_cache_spec()` (an `AttentionShape`,
+derived from the model's parsed config) before the first step, then calls
+`model(input_ids [T], positions [T], fb, logits_indices=None)` for every step;
+with `logits_indices` only those rows of the hidden states reach the LM head
+(the last token of each request is all sampling needs).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from attnserve.attention.base import ForwardBatch
-from attnserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """The per-token KV geometry of a model: what the pool must hold for each layer."""
-
-    num_layers: int
-    num_kv_heads: int  # 1 for MLA (the shared latent)
-    head_dim: int  # K width; for MLA kv_lora_rank + qk_rope_head_dim
-    v_head_dim: int  # V width; for MLA kv_lora_rank (a view of the latent)
-    is_mla: bool = False
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    num_q_heads: int = 0
-    sliding_window: int | None = None  # the largest window any layer uses; None: full attention only
-
-    @property
-    def attention_type(self) -> str:
-        if self.is_mla:
-            return "MLA"
-        return "MHA" if self.num_q_heads == self.num_kv_heads else "GQA"
-
-    def make_pool(self, num_pages: int, page_size: int, dtype="bf16", device="cpu") -> KVPool:
-        if self.is_mla:
-            return MLAKVPool(num_pages, page_size, self.num_layers, self.kv_lora_rank, self.qk_rope_head_dim,
-                             dtype=dtype, device=device)
-        return MHAKVPool(num_pages, page_size, self.num_layers, self.num_kv_heads, self.head_dim, self.v_head_dim,
-                         dtype=dtype, device=device)
-
-    def bytes_per_token(self, kv_dtype_bytes: int) -> int:
-        if self.is_mla:
-            return self.num_layers * self.head_dim * kv_dtype_bytes
-        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim) * kv_dtype_bytes
+from attnserve.shape import AttentionShape
 
 
 class CausalLM(nn.Module):
@@ -70,8 +36,9 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        raise NotImplementedError
+    def kv_cache_spec(self) -> AttentionShape:
+        """What the KV pool must hold and what attention sees: the parsed config's attention shape."""
+        return self.config.attention_shape()
 
     def forward(
         self,

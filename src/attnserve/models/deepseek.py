@@ -24,17 +24,9 @@ from torch import nn
 
 from attnserve.attention.base import ForwardBatch
 from attnserve.attention.layer import AttentionLayer
-from attnserve.models.base import CausalLM, KVCacheSpec
+from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
-from attnserve.models.layers import (
-    TP_SIZE,
-    ColumnParallelLinear,
-    GatedMLP,
-    ReplicatedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-)
+from attnserve.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from attnserve.models.moe import MoE
 from attnserve.models.rope import yarn_mscale
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
@@ -53,7 +45,7 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads = cfg.num_heads // TP_SIZE
+        self.num_heads = cfg.num_heads
         self.nope_dim = cfg.qk_nope_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.v_dim = cfg.v_head_dim
@@ -62,15 +54,15 @@ class MLAttention(nn.Module):
         bias = cfg.attention_bias
         self.q_low_rank = cfg.q_lora_rank is not None
         if not self.q_low_rank:
-            self.q_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.num_heads * qk_dim])
+            self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * qk_dim)
         else:
-            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, [cfg.num_heads * qk_dim])
-        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_b_proj = Linear(cfg.q_lora_rank, cfg.num_heads * qk_dim)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
-        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, [cfg.num_heads * (self.nope_dim + self.v_dim)])
-        self.o_proj = RowParallelLinear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=bias)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=bias)
         self.rotary = rotary
         self.attn = AttentionLayer(
             layer_id,
@@ -132,19 +124,6 @@ class DeepseekForCausalLM(CausalLM):
         rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings,
                                  interleaved=cfg.rope_interleave)
         self._build_stack(cfg, rotary, DeepseekDecoderLayer)
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        c = self.config
-        return KVCacheSpec(
-            num_layers=c.num_layers,
-            num_kv_heads=1,
-            head_dim=c.kv_lora_rank + c.qk_rope_head_dim,
-            v_head_dim=c.kv_lora_rank,
-            is_mla=True,
-            kv_lora_rank=c.kv_lora_rank,
-            qk_rope_head_dim=c.qk_rope_head_dim,
-            num_q_heads=c.num_heads // TP_SIZE,
-        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         tied = self.config.tie_word_embeddings

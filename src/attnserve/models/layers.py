@@ -1,12 +1,9 @@
-"""Building blocks shared by every model: norms, tensor-parallel-ready linears, gated MLP, embeddings.
+"""Building blocks shared by every model: norms, linears (fused or not), gated MLP, embeddings.
 
-Linears follow the Megatron split so tensor parallelism can be switched on later
-without touching the models: a column-parallel linear shards its output features
-across ranks, a row-parallel one shards its input features and would all-reduce
-its output. Today world size is 1, so shards are whole tensors and the reduce is
-a no-op. Weight loading goes through `weight_loader(param, tensor, shard_id)`, so
-a fused projection (q|k|v, gate|up) can be filled from the separate checkpoint
-tensors.
+Weight loading goes through `weight_loader(param, tensor, shard_id)`, so a fused
+projection (q|k|v, gate|up) can be filled from the separate checkpoint tensors.
+Every module holds its whole weight: tensor parallelism (sharding these and
+reducing their outputs) is tracked in its own issue and is not written here.
 """
 
 from __future__ import annotations
@@ -16,9 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.models.rope import RotaryEmbedding  # noqa: F401  (re-exported: models import layers from here)
-
-TP_SIZE = 1  # tensor-parallel world size; sharding code below is written for any size
-TP_RANK = 0
 
 
 class RMSNorm(nn.Module):
@@ -36,30 +30,23 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def _shard(t: torch.Tensor, dim: int) -> torch.Tensor:
-    if TP_SIZE == 1:
-        return t
-    size = t.shape[dim] // TP_SIZE
-    return t.narrow(dim, TP_RANK * size, size)
-
-
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
     dst.copy_(src.to(dst.dtype))
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T (+ b) with W's output rows split across ranks; `output_sizes` names fused parts.
+class MergedLinear(nn.Module):
+    """y = x W^T (+ b), where W stacks several projections (`output_sizes`, e.g. [q, k, v]) into one matmul.
 
-    output_sizes: the global output width of each fused part (e.g. [q, k, v]); a checkpoint tensor
-    for part i is sharded on its own and copied into that part's slice of the local weight.
+    The checkpoint holds each part as its own tensor; `weight_loader(..., shard_id=i)` copies part i
+    into its rows of the fused weight.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
         super().__init__()
         self.in_features = in_features
-        self.output_sizes = [s // TP_SIZE for s in output_sizes]
+        self.output_sizes = list(output_sizes)
         self.out_features = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)  # [out, in]
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
@@ -67,44 +54,17 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0, name: str = "") -> None:
         start = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
-        _copy_checked(param.data.narrow(0, start, size), _shard(loaded, 0), name)
+        _copy_checked(param.data.narrow(0, start, size), loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
-    """y = x W^T (+ b) with W's input columns split across ranks; partial sums are all-reduced (TP > 1)."""
+class Linear(MergedLinear):
+    """y = x W^T (+ b): one projection, loaded from one checkpoint tensor."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.in_features = in_features // TP_SIZE
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features), requires_grad=False)  # [out, in]
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0, name: str = "") -> None:
-        _copy_checked(param.data, _shard(loaded, 1) if param.dim() == 2 else loaded, name)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        # TP > 1: all-reduce y here, before the bias is added once
-        return y if self.bias is None else y + self.bias
-
-
-class ReplicatedLinear(ColumnParallelLinear):
-    """A linear every rank holds whole (small projections such as MLA's down-projections, routers)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        nn.Module.__init__(self)
-        self.in_features = in_features
-        self.output_sizes = [out_features]
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)  # [out, in]
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0, name: str = "") -> None:
-        _copy_checked(param.data, loaded, name)
+        super().__init__(in_features, [out_features], bias)
 
 
 def activation(name: str):
@@ -115,44 +75,36 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), with gate|up fused into one column-parallel matmul."""
+    """down(act(gate(x)) * up(x)), with gate|up fused into one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate/tp]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate]
         return self.down_proj(self.act(gate) * up)
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding with the vocabulary split across ranks (each rank a contiguous id range)."""
+    """Token embedding: ids [T] -> rows of a [vocab, hidden] table."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.vocab_size = vocab_size
-        self.shard_size = (vocab_size + TP_SIZE - 1) // TP_SIZE
-        self.vocab_start = TP_RANK * self.shard_size
-        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)  # [V/tp, hidden]
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)  # [V, hidden]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0, name: str = "") -> None:
-        part = loaded[self.vocab_start : self.vocab_start + self.shard_size]
-        _copy_checked(param.data[: part.shape[0]], part, name)
+        _copy_checked(param.data, loaded, name)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if TP_SIZE == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        in_range = (local >= 0) & (local < self.shard_size)
-        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * in_range[:, None]
-        return out  # TP > 1: all-reduce across ranks
+        return F.embedding(input_ids, self.weight)
 
 
 class LMHead(VocabEmbedding):
-    """Hidden states -> logits over this rank's vocabulary shard (all-gathered when TP > 1)."""
+    """Hidden states -> logits over the vocabulary (the embedding table's shape; tied to it if the model says so)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)[:, : self.vocab_size]  # [T, V]
+        return F.linear(hidden, self.weight)  # [T, V]

@@ -13,32 +13,25 @@ from torch import nn
 
 from attnserve.attention.base import ForwardBatch
 from attnserve.attention.layer import AttentionLayer
-from attnserve.models.base import CausalLM, KVCacheSpec
+from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
-from attnserve.models.layers import (
-    TP_SIZE,
-    ColumnParallelLinear,
-    GatedMLP,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-)
+from attnserve.models.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads = cfg.num_heads // TP_SIZE
-        self.num_kv_heads = max(cfg.num_kv_heads // TP_SIZE, 1)
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         d = cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(
+        self.qkv_proj = MergedLinear(
             cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], bias=cfg.attention_bias
         )
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -81,18 +74,6 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self._build_stack(cfg, RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings), LlamaDecoderLayer)
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.layers[0].self_attn.attn
-        windows = [w for w in self.config.sliding_windows if w is not None]
-        return KVCacheSpec(
-            num_layers=self.config.num_layers,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            v_head_dim=attn.v_head_dim,
-            num_q_heads=attn.num_heads,
-            sliding_window=max(windows) if windows else None,
-        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         tied = self.config.tie_word_embeddings

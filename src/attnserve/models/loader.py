@@ -6,8 +6,8 @@ API (what the engine and the CLI use):
     lm = load_model(path_or_none, dtype="auto", device="cpu", random_weights=False)
     lm.model            # nn.Module: logits = lm.model(input_ids [T], positions [T], fb, logits_indices=None)
                         #            -> float32 [T, vocab], or [len(logits_indices), vocab]
-    lm.model.kv_cache_spec()  # KVCacheSpec: num_layers, num_kv_heads, head_dim, v_head_dim, is_mla,
-                        #   kv_lora_rank, qk_rope_head_dim; .make_pool(num_pages, page_size, dtype, device)
+    lm.model.kv_cache_spec()  # AttentionShape (attnserve.shape): num_layers, num_kv_heads, head_dim,
+                        #   v_head_dim, is_mla, ...; kvcache.pool.make_pool(shape, num_pages, page_size, ...)
     lm.tokenizer        # Tokenizer (encode/decode/apply_chat_template) or None (random weights, no tokenizer)
     lm.config           # ModelConfig (normalised hyper-parameters); lm.hf_config is the raw dict
     lm.chat_template    # Jinja source or None
@@ -94,6 +94,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config: dic
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; allowed: auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def _parse(hf_config: dict, source: str) -> ModelConfig:
+    """The parsed config of a model about to be built: what `ModelConfig` reads, plus what building needs."""
+    cfg = ModelConfig.from_hf(hf_config, source)
+    cfg.check_supported(source)
+    return cfg
 
 
 def model_class(cfg: ModelConfig):
@@ -215,7 +222,7 @@ def _generation_eos(path: Path) -> list[int]:
 def _load_hf_dir(path: Path, dtype, device: torch.device) -> LoadedModel:
     config_file = path / "config.json"
     hf_config = _read_json(config_file)
-    cfg = ModelConfig.from_hf(hf_config, str(config_file))
+    cfg = _parse(hf_config, str(config_file))
     quant = hf_config.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
@@ -243,7 +250,7 @@ def _load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
     divisors = gf.rope_divisors()
     if divisors is not None:
         hf_config["rope_parameters"]["freq_divisors"] = divisors.tolist()
-    cfg = ModelConfig.from_hf(hf_config, str(path))
+    cfg = _parse(hf_config, str(path))
     torch_dtype = resolve_dtype(dtype, device, {"torch_dtype": "bfloat16"})
     model = build_model(cfg, torch_dtype, device)
     model.load_weights(((n, t.to(device)) for n, t in gf.tensors(hf_config, torch_dtype)), source=str(path))
@@ -277,7 +284,7 @@ def _load_random(preset_or_path, dtype, device: torch.device, seed: int) -> Load
     if preset_or_path is None:
         raise ValueError("random weights need a preset name or a config.json path (e.g. llama-3-8b)")
     hf_config = load_model_config(preset_or_path)
-    cfg = ModelConfig.from_hf(hf_config, str(preset_or_path))
+    cfg = _parse(hf_config, str(preset_or_path))
     torch_dtype = resolve_dtype(dtype, device, hf_config)
     model = build_model(cfg, torch_dtype, device)
     init_random_weights(model, seed)

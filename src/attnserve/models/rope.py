@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from attnserve.models.config import SUPPORTED_ROPE_TYPES, RopeConfig
+from attnserve.models.config import RopeConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -72,9 +72,8 @@ def _yarn_inv_freq(theta: float, dim: int, p: dict, max_pos: int) -> tuple[torch
 
 def rope_frequencies(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [dim/2] float32, cos/sin multiplier) for a rotary dimension `dim`."""
+    rope.check_supported()
     p, kind = rope.params, rope.rope_type
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if kind == "yarn":
         return _yarn_inv_freq(rope.theta, dim, p, max_position_embeddings)
     inv_freq = _base_inv_freq(rope.theta, dim)
