@@ -9,8 +9,8 @@ bytes) / copy bandwidth, with the bandwidth measured in the same run
 the median wall time of full-batch decode steps (scheduling, sampling and graph
 replay included; with overlap, the interval between consecutive steps' tokens)
 next to that bound; the device span of a step and the GPU's idle time between
-steps (CUDA events, no sync); synchronizing CUDA calls seen in decode steps
-(torch's sync debug mode, during the warm-up); and a hash of every output, so
+steps (CUDA events, no sync); synchronizing CUDA calls made while launching
+decode steps (torch's sync debug mode, during the warm-up); and a hash of every output, so
 greedy tokens with overlap on and off can be compared.
 
     PYTHONPATH=src python3 benchmarks/engine_gpu_decode.py
@@ -68,18 +68,28 @@ def _median_ms(values: list[float]) -> float | None:
 
 
 def _count_syncs(engine, steps: int) -> tuple[int, list[str]]:
-    """Synchronizing CUDA calls (torch's sync debug mode) during `steps` engine steps."""
+    """Synchronizing CUDA calls (torch's sync debug mode) while launching `steps` engine steps (the wait for
+    the previous step's tokens, outside the launch, is the one sync a step is meant to have)."""
     if not torch.cuda.is_available():
         return 0, []
+    launch = engine._launch
+
+    def watched(in_flight):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return launch(in_flight)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine._launch = watched
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(steps):
                 if engine.has_work():
                     engine.step()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            engine._launch = launch
     msgs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
     return len(msgs), sorted(set(msgs))[:5]
 
@@ -175,7 +185,7 @@ def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: flo
         "gpu_idle_between_decode_steps_ms_p90": round(sorted(idle_s)[len(idle_s) * 9 // 10] * 1e3, 3) if idle_s else None,
         "roofline_step_ms_mean": round(bound * 1e3, 3),
         "fraction_of_roofline": round(bound / med, 3) if full else None,
-        "sync_calls_in_12_warmup_steps": syncs,
+        "sync_calls_launching_12_warmup_steps": syncs,
         "sync_call_messages": sync_msgs,
         "prefill_steps": len(st.extend) + len(st.mixed),
         "prefill_s": round(sum(st.extend) + sum(st.mixed), 3),
