@@ -13,7 +13,8 @@ steps (CUDA events, no sync); synchronizing CUDA calls made while launching
 decode steps (torch's sync debug mode, during the warm-up); and a hash of every output, so
 greedy tokens with overlap on and off can be compared.
 
-    PYTHONPATH=src python3 benchmarks/engine_gpu_decode.py
+    PYTHONPATH=src python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256,1x1024x256 \
+        --configs triton-graphs,triton-graphs-no-overlap --out benchmarks/results/engine_gpu_overlap.json
 """
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: flo
 CONFIGS = {
     "triton-graphs": {"attention_backend": "triton"},
     "triton-graphs-no-overlap": {"attention_backend": "triton", "disable_overlap_schedule": True},
+    "triton-graphs-unfused": {"attention_backend": "triton", "disable_fused_ops": True},
     "triton-eager": {"attention_backend": "triton", "disable_cuda_graph": True},
     "flashinfer-decode": {"prefill_attention_backend": "triton", "decode_attention_backend": "flashinfer"},
     "flashinfer": {"attention_backend": "flashinfer"},
@@ -227,8 +229,9 @@ def parse_workload(text: str) -> tuple[int, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-3-8b")
-    ap.add_argument("--workloads", default="64x1024x256,1x1024x256",
-                    help="comma-separated REQUESTSxINPUTxOUTPUT (default: 64x1024x256,1x1024x256)")
+    ap.add_argument("--workloads", default="64x1024x256",
+                    help="comma-separated REQUESTSxINPUTxOUTPUT (default: 64x1024x256; the overlap check adds "
+                    "1x1024x256)")
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--configs", default="triton-graphs,triton-graphs-no-overlap",
                     help=f"comma-separated, of: {', '.join(CONFIGS)}")
@@ -274,6 +277,8 @@ def main() -> None:
                                           == by["triton-graphs-no-overlap"]["outputs_sha256_16"])
             if {"triton-graphs", "triton-graphs-no-overlap"} <= set(by) else None,
             "triton_vs_flashinfer_decode_step": ratio("flashinfer-decode", "triton-graphs"),
+            "fused_ops_speedup_decode_step": ratio("triton-graphs-unfused", "triton-graphs"),
+            "fused_ops_speedup_total": ratio("triton-graphs-unfused", "triton-graphs", "total_s"),
             "cuda_graph_speedup_decode_step": ratio("triton-eager", "triton-graphs"),
         }.items() if v is not None}
     import triton

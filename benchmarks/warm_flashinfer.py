@@ -1,4 +1,4 @@
-"""Build FlashInfer's JIT kernels for the race shapes (32/8 heads, d128, bf16) on tiny inputs.
+"""Build FlashInfer's JIT kernels for the race shapes (32/8 heads, d128, bf16; MLA 512 + 64) on tiny inputs.
 
 Run in the background at the start of a GPU run, so the minutes of nvcc work overlap
 with the Triton runs and the race finds the kernels built.
@@ -11,12 +11,21 @@ import time
 
 import torch
 
-from attnserve.bench.racers import build_race_batch, flashinfer_decode_racer, flashinfer_prefill_racer
-from attnserve.bench.workloads import Workload
+from attnserve.bench.racers import (
+    build_race_batch,
+    flashinfer_decode_racer,
+    flashinfer_mla_racer,
+    flashinfer_prefill_racer,
+)
+from attnserve.bench.workloads import MLAShape, Workload
 
 
 def main() -> None:
     jobs = [
+        ("mla fa3", Workload("warm mla", "decode", 2, 63, 1, 1, MLAShape(16)),
+         lambda rb: flashinfer_mla_racer(rb, "fa3")),
+        ("mla fa2", Workload("warm mla", "decode", 2, 63, 1, 1, MLAShape(16)),
+         lambda rb: flashinfer_mla_racer(rb, "fa2")),
         ("decode tensor cores", Workload("warm decode", "decode", 2, 63, 1, 1),
          lambda rb: flashinfer_decode_racer(rb, tensor_cores=True)),
         ("prefill fa3 ragged", Workload("warm prefill", "prefill", 2, 0, 64, 1),

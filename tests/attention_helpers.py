@@ -19,3 +19,12 @@ def poison_unused_slots(sb) -> None:
             buf.view(torch.uint8)[~used] = 0x7F  # NaN in both FP8 formats
         else:
             buf[~used] = float("nan")
+
+
+def run_layer(sb, backend) -> torch.Tensor:
+    """One step the way a model runs it: plan, then the layer stores K/V (MLA: the latent) and calls the backend."""
+    fb = sb.fb
+    fb.attn_backend = backend
+    backend.plan(fb)
+    out = sb.layer(sb.q, sb.k, sb.v, fb)  # [T, Hq * Dv]
+    return out.view(sb.q.shape[0], sb.layer.num_heads, sb.layer.v_head_dim)

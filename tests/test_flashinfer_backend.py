@@ -26,7 +26,7 @@ def test_features_are_read_without_importing_flashinfer():
     feats = get_spec("flashinfer").features
     assert feats.cuda_graph and feats.custom_mask and "flashinfer" in feats.required_packages
     assert unsupported(feats, AttentionRequirements(attention_sinks=True)) == ["no attention sinks"]
-    assert unsupported(feats, AttentionRequirements(attention_type="MLA"))
+    assert unsupported(feats, AttentionRequirements(attention_type="MLA", head_dim=576, v_head_dim=512)) == []
 
 
 def test_missing_flashinfer_names_the_install_command(monkeypatch):
@@ -181,3 +181,82 @@ def test_fp8_kv(decode, page_size):
     backend = _backend(sb)
     assert backend.prefill_kernel == "fa2"
     _check(sb, backend, tol=2e-2)
+
+
+# ---- MLA: BatchMLAPagedAttentionWrapper (test names start with mla: their own JIT builds) -------------------
+def _mla_batch(seed, decode, page_size, heads=16):
+    prefix, ext = _ragged(seed, 1 + seed % 5, decode)
+    return make_batch(prefix, ext, num_heads=heads, mla=(512, 64), page_size=page_size, dtype=torch.bfloat16,
+                      device="cuda", seed=seed, score_scale=2.0)
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_mla_decode_and_extend(kernel, decode, page_size):
+    if kernel == "fa3" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer's fa3 MLA kernel is SM90 only")
+    sb = _mla_batch(40 + page_size, decode, page_size)
+    backend = _backend(sb, mla_kernel=kernel)
+    assert backend.prefill_kernel == kernel
+    _check(sb, backend)
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+def test_mla_decode_cuda_graph():
+    """Capture at batch 4 on the latent pool, replay other lengths: the output follows."""
+    sb = make_batch([90, 3, 250, 41], [1] * 4, num_heads=16, mla=(512, 64), page_size=1, dtype=torch.bfloat16,
+                    device="cuda", seed=5, score_scale=2.0)
+    backend = _backend(sb)
+    _check(sb, backend)
+    backend.init_graph_buffers(max_bs=8, max_tokens=8)
+    backend.plan_for_capture(sb.fb)
+    q_static = sb.q.clone()  # [4, 16, 576]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = backend.forward(q_static, None, None, sb.layer, sb.fb)
+    fb2 = ForwardBatch.from_lengths(ForwardMode.DECODE, [3, 1, 4, 2], [200, 50, 30, 2], [1] * 4,
+                                    sb.fb.req_to_token, sb.pool)
+    q_static.copy_(torch.randn_like(q_static) * 2)
+    backend.plan_for_replay(fb2)
+    graph.replay()
+    ref = reference_for_batch(q_static, sb.layer, fb2, compute_dtype=torch.float32)
+    rel = ((out_static.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, f"replayed graph: relative error {rel:.3g}"
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+@pytest.mark.parametrize("decode", [True, False])
+def test_mla_fp8_latent_on_hopper(decode):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer reads FP8 MLA latents on SM90 only (the backend refuses elsewhere)")
+    prefix, ext = _ragged(7, 4, decode)
+    sb = make_batch(prefix, ext, num_heads=16, mla=(512, 64), page_size=64, dtype=torch.bfloat16,
+                    kv_dtype="fp8_e4m3", device="cuda", seed=7, score_scale=2.0)
+    _check(sb, _backend(sb))  # the oracle dequantises the same FP8 latent with the pool's scale
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+def test_mla_hybrid_with_triton_decode():
+    """DeepSeek's pick on an H200: FlashInfer MLA prefill, triton MLA decode, over one latent pool."""
+    from attnserve.attention.backends.triton import TritonBackend
+    from attnserve.attention.hybrid import HybridAttentionBackend
+
+    sb = _mla_batch(11, False, 64)
+    hybrid = HybridAttentionBackend(_backend(sb), TritonBackend(sb.pool))
+    _check(sb, hybrid)
+    rows = sb.fb.req_pool_indices.tolist()
+    fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [s - 1 for s in sb.fb.seq_lens_cpu], [1] * len(rows),
+                                   sb.fb.req_to_token, sb.pool)
+    q = torch.randn(len(rows), 16, 576, device="cuda", dtype=torch.bfloat16) * 2  # [B, H, rank + rope]
+    fb.attn_backend = hybrid
+    hybrid.plan(fb)
+    out = hybrid.forward(q, None, None, sb.layer, fb)
+    ref = reference_for_batch(q, sb.layer, fb, compute_dtype=torch.float32)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2

@@ -153,6 +153,53 @@ class FakeRagged:
         return (o, torch.cat(lses)) if return_lse else o
 
 
+class FakeMLA:
+    """BatchMLAPagedAttentionWrapper: ckv/kpe caches [num_pages, page_size, *], causal aligned to each request's end."""
+
+    def __init__(self, workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None,
+                 kv_len_arr=None, backend="auto"):
+        self.graph, self.backend, self.plans = use_cuda_graph, backend, 0
+        self.bufs = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type):
+        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_len_arr", kv_len_arr)):
+            assert t.device.type == "cpu", f"{name} not on the host (plan() would sync to read it)"
+        assert int(kv_indptr[-1]) <= kv_indices.numel() and kv_len_arr.numel() == qo_indptr.numel() - 1
+        table = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+        if self.graph:  # the kernel reads the fixed buffers, whose sizes fix the batch
+            assert qo_indptr.numel() == self.bufs[0].numel(), "batch size differs from the wrapper's"
+            if kv_indices.numel() > self.bufs[2].numel():
+                raise ValueError("kv_indices larger than the allocated buffer")
+            for buf, t in zip(self.bufs, table):
+                buf[: t.numel()].copy_(t)
+            table = self.bufs
+        else:
+            table = tuple(t.clone() for t in table)
+        self.table, self.causal, self.scale, self.heads = table, causal, sm_scale, num_heads
+        self.plans += 1
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale=None, kpe_scale=None):
+        assert q_nope.shape[1] == self.heads
+        assert (ckv_cache.dtype == torch.float8_e4m3fn) == (ckv_scale is not None), "FP8 caches need their scales"
+        qo, kv_indptr, indices, kv_lens = (t.cpu() for t in self.table)
+        out = torch.empty_like(q_nope)
+        for b in range(qo.numel() - 1):
+            pages = indices[kv_indptr[b] : kv_indptr[b + 1]].long()
+            n = int(kv_lens[b])
+            c = ckv_cache[pages].reshape(-1, ckv_cache.shape[-1])[:n].double() * (ckv_scale or 1.0)  # [n, rank]
+            pe = kpe_cache[pages].reshape(-1, kpe_cache.shape[-1])[:n].double() * (kpe_scale or 1.0)  # [n, rope]
+            rows = slice(int(qo[b]), int(qo[b + 1]))
+            m = rows.stop - rows.start
+            s = (torch.einsum("mhd,nd->hmn", q_nope[rows].double(), c)
+                 + torch.einsum("mhd,nd->hmn", q_pe[rows].double(), pe)) * self.scale  # [H, m, n]
+            if self.causal:
+                visible = torch.arange(n)[None, :] <= torch.arange(n - m, n)[:, None]
+                s = s.masked_fill(~visible[None], -math.inf)
+            out[rows] = torch.einsum("hmn,nd->mhd", torch.softmax(s, -1), c).to(out.dtype)
+        return out
+
+
 def fake_merge_state(v_a, s_a, v_b, s_b):
     m = torch.maximum(s_a, s_b)
     wa, wb = torch.exp2(s_a - m), torch.exp2(s_b - m)
@@ -166,6 +213,7 @@ def fake_flashinfer(monkeypatch):
     mod.BatchPrefillWithPagedKVCacheWrapper = FakePrefill
     mod.BatchPrefillWithRaggedKVCacheWrapper = FakeRagged
     mod.merge_state = fake_merge_state
+    mod.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeMLA)
     monkeypatch.setitem(sys.modules, "flashinfer", mod)
     return mod
 
@@ -250,8 +298,10 @@ def test_bad_options(fake_flashinfer):
         _backend(sb.pool, prefill_kernel="fa9")
     with pytest.raises(ValueError, match="prefill_path"):
         _backend(sb.pool, prefill_path="dense")
-    with pytest.raises(ValueError, match="MLA"):
-        _backend(make_batch([3], [1], mla=(32, 16)).pool)
+    with pytest.raises(ValueError, match="e4m3 latents only"):
+        _backend(make_batch([3], [1], mla=(32, 16), kv_dtype="fp8_e5m2").pool)
+    with pytest.raises(ValueError, match="mla_kernel"):
+        _backend(make_batch([3], [1], mla=(32, 16)).pool, mla_kernel="fa9")
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -317,6 +367,7 @@ def test_graph_page_buffer_is_fixed_after_capture(fake_flashinfer):
 def test_replay_plans_only_the_graph_metadata(fake_flashinfer, monkeypatch):
     """plan_for_replay builds page ids once, into the fixed buffer, and no eager metadata besides."""
     import attnserve.attention.backends.flashinfer as fi_backend
+    import attnserve.attention.backends.flashinfer_csr as fi_csr
 
     sb = make_batch([20, 3], [1, 1], page_size=4)
     backend = _backend(sb.pool)
@@ -331,9 +382,90 @@ def test_replay_plans_only_the_graph_metadata(fake_flashinfer, monkeypatch):
         return real_build(*args, **kwargs)
 
     monkeypatch.setattr(fi_backend, "build_paged_metadata", counting_build)
+    monkeypatch.setattr(fi_csr, "build_paged_metadata", counting_build)
     monkeypatch.setattr(fi_backend, "metadata_for_batch", lambda *a, **k: calls.__setitem__("eager", 99))
     backend.plan_for_replay(sb.fb)
     assert calls == {"eager": 0, "graph": 1}
     out = backend.forward(sb.q, None, None, sb.layer, sb.fb)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+# ---- MLA (BatchMLAPagedAttentionWrapper) ----------------------------------------------------------------
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("decode", [True, False])
+def test_mla_matches_oracle(fake_flashinfer, page_size, decode):
+    prefix, ext = ([9, 30, 1], [1, 1, 1]) if decode else ([9, 0, 21], [4, 11, 1])
+    sb = make_batch(prefix, ext, num_heads=6, mla=(32, 16), page_size=page_size, score_scale=8.0)
+    backend = _backend(sb.pool)
+    _check(sb, backend)
+    assert (backend.prefill_kernel, backend._mla.kernel) == ("fa2", "fa2") and "cpu" in backend.prefill_kernel_reason
+    (wrapper,) = backend._mla._wrappers.values()
+    assert wrapper.backend == "fa2" and wrapper.causal == (not decode)
+
+
+def test_mla_fp8_latent_with_its_scale(fake_flashinfer):
+    sb = make_batch([9, 30, 1], [1, 1, 1], num_heads=6, mla=(32, 16), page_size=4, kv_dtype="fp8_e4m3",
+                    dtype=torch.bfloat16, score_scale=8.0)
+    assert sb.pool.k_scale[0] != 1.0
+    backend = _backend(sb.pool)
+    assert backend._mla.q_dtype == torch.bfloat16  # FlashInfer's FP8 MLA takes bf16 queries
+    _check(sb, backend, tol=1e-2)
+
+
+def test_mla_kernel_named_like_the_mha_wrapper(fake_flashinfer):
+    sb = make_batch([9, 30], [1, 1], num_heads=4, mla=(32, 16))
+    backend = _backend(sb.pool, mla_kernel="fa3")
+    _check(sb, backend)
+    assert next(iter(backend._mla._wrappers.values())).backend == "fa3"
+    assert backend.prefill_kernel_reason == "requested explicitly"
+
+
+def test_mla_refuses_a_custom_mask(fake_flashinfer):
+    sb = make_batch([12, 5], [4, 3], num_heads=4, mla=(32, 16), custom_mask=True, mode=ForwardMode.TARGET_VERIFY)
+    with pytest.raises(ValueError, match="no custom masks"):
+        _backend(sb.pool).plan(sb.fb)
+
+
+def test_mla_decode_graph_buffers_follow_replays(fake_flashinfer):
+    sb = make_batch([20, 3, 41, 9], [1] * 4, num_heads=4, mla=(32, 16), page_size=4, score_scale=8.0)
+    backend = _backend(sb.pool)
+    backend.init_graph_buffers(max_bs=8, max_tokens=8)
+    with pytest.raises(ValueError, match="eager step"):
+        backend.plan_for_capture(sb.fb)
+    _check(sb, backend)
+    backend.plan_for_capture(sb.fb)
+    (captured,) = backend._mla._graph_wrappers.values()
+    for lens in ([31, 13, 6, 3], [2, 21, 42, 10]):
+        fb = ForwardBatch.from_lengths(ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in lens], [1] * 4,
+                                       sb.fb.req_to_token, sb.pool)
+        backend.plan_for_replay(fb)
+        out = backend.forward(sb.q, None, None, sb.layer, fb)
+        ref = reference_for_batch(sb.q, sb.layer, fb)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert list(backend._mla._graph_wrappers.values()) == [captured]  # one wrapper for batch size 4, planned again
+    assert captured.table[2] is backend._mla._graph.kv_indices and captured.plans == 3
+    with pytest.raises(ValueError, match="decode only"):
+        backend.plan_for_replay(make_batch([3], [2], num_heads=4, mla=(32, 16)).fb)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="triton runs CPU pools under the interpreter only; "
+                    "with CUDA, test_flashinfer_backend.py runs the real pair")
+def test_mla_hybrid_flashinfer_prefill_triton_decode(fake_flashinfer):
+    """What selection picks for DeepSeek on an H200 (prefill flashinfer, decode triton) on one latent pool."""
+    from attnserve.attention.backends.triton import TritonBackend
+    from attnserve.attention.hybrid import HybridAttentionBackend
+
+    sb = make_batch([9, 0, 21], [4, 11, 1], num_heads=4, mla=(32, 16), page_size=4, score_scale=8.0,
+                    dtype=torch.bfloat16)
+    hybrid = HybridAttentionBackend(_backend(sb.pool), TritonBackend(sb.pool))
+    _check(sb, hybrid, tol=1e-2)  # extend: FlashInfer's MLA wrapper
+    fb = ForwardBatch.from_lengths(ForwardMode.DECODE, [1, 2, 3], [12, 10, 21], [1, 1, 1], sb.fb.req_to_token,
+                                   sb.pool)
+    q = sb.q[:3].clone()
+    fb.attn_backend = hybrid
+    hybrid.plan(fb)
+    out = hybrid.forward(q, None, None, sb.layer, fb)  # decode: triton's MLA kernel over the same rows
+    ref = reference_for_batch(q, sb.layer, fb)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert hybrid.backend_for(fb.mode).name == "triton"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from attnserve.attention import selection
+from attnserve.attention import measured, selection
+from attnserve.attention.ranking import rank
 from attnserve.attention.registry import get_spec
 from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.hardware import PRESET_HARDWARE
@@ -24,8 +25,8 @@ from attnserve.shape import GENERIC_GQA
 
 
 @pytest.fixture(autouse=True)
-def static_fallback_order(monkeypatch, tmp_path):
-    monkeypatch.setattr(selection, "MEASUREMENTS_DIR", tmp_path / "none")  # no measured order
+def static_fallback_order(monkeypatch):
+    monkeypatch.setattr(measured, "_shipped", dict)  # no measured order shipped for any GPU
 
 
 def first_with(*names, device, attention="GQA", deterministic=False):
@@ -39,7 +40,6 @@ def first_with(*names, device, attention="GQA", deterministic=False):
 
 
 # attnserve's answers that depend on our backends' features (fallback order after the policy's choice)
-H100_DSV3 = first_with("triton", "flex_attention", "torch_native", device="cuda", attention="MLA")
 MI300_LLAMA = first_with("triton", "flex_attention", "torch_native", device="rocm")
 H100_DETERMINISTIC = first_with("flashinfer", "triton", "flex_attention", "torch_native", device="cuda",
                                 deterministic=True)
@@ -119,7 +119,7 @@ CASES = [
     ("cpu", "dsv3", {}, False, "torch_native", "torch_native", "CPU"),
     ("cpu", "llama", {"kv_cache_dtype": "fp8_e4m3"}, False, "torch_native", "torch_native", "CPU"),
     ("cpu-amx", "llama", {}, False, "torch_native", "torch_native", "not implemented in attnserve"),
-    ("h100", "dsv3", {}, False, H100_DSV3, H100_DSV3, "no MLA attention"),
+    ("h100", "dsv3", {}, False, "flashinfer", "flashinfer", "MLA on Hopper"),
     ("l4", "sinks", {}, False, "triton", "triton", "attention sinks"),
     ("l4", "mistral", {}, False, "flashinfer", "flashinfer", "general NVIDIA default"),
     ("h100", "llama", {"deterministic": True}, False, H100_DETERMINISTIC, H100_DETERMINISTIC,
@@ -169,7 +169,7 @@ def test_cuda_graphs_follow_the_decode_backend():
     assert not select_backends(PRESET_HARDWARE["cpu"], LLAMA).cuda_graph
 
 
-def test_measured_order_reorders_the_fallback(tmp_path):
+def test_ranking_scores_each_backend_against_each_workloads_fastest():
     records = [
         {"workload": "decode 64x4096 p1", "backend": "triton", "us": 250.0, "tbps": 4.3},
         {"workload": "decode 64x4096 p1", "backend": "flashinfer", "us": 300.0, "tbps": 3.9},
@@ -180,35 +180,44 @@ def test_measured_order_reorders_the_fallback(tmp_path):
         {"workload": "prefill 8x2048", "backend": "fa3", "us": 10.0},  # not ours: ignored
         {"workload": "prefill 8x2048", "backend": "sdpa-cudnn", "us": 10.0},  # not a backend: ignored
     ]
-    (tmp_path / "kernels-h100.json").write_text(json.dumps({"gpu": "H100", "records": records}))
     # triton: (1 + 1.8) / 2 = 1.4; flashinfer: (1.2 + 1) / 2 = 1.1; torch_native 36
-    assert selection.measured_order(PRESET_HARDWARE["h100"], tmp_path) == ("flashinfer", "triton", "torch_native")
-    assert selection.measured_order(PRESET_HARDWARE["h200"], tmp_path) is None  # no file for this GPU
-    assert selection.measured_order(PRESET_HARDWARE["cpu"], tmp_path) is None
-    (tmp_path / "kernels-h200.json").write_text("not json")
-    assert selection.measured_order(PRESET_HARDWARE["h200"], tmp_path) is None
+    assert [r.backend for r in rank(records)] == ["flashinfer", "triton", "torch_native"]
+    assert [r.backend for r in rank(records, "decode")] == ["triton", "flashinfer", "torch_native"]
+    assert [r.backend for r in rank(records, "prefill")] == ["flashinfer", "triton"]
+    # complete_only: a backend missing from one of the side's workloads can't serve it
+    partial = records + [{"workload": "decode 1x32768 p1", "backend": "triton", "us": 40.0}]
+    assert [r.backend for r in rank(partial, "decode", complete_only=True)] == ["triton"]
 
 
-def test_measured_order_per_side(tmp_path):
-    records = [
-        {"workload": "decode 64x4096 p1", "backend": "triton", "us": 250.0},
-        {"workload": "decode 64x4096 p1", "backend": "flashinfer", "us": 260.0},
-        {"workload": "prefill 8x2048", "backend": "triton", "us": 900.0},
-        {"workload": "prefill 8x2048", "backend": "flashinfer-fa3", "us": 500.0},
-    ]
-    (tmp_path / "kernels-h200.json").write_text(json.dumps({"records": records}))
+def test_measured_order_per_gpu_model_and_side(monkeypatch):
+    shipped = {"h200": {"source": "x.json", "date": "2026-11-29", "decode": ["triton", "flashinfer"],
+                        "prefill": ["flashinfer", "triton"]}}
+    monkeypatch.setattr(measured, "_shipped", lambda: shipped)
     h200 = PRESET_HARDWARE["h200"]
-    assert selection.measured_order(h200, tmp_path, side="decode") == ("triton", "flashinfer")
-    assert selection.measured_order(h200, tmp_path, side="prefill") == ("flashinfer", "triton")
+    assert measured.measured_order(h200, "decode")[0] == ("triton", "flashinfer")
+    assert measured.measured_order(h200, "prefill")[0] == ("flashinfer", "triton")
+    assert measured.measured_order(PRESET_HARDWARE["h100"], "decode") is None  # nothing shipped for this GPU
+    assert measured.measured_order(PRESET_HARDWARE["cpu"], "decode") is None
+
+
+def test_the_shipped_order_is_the_committed_race(monkeypatch):
+    """Package data (so a wheel has it), kept equal to what the committed race measured."""
+    monkeypatch.undo()  # the real package data
+    measured._shipped.cache_clear()
+    root = Path(selection.__file__).resolve().parents[3]
+    for key, entry in measured._shipped().items():
+        result = json.loads((root / entry["source"]).read_text())
+        assert measured.gpu_key(result["gpu"]) == key
+        assert entry == measured.order_entry(result, entry["source"]), (
+            f"run: python benchmarks/ship_measured_order.py {entry['source']}")
 
 
 def test_hopper_without_fa3_takes_the_fastest_measured_backend_per_side(monkeypatch):
-    """The committed H200 race: FlashInfer's fa3 prefill beats our Triton prefill, our decode beats FlashInfer's."""
-    committed = Path(selection.__file__).resolve().parents[3] / "benchmarks" / "results"
-    monkeypatch.setattr(selection, "MEASUREMENTS_DIR", committed)
+    """The shipped H200 race: FlashInfer's fa3 prefill beats our Triton prefill, our decode beats FlashInfer's."""
+    monkeypatch.undo()
     for side in ("prefill", "decode"):
-        order = selection.measured_order(PRESET_HARDWARE["h200"], side=side)
-        assert order is not None and order[-1] == "torch_native"  # orders of magnitude slower
+        order = measured.measured_order(PRESET_HARDWARE["h200"], side)[0]
+        assert order[-1] == "torch_native"  # orders of magnitude slower
     hw = replace(PRESET_HARDWARE["h200"], installed=frozenset({"torch", "triton", "flashinfer"}))
     sel = select_backends(hw, LLAMA)
     assert (sel.prefill_backend, sel.decode_backend) == ("flashinfer", "triton")

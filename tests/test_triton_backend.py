@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from attention_helpers import poison_unused_slots, rel_err
+from attention_helpers import poison_unused_slots, rel_err, run_layer
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, ForwardBatch, ForwardMode, unsupported
@@ -20,15 +20,6 @@ from attnserve.kvcache.pool import MHAKVPool, MLAKVPool
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def run_layer(sb, backend) -> torch.Tensor:
-    """One step the way a model runs it: plan, then the layer stores K/V and calls the backend."""
-    fb = sb.fb
-    fb.attn_backend = backend
-    backend.plan(fb)
-    out = sb.layer(sb.q, sb.k, sb.v, fb)  # [T, Hq * Dv]
-    return out.view(sb.q.shape[0], sb.layer.num_heads, sb.layer.v_head_dim)
 
 
 # ---- features and registry -------------------------------------------------------------------------
@@ -48,12 +39,13 @@ def test_features_declare_what_the_tests_below_exercise():
     req = AttentionRequirements(page_size=16, kv_dtype="fp8_e4m3", sliding_window=True, attention_sinks=True,
                                 logit_softcap=True, custom_mask=True, spec_topk=4)
     assert unsupported(f, req) == []
-    assert unsupported(f, AttentionRequirements(attention_type="MLA", head_dim=576))
+    assert unsupported(f, AttentionRequirements(attention_type="MLA", head_dim=576, v_head_dim=512, page_size=64,
+                                                kv_dtype="fp8_e4m3")) == []
 
 
 def test_rejects_what_it_cannot_run():
-    with pytest.raises(ValueError, match="MLA"):
-        TritonBackend(MLAKVPool(4, 1, 1, 64, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="kv_lora_rank 48"):
+        TritonBackend(MLAKVPool(4, 1, 1, 48, 16, device=DEVICE))
     pool = MHAKVPool(4, 1, 1, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="unknown triton backend options"):
         TritonBackend(pool, num_splits=3)

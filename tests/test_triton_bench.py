@@ -40,7 +40,7 @@ def test_tiny_race_writes_json_and_chart(tmp_path):
     result = json.loads(out.read_text())
     assert {"gpu", "date", "versions", "ceilings", "records"} <= set(result)
     recs = {(r["workload"], r["backend"]): r for r in result["records"]}
-    wanted = [w.name for w in TINY_WORKLOADS if w.name == "decode 4x64 p1" or w.kind == "extend"]
+    wanted = [w.name for w in TINY_WORKLOADS if w.mla is None and (w.name == "decode 4x64 p1" or w.kind == "extend")]
     for name in wanted:
         for backend in ("triton", "torch_native"):
             assert recs[(name, backend)]["rel_err"] < 1e-2
@@ -51,3 +51,28 @@ def test_tiny_race_writes_json_and_chart(tmp_path):
 def test_bench_kernels_without_a_gpu_says_so(capsys):
     assert main(["bench", "kernels", "--json", "/dev/null"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_mla_workloads_run_only_when_asked_for():
+    from attnserve.bench.workloads import MLA_WORKLOADS
+
+    assert [w.name for w in select(["mla"], WORKLOADS + MLA_WORKLOADS)] == [
+        "mla decode 128x4096 h128 p1", "mla decode 64x8192 h128 p64", "mla decode 128x4096 h16 p64",
+        "mla decode 1x32768 h128 p1", "mla extend 8x(4096+512) h128 p1"]
+    assert all(w.mla is None for w in select(["decode"], WORKLOADS + MLA_WORKLOADS))
+    assert all(w.mla is None for w in select(None, WORKLOADS + MLA_WORKLOADS))
+    decode = MLA_WORKLOADS[0]  # issue 12's conventions: bytes = B*n*576*2, FLOPs = 2*B*heads*n*(576+512)
+    assert decode.mla_bytes(2) == 128 * 4096 * 576 * 2
+    assert decode.mla_flops() == 2 * 128 * 128 * 4096 * (576 + 512)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny race is the CPU smoke run")
+def test_tiny_mla_race_checks_triton_against_the_oracle(tmp_path):
+    out = tmp_path / "mla.json"
+    rc = main(["bench", "kernels", "--tiny", "--backends", "triton", "torch_native", "--workloads", "mla decode 2x96",
+               "mla extend", "--json", str(out)])
+    assert rc == 0
+    recs = {(r["workload"], r["backend"]): r for r in json.loads(out.read_text())["records"]}
+    for name in ("mla decode 2x96 h16 p16", "mla extend 2x(40+24) h16 p4"):
+        for backend in ("triton", "torch_native"):
+            assert recs[(name, backend)]["rel_err"] < 1e-2, recs[(name, backend)]

@@ -15,6 +15,7 @@ COMMANDS = [
     "generate",
     "serve",
     "bench",
+    "tune",
     "select",
     "kv_calc",
     "backends",

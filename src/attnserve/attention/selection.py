@@ -11,6 +11,10 @@ Policy first, availability second, both recorded in a trace:
    the conditional limits in LIMITS, and, unless `sglang=True`, whether
    attnserve implements it. The first that passes wins; every rejection is a
    trace entry with its reasons.
+3. Measured beats assumed: with `use_tuned` (the engine's and `attnserve select`'s
+   default), a current `attnserve tune` result for this machine and model shape
+   (attention/tuned.py) puts its winner per side ahead of the policy's choice,
+   and the trace cites the file, its date and the margin over the runner-up.
 
 SGLang backends attnserve does not implement: by default (`sglang=False`, what
 the engine asks for) they are rejected with "not implemented in attnserve" and
@@ -26,12 +30,13 @@ ValueError names every reason and the backends that would run instead.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnserve.attention.base import AttentionRequirements, BackendFeatures, unsupported
+from attnserve.attention.measured import measured_order
 from attnserve.attention.registry import REGISTRY, get_spec, hardware_problems, resolve_name
+from attnserve.attention.tuned import TunedChoice, find_tuned
 from attnserve.hardware import Hardware
 from attnserve.shape import AttentionShape
 
@@ -155,7 +160,7 @@ POLICY: tuple[PolicyRow, ...] = (
 # first (its tensor-core paged decode reached 3.0-4.3 TB/s and its fa3 prefill 336-646 TFLOP/s on the
 # H200, benchmarks/results/kernels-h200.json), then attnserve's Triton
 # kernels (portable, CUDA graphs), then FlexAttention (no CUDA graphs), then torch_native (reference
-# speed). When benchmarks/results/kernels-<gpu>.json exists, `measured_order` reorders by it.
+# speed). On a GPU model with a shipped race (attention/measured_order.json), its measured order goes first.
 FALLBACK_ORDER: dict[str, tuple[str, ...]] = {
     "cuda": ("flashinfer", "triton", "flex_attention", "torch_native"),
     "rocm": ("triton", "flex_attention", "torch_native"),
@@ -171,6 +176,7 @@ class Limit:
     backend: str
     when: When
     why: str
+    attnserve_only: bool = False  # a limit of attnserve's implementation, not of SGLang's backend of that name
 
 
 # Limits SGLang enforces that a backend's feature flags can't express (they depend on a combination).
@@ -179,6 +185,13 @@ LIMITS: tuple[Limit, ...] = (
           "MLA with speculative topk > 1 needs page size 1 on fa3"),
     Limit("triton", When(attention="MLA", min_topk=2, min_page_size=2),
           "MLA with speculative topk > 1 needs page size 1 on triton"),
+    Limit("flashinfer", When(attention="MLA", kv_dtypes=("fp8_e5m2",)),
+          "FlashInfer's MLA wrapper reads FP8 e4m3 latents only (triton's MLA kernels read both)", attnserve_only=True),
+    Limit("flashinfer", When(attention="MLA", kv_dtypes=("fp8_e4m3",), cc_major=(7, 8, 10, 11, 12)),
+          "FlashInfer's MLA wrapper reads FP8 latents on SM90 only (triton's MLA kernels read them anywhere)",
+          attnserve_only=True),
+    Limit("flashinfer", When(attention="MLA", min_topk=2),
+          "FlashInfer's MLA wrapper has no custom masks for tree speculative decoding", attnserve_only=True),
 )
 
 # Page size SGLang forces when the user sets none and the backend needs a specific one.
@@ -189,7 +202,7 @@ PREFERRED_PAGE_SIZE: dict[str, int] = {"trtllm_mha": 64, "trtllm_mla": 64, "flas
 # ---- the trace -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TraceEntry:
-    """One step of the decision. kind: input, policy, candidate, reject, accept, explicit, adjust."""
+    """One step of the decision. kind: input, policy, tuned, candidate, reject, accept, explicit, adjust."""
 
     kind: str
     reason: str
@@ -318,7 +331,8 @@ def problems(
     why += unsupported(feats, requirements(model, serving, side, page_size))
     if serving.deterministic and not feats.deterministic:
         why.append("no deterministic mode")
-    why += [lim.why for lim in LIMITS if lim.backend == spec.name and lim.when.holds(hw, model, serving, page_size)]
+    why += [lim.why for lim in LIMITS if lim.backend == spec.name and not (sglang and lim.attnserve_only)
+            and lim.when.holds(hw, model, serving, page_size)]
     return why
 
 
@@ -334,66 +348,40 @@ def runnable_backends(hw: Hardware, model: AttentionShape, serving: ServingFeatu
 
 
 # ---- the decision ---------------------------------------------------------------------------------------
-MEASUREMENTS_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
-
-
-def _backend_family(contestant: str) -> str | None:
-    """The registry backend a benchmark contestant belongs to ('flashinfer-fa3' -> 'flashinfer')."""
-    for name in (contestant, contestant.split("-")[0]):
-        if name in REGISTRY and REGISTRY[name].implemented:
-            return name
-    return None
-
-
-def measured_order(hw: Hardware, results_dir: Path | None = None, side: str | None = None) -> tuple[str, ...] | None:
-    """Implemented backends ordered by measured speed on this GPU model, if a benchmark file exists.
-
-    Reads `kernels-<gpu>.json` (e.g. kernels-h200.json, written by `attnserve bench kernels`):
-    records `{"workload", "backend", "us", ...}`. A backend's score is its mean time relative to
-    the fastest backend of each workload it ran (its fastest variant, e.g. flashinfer-fa3, counts),
-    so backends that ran different workloads still compare. `side` "decode" ranks on the decode
-    workloads only, "prefill" on the others (prefill, extend). None when no file applies.
-    """
-    if hw.device != "cuda":
-        return None
-    key = hw.name.lower().replace("nvidia", "").strip().split()[0] if hw.name else ""
-    path = (results_dir or MEASUREMENTS_DIR) / f"kernels-{key}.json"
-    if not key or not path.is_file():
-        return None
-    try:
-        records = json.loads(path.read_text()).get("records", [])
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
-    workloads: dict[str, dict[str, float]] = {}
-    for rec in records:
-        family = _backend_family(str(rec.get("backend", "")))
-        t = rec.get("us")
-        if family is None or not isinstance(t, (int, float)) or t <= 0 or "workload" not in rec:
-            continue
-        if side is not None and str(rec["workload"]).startswith("decode") != (side == "decode"):
-            continue
-        times = workloads.setdefault(str(rec["workload"]), {})
-        times[family] = min(t, times.get(family, t))
-    ratios: dict[str, list[float]] = {}
-    for times in workloads.values():
-        best = min(times.values())
-        for name, t in times.items():
-            ratios.setdefault(name, []).append(t / best)
-    if not ratios:
-        return None
-    return tuple(sorted(ratios, key=lambda n: sum(ratios[n]) / len(ratios[n])))
-
-
-def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry], side: str) -> list[str]:
-    order = [row.choose]
-    measured = measured_order(hw, side=side) or ()
-    if measured:
-        trace.append(TraceEntry("input", f"fallback order measured on this GPU model: "
-                                f"{', '.join(measured)}", side=side))
+def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry], side: str,
+                    tuned: TunedChoice | None = None) -> list[str]:
+    """The tuned winner for this side (if any), the policy's choice, the shipped measured order, the static one."""
+    order = []
+    winner = tuned.winners.get(side) if tuned else None
+    if winner is not None:
+        versus = (f", {winner.ratio:.2f}x faster than {winner.runner_up}" if winner.runner_up and winner.ratio
+                  else ", the only backend raced")
+        trace.append(TraceEntry("tuned", f"measured fastest for {side} on this machine and model shape: "
+                                f"{tuned.path} ({tuned.date}){versus}", winner.backend, side))
+        order.append(winner.backend)
+    if row.choose not in order:
+        order.append(row.choose)
+    shipped = measured_order(hw, side)
+    measured = shipped[0] if shipped else ()
+    if shipped:
+        trace.append(TraceEntry("input", f"fallback order measured on this GPU model: {', '.join(measured)} "
+                                f"({shipped[1].get('source')}, {shipped[1].get('date')})", side=side))
     for name in (*measured, *FALLBACK_ORDER.get(hw.device, ("torch_native",))):
         if name not in order:
             order.append(name)
     return order
+
+
+def _tuned_choice(hw: Hardware, model: AttentionShape, serving: ServingFeatures, use_tuned: bool,
+                  tune_dir: Path | None, trace: list[TraceEntry]) -> TunedChoice | None:
+    if not use_tuned:
+        return None
+    if hw.installed is None:
+        trace.append(TraceEntry("tuned", "tune results describe this machine; not read for a hypothetical one"))
+        return None
+    choice, notes = find_tuned(hw, model, serving.kv_cache_dtype, serving.page_size, tune_dir)
+    trace.extend(TraceEntry("tuned", note) for note in notes)
+    return choice
 
 
 def select_backends(
@@ -405,11 +393,16 @@ def select_backends(
     decode_backend: str | None = None,
     sglang: bool = False,
     speculative_attention_mode: str = "prefill",
+    use_tuned: bool = False,
+    tune_dir: Path | None = None,
 ) -> Selection:
     """Resolve the prefill and decode backends; raise ValueError if an explicit choice can't run.
 
     `sglang=True` asks what SGLang would pick (unimplemented backends count); the default asks what
     attnserve can instantiate. Side flags override `attention_backend` for their side, as in SGLang.
+    `use_tuned`: a side without an explicit backend tries first the winner of a current `attnserve tune`
+    result for this machine and shape (in `tune_dir`, default the user's cache); the engine and
+    `attnserve select` ask for it unless --no-tuned.
     """
     serving = serving or ServingFeatures()
     if speculative_attention_mode not in SIDES:
@@ -427,6 +420,9 @@ def select_backends(
     trace.append(TraceEntry("policy", row.why, row.choose))
 
     explicit = {"prefill": prefill_backend or attention_backend, "decode": decode_backend or attention_backend}
+    # a measured winner stands in for the policy only where no backend was named, and only for attnserve itself
+    open_side = any(explicit[side] is None for side in SIDES)
+    tuned = _tuned_choice(hw, model, serving, use_tuned and open_side and not sglang, tune_dir, trace)
     chosen: dict[str, str] = {}
     fixed_page: int | None = serving.page_size
     for side in SIDES:
@@ -443,7 +439,7 @@ def select_backends(
                 )
             trace.append(TraceEntry("explicit", f"requested for {side}; passes every check", name, side))
         else:
-            candidates = candidate_order(hw, row, trace, side)
+            candidates = candidate_order(hw, row, trace, side, tuned)
             name, ps = _first_passing(candidates, hw, model, serving, side, fixed_page, sglang, trace)
         chosen[side] = name
         if fixed_page is None and (name in PREFERRED_PAGE_SIZE or _fixed_page_sizes(name, sglang)):

@@ -19,35 +19,36 @@ from pathlib import Path
 
 import torch
 
-from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS, Workload, select
+from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS, WORKLOADS, Workload, select
 
-PEER_FOR_RATIO = {"decode": "flashinfer", "prefill": "flashinfer-fa3", "extend": "flashinfer-fa3"}
+PEER_FOR_RATIO = {"decode": "flashinfer", "prefill": "flashinfer-fa3", "extend": "flashinfer-fa3",
+                  "mla": "flashinfer-mla-fa3"}
 YARDSTICKS = ("sdpa-flash", "flashinfer-fa3", "flashinfer-fa2")  # peers to check against without an oracle
 ORACLE_MAX_SCORES = 2**31  # float32 dense score elements the oracle may build per request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workloads", nargs="*", help="run only workloads whose name contains one of these")
+    p.add_argument("--workloads", nargs="*", help="run only workloads whose name contains one of these "
+                   "(MLA workloads only when one mentions mla, e.g. --workloads mla)")
     p.add_argument("--backends", nargs="*", help="contestants to race (default: all available); names as "
                    "printed, a trailing * takes a family, e.g. triton 'sdpa*' torch_native flashinfer flashinfer-fa3")
     p.add_argument("--triton-options", default=None,
                    help='JSON options for the triton backend, e.g. \'{"extend_config": {"block_m": 128}}\'')
     p.add_argument("--json", type=Path, default=Path("kernels.json"), help="where to write the results")
     p.add_argument("--png", type=Path, default=None, help="chart path (default: the JSON path with .png)")
-    p.add_argument("--tiny", action="store_true", help="scaled-down shapes (smoke test; CPU under TRITON_INTERPRET=1)")
+    p.add_argument("--tiny", action="store_true",
+                   help="scaled-down shapes (smoke test; CPU under TRITON_INTERPRET=1; Triton 3.6's interpreter needs "
+                        "numpy < 2.3 for it, or the tests' conftest.py, which tests/test_triton_bench.py runs it under)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
+    from attnserve.bench.baseline import add_guard_arguments
+
+    add_guard_arguments(p)
 
 
 def _versions() -> dict:
-    import importlib.metadata as md
+    from attnserve.versions import package_versions
 
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
-    for pkg in ("triton", "flashinfer-python", "attnserve"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
+    return {**package_versions(), "python": sys.version.split()[0]}
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -80,6 +81,13 @@ def _check_outputs(rb, records: list[dict], outputs: dict) -> None:
 
 def _metric(w: Workload, us: float, rb, ceilings: dict) -> dict:
     lay = rb.layer
+    if w.mla is not None:  # decode reads the latent once and is compute-bound at 128 heads: both rates
+        rec = {"tflops": round(w.mla_flops() / us / 1e6, 1)}
+        if w.kind == "decode":
+            rec["tbps"] = round(w.mla_bytes(rb.pool.dtype.itemsize) / us / 1e6, 3)
+        if ceilings.get("matmul_tflops"):
+            rec["pct_of_ceiling"] = round(100 * rec["tflops"] / ceilings["matmul_tflops"], 1)
+        return rec
     if w.kind == "decode":
         tbps = w.kv_bytes(lay.num_kv_heads, lay.head_dim, rb.pool.dtype.itemsize) / us / 1e6
         rec = {"tbps": round(tbps, 3)}
@@ -95,7 +103,7 @@ def _metric(w: Workload, us: float, rb, ceilings: dict) -> dict:
 
 # FlashInfer last (its JIT builds take minutes), the peers the ratios use first among its kernels
 CONTESTANT_ORDER = ("triton", "sdpa-cudnn", "sdpa-flash", "torch_native", "flashinfer", "flashinfer-fa3",
-                    "flashinfer-cuda-cores", "flashinfer-fa2")
+                    "flashinfer-cuda-cores", "flashinfer-fa2", "flashinfer-mla-fa3", "flashinfer-mla-fa2")
 
 
 def _order(name: str) -> int:
@@ -108,12 +116,14 @@ def triton_options(text: str | None) -> dict:
         return {}
     from attnserve.attention.kernels.decode import DecodeConfig
     from attnserve.attention.kernels.extend import ExtendConfig
+    from attnserve.attention.kernels.mla_decode import MLADecodeConfig
+    from attnserve.attention.kernels.mla_extend import MLAExtendConfig
 
     opts = json.loads(text)
-    if "decode_config" in opts:
-        opts["decode_config"] = DecodeConfig(**opts["decode_config"])
-    if "extend_config" in opts:
-        opts["extend_config"] = ExtendConfig(**opts["extend_config"])
+    for key, cls in (("decode_config", DecodeConfig), ("extend_config", ExtendConfig),
+                     ("mla_decode_config", MLADecodeConfig), ("mla_extend_config", MLAExtendConfig)):
+        if key in opts:
+            opts[key] = cls(**opts[key])
     return opts
 
 
@@ -158,7 +168,7 @@ def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: 
         recs = [records[(w.name, n)] for n in names if (w.name, n) in records]
         if check:
             _check_outputs(rb, recs, outputs[w.name])
-        _add_ratios(recs, w.kind)
+        _add_ratios(recs, "mla" if w.mla is not None else w.kind)
         ordered += recs
     return ordered
 
@@ -166,7 +176,8 @@ def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: 
 def _add_ratios(records: list[dict], kind: str) -> None:
     peer = next((r for r in records if r["backend"] == PEER_FOR_RATIO[kind] and "us" in r), None)
     if peer is None and kind != "decode":
-        peer = next((r for r in records if r["backend"] == "flashinfer-fa2" and "us" in r), None)
+        fallback = "flashinfer-mla-fa2" if kind == "mla" else "flashinfer-fa2"
+        peer = next((r for r in records if r["backend"] == fallback and "us" in r), None)
     if peer is None:
         return
     for r in records:
@@ -231,19 +242,28 @@ def write_chart(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _gpu_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+
+
 def run_bench(args) -> dict:
     from attnserve.bench.timing import copy_bandwidth_tbps, matmul_tflops
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if getattr(args, "baseline", None) is not None:  # another GPU's baseline is refused before spending GPU time
+        from attnserve.bench.baseline import check_comparable, load_run
+
+        check_comparable({"gpu": _gpu_name(device), "records": []}, load_run(args.baseline), str(args.baseline))
+
     if device == "cpu" and not args.tiny:
         raise ValueError("bench kernels needs a CUDA GPU (use --tiny for a CPU smoke run under TRITON_INTERPRET=1)")
-    workloads = select(args.workloads, TINY_WORKLOADS if args.tiny else WORKLOADS)
+    workloads = select(args.workloads, TINY_WORKLOADS if args.tiny else WORKLOADS + MLA_WORKLOADS)
     ceilings = {}
     if device == "cuda":
         ceilings = {"copy_tbps": round(copy_bandwidth_tbps(), 3), "matmul_tflops": round(matmul_tflops(), 1)}
         print(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
     options = triton_options(args.triton_options)
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    gpu = _gpu_name(device)
     partial = args.json.with_suffix(".partial.json")
 
     def progress(done):  # a run cut short still leaves what it measured
@@ -260,7 +280,8 @@ def run_bench(args) -> dict:
         "gpu": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "versions": _versions(),
-        "shapes": {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"},
+        "shapes": {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16",
+                   "mla": "kv_lora_rank 512 + rope 64, heads as named, softmax scale 192^-1/2"},
         "ceilings": ceilings,
         "triton_options": json.loads(args.triton_options) if args.triton_options else {},
         "records": records,
@@ -276,4 +297,8 @@ def run(args) -> int:
     write_chart(result, png)
     print("\n".join(summary_lines(result["records"])))
     print(f"wrote {args.json} and {png}")
+    if args.baseline is not None:
+        from attnserve.bench.baseline import load_run, report
+
+        return report(result, load_run(args.baseline), str(args.baseline), args.regression_threshold)
     return 0

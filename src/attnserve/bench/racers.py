@@ -16,7 +16,7 @@ import torch
 from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.layer import AttentionLayer
 from attnserve.bench.workloads import Workload
-from attnserve.kvcache.pool import MHAKVPool
+from attnserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
 
 
 @dataclass
@@ -24,10 +24,10 @@ class RaceBatch:
     workload: Workload
     fb: ForwardBatch
     layer: AttentionLayer
-    pool: MHAKVPool
+    pool: KVPool
     q: torch.Tensor  # [T, Hq, D]
-    k: torch.Tensor  # [T, Hkv, D] this step's keys (also in the pool)
-    v: torch.Tensor  # [T, Hkv, D]
+    k: torch.Tensor  # [T, Hkv, D] this step's keys (also in the pool); MLA: the latent rows [T, 1, rank + rope]
+    v: torch.Tensor | None  # [T, Hkv, D]; None for MLA
     keep: list = field(default_factory=list)  # objects a callable needs alive (wrappers, workspaces)
 
 
@@ -38,21 +38,32 @@ def build_race_batch(w: Workload, num_heads: int = 32, num_kv_heads: int = 8, he
     ps = w.page_size
     pages_per_req = -(-w.seq_len // ps)
     num_pages = w.batch * pages_per_req + 1  # page 0 stays the padding page
-    pool = MHAKVPool(num_pages, ps, 1, num_kv_heads, head_dim, dtype=dtype, device=device)
-    pool.k_buffer[0].normal_(generator=gen)
-    pool.v_buffer[0].normal_(generator=gen)
+    if w.mla is not None:
+        pool = MLAKVPool(num_pages, ps, 1, w.mla.kv_lora_rank, w.mla.rope_dim, dtype=dtype, device=device)
+        pool.kv_buffer[0].normal_(generator=gen)
+        num_heads, num_kv_heads, head_dim = w.mla.num_heads, 1, w.mla.width
+    else:
+        pool = MHAKVPool(num_pages, ps, 1, num_kv_heads, head_dim, dtype=dtype, device=device)
+        pool.k_buffer[0].normal_(generator=gen)
+        pool.v_buffer[0].normal_(generator=gen)
     pages = (torch.randperm(num_pages - 1, generator=gen, device=device) + 1).view(w.batch, pages_per_req)
     slots = pages[:, :, None] * ps + torch.arange(ps, device=device)  # [B, pages, ps]
     req_to_token = slots.reshape(w.batch, -1)[:, : w.seq_len].to(torch.int32).contiguous()  # [B, seq]
     mode = ForwardMode.DECODE if w.kind == "decode" else ForwardMode.EXTEND
     fb = ForwardBatch.from_lengths(mode, list(range(w.batch)), [w.prefix] * w.batch, [w.new_tokens] * w.batch,
                                    req_to_token, pool)
-    layer = AttentionLayer(0, num_heads, num_kv_heads, head_dim).to(device)
     t = fb.num_tokens
     q = torch.randn(t, num_heads, head_dim, generator=gen, device=device, dtype=dtype)  # [T, Hq, D]
     k = torch.randn(t, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)  # [T, Hkv, D]
-    v = torch.randn(t, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)  # [T, Hkv, D]
-    pool.store(0, fb.out_cache_loc, k, v)
+    if w.mla is not None:
+        layer = AttentionLayer(0, num_heads, 1, head_dim, scaling=w.mla.qk_head_dim**-0.5,
+                               v_head_dim=w.mla.kv_lora_rank, is_mla=True).to(device)
+        v = None
+        pool.store(0, fb.out_cache_loc, k)
+    else:
+        layer = AttentionLayer(0, num_heads, num_kv_heads, head_dim).to(device)
+        v = torch.randn(t, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)  # [T, Hkv, D]
+        pool.store(0, fb.out_cache_loc, k, v)
     return RaceBatch(w, fb, layer, pool, q, k, v)
 
 
@@ -120,6 +131,25 @@ def flashinfer_prefill_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.T
     return lambda: wrapper.run(rb.q, cache)
 
 
+def flashinfer_mla_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.Tensor]:
+    """BatchMLAPagedAttentionWrapper over the latent pool (ckv / kpe are views of its rows)."""
+    import flashinfer
+
+    from attnserve.attention.metadata import metadata_for_batch
+
+    m = metadata_for_batch(rb.fb)
+    p, lay = rb.pool, rb.layer
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(rb), backend=kernel)
+    wrapper.plan(m.qo_indptr, m.kv_indptr, m.kv_indices, rb.fb.seq_lens.to(torch.int32), lay.num_heads,
+                 p.kv_lora_rank, p.qk_rope_head_dim, m.page_size, rb.workload.kind != "decode", lay.scaling,
+                 rb.q.dtype, p.dtype)
+    rb.keep.append(wrapper)
+    rows = p.kv_buffer[0].view(p.num_pages, p.page_size, p.head_dim)
+    ckv, kpe = rows[..., : p.kv_lora_rank], rows[..., p.kv_lora_rank :]
+    q_nope, q_pe = rb.q[..., : p.kv_lora_rank], rb.q[..., p.kv_lora_rank :]
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
+
+
 # ---- torch SDPA (fresh prompts of equal length only) ----------------------------------------------
 def sdpa_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.Tensor]:
     """`kernel` is "cudnn" or "flash". Layout changes and GQA expansion happen before timing."""
@@ -150,7 +180,10 @@ def racers_for(rb: RaceBatch, wanted: list[str] | None, triton_options: dict | N
     """Name -> factory for every contestant that applies to this workload (built lazily by the caller)."""
     w = rb.workload
     field_: dict[str, Callable] = {"triton": lambda: attnserve_racer("triton", rb, **(triton_options or {}))}
-    if w.kind == "decode":
+    if w.mla is not None:
+        field_["flashinfer-mla-fa3"] = lambda: flashinfer_mla_racer(rb, "fa3")
+        field_["flashinfer-mla-fa2"] = lambda: flashinfer_mla_racer(rb, "fa2")
+    elif w.kind == "decode":
         field_["flashinfer"] = lambda: flashinfer_decode_racer(rb, tensor_cores=True)
         field_["flashinfer-cuda-cores"] = lambda: flashinfer_decode_racer(rb, tensor_cores=False)
     else:

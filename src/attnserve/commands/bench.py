@@ -7,6 +7,8 @@ import importlib
 # sub-command -> (module with add_arguments(parser) and run(args), one-line help)
 BENCHES = {
     "kernels": ("attnserve.bench.kernels", "race the attention backends on fixed decode/prefill workloads"),
+    "compare": ("attnserve.bench.baseline",
+                "compare two stored runs (bench kernels or tune JSON); exit 3 if the first is slower"),
 }
 
 

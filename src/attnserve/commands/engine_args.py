@@ -21,6 +21,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention backend for prefill only (same names)")
     p.add_argument("--decode-attention-backend", default=None, metavar="NAME",
                    help="attention backend for decode only (same names)")
+    p.add_argument("--no-tuned", action="store_true",
+                   help="ignore `attnserve tune` results when choosing the backend (by default a current result "
+                   "for this machine and model shape puts its measured winner first)")
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda[:N] or mps")
     p.add_argument("--dtype", default="auto",
                    help="model dtype: auto (fp32 on cpu, else the checkpoint's, bf16 if unstated), bf16, fp16, fp32")
@@ -44,6 +47,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="schedule each step only after the previous step's tokens reach the host "
                    "(default: the host schedules and plans step n+1 while the device runs step n)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a graph")
+    p.add_argument("--disable-fused-ops", action="store_true",
+                   help="run the unfused torch ops (RMSNorm, SiLU x up, RoPE, K/V store) on the GPU too")
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
@@ -61,5 +66,5 @@ def engine_settings(args: argparse.Namespace) -> dict:
         disable_radix_cache=args.disable_radix_cache,
         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap_schedule=args.disable_overlap_schedule,
-        random_weights=args.random_weights,
+        disable_fused_ops=args.disable_fused_ops, random_weights=args.random_weights, no_tuned=args.no_tuned,
     )

@@ -65,6 +65,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="which side runs speculative verify steps (default: prefill)")
     b.add_argument("--sglang", action="store_true",
                    help="answer as SGLang would: backends attnserve does not implement count too")
+    b.add_argument("--no-tuned", action="store_true",
+                   help="ignore `attnserve tune` results (by default a current one for this machine and model "
+                   "shape puts its measured winner first)")
     p.add_argument("--json", action="store_true",
                    help='print {"prefill_backend", "decode_backend", "trace", ...} as JSON')
     return p
@@ -147,6 +150,7 @@ def run(args) -> int:
         decode_backend=args.decode_attention_backend,
         sglang=args.sglang,
         speculative_attention_mode=args.speculative_attention_mode,
+        use_tuned=not args.no_tuned,
     )
     if args.json:
         json.dump(selection.to_dict(), sys.stdout, indent=2)

@@ -14,6 +14,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: the selection policy decides
     prefill_attention_backend: str | None = None
     decode_attention_backend: str | None = None
+    no_tuned: bool = False  # True: ignore `attnserve tune` results when choosing the backend
     page_size: int | None = None  # None: 1, or what the chosen backend needs
     max_running_requests: int = 64
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from memory
@@ -23,6 +24,7 @@ class EngineConfig:
     max_prefill_tokens: int = 16384
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
+    disable_fused_ops: bool = False  # True: unfused torch ops on the GPU too (to compare outputs and speed)
     cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 128)
     disable_overlap_schedule: bool = False  # True: schedule step n+1 only after step n's tokens are read
     random_weights: bool = False  # with a preset/config: random weights of the real shape (benchmarks)

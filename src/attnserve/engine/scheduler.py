@@ -238,8 +238,19 @@ class Scheduler:
             max_ctx = self.req_pool.max_context_len
             decoding = [r for r in self.running if r.num_uncomputed == 1 and r.num_generated
                         and not r.pending_token_ends_it(max_ctx)]
-            need = sum(self._pages_for(r, 1) for r in decoding)
-            if (need == 0 or self._ensure_free(need)) and all(self._grow(r, 1) for r in decoding):
+            needs = [self._pages_for(r, 1) for r in decoding]  # 0 or 1 each
+            need = sum(needs)
+            if need == 0:
+                return decoding
+            if self._ensure_free(need):
+                # one allocation for the whole batch; reversed so each request gets the page a
+                # per-request alloc(1) would have given it
+                pages = self.allocator.alloc(need)[::-1]
+                taken = 0
+                for r, n in zip(decoding, needs):
+                    if n:
+                        r.pages.extend(pages[taken : taken + n])
+                        taken += n
                 return decoding
             self.preempt(max(self.running, key=lambda r: r.admit_order))
 
@@ -312,17 +323,24 @@ class Scheduler:
                 # share the prompt with requests arriving while this one decodes
                 self.tree.insert(r.prompt_ids, r.pages)
 
+    def _remove_running(self, req: Request) -> bool:
+        """Drop `req` from `running` by identity (never field-by-field equality); False if absent."""
+        for i, r in enumerate(self.running):
+            if r is req:
+                del self.running[i]
+                return True
+        return False
+
     def finish(self, req: Request, reason: FinishReason, matched=None) -> None:
         req.finish(reason, matched)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:  # preempted while its last token was in flight, and that token ended it
-            self.waiting.remove(req)
+        if not self._remove_running(req) and req in self.waiting:
+            self.waiting.remove(req)  # preempted while its last token was in flight, and that token ended it
         self._release(req, cache=True)
         self.counters.finished += 1
 
     def preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        if not self._remove_running(req):
+            raise ValueError(f"request {req.rid!r} is not running, so it cannot be preempted")
         self._release(req, cache=True)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -331,15 +349,15 @@ class Scheduler:
 
     def abort(self, rid) -> Request | None:
         """Stop a request wherever it is and free what it holds. Returns it, or None if unknown."""
-        for r in list(self.waiting):
+        for i, r in enumerate(self.waiting):
             if r.rid == rid:
-                self.waiting.remove(r)
+                del self.waiting[i]
                 r.finish(FinishReason.ABORT)
                 self.counters.aborted += 1
                 return r
-        for r in list(self.running):
+        for i, r in enumerate(self.running):
             if r.rid == rid:
-                self.running.remove(r)
+                del self.running[i]
                 self._release(r, cache=False)
                 r.finish(FinishReason.ABORT)
                 self.counters.aborted += 1

@@ -26,9 +26,9 @@ from attnserve.attention.base import ForwardBatch
 from attnserve.attention.layer import AttentionLayer
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
-from attnserve.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from attnserve.models.layers import GatedMLP, Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding
 from attnserve.models.moe import MoE
-from attnserve.models.rope import yarn_mscale
+from attnserve.models.rope import RopeStep, yarn_mscale
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
 
 
@@ -79,7 +79,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, rope: RopeStep) -> torch.Tensor:
         tokens = hidden.shape[0]
         if self.q_low_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
@@ -89,8 +89,11 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, rank]
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.view(tokens, 1, self.rope_dim), cos_sin)
+        # the latent row is [latent, k_pe]: RoPE stays unfused here and the layer stores the row
+        q_pe, k_pe = rope.rotate(q_pe, k_pe.view(tokens, 1, self.rope_dim))
         w_uk, w_uv = self._up_projections()
+        if getattr(fb.attn_backend, "mla_expanded_applies", lambda _: False)(fb):
+            return self._forward_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, fb)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         q_full = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
         kv_row = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, rank + rope]: what the pool stores
@@ -100,17 +103,28 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))
 
 
-class DeepseekDecoderLayer(nn.Module):
+    def _forward_expanded(self, q_nope, q_pe, latent, k_pe, w_uk, w_uv, fb: ForwardBatch) -> torch.Tensor:
+        """Fresh prompts, where the backend offers it: the latent expanded to per-head keys (nope + rope) and
+        values, so attention is 192 / 128 wide instead of 576 / 512 (DeepSeek's widths). The pool still
+        gets the latent row, which later steps read in the absorbed form."""
+        tokens = latent.shape[0]
+        backend = fb.attn_backend
+        backend.store_kv(self.attn, fb, torch.cat((latent[:, None, :], k_pe), dim=-1), None)
+        k_nope = torch.einsum("tr,hnr->thn", latent, w_uk)  # [T, H, nope]
+        v = torch.einsum("tr,hvr->thv", latent, w_uv)  # [T, H, v]
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
+        k = torch.cat((k_nope, k_pe.expand(tokens, self.num_heads, self.rope_dim)), dim=-1)  # [T, H, nope + rope]
+        o = backend.forward_mla_expanded(q, k, v, self.attn, fb)  # [T, H, v]
+        return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))
+
+
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer_id, rotary)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_id) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb, cos_sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

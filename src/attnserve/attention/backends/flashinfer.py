@@ -20,6 +20,8 @@ of metadata.py is handed over as it is.
   indptr and last-page lengths on the host, so they are built there from the
   batch's host lengths (a device copy would cost a sync per step); page ids stay
   on the device.
+- MLA pools (DeepSeek): BatchMLAPagedAttentionWrapper for decode and extend, in
+  flashinfer_mla.py; the rest of this module serves MHA/GQA pools.
 - CUDA graphs (decode): one wrapper per captured batch size over fixed-address
   metadata buffers, as FlashInfer fixes the batch size of a graph-mode wrapper.
   The page-id buffer holds max_bs full rows of req_to_token: a batch can list more
@@ -30,11 +32,11 @@ flashinfer is imported only when a backend object is built.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from attnserve.attention.backends.flashinfer_csr import HostCSR, graph_step_metadata, host_csr
 from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch
 from attnserve.attention.metadata import (
     MetadataBuffers,
@@ -42,30 +44,6 @@ from attnserve.attention.metadata import (
     build_paged_metadata,
     metadata_for_batch,
 )
-
-
-@dataclass(frozen=True)
-class HostCSR:
-    """The small CSR arrays on the host, as FlashInfer's plan() reads them there."""
-
-    qo_indptr: torch.Tensor  # [B+1] int32, CPU
-    kv_indptr: torch.Tensor  # [B+1] int32, CPU
-    kv_last_page_len: torch.Tensor  # [B] int32, CPU
-
-
-def host_csr(seq_lens: list[int], extend_lens: list[int], page_size: int) -> HostCSR:
-    """The values metadata.build_paged_metadata computes on the device, from host lengths."""
-    pages = [(s + page_size - 1) // page_size for s in seq_lens]
-    qo, kv = [0], [0]
-    for e, n in zip(extend_lens, pages):
-        qo.append(qo[-1] + e)
-        kv.append(kv[-1] + n)
-    last = [max(s - (n - 1) * page_size, 0) for s, n in zip(seq_lens, pages)]
-
-    def t(values):
-        return torch.tensor(values, dtype=torch.int32)
-
-    return HostCSR(t(qo), t(kv), t(last))
 
 
 @dataclass(frozen=True)
@@ -91,7 +69,7 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     features = BackendFeatures(
         kv_dtypes=frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}),
-        attention_types=frozenset({"MHA", "GQA"}),
+        attention_types=frozenset({"MHA", "GQA", "MLA"}),
         head_dims=(64, 128, 256),
         sliding_window=True,
         logit_softcap=True,
@@ -113,6 +91,7 @@ class FlashInferBackend(AttentionBackend):
         prefill_kernel: str = "auto",
         prefill_path: str = "paged",
         q_dtype: torch.dtype | None = None,
+        mla_kernel: str = "auto",
         **options,
     ):
         """
@@ -120,19 +99,27 @@ class FlashInferBackend(AttentionBackend):
         prefill_path: "paged" (one paged causal pass) or "ragged" (new tokens ragged + prefix paged,
             merged by LSE; falls back to paged for sliding windows and custom masks).
         q_dtype: dtype of queries and outputs (default: the pool's, or bf16 for an FP8 pool).
+        mla_kernel: for MLA pools, BatchMLAPagedAttentionWrapper's kernel: "auto" (fa3 on Hopper), "fa2", "fa3".
         """
         super().__init__(pool, **options)
         if prefill_kernel not in ("auto", "fa2", "fa3"):
             raise ValueError(f"prefill_kernel must be auto, fa2 or fa3, got {prefill_kernel!r}")
         if prefill_path not in ("paged", "ragged"):
             raise ValueError(f"prefill_path must be paged or ragged, got {prefill_path!r}")
-        if getattr(pool, "is_mla", False):
-            raise ValueError("the flashinfer backend serves MHA/GQA pools; MLA is not wrapped here")
         from attnserve._lazy import require
 
         self._fi = require("flashinfer", "the flashinfer attention backend")
         device = pool.device
         self.workspace = torch.zeros(workspace_mb << 20, dtype=torch.uint8, device=device)  # [bytes]
+        self._mla = None
+        if pool.is_mla:  # the latent pool has its own wrapper; the MHA machinery below stays unused
+            from attnserve.attention.backends.flashinfer_mla import FlashInferMLA
+
+            self._mla = FlashInferMLA(self._fi, pool, self.workspace, q_dtype or (torch.bfloat16 if pool.is_fp8
+                                                                                  else pool.dtype), mla_kernel)
+            self.q_dtype = self._mla.q_dtype
+            self.prefill_kernel, self.prefill_kernel_reason = self._mla.kernel, self._mla.kernel_reason
+            return
         self.use_tensor_cores = use_tensor_cores
         self.prefill_path = prefill_path
         self.q_dtype = q_dtype or (torch.bfloat16 if pool.is_fp8 else pool.dtype)
@@ -164,6 +151,9 @@ class FlashInferBackend(AttentionBackend):
     # ---- per step -------------------------------------------------------------------------------
     def plan(self, fb: ForwardBatch) -> None:
         """CSR metadata once per step; FlashInfer plans follow per layer signature (host side)."""
+        if self._mla is not None:
+            self._mla.plan(fb)
+            return
         self._fb = fb
         self._meta: PagedKVMetadata = metadata_for_batch(fb)
         self._host = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
@@ -208,6 +198,8 @@ class FlashInferBackend(AttentionBackend):
         )
 
     def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
+        if self._mla is not None:
+            return self._mla.forward(q, layer, fb)
         sig = _Signature.of(layer)
         self._remember(sig)
         if self._graph_bs is not None:
@@ -232,6 +224,8 @@ class FlashInferBackend(AttentionBackend):
         return table[key]
 
     def forward_extend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+        if self._mla is not None:
+            return self._mla.forward(q, layer, fb)
         sig = _Signature.of(layer)
         self._remember(sig)
         use_ragged = (self.prefill_path == "ragged" and k is not None and v is not None
@@ -291,35 +285,18 @@ class FlashInferBackend(AttentionBackend):
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
         """Index buffers now; the page-id buffer is sized at the first capture, from req_to_token's width."""
         self.graph_max_bs = max_bs
+        if self._mla is not None:
+            self._mla.init_graph_buffers(max_bs)
+            return
         self._graph_buffers = MetadataBuffers.allocate(max_bs, 0, self.pool.device)
 
-    def _size_page_buffer(self, fb: ForwardBatch) -> None:
-        """max_bs rows of at most ceil(width / page_size) pages each: every batch fits, however pages are shared."""
-        bufs = self._graph_buffers
-        needed = self.graph_max_bs * math.ceil(fb.req_to_token.shape[1] / self.pool.page_size)
-        if bufs.kv_indices.numel() >= needed:
-            return
-        if self._graph_wrappers:  # captured wrappers and graphs hold the old buffer's address
-            raise ValueError(f"req_to_token width {fb.req_to_token.shape[1]} needs {needed} page slots, more than "
-                             f"the {bufs.kv_indices.numel()} sized at the first capture")
-        bufs.kv_indices = torch.zeros(needed, dtype=torch.int32, device=self.pool.device)  # [max_bs * max_pages]
-
     def _plan_graph(self, fb: ForwardBatch) -> None:
-        if not fb.mode.is_decode:
-            raise ValueError(f"the flashinfer backend captures decode only, got {fb.mode.value}")
-        if self._graph_buffers is None:
-            raise ValueError("call init_graph_buffers(max_bs, max_tokens) before capturing")
-        if not self._signatures:
-            raise ValueError("run one eager step before capture so the layer signatures are known")
+        if self._mla is not None:
+            self._mla.plan_graph(fb)
+            return
         bs = fb.batch_size
-        if bs > self.graph_max_bs:
-            raise ValueError(f"batch {bs} exceeds the captured maximum {self.graph_max_bs}")
-        self._size_page_buffer(fb)
-        # page ids are written into the fixed buffer here; each wrapper's plan() then copies the host
-        # indptr / last-page lengths into its views of the other buffers
-        meta = build_paged_metadata(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
-                                    self.pool.page_size, buffers=self._graph_buffers,
-                                    seq_lens_cpu=fb.seq_lens_cpu)
+        meta = graph_step_metadata(fb, self._graph_buffers, self.graph_max_bs, self.pool, bool(self._signatures),
+                                   captured=bool(self._graph_wrappers))
         host = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
         self._fb, self._meta, self._host = fb, meta, host
         self._prefix_meta = self._prefix_host = None

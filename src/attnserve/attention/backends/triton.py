@@ -2,9 +2,11 @@
 
 Decode is Flash-Decoding (split-KV + log-sum-exp merge, GQA groups on tensor cores);
 extend/prefill is a FlashAttention-2 style kernel that reads the cached prefix and the
-new tokens through the page table. plan() builds the CSR metadata, the per-request split
-counts and the extend tile list once per step, from host-side lengths, so nothing here
-synchronises with the device per layer.
+new tokens through the page table. MLA pools (DeepSeek) run the absorbed MLA kernels of
+kernels/mla_decode.py and kernels/mla_extend.py over the latent rows with the same plans,
+and fresh prompts may run expanded (forward_mla_expanded). plan() builds the CSR metadata,
+the per-request split counts and the extend tile list once per step, from host-side
+lengths, so nothing here synchronises with the device per layer.
 
 CUDA graphs: init_graph_buffers() allocates fixed metadata buffers; plan_for_capture()
 fixes each captured batch size's split dimension (enough splits for one request to fill
@@ -41,6 +43,7 @@ class _DecodePlan:
     max_splits: int  # the grid's split dimension
     write_final: bool  # one split everywhere: stage 1 writes the output itself
     graph_bs: int = 0  # > 0 when these tensors are the fixed graph buffers
+    seq_lens_cpu: list[int] | None = None  # host lengths, to re-plan splits when MLA's head groups are learnt
 
 
 @dataclass
@@ -52,6 +55,7 @@ class _ExtendPlan:
     tiles: dict  # positions per tile -> kernels.extend.ExtendTiles (built at the first layer needing it)
     custom_mask: torch.Tensor | None  # flattened per-request [ext, seq] masks, uint8
     mask_indptr: torch.Tensor | None  # [B] int64 offsets into custom_mask
+    expanded: object = None  # kernels.mla_extend.ExpandedPrefillPlan, built at the first expanded MLA layer
 
 
 @dataclass
@@ -69,7 +73,7 @@ class TritonBackend(AttentionBackend):
     features = BackendFeatures(
         page_sizes=None,
         kv_dtypes=frozenset({"bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"}),
-        attention_types=frozenset({"MHA", "GQA"}),
+        attention_types=frozenset({"MHA", "GQA", "MLA"}),
         head_dims=(32, 64, 80, 96, 112, 128, 160, 192, 256),
         asymmetric_kv=True,
         sliding_window=True,
@@ -86,24 +90,28 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, **options):
         """Options: num_sms, split_waves, min_split_tokens, max_kv_splits (the decode split policy),
-        decode_config (kernels.decode.DecodeConfig), extend_config (kernels.extend.ExtendConfig)."""
+        decode_config (kernels.decode.DecodeConfig), extend_config (kernels.extend.ExtendConfig),
+        mla_decode_config (kernels.mla_decode.MLADecodeConfig), mla_extend_config (kernels.mla_extend.MLAExtendConfig).
+        """
         super().__init__(pool, **options)
         require("triton", "the triton attention backend")
         from attnserve.attention.kernels.common import interpreting
         from attnserve.attention.kernels.split_plan import SplitPolicy
 
-        if pool.is_mla:
-            raise ValueError("the triton backend has no MLA kernels; use torch_native or flashinfer for MLA models")
         if pool.device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"the triton backend runs on CUDA devices, the pool is on {pool.device} "
                 "(TRITON_INTERPRET=1 runs it on the CPU for tests)"
             )
-        max_dim = max(pool.head_dim, pool.v_head_dim)
-        if max_dim > 256:
-            raise ValueError(f"head_dim {max_dim} unsupported by the triton backend (at most 256)")
+        if pool.is_mla:
+            rank = pool.kv_lora_rank
+            if rank < 16 or rank & (rank - 1):
+                raise ValueError(f"kv_lora_rank {rank} unsupported by the triton MLA kernels (a power of two >= 16)")
+        elif max(pool.head_dim, pool.v_head_dim) > 256:
+            raise ValueError(f"head_dim {max(pool.head_dim, pool.v_head_dim)} unsupported by the triton backend "
+                             "(at most 256)")
         unknown = set(options) - {"num_sms", "split_waves", "min_split_tokens", "max_kv_splits",
-                                  "decode_config", "extend_config"}
+                                  "decode_config", "extend_config", "mla_decode_config", "mla_extend_config"}
         if unknown:
             raise ValueError(f"unknown triton backend options {sorted(unknown)}")
         num_sms = options.get("num_sms")
@@ -117,6 +125,11 @@ class TritonBackend(AttentionBackend):
         )
         self.decode_config = options.get("decode_config")
         self.extend_config = options.get("extend_config")
+        self.mla_decode_config = options.get("mla_decode_config")
+        self.mla_extend_config = options.get("mla_extend_config")
+        # programs per (request, split) in MLA decode: head groups of the model's layers, learnt at the first
+        # MLA layer (the pool does not know the query heads); the split plan sizes the grid with it
+        self._mla_head_groups = 1
         self._decode: _DecodePlan | None = None
         self._extend: _ExtendPlan | None = None
         self._graph: _GraphState | None = None
@@ -125,8 +138,12 @@ class TritonBackend(AttentionBackend):
     def _extend_tiles(self, plan: _ExtendPlan, group: int):
         """The step's tile list for this layer's GQA group (layers of one model share it)."""
         from attnserve.attention.kernels.extend import build_extend_tiles, default_extend_config
+        from attnserve.attention.kernels.mla_extend import default_mla_extend_config
 
-        cfg = self.extend_config or default_extend_config(self.pool.head_dim, self.pool.device)
+        if self.pool.is_mla:
+            cfg = self.mla_extend_config or default_mla_extend_config(self.pool.device)
+        else:
+            cfg = self.extend_config or default_extend_config(self.pool.head_dim, self.pool.device)
         positions = cfg.positions_per_tile(group)
         if positions not in plan.tiles:
             plan.tiles[positions] = build_extend_tiles(plan.prefix_lens, plan.extend_lens, positions, self.pool.device)
@@ -148,10 +165,15 @@ class TritonBackend(AttentionBackend):
                      max_splits: int | None = None) -> _DecodePlan:
         from attnserve.attention.kernels.split_plan import plan_kv_splits
 
-        splits = plan_kv_splits(seq_lens_cpu, self.pool.num_kv_heads, self.split_policy, max_splits)
+        splits = plan_kv_splits(seq_lens_cpu, self._programs_per_split(), self.split_policy, max_splits)
         grid_splits = max(splits)
         num_splits = to_device(splits, self.pool.device, torch.int32)  # [B]
-        return _DecodePlan(meta, seq_lens, num_splits, grid_splits, write_final=grid_splits == 1)
+        return _DecodePlan(meta, seq_lens, num_splits, grid_splits, write_final=grid_splits == 1,
+                           seq_lens_cpu=list(seq_lens_cpu))
+
+    def _programs_per_split(self) -> int:
+        """What the split plan counts per (request, split): KV heads, or MLA's head groups."""
+        return self._mla_head_groups if self.pool.is_mla else self.pool.num_kv_heads
 
     def _plan_extend(self, fb: ForwardBatch, meta: PagedKVMetadata, seq_lens: torch.Tensor) -> _ExtendPlan:
         mask = mask_indptr = None
@@ -170,13 +192,17 @@ class TritonBackend(AttentionBackend):
         from attnserve.attention.kernels.store import store_kv
 
         lid = layer.layer_id
+        if self.pool.is_mla:  # one latent row per token; V is a view of it
+            store_kv(self.pool.get_key_buffer(lid), None, fb.out_cache_loc, k, None, self.pool.k_scale[lid])
+            return
         store_kv(self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), fb.out_cache_loc, k, v,
                  self.pool.k_scale[lid], self.pool.v_scale[lid])
 
     # ---- forward ---------------------------------------------------------------------------------
     def _check_layer(self, q: torch.Tensor, layer: AttentionLayer) -> None:
-        if layer.is_mla:
-            raise ValueError("the triton backend has no MLA kernels")
+        if layer.is_mla != self.pool.is_mla:
+            raise ValueError(f"layer {layer.layer_id} is {'MLA' if layer.is_mla else 'MHA'} but the pool is "
+                             f"{'MLA' if self.pool.is_mla else 'MHA'}")
         if q.dim() != 3 or q.shape[1] != layer.num_heads or q.shape[2] != layer.head_dim:
             raise ValueError(f"q shape {tuple(q.shape)} does not match [tokens, {layer.num_heads}, {layer.head_dim}]")
 
@@ -190,6 +216,15 @@ class TritonBackend(AttentionBackend):
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)  # [T, Hq, Dv]
         lid = layer.layer_id
+        if self.pool.is_mla:
+            from attnserve.attention.kernels.mla_extend import mla_extend_attention
+
+            return mla_extend_attention(
+                q, self.pool.get_key_buffer(lid), out, self._extend_tiles(plan, layer.gqa_group),
+                plan.meta.qo_indptr, plan.meta.kv_indptr, plan.meta.kv_indices, plan.seq_lens, self.pool.page_size,
+                layer.scaling, self.pool.kv_lora_rank, self.pool.k_scale[lid], plan.custom_mask, plan.mask_indptr,
+                config=self.mla_extend_config,
+            )
         return extend_attention(
             q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
             self._extend_tiles(plan, layer.gqa_group),
@@ -197,6 +232,28 @@ class TritonBackend(AttentionBackend):
             layer.scaling, self.pool.k_scale[lid], self.pool.v_scale[lid], layer.sliding_window, layer.logit_cap,
             layer.sinks, plan.custom_mask, plan.mask_indptr, config=self.extend_config,
         )
+
+    def mla_expanded_applies(self, fb: ForwardBatch) -> bool:
+        """Whether this step may run expanded MLA: an MLA pool and fresh prompts only (no cached prefix, no mask)."""
+        plan = self._extend
+        return (self.pool.is_mla and plan is not None and plan.custom_mask is None
+                and not any(plan.prefix_lens))
+
+    def forward_mla_expanded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+                             fb: ForwardBatch) -> torch.Tensor:
+        """Fresh prompts of an MLA model over their latent expanded per head: 3.4x fewer FLOPs than absorbed.
+
+        q, k `[T, H, nope + rope]`, v `[T, H, v_head_dim]` (narrower than k) -> `[T, H, v_head_dim]`. The latent
+        rows still go to the pool (store_kv) for the decode steps that follow.
+        """
+        from attnserve.attention.kernels.mla_extend import mla_expanded_prefill, plan_expanded_prefill
+
+        if not self.mla_expanded_applies(fb):
+            raise ValueError("expanded MLA runs fresh prompts of an MLA model only (no cached prefix, no custom mask)")
+        plan = self._extend
+        if plan.expanded is None:
+            plan.expanded = plan_expanded_prefill(plan.extend_lens, q.shape[-1], self.pool.device)
+        return mla_expanded_prefill(q, k, v, plan.expanded, layer.scaling)
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
         from attnserve.attention.kernels.decode import decode_attention
@@ -210,10 +267,21 @@ class TritonBackend(AttentionBackend):
         q = q if q.stride(-1) == 1 else q.contiguous()
         bs = q.shape[0]
         out = q.new_empty(bs, layer.num_heads, layer.v_head_dim)  # [B, Hq, Dv]
+        if self.pool.is_mla:
+            plan = self._learn_mla_head_groups(plan, layer.num_heads)
         partials = None
         if plan.graph_bs and not plan.write_final:
             partials = self._graph_partials(layer.num_heads, layer.v_head_dim, plan.graph_bs, plan.max_splits)
         lid = layer.layer_id
+        if self.pool.is_mla:
+            from attnserve.attention.kernels.mla_decode import mla_decode_attention
+
+            return mla_decode_attention(
+                q, self.pool.get_key_buffer(lid), out, plan.meta.kv_indptr, plan.meta.kv_indices, plan.seq_lens,
+                plan.num_splits, plan.max_splits, self.pool.page_size, layer.scaling, self.pool.kv_lora_rank,
+                self.pool.k_scale[lid], partials=partials, write_final=plan.write_final,
+                config=self.mla_decode_config,
+            )
         return decode_attention(
             q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
             plan.meta.kv_indptr, plan.meta.kv_indices, plan.seq_lens, plan.num_splits, plan.max_splits,
@@ -221,6 +289,23 @@ class TritonBackend(AttentionBackend):
             layer.sliding_window, layer.logit_cap, layer.sinks, partials=partials,
             write_final=plan.write_final, config=self.decode_config,
         )
+
+    def _learn_mla_head_groups(self, plan: _DecodePlan, num_heads: int) -> _DecodePlan:
+        """The first MLA layer tells how many head groups each split runs; an eager plan is re-made for it.
+
+        A graph plan keeps its splits (any count up to the captured grid is correct); later plans use it.
+        """
+        from attnserve.attention.kernels.mla_decode import default_mla_decode_config, head_groups
+
+        cfg = self.mla_decode_config or default_mla_decode_config(self.pool.device)
+        groups = head_groups(num_heads, cfg)
+        if groups == self._mla_head_groups:
+            return plan
+        self._mla_head_groups = groups
+        if plan.graph_bs or plan.seq_lens_cpu is None:
+            return plan
+        self._decode = self._plan_decode(plan.seq_lens_cpu, plan.meta, plan.seq_lens)
+        return self._decode
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
@@ -255,13 +340,13 @@ class TritonBackend(AttentionBackend):
                 raise ValueError("plan_for_replay() before any plan_for_capture()")
             g.buffers.kv_indices = torch.zeros(g.max_bs * width_pages, dtype=torch.int32, device=self.pool.device)
         if capturing:
-            g.splits_for_bs[bs] = max_splits_for_batch(bs, self.pool.num_kv_heads, self.split_policy)
+            g.splits_for_bs[bs] = max_splits_for_batch(bs, self._programs_per_split(), self.split_policy)
         elif bs not in g.splits_for_bs:
             raise ValueError(f"batch size {bs} was never captured (captured: {sorted(g.splits_for_bs)})")
         grid_splits = g.splits_for_bs[bs]
         meta = metadata_for_batch(fb, buffers=g.buffers)
         g.seq_lens[:bs].copy_(fb.seq_lens.to(torch.int32), non_blocking=True)
-        splits = plan_kv_splits(fb.seq_lens_cpu, self.pool.num_kv_heads, self.split_policy, grid_splits)
+        splits = plan_kv_splits(fb.seq_lens_cpu, self._programs_per_split(), self.split_policy, grid_splits)
         g.num_splits[:bs].copy_(to_device(splits, self.pool.device, torch.int32))
         self._extend = None
         self._decode = _DecodePlan(meta, g.seq_lens[:bs], g.num_splits[:bs], grid_splits,
@@ -274,7 +359,9 @@ class TritonBackend(AttentionBackend):
         g = self._graph
         key = (num_heads, v_dim)
         if key not in g.partial_storage:
-            most = max(b * max_splits_for_batch(b, self.pool.num_kv_heads, self.split_policy)
+            # MLA's head groups may be learnt after a capture: size for one program per split, the most splits
+            programs = 1 if self.pool.is_mla else self.pool.num_kv_heads
+            most = max(b * max_splits_for_batch(b, programs, self.split_policy)
                        for b in range(1, g.max_bs + 1))
             g.partial_storage[key] = (
                 torch.empty(most * num_heads * v_dim, dtype=torch.float32, device=self.pool.device),

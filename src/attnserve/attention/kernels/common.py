@@ -1,4 +1,9 @@
-"""Pieces every attnserve Triton kernel shares: interpreter detection and score transforms."""
+"""Pieces every attnserve Triton kernel shares: interpreter detection, the score transform, the online softmax.
+
+Scores are kept in base 2 (scaled by log2(e)) so the kernels use exp2. Every kernel (MHA decode,
+extend, MLA decode) turns a raw q.k^T tile into probabilities through `online_softmax_tile`, so the
+scaling, soft-cap and running max/sum update are written once.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the same constant, readable inside @triton.jit functions
 
 
 def interpreting() -> bool:
@@ -19,34 +25,6 @@ def interpreting() -> bool:
     and pre-round fp8 values when this is True.
     """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _patch_interpreter_scalar_index() -> None:
-    """Let the interpreter use loaded scalars as loop bounds under numpy >= 2.3.
-
-    Triton 3.6's interpreter keeps a loaded scalar as a one-element 1-D array and turns it
-    into a Python int with int(array), which numpy 2.3 made an error; `for i in range(lo, hi)`
-    with lo/hi loaded from memory then fails. Reading the single element instead is what the
-    interpreter meant. Compiled kernels are unaffected.
-    """
-    try:
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover - layout of another triton version
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_attnserve_patched", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._attnserve_patched = True
-    interpreter._patch_lang_tensor = patched
-
-
-if interpreting():
-    _patch_interpreter_scalar_index()
 
 
 def next_pow2(n: int) -> int:
@@ -64,3 +42,47 @@ def soft_cap(scores, cap):
     x = tl.minimum(tl.maximum(scores / cap, -20.0), 20.0)  # tanh is +-1 in float32 beyond 9
     # tanh(x) = 1 - 2 / (exp(2x) + 1); exact at both tails (exp overflow gives 1, underflow -1)
     return cap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+
+
+@triton.jit
+def to_log2(x):
+    """A natural-log logit (e.g. an attention sink) in the kernels' base-2 units."""
+    return x.to(tl.float32) * _LOG2E
+
+
+@triton.jit
+def dot_qk(q, k, DOT_F32: tl.constexpr):
+    """q `[M, D]` . k `[N, D]`^T -> `[M, N]` float32 (exact float32 under the interpreter)."""
+    if DOT_F32:
+        return tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+    return tl.dot(q, tl.trans(k.to(q.dtype)))
+
+
+@triton.jit
+def dot_pv(p, v, acc, q, DOT_F32: tl.constexpr):
+    """acc + p `[M, N]` . v `[N, Dv]`: p (float32) and v (maybe FP8) both in q's dtype, as dot_qk reads k."""
+    if DOT_F32:
+        return tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+
+
+@triton.jit
+def online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
+                        HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile of the online softmax (FlashAttention's running max and sum).
+
+    s `[M, N]` raw q.k^T in float32; visible `[M, N]` (read only when MASKED); m_i, l_i `[M]`
+    the running base-2 max and sum. Returns (p `[M, N]` unnormalised probabilities, alpha `[M]`
+    the factor that rescales earlier accumulations, the new m_i, the new l_i).
+    """
+    if HAS_SOFTCAP:
+        s = soft_cap(s * sm_scale_k, softcap) * _LOG2E
+    else:
+        s = s * qk_scale_log2
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_new

@@ -18,7 +18,22 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.kernels.common import LOG2E, dot_dtype_is_f32, next_pow2, soft_cap
+from attnserve.attention.kernels.common import (
+    LOG2E,
+    dot_dtype_is_f32,
+    dot_pv,
+    dot_qk,
+    next_pow2,
+    online_softmax_tile,
+    to_log2,
+)
+from attnserve.attention.kernels.tiles import (
+    GpuTarget,
+    TileShape,
+    check_shared_memory,
+    fewest_stages_dropped,
+    target_for,
+)
 
 
 @dataclass(frozen=True)
@@ -28,16 +43,59 @@ class DecodeConfig:
     num_stages: int = 2
 
 
-def default_decode_config(head_dim: int, page_size: int) -> DecodeConfig:
-    """Tiles that measured best on the H200 for bf16 GQA 4:1 decode (benchmarks/NOTES.md).
+# arch -> (block_n at page size 1, block_n for larger pages, num_warps, num_stages). sm90 measured best on the
+# H200 for bf16 GQA 4:1 decode (benchmarks/NOTES.md): page size 1 preferred 128-token tiles (3.1 TB/s at
+# 1x32768 against 2.8 with 64), page 16 preferred 64 (246 us against 294 at 64x4096). The others keep the
+# same shape scaled to their shared memory (163 KiB on sm80, 99 KiB on sm86/sm89 and unknown GPUs).
+DECODE_TILES = {
+    "sm90": (128, 64, 4, 3),
+    "sm80": (64, 64, 4, 3),
+    "sm86": (64, 32, 4, 2),
+    "sm89": (64, 32, 4, 2),
+    "default": (64, 32, 4, 2),
+}
 
-    Page size 1 preferred 128-token tiles (3.1 TB/s at 1x32768 against 2.8 with 64); page 16
-    preferred 64 (246 us against 294 at 64x4096). Wider heads halve the tile to stay in registers.
+
+def default_decode_config(head_dim: int, page_size: int, target: GpuTarget | None = None) -> DecodeConfig:
+    """The architecture's tiles (Hopper's when the target is unknown, e.g. under the interpreter).
+
+    Wider heads halve the key tile to stay in registers and shared memory.
     """
-    block_n = 128 if page_size == 1 else 64
+    block_p1, block_paged, warps, stages = DECODE_TILES[target.arch if target else "sm90"]
+    block_n = block_p1 if page_size == 1 else block_paged
     if head_dim > 128:
         block_n //= 2
-    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+
+
+@triton.jit
+def split_bounds(start, seq, n_splits, split, BLOCK_N: tl.constexpr):
+    """[lo, hi) of one split of keys start..seq: chunks of whole tiles, so only a split's last tile is partial."""
+    chunk = tl.cdiv(tl.cdiv(seq - start, n_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
+    return lo, tl.minimum(lo + chunk, seq)
+
+
+@triton.jit
+def finish_split(acc, m_i, l_i, Out, PartialO, PartialLse, Sinks, b, head, h_mask, split, offs_dv, dv_mask, v_scale,
+                 stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                 HAS_SINKS: tl.constexpr, WRITE_FINAL: tl.constexpr):
+    """A split's epilogue: the final output (one split per request) or a normalised partial and its base-2 LSE."""
+    if WRITE_FINAL:
+        if HAS_SINKS:
+            sink = to_log2(tl.load(Sinks + head, mask=h_mask, other=0.0))
+            l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None] * v_scale
+        tl.store(Out + b * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+                 o.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
+        o = acc / l_safe[:, None]
+        tl.store(PartialO + b * stride_pb + head[:, None] * stride_ph + split * stride_ps + offs_dv[None, :],
+                 o, mask=h_mask[:, None] & dv_mask[None, :])
+        tl.store(PartialLse + b * stride_lb + head * stride_lh + split, lse, mask=h_mask)
 
 
 @triton.jit
@@ -62,10 +120,7 @@ def _decode_split_kernel(
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(seq - window, 0)
-    # chunks are whole tiles, so only a split's last tile is partial
-    chunk = tl.cdiv(tl.cdiv(seq - start, n_splits), BLOCK_N) * BLOCK_N
-    lo = start + split * chunk
-    hi = tl.minimum(lo + chunk, seq)
+    lo, hi = split_bounds(start, seq, n_splits, split, BLOCK_N)
     page_base = tl.load(kv_indptr + b)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -90,42 +145,15 @@ def _decode_split_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
         k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if DOT_F32:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [BLOCK_H, BLOCK_N] float32
-        if HAS_SOFTCAP:
-            s = soft_cap(s * sm_scale_k, softcap) * 1.4426950408889634
-        else:
-            s = s * qk_scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s = dot_qk(q, k, DOT_F32)  # [BLOCK_H, BLOCK_N]
+        p, alpha, m_i, l_i = online_softmax_tile(s, n_mask[None, :], m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
+                                                 HAS_SOFTCAP, True)
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
                     mask=n_mask[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-        if DOT_F32:
-            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
-        m_i = m_new
+        acc = dot_pv(p, v, acc * alpha[:, None], q, DOT_F32)
 
-    if WRITE_FINAL:
-        if HAS_SINKS:
-            sink = tl.load(Sinks + head, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-            l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None] * v_scale
-        tl.store(Out + b * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-                 o.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
-    else:
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
-        o = acc / l_safe[:, None]
-        tl.store(PartialO + b * stride_pb + head[:, None] * stride_ph + split * stride_ps + offs_dv[None, :],
-                 o, mask=h_mask[:, None] & dv_mask[None, :])
-        tl.store(PartialLse + b * stride_lb + head * stride_lh + split, lse, mask=h_mask)
+    finish_split(acc, m_i, l_i, Out, PartialO, PartialLse, Sinks, b, head, h_mask, split, offs_dv, dv_mask, v_scale,
+                 stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HAS_SINKS, WRITE_FINAL)
 
 
 @triton.jit
@@ -152,7 +180,7 @@ def _merge_splits_kernel(
         total = total * alpha + w
         m = m_new
     if HAS_SINKS:
-        total += tl.exp2(tl.minimum(tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634 - m, 126.0))
+        total += tl.exp2(tl.minimum(to_log2(tl.load(Sinks + h)) - m, 126.0))
     total = tl.where(total > 0.0, total, 1.0)
     out = acc / total * v_scale
     tl.store(Out + b * stride_ot + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_mask)
@@ -163,6 +191,35 @@ def allocate_partials(batch: int, num_heads: int, max_splits: int, v_dim: int, d
     partial_o = torch.empty(batch, num_heads, max_splits, v_dim, dtype=torch.float32, device=device)
     partial_lse = torch.empty(batch, num_heads, max_splits, dtype=torch.float32, device=device)
     return partial_o, partial_lse
+
+
+def split_outputs(out: torch.Tensor, partials, max_splits: int, write_final: bool):
+    """(partial_o, partial_lse) for stage 1: the given buffers (checked), new ones, or `out` when unused."""
+    batch, num_heads, v_dim = out.shape
+    if write_final:
+        return partials if partials is not None else (out, out)
+    if partials is None:
+        return allocate_partials(batch, num_heads, max_splits, v_dim, out.device)
+    if partials[0].shape[0] < batch or partials[0].shape[2] < max_splits:
+        raise ValueError(f"partial buffers {tuple(partials[0].shape)} too small for batch {batch} x {max_splits} splits")
+    return partials
+
+
+def partial_strides(partial_o: torch.Tensor, partial_lse: torch.Tensor) -> tuple[int, ...]:
+    return (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2) if partial_o.dim() > 2 else 0,
+            partial_lse.stride(0), partial_lse.stride(1))
+
+
+def merge_splits(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: torch.Tensor, num_splits: torch.Tensor,
+                 sinks: torch.Tensor | None, v_scale: float) -> None:
+    """Stage 2: each (request, head) merges its splits' partials by their LSEs into out `[B, Hq, Dv]`."""
+    batch, num_heads, v_dim = out.shape
+    _merge_splits_kernel[(batch, num_heads)](
+        out, partial_o, partial_lse, num_splits, sinks if sinks is not None else out, v_scale,
+        out.stride(0), out.stride(1), *partial_strides(partial_o, partial_lse),
+        V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim), HAS_SINKS=sinks is not None,
+        num_warps=4 if v_dim >= 256 else 2,
+    )
 
 
 def decode_attention(
@@ -185,13 +242,15 @@ def decode_attention(
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     write_final: bool | None = None,
     config: DecodeConfig | None = None,
+    target: GpuTarget | None = None,
 ) -> torch.Tensor:
     """One query token per request against its paged KV.
 
     q `[B, Hq, D]`; k_buffer `[slots, Hkv, D]`, v_buffer `[slots, Hkv, Dv]` (the pool's layout);
     out `[B, Hq, Dv]`; kv_indptr `[B+1]` / kv_indices (pages) as in metadata.py; seq_lens `[B]`
     int32; num_splits `[B]` int32, each in 1..max_splits. `write_final` (default: max_splits == 1)
-    lets stage 1 write `out` directly; it requires every num_splits to be 1.
+    lets stage 1 write `out` directly; it requires every num_splits to be 1. `target` (default: q's
+    GPU) picks the default tiles and bounds their shared memory.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
@@ -200,15 +259,19 @@ def decode_attention(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
+    target = target or target_for(q.device)
+    block_h = max(16, next_pow2(group))
+
+    def tile_shape(c: DecodeConfig) -> TileShape:
+        return TileShape(block_h, next_pow2(head_dim), c.block_n, next_pow2(head_dim) + next_pow2(v_dim),
+                         c.num_stages, q.element_size())
+
     if config is None:
-        config = default_decode_config(head_dim, page_size)
+        config = fewest_stages_dropped(default_decode_config(head_dim, page_size, target), tile_shape, target)
+    check_shared_memory("decode", tile_shape(config), target)
     if write_final is None:
         write_final = max_splits == 1
-    if partials is None and not write_final:
-        partials = allocate_partials(batch, num_heads, max_splits, v_dim, q.device)
-    partial_o, partial_lse = partials if partials is not None else (out, out)
-    if not write_final and (partial_o.shape[0] < batch or partial_o.shape[2] < max_splits):
-        raise ValueError(f"partial buffers {tuple(partial_o.shape)} too small for batch {batch} x {max_splits} splits")
+    partial_o, partial_lse = split_outputs(out, partials, max_splits, write_final)
     sm_scale_k = sm_scale * k_scale
     dot_f32 = dot_dtype_is_f32(q)
     sinks_arg = sinks if sinks is not None else q
@@ -218,22 +281,13 @@ def decode_attention(
         kv_indptr, kv_indices, seq_lens, num_splits, sinks_arg,
         sm_scale_k * LOG2E, sm_scale_k, v_scale, float(logit_cap or 1.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        out.stride(0), out.stride(1),
-        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2) if partial_o.dim() > 2 else 0,
-        partial_lse.stride(0), partial_lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=config.block_n,
+        out.stride(0), out.stride(1), *partial_strides(partial_o, partial_lse),
+        GROUP=group, BLOCK_H=block_h, BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
         PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
         HAS_SINKS=sinks is not None, WRITE_FINAL=write_final, DOT_F32=dot_f32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not write_final:
-        _merge_splits_kernel[(batch, num_heads)](
-            out, partial_o, partial_lse, num_splits, sinks_arg, v_scale,
-            out.stride(0), out.stride(1),
-            partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1),
-            V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim), HAS_SINKS=sinks is not None,
-            num_warps=4 if v_dim >= 256 else 2,
-        )
+        merge_splits(out, partial_o, partial_lse, num_splits, sinks, v_scale)
     return out

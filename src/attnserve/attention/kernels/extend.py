@@ -23,7 +23,22 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.kernels.common import LOG2E, dot_dtype_is_f32, next_pow2, soft_cap
+from attnserve.attention.kernels.common import (
+    LOG2E,
+    dot_dtype_is_f32,
+    dot_pv,
+    dot_qk,
+    next_pow2,
+    online_softmax_tile,
+    to_log2,
+)
+from attnserve.attention.kernels.tiles import (
+    GpuTarget,
+    TileShape,
+    check_shared_memory,
+    fewest_stages_dropped,
+    target_for,
+)
 
 
 @dataclass(frozen=True)
@@ -45,17 +60,28 @@ def pack_factor(config: ExtendConfig, group: int) -> int:
     return group if config.pack_gqa and 1 < group <= config.block_m else 1
 
 
-def default_extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
-    """Hopper tiles from the H200 sweep (benchmarks/NOTES.md); small ones under the interpreter.
+# arch -> (tiles for head_dim <= 128, tiles for wider heads). sm90: the H200 sweep (benchmarks/NOTES.md):
+# 128 x 64 with one warpgroup and 3 stages won every prefill/extend shape; 8 warps, 128-wide key tiles,
+# 2 stages and 64-row tiles were all slower. sm80 (163 KiB) fits the same narrow tiles; sm86/sm89 and
+# unknown GPUs (99 KiB) take 64-row tiles over 2 stages.
+EXTEND_TILES = {
+    "sm90": (ExtendConfig(128, 64, 4, 3), ExtendConfig(64, 32, 4, 2)),
+    "sm80": (ExtendConfig(128, 64, 4, 3), ExtendConfig(64, 32, 4, 2)),
+    "sm86": (ExtendConfig(64, 64, 4, 2), ExtendConfig(64, 32, 4, 2)),
+    "sm89": (ExtendConfig(64, 64, 4, 2), ExtendConfig(64, 32, 4, 2)),
+    "default": (ExtendConfig(64, 64, 4, 2), ExtendConfig(32, 32, 4, 2)),
+}
+INTERPRETER_EXTEND_TILES = ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
-    128 x 64 with one warpgroup and 3 stages won every prefill/extend shape; 8 warps, 128-wide
-    key tiles, 2 stages and 64-row tiles were all slower.
-    """
-    if device.type != "cuda":
-        return ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    if head_dim > 128:
-        return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+
+def default_extend_config(head_dim: int, device: torch.device, target: GpuTarget | None = None) -> ExtendConfig:
+    """The architecture's tiles on a GPU (`target`, default: the device's); small ones under the interpreter."""
+    device = torch.device(device)
+    if device.type != "cuda" and target is None:
+        return INTERPRETER_EXTEND_TILES
+    target = target or target_for(device)
+    narrow, wide = EXTEND_TILES[target.arch]
+    return wide if head_dim > 128 else narrow
 
 
 @dataclass
@@ -99,6 +125,27 @@ def _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window
 
 
 @triton.jit
+def key_tile_range(prefix, m0, seq, window, POSITIONS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr):
+    """Key tiles a query tile visits: [lo, full_end) need no mask, [full_end, hi) do.
+
+    The rows are positions prefix + m0 .. prefix + m0 + POSITIONS - 1 of a request of `seq` keys.
+    """
+    if HAS_CUSTOM_MASK:
+        hi = seq
+    else:
+        hi = tl.minimum(seq, prefix + m0 + POSITIONS)  # past the last row's position nothing is visible
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    if HAS_WINDOW or HAS_CUSTOM_MASK:
+        full_end = lo
+    else:
+        full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
+    return lo, full_end, hi
+
+
+@triton.jit
 def _extend_block(
     acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
     qk_scale_log2, sm_scale_k, softcap, window,
@@ -123,32 +170,20 @@ def _extend_block(
         k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
     else:
         k = tl.load(k_ptrs)  # [BLOCK_N, BLOCK_D]
-    if DOT_F32:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
-    else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [BLOCK_M, BLOCK_N] float32
-    if HAS_SOFTCAP:
-        s = soft_cap(s * sm_scale_k, softcap) * 1.4426950408889634
-    else:
-        s = s * qk_scale_log2
+    s = dot_qk(q, k, DOT_F32)  # [BLOCK_M, BLOCK_N]
+    visible = None
     if MASKED:
         visible = _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
                            HAS_WINDOW, HAS_CUSTOM_MASK)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
+                                               HAS_SOFTCAP, MASKED)
     if MASKED:
         v = tl.load(v_ptrs, mask=n_valid[:, None] & dv_mask[None, :], other=0.0)
     elif PAD_D:
         v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
     else:
         v = tl.load(v_ptrs)  # [BLOCK_N, BLOCK_DV]
-    if DOT_F32:
-        acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    acc = dot_pv(p, v, acc * alpha[:, None], q, DOT_F32)
     return acc, m_new, l_i
 
 
@@ -198,17 +233,7 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    if HAS_CUSTOM_MASK:
-        hi = seq
-    else:
-        hi = tl.minimum(seq, prefix + m0 + POSITIONS)  # past the last row's position nothing is visible
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-    if HAS_WINDOW or HAS_CUSTOM_MASK:
-        full_end = lo
-    else:
-        full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
+    lo, full_end, hi = key_tile_range(prefix, m0, seq, window, POSITIONS, BLOCK_N, HAS_WINDOW, HAS_CUSTOM_MASK)
     for n0 in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = _extend_block(
             acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
@@ -223,7 +248,7 @@ def _extend_kernel(
             HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
 
     if HAS_SINKS:
-        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        sink = to_log2(tl.load(Sinks + head))
         l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None] * v_scale
@@ -251,6 +276,7 @@ def extend_attention(
     custom_mask: torch.Tensor | None = None,
     mask_indptr: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
+    target: GpuTarget | None = None,
 ) -> torch.Tensor:
     """New tokens of every request against their whole paged KV (prefix + themselves).
 
@@ -258,13 +284,21 @@ def extend_attention(
     kv_indptr/kv_indices pages as in metadata.py; seq_lens `[B]` int32. custom_mask: flattened
     per-request `[extend_len, seq_len]` masks (uint8/bool), mask_indptr `[B]` their offsets.
     `tiles` must have been built with `config.positions_per_tile(group)` positions per tile.
+    `target` (default: q's GPU) picks the default tiles and bounds their shared memory.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
+    target = target or target_for(q.device)
+
+    def tile_shape(c: ExtendConfig) -> TileShape:
+        return TileShape(c.block_m, next_pow2(head_dim), c.block_n, next_pow2(head_dim) + next_pow2(v_dim),
+                         c.num_stages, q.element_size())
+
     if config is None:
-        config = default_extend_config(head_dim, q.device)
+        config = fewest_stages_dropped(default_extend_config(head_dim, q.device, target), tile_shape, target)
+    check_shared_memory("extend", tile_shape(config), target)
     group = num_heads // num_kv_heads
     pack = pack_factor(config, group)
     if tiles.positions != config.positions_per_tile(group):

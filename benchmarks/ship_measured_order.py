@@ -1,0 +1,32 @@
+"""Write the fallback order a committed kernel race measured into the package data.
+
+    python benchmarks/ship_measured_order.py benchmarks/results/kernels-h200.json
+
+Updates src/attnserve/attention/measured_order.json (the key is the GPU model, e.g. h200),
+which selection reads in any install, source checkout or wheel.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from attnserve.attention.measured import DATA_FILE, gpu_key, order_entry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(paths: list[str]) -> None:
+    target = ROOT / "src" / "attnserve" / "attention" / DATA_FILE
+    shipped = json.loads(target.read_text()) if target.is_file() else {}
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        source = Path(path).resolve().relative_to(ROOT).as_posix()
+        shipped[gpu_key(result["gpu"])] = order_entry(result, source)
+    target.write_text(json.dumps(shipped, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {target.relative_to(ROOT)}: {', '.join(sorted(shipped))}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])

@@ -1,0 +1,146 @@
+"""The MLA side of the flashinfer backend: BatchMLAPagedAttentionWrapper over the latent pool.
+
+The MLA pool's `[num_slots, 1, kv_lora_rank + rope]` buffer viewed as `[num_pages, page_size, width]`
+and cut at kv_lora_rank gives FlashInfer's two caches (ckv and kpe) without a copy; the absorbed
+query `[T, H, kv_lora_rank + rope]` is cut the same way. One wrapper serves decode and extend
+alike (qo_indptr says how many new tokens each request has; causal masking is aligned to each
+request's end, and the new latent rows are already in the pool).
+
+The kernel is named like the MHA prefill's: fa3 on Hopper, fa2 elsewhere, or as requested.
+FP8 latents: FlashInfer 0.6.18 reads e4m3 on SM90 only, with bf16 queries and a per-tensor
+scale for each cache (the pool's one scale serves both); e5m2, FP8 elsewhere and custom masks
+are refused here (selection's limits say so before a backend is built).
+
+CUDA graphs (decode): one wrapper per captured batch size over fixed index buffers, planned
+again in place before each replay, as for MHA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnserve.attention.backends.flashinfer_csr import graph_step_metadata, host_csr
+from attnserve.attention.metadata import MetadataBuffers, metadata_for_batch
+
+
+@dataclass(frozen=True)
+class MLASignature:
+    """What an MLA plan depends on that comes from the layer."""
+
+    num_heads: int
+    scale: float
+
+
+def choose_mla_kernel(requested: str, device: torch.device) -> tuple[str, str]:
+    """fa2 or fa3 for BatchMLAPagedAttentionWrapper, and why."""
+    if requested not in ("auto", "fa2", "fa3"):
+        raise ValueError(f"mla_kernel must be auto, fa2 or fa3, got {requested!r}")
+    if requested != "auto":
+        return requested, "requested explicitly"
+    if device.type != "cuda":
+        return "fa2", f"fa3 needs a Hopper GPU (this pool is on {device.type})"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return "fa2", f"FlashInfer's fa3 MLA kernel is built for SM90 (this is sm{major}x)"
+    return "fa3", "Hopper: fa3 MLA decode ran 1.4-2.0x faster than fa2 on the H200 (/work/shared/GPU.md)"
+
+
+class FlashInferMLA:
+    def __init__(self, fi, pool, workspace: torch.Tensor, q_dtype: torch.dtype, kernel: str = "auto"):
+        if pool.is_fp8:
+            if pool.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"FlashInfer's MLA wrapper reads FP8 e4m3 latents only, the pool is {pool.dtype}; "
+                                 "the triton backend reads both FP8 formats")
+            if pool.device.type == "cuda" and torch.cuda.get_device_capability(pool.device)[0] != 9:
+                raise ValueError("FlashInfer's MLA wrapper reads FP8 latents on SM90 (Hopper) only; "
+                                 "the triton backend reads them on any GPU")
+            q_dtype = torch.bfloat16
+        self._fi = fi
+        self.pool = pool
+        self.workspace = workspace
+        self.q_dtype = q_dtype
+        self.kernel, self.kernel_reason = choose_mla_kernel(kernel, pool.device)
+        self._wrappers: dict[MLASignature, object] = {}
+        self._graph_wrappers: dict[tuple[int, MLASignature], object] = {}
+        self._signatures: list[MLASignature] = []
+        self._graph: MetadataBuffers | None = None
+        self._graph_kv_lens: torch.Tensor | None = None  # [max_bs] int32
+        self.graph_max_bs = 0
+        self._planned: set = set()
+        self._graph_bs: int | None = None
+
+    # ---- per step ------------------------------------------------------------------------------
+    def plan(self, fb) -> None:
+        if fb.custom_mask is not None:
+            raise ValueError("FlashInfer's MLA wrapper has no custom masks (speculative verify with a tree)")
+        self._meta = metadata_for_batch(fb)
+        self._host = self._host_arrays(fb)
+        self._planned = set()
+        self._graph_bs = None
+
+    def _host_arrays(self, fb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qo_indptr, kv_indptr in pages, kv lengths) on the host, where FlashInfer's plan() reads them."""
+        csr = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
+        return csr.qo_indptr, csr.kv_indptr, torch.tensor(fb.seq_lens_cpu, dtype=torch.int32)  # [B+1], [B+1], [B]
+
+    def _plan(self, wrapper, host, kv_indices: torch.Tensor, sig: MLASignature, causal: bool) -> None:
+        qo_indptr, kv_indptr, kv_lens = host
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, sig.num_heads, self.pool.kv_lora_rank,
+                     self.pool.qk_rope_head_dim, self.pool.page_size, causal, sig.scale, self.q_dtype,
+                     self.pool.dtype)
+
+    def _caches(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ckv `[num_pages, page_size, rank]`, kpe `[num_pages, page_size, rope]`): views of the latent buffer."""
+        p = self.pool
+        rows = p.get_key_buffer(layer_id).view(p.num_pages, p.page_size, p.head_dim)
+        return rows[..., : p.kv_lora_rank], rows[..., p.kv_lora_rank :]
+
+    def forward(self, q: torch.Tensor, layer, fb) -> torch.Tensor:
+        """q `[T, H, rank + rope]` -> `[T, H, rank]`, decode or extend."""
+        sig = MLASignature(layer.num_heads, float(layer.scaling))
+        if sig not in self._signatures:
+            self._signatures.append(sig)
+        if self._graph_bs is not None:
+            wrapper = self._graph_wrappers[(self._graph_bs, sig)]
+        else:
+            wrapper = self._wrappers.get(sig)
+            if wrapper is None:
+                wrapper = self._wrappers[sig] = self._fi.mla.BatchMLAPagedAttentionWrapper(
+                    self.workspace, backend=self.kernel)
+            if sig not in self._planned:
+                self._plan(wrapper, self._host, self._meta.kv_indices, sig, causal=not fb.mode.is_decode)
+                self._planned.add(sig)
+        rank = self.pool.kv_lora_rank
+        ckv, kpe = self._caches(layer.layer_id)
+        q = q.to(self.q_dtype)
+        scales = {}
+        if self.pool.is_fp8:
+            scale = self.pool.k_scale[layer.layer_id]
+            scales = {"ckv_scale": scale, "kpe_scale": scale}
+        return wrapper.run(q[..., :rank], q[..., rank:], ckv, kpe, **scales)  # [T, H, rank]
+
+    # ---- CUDA graphs (decode) ------------------------------------------------------------------
+    def init_graph_buffers(self, max_bs: int) -> None:
+        self.graph_max_bs = max_bs
+        self._graph = MetadataBuffers.allocate(max_bs, 0, self.pool.device)
+        self._graph_kv_lens = torch.ones(max_bs, dtype=torch.int32, device=self.pool.device)  # [max_bs]
+
+    def plan_graph(self, fb) -> None:
+        """Capture or replay: page ids into the fixed buffer, then every signature's wrapper planned in place."""
+        bs = fb.batch_size
+        meta = graph_step_metadata(fb, self._graph, self.graph_max_bs, self.pool, bool(self._signatures),
+                                   captured=bool(self._graph_wrappers))
+        host = self._host_arrays(fb)
+        self._meta, self._host, self._planned = meta, host, set()
+        for sig in self._signatures:
+            key = (bs, sig)
+            if key not in self._graph_wrappers:
+                g = self._graph
+                self._graph_wrappers[key] = self._fi.mla.BatchMLAPagedAttentionWrapper(
+                    self.workspace, use_cuda_graph=True, qo_indptr=g.qo_indptr[: bs + 1],
+                    kv_indptr=g.kv_indptr[: bs + 1], kv_indices=g.kv_indices, kv_len_arr=self._graph_kv_lens[:bs],
+                    backend=self.kernel)
+            self._plan(self._graph_wrappers[key], host, meta.kv_indices, sig, causal=False)
+        self._graph_bs = bs

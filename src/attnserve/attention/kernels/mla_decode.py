@@ -1,0 +1,203 @@
+"""MLA decode over the latent pool: Flash-Decoding with one shared KV "head" per token.
+
+The pool row of a token is [c | k_pe]: the compressed latent (kv_lora_rank wide, e.g. 512) and
+the decoupled RoPE key (e.g. 64). In the absorbed form every query head is MQA against it:
+score = q_c . c + q_pe . k_pe and output = sum p c, so V is the latent already loaded for K.
+One program owns BLOCK_H query heads of one request and one KV split: each latent byte is
+read once per head group, and the two dots of the score share one online softmax.
+
+Split-KV and the LSE merge are decode.py's (same partial layout, same split plan); FP8 (e4m3)
+latents carry one per-tensor scale, folded into the softmax scale and the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from attnserve.attention.kernels.common import (
+    LOG2E,
+    dot_dtype_is_f32,
+    dot_pv,
+    dot_qk,
+    next_pow2,
+    online_softmax_tile,
+)
+from attnserve.attention.kernels.decode import (
+    finish_split,
+    merge_splits,
+    partial_strides,
+    split_bounds,
+    split_outputs,
+)
+from attnserve.attention.kernels.tiles import (
+    GpuTarget,
+    TileShape,
+    check_shared_memory,
+    fewest_stages_dropped,
+    target_for,
+)
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    block_h: int = 16  # query heads per program (a power of two, at least 16 for tl.dot)
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# arch -> tiles. Every program holds a [block_h, kv_lora_rank] float32 accumulator in registers, so more heads
+# per program want more warps. sm90 takes 32 heads on 8 warps (each latent byte read by 4 programs of 128
+# heads); the others 16 heads on 4 warps over 2 stages to stay inside 99-163 KiB of shared memory.
+MLA_DECODE_TILES = {
+    "sm90": MLADecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    "sm80": MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    "sm86": MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    "sm89": MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    "default": MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+}
+INTERPRETER_MLA_DECODE_TILES = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def default_mla_decode_config(device: torch.device, target: GpuTarget | None = None) -> MLADecodeConfig:
+    """The architecture's tiles on a GPU (`target`, default: the device's); small ones under the interpreter."""
+    device = torch.device(device)
+    if device.type != "cuda" and target is None:
+        return INTERPRETER_MLA_DECODE_TILES
+    return MLA_DECODE_TILES[(target or target_for(device)).arch]
+
+
+def check_mla_shapes(q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, kv_lora_rank: int) -> int:
+    """Validate an absorbed-MLA call (q `[T, H, rank + rope]`, latent `[slots, 1, rank + rope]`, out `[T, H, rank]`).
+
+    Returns the rope width.
+    """
+    tokens, num_heads, width = q.shape
+    rope = width - kv_lora_rank
+    if kv_lora_rank & (kv_lora_rank - 1) or kv_lora_rank < 16:
+        raise ValueError(f"kv_lora_rank must be a power of two >= 16 for the MLA kernel, got {kv_lora_rank}")
+    if rope < 0 or kv_buffer.dim() != 3 or kv_buffer.shape[1:] != (1, width):
+        raise ValueError(f"kv_buffer {tuple(kv_buffer.shape)} does not match q's width {width} "
+                         f"(kv_lora_rank {kv_lora_rank} + rope {rope}, one latent head)")
+    if out.shape != (tokens, num_heads, kv_lora_rank):
+        raise ValueError(f"out {tuple(out.shape)} must be [{tokens}, {num_heads}, {kv_lora_rank}]")
+    if q.stride(-1) != 1 or kv_buffer.stride(-1) != 1:
+        raise ValueError("q and kv_buffer must be contiguous in their last dimension")
+    return rope
+
+
+def head_groups(num_heads: int, config: MLADecodeConfig) -> int:
+    """Programs per (request, split): what the split plan counts as KV heads for MLA."""
+    return triton.cdiv(num_heads, config.block_h)
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits,
+    qk_scale_log2, v_scale,
+    stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, WRITE_FINAL: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hg = tl.program_id(1)
+    split = tl.program_id(2)
+    n_splits = tl.load(num_splits + b)
+    if split >= n_splits:
+        return
+    seq = tl.load(seq_lens + b)
+    lo, hi = split_bounds(0, seq, n_splits, split, BLOCK_N)
+    page_base = tl.load(kv_indptr + b)
+
+    head = hg * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    h_mask = head < NUM_HEADS
+    offs_c = tl.arange(0, LATENT)  # the latent width is a power of two (512 in DeepSeek)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < ROPE
+    q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh
+    q_c = tl.load(q_ptrs + offs_c[None, :], mask=h_mask[:, None], other=0.0)  # [BLOCK_H, LATENT]
+    q_r = tl.load(q_ptrs + LATENT + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+    if DOT_F32:
+        q_c = q_c.to(tl.float32)
+        q_r = q_r.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, LATENT], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_mask, other=0)
+        row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kvt  # [BLOCK_N, 1]
+        c = tl.load(row + offs_c[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, LATENT]: K and V
+        k_pe = tl.load(row + LATENT + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        s = dot_qk(q_c, c, DOT_F32) + dot_qk(q_r, k_pe, DOT_F32)  # [BLOCK_H, BLOCK_N]
+        p, alpha, m_i, l_i = online_softmax_tile(s, n_mask[None, :], m_i, l_i, qk_scale_log2, 1.0, 1.0,
+                                                 False, True)
+        acc = dot_pv(p, c, acc * alpha[:, None], q_c, DOT_F32)
+
+    finish_split(acc, m_i, l_i, Out, PartialO, PartialLse, Q, b, head, h_mask, split, offs_c, offs_c < LATENT,
+                 v_scale, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                 False, WRITE_FINAL)
+
+
+def mla_decode_attention(
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    out: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_splits: torch.Tensor,
+    max_splits: int,
+    page_size: int,
+    sm_scale: float,
+    kv_lora_rank: int,
+    kv_scale: float = 1.0,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    write_final: bool | None = None,
+    config: MLADecodeConfig | None = None,
+    target: GpuTarget | None = None,
+) -> torch.Tensor:
+    """One query token per request against its latent KV (absorbed MLA).
+
+    q `[B, H, kv_lora_rank + rope]` (q_nope folded through W_UK, then q_pe); kv_buffer
+    `[slots, 1, kv_lora_rank + rope]` (the MLA pool's buffer, bf16/fp16/fp32 or FP8 e4m3 holding
+    x / kv_scale); out `[B, H, kv_lora_rank]`. kv_indptr / kv_indices / seq_lens / num_splits /
+    max_splits / write_final / partials as in decode.decode_attention.
+    """
+    batch, num_heads, width = q.shape
+    rope = check_mla_shapes(q, kv_buffer, out, kv_lora_rank)
+    if batch == 0:
+        return out
+    target = target or target_for(q.device)
+
+    def tile_shape(c: MLADecodeConfig) -> TileShape:
+        return TileShape(c.block_h, width, c.block_n, width, c.num_stages, q.element_size())
+
+    if config is None:
+        config = fewest_stages_dropped(default_mla_decode_config(q.device, target), tile_shape, target)
+    check_shared_memory("MLA decode", tile_shape(config), target)
+    if write_final is None:
+        write_final = max_splits == 1
+    partial_o, partial_lse = split_outputs(out, partials, max_splits, write_final)
+    grid = (batch, head_groups(num_heads, config), max_splits)
+    _mla_decode_split_kernel[grid](
+        q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
+        sm_scale * kv_scale * LOG2E, kv_scale,
+        q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1),
+        *partial_strides(partial_o, partial_lse),
+        NUM_HEADS=num_heads, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        LATENT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)),
+        PAGE_SIZE=page_size, WRITE_FINAL=write_final, DOT_F32=dot_dtype_is_f32(q),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if not write_final:
+        merge_splits(out, partial_o, partial_lse, num_splits, None, kv_scale)
+    return out

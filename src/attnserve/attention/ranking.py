@@ -1,0 +1,63 @@
+"""Backends ranked by measured time: one scoring for the shipped race and for `attnserve tune`.
+
+A record is `{"workload", "backend", "us", ...}` as `attnserve bench kernels` and
+`attnserve tune` write them. A backend's score is its mean time relative to the fastest
+backend of each workload it ran, so backends that ran different workloads still compare;
+a contestant named after a variant ('flashinfer-fa3') counts for its registry backend,
+whose fastest variant counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnserve.attention.registry import REGISTRY
+
+
+def backend_family(contestant: str) -> str | None:
+    """The implemented registry backend a contestant belongs to ('flashinfer-fa3' -> 'flashinfer'), else None."""
+    for name in (contestant, contestant.split("-")[0]):
+        if name in REGISTRY and REGISTRY[name].implemented:
+            return name
+    return None
+
+
+def side_of(record: dict) -> str:
+    """'decode' or 'prefill' (prefill and extend steps run on the prefill side)."""
+    if record.get("side") in ("decode", "prefill"):
+        return record["side"]
+    return "decode" if "decode" in str(record.get("workload", "")).split() else "prefill"
+
+
+@dataclass(frozen=True)
+class Ranked:
+    backend: str
+    score: float  # mean of time / fastest time over the workloads it ran; 1.0 = fastest everywhere
+    workloads: int
+
+
+def rank(records: list[dict], side: str | None = None, complete_only: bool = False) -> list[Ranked]:
+    """Backends fastest first on `side`'s workloads (None: all). `complete_only`: a backend that has no
+    time for one of the side's workloads (it failed or was skipped) is left out, since it can't serve it."""
+    times: dict[str, dict[str, float]] = {}
+    for rec in records:
+        family = backend_family(str(rec.get("backend", "")))
+        t = rec.get("us")
+        if family is None or "workload" not in rec or (side is not None and side_of(rec) != side):
+            continue
+        per = times.setdefault(str(rec["workload"]), {})
+        if isinstance(t, (int, float)) and t > 0:
+            per[family] = min(t, per.get(family, t))
+    ratios: dict[str, list[float]] = {}
+    for per in times.values():
+        if per:
+            best = min(per.values())
+            for name, t in per.items():
+                ratios.setdefault(name, []).append(t / best)
+    if complete_only:
+        ratios = {n: r for n, r in ratios.items() if len(r) == len(times)}
+    ranked = [Ranked(n, sum(r) / len(r), len(r)) for n, r in ratios.items()]
+    return sorted(ranked, key=lambda x: (x.score, x.backend))
+
+
+__all__ = ["Ranked", "backend_family", "rank", "side_of"]

@@ -1,0 +1,177 @@
+"""Triton MLA kernels against the float64 oracle: decode over the latent pool (splits, pages, FP8), extend.
+
+Shapes are DeepSeek's scaled down (latent 32 + rope 16 instead of 512 + 64) so the interpreter runs them
+in seconds; with CUDA the same tests run compiled.
+"""
+
+import pytest
+import torch
+from attention_helpers import rel_err
+
+from attnserve.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
+from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits
+from attnserve.attention.metadata import metadata_for_batch
+from attnserve.attention.reference import reference_for_batch
+from attnserve.attention.synthetic import make_batch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LATENT, ROPE = 32, 16
+SMALL = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def poison_unused_latent(sb) -> None:
+    """NaN every latent row no request owns, so a read outside a request's KV shows in the output."""
+    fb, buf = sb.fb, sb.pool.kv_buffer[0]
+    used = torch.zeros(sb.pool.num_slots, dtype=torch.bool, device=buf.device)
+    for row, seq in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu):
+        used[fb.req_to_token[row, :seq].long()] = True
+    if sb.pool.is_fp8:
+        buf.view(torch.uint8)[~used] = 0x7F  # NaN in e4m3
+    else:
+        buf[~used] = float("nan")
+
+
+def mla_batch(prefix, ext, page_size=1, heads=20, kv_dtype=None, seed=0):
+    sb = make_batch(prefix, ext, num_heads=heads, mla=(LATENT, ROPE), page_size=page_size, dtype=torch.bfloat16,
+                    kv_dtype=kv_dtype, device=DEVICE, score_scale=8.0, seed=seed)
+    poison_unused_latent(sb)
+    return sb
+
+
+def run_decode(sb, splits, write_final, config=SMALL):
+    fb, lay = sb.fb, sb.layer
+    meta = metadata_for_batch(fb)
+    out = torch.full((fb.batch_size, lay.num_heads, LATENT), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    num_splits = torch.tensor(splits, dtype=torch.int32, device=DEVICE)  # [B]
+    return mla_decode_attention(sb.q, sb.pool.kv_buffer[0], out, meta.kv_indptr, meta.kv_indices, fb.seq_lens,
+                                num_splits, max(splits), sb.pool.page_size, lay.scaling, LATENT,
+                                kv_scale=sb.pool.k_scale[0], write_final=write_final, config=config)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_mla_decode_matches_oracle_with_splits_forced_on_and_off(page_size):
+    """Ragged lengths, 20 heads (two head groups, the second partly masked); 1 split, several, and empty ones."""
+    sb = mla_batch([70, 2, 140, 33], [1, 1, 1, 1], page_size=page_size, seed=page_size)
+    ref = reference_for_batch(sb.q, sb.layer, sb.fb)
+    for splits, final in (([1, 1, 1, 1], True), ([1, 1, 1, 1], False), ([3, 2, 5, 1], False), ([9, 9, 9, 9], False)):
+        out = run_decode(sb, splits, final)
+        assert not out.isnan().any(), (splits, final)
+        assert rel_err(out, ref) < 1e-2, (splits, final)
+
+
+def test_mla_decode_split_plan_splits_one_long_request():
+    sb = mla_batch([300], [1], heads=16)
+    splits = plan_kv_splits(sb.fb.seq_lens_cpu, 1, SplitPolicy(num_sms=4, min_split_tokens=32))
+    assert splits[0] > 1
+    assert rel_err(run_decode(sb, splits, False), reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+def test_mla_decode_fp8_latent_within_its_error_bound():
+    """e4m3 keeps 3 mantissa bits: each latent value is off by at most 2^-4 relative, so the output by a few %."""
+    sb = mla_batch([50, 90, 7], [1, 1, 1], page_size=64, kv_dtype="fp8_e4m3")
+    assert sb.pool.k_scale[0] != 1.0  # a per-tensor scale is in play
+    ref = reference_for_batch(sb.q, sb.layer, sb.fb)  # the oracle reads the same quantised latent
+    for splits in ([1, 1, 1], [2, 3, 1]):
+        out = run_decode(sb, splits, max(splits) == 1)
+        assert rel_err(out, ref) < 1e-2
+    exact = make_batch([50, 90, 7], [1, 1, 1], num_heads=20, mla=(LATENT, ROPE), page_size=64, dtype=torch.bfloat16,
+                       device=DEVICE, score_scale=8.0, seed=0)
+    # against the unquantised latent: e4m3 rounds each value by <= 2^-4 relative; peaked scores (q x 8) about
+    # double that in the output, so 10% bounds it (a wrong scale or a dropped dequantisation is off by ~100%)
+    assert rel_err(out, reference_for_batch(exact.q, exact.layer, exact.fb)) < 0.1
+
+
+def test_mla_decode_rejects_bad_shapes():
+    sb = mla_batch([5], [1])
+    with pytest.raises(ValueError, match="kv_lora_rank must be a power of two"):
+        mla_decode_attention(sb.q, sb.pool.kv_buffer[0], torch.empty(1, 20, 24), *([None] * 4), 1, 1, 1.0, 24)
+    with pytest.raises(ValueError, match="out"):
+        run_decode_out = torch.empty(1, 20, 16, dtype=torch.bfloat16, device=DEVICE)
+        meta = metadata_for_batch(sb.fb)
+        mla_decode_attention(sb.q, sb.pool.kv_buffer[0], run_decode_out, meta.kv_indptr, meta.kv_indices,
+                             sb.fb.seq_lens, torch.ones(1, dtype=torch.int32), 1, 1, 1.0, LATENT)
+
+
+# ---- extend -----------------------------------------------------------------------------------------
+def run_extend(sb, custom=False):
+    from attnserve.attention.kernels.extend import build_extend_tiles
+    from attnserve.attention.kernels.mla_extend import INTERPRETER_MLA_EXTEND_TILES, mla_extend_attention
+
+    fb, lay = sb.fb, sb.layer
+    cfg = INTERPRETER_MLA_EXTEND_TILES
+    meta = metadata_for_batch(fb)
+    tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, cfg.block_m, DEVICE)
+    out = torch.full((fb.num_tokens, lay.num_heads, LATENT), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    mask = mask_indptr = None
+    if custom:
+        sizes = [e * s for e, s in zip(fb.extend_lens_cpu, fb.seq_lens_cpu)]
+        mask = fb.custom_mask
+        mask_indptr = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0).to(DEVICE)
+    return mla_extend_attention(sb.q, sb.pool.kv_buffer[0], out, tiles, meta.qo_indptr, meta.kv_indptr,
+                                meta.kv_indices, fb.seq_lens, sb.pool.page_size, lay.scaling, LATENT,
+                                kv_scale=sb.pool.k_scale[0], custom_mask=mask, mask_indptr=mask_indptr, config=cfg)
+
+
+@pytest.mark.parametrize("page_size,kv_dtype", [(1, None), (64, None), (64, "fp8_e4m3")])
+def test_mla_extend_absorbed_over_cached_prefixes(page_size, kv_dtype):
+    """Fresh prompts, chunked prefill over a prefix, a one-token tail: one ragged batch."""
+    sb = mla_batch([0, 45, 70, 3], [21, 17, 1, 30], page_size=page_size, heads=3, kv_dtype=kv_dtype, seed=3)
+    out = run_extend(sb)
+    assert not out.isnan().any()
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+def test_mla_extend_with_a_custom_mask():
+    from attnserve.attention.base import ForwardMode
+
+    sb = make_batch([12, 5], [4, 3], num_heads=2, mla=(LATENT, ROPE), dtype=torch.bfloat16, device=DEVICE,
+                    custom_mask=True, mode=ForwardMode.TARGET_VERIFY, score_scale=8.0)
+    assert rel_err(run_extend(sb, custom=True), reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+def test_mla_expanded_prefill_with_v_narrower_than_k():
+    """Per-head k 48 wide (nope 32 + rope 16), v 32 wide, fresh ragged prompts: the oracle per request."""
+    from attnserve.attention.kernels.mla_extend import mla_expanded_prefill, plan_expanded_prefill
+    from attnserve.attention.reference import attend, visibility_mask
+
+    g = torch.Generator().manual_seed(5)
+    lens, heads = [19, 1, 33], 3
+    t = sum(lens)
+    q = (torch.randn(t, heads, 48, generator=g) * 3).to(torch.bfloat16).to(DEVICE)  # [T, H, 48]
+    k = torch.randn(t, heads, 48, generator=g).to(torch.bfloat16).to(DEVICE)  # [T, H, 48]
+    v = torch.randn(t, heads, 32, generator=g).to(torch.bfloat16).to(DEVICE)  # [T, H, 32]
+    plan = plan_expanded_prefill(lens, 48, DEVICE)
+    out = mla_expanded_prefill(q, k, v, plan, 48**-0.5)
+    assert out.shape == (t, heads, 32)
+    start = 0
+    for n in lens:
+        sl = slice(start, start + n)
+        mask = visibility_mask(torch.arange(n, device=DEVICE), n)
+        ref = attend(q[sl].double(), k[sl].double(), v[sl].double(), mask, 48**-0.5)
+        assert rel_err(out[sl], ref) < 1e-2
+        start += n
+    with pytest.raises(ValueError, match="expanded MLA"):
+        mla_expanded_prefill(q, k, torch.zeros(t, heads, 64), plan, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_mla_expanded_prefill_at_deepseek_widths():
+    """qk 192 (128 nope + 64 rope) and v 128, 16 heads, ragged fresh prompts, against the float32 oracle."""
+    from attnserve.attention.kernels.mla_extend import mla_expanded_prefill, plan_expanded_prefill
+    from attnserve.attention.reference import attend, visibility_mask
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    lens, heads = [1024, 7, 300], 16
+    t = sum(lens)
+    q = torch.randn(t, heads, 192, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 192]
+    k = torch.randn(t, heads, 192, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 192]
+    v = torch.randn(t, heads, 128, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 128]
+    out = mla_expanded_prefill(q, k, v, plan_expanded_prefill(lens, 192, "cuda"), 192**-0.5)
+    start = 0
+    for n in lens:
+        sl = slice(start, start + n)
+        ref = attend(q[sl].float(), k[sl].float(), v[sl].float(), visibility_mask(torch.arange(n, device="cuda"), n),
+                     192**-0.5)
+        assert rel_err(out[sl], ref) < 1e-2
+        start += n

@@ -1,0 +1,204 @@
+"""`attnserve tune` on the CPU with a tiny model, and selection reading what it wrote.
+
+One quick tune run (torch_native against flex_attention, a few seconds) is shared by the
+module; each test copies its result into its own cache directory and edits the copy.
+"""
+
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnserve.attention.selection import ServingFeatures, select_backends
+from attnserve.attention.tuned import RESULT_KIND, find_tuned
+from attnserve.cli import main
+from attnserve.hardware import detect_hardware
+from attnserve.models.config import ModelConfig
+
+# 4 query / 2 KV heads of width 16: the shape of tests/engine_helpers.tiny_llama
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 1024}
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """(config.json path, the result file, the JSON `tune --json` printed)."""
+    root = tmp_path_factory.mktemp("tune")
+    cfg = root / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ATTNSERVE_CACHE_DIR", str(root / "cache"))
+        out = io.StringIO()
+        mp.setattr(sys, "stdout", out)
+        assert main(["tune", "--model", str(cfg), "--quick", "--json"]) == 0
+    files = list((root / "cache").iterdir())
+    assert len(files) == 1 and files[0].name.startswith("tune-")  # the progress checkpoint is gone
+    return cfg, files[0], json.loads(out.getvalue())
+
+
+@pytest.fixture
+def cache(tuned, tmp_path, monkeypatch):
+    """A cache directory of this test's own holding a copy of the tune result; returns the copy's path."""
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path))
+    return shutil.copy(tuned[1], tmp_path / tuned[1].name)
+
+
+def _read(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def _edit(path, **changes):
+    data = {**_read(path), **changes}
+    Path(path).write_text(json.dumps(data))
+    return data
+
+
+def _select(capsys, cfg, *argv):
+    assert main(["select", "--model", str(cfg), "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_tune_writes_a_well_formed_result(tuned):
+    _, path, printed = tuned
+    stored = json.loads(path.read_text())
+    assert stored == printed
+    hw = detect_hardware()
+    assert stored["kind"] == RESULT_KIND and stored["machine"] == hw.name and stored["machine_detail"]
+    assert {"torch", "attnserve"} <= set(stored["versions"]) and stored["date"]
+    assert stored["shape"]["num_q_heads"] == 4 and stored["shape"]["num_kv_heads"] == 2
+    assert stored["shape"]["head_dim"] == 16 and stored["shape"]["kv_cache_dtype"] == "fp32"
+    assert any("triton not raced" in n for n in stored["notes"])  # said, not silently dropped
+    assert stored["ceilings"]["copy_tbps"] > 0 and stored["ceilings"]["matmul_tflops"] > 0
+    workloads = {r["workload"] for r in stored["records"]}
+    assert {w.split()[0] for w in workloads} == {"decode", "prefill"}
+    for rec in stored["records"]:
+        assert rec["backend"] in ("torch_native", "flex_attention"), rec
+        assert rec["checked_against"] == "oracle" and rec["rel_err"] < 1e-3, rec  # checked before timing
+        assert rec["us"] > 0 and rec["timing"] == "cpu" and "pct_of_ceiling" in rec, rec
+    assert {len([r for r in stored["records"] if r["workload"] == w]) for w in workloads} == {2}
+    for side in ("prefill", "decode"):
+        w = stored["winners"][side]
+        assert w["backend"] in ("torch_native", "flex_attention") and w["runner_up"] != w["backend"]
+        assert w["ratio"] >= 1.0
+
+
+def test_select_cites_the_result_and_picks_its_winner(tuned, cache, capsys):
+    cfg = tuned[0]
+    out = _select(capsys, cfg)
+    winners = tuned[2]["winners"]
+    assert (out["prefill_backend"], out["decode_backend"]) == (winners["prefill"]["backend"],
+                                                               winners["decode"]["backend"])
+    cited = [e for e in out["trace"] if e["kind"] == "tuned" and e["side"] == "decode"]
+    assert len(cited) == 1 and str(cache) in cited[0]["reason"] and tuned[2]["date"] in cited[0]["reason"]
+    assert f"{winners['decode']['ratio']:.2f}x faster than {winners['decode']['runner_up']}" in cited[0]["reason"]
+    # the measured winner decides, not the static order: make flex_attention the decode winner
+    _edit(cache, winners={**winners, "decode": {"backend": "flex_attention", "runner_up": "torch_native",
+                                                "ratio": 1.5}})
+    out = _select(capsys, cfg)
+    assert out["decode_backend"] == "flex_attention" and out["prefill_backend"] == winners["prefill"]["backend"]
+    # --no-tuned: the policy alone, and the trace says nothing was read
+    out = _select(capsys, cfg, "--no-tuned")
+    assert out["decode_backend"] == "torch_native"
+    assert not any(e["kind"] == "tuned" for e in out["trace"])
+    # an explicit backend is never replaced by a measured one
+    out = _select(capsys, cfg, "--attention-backend", "torch_native")
+    assert out["decode_backend"] == "torch_native" and not any(e["kind"] == "tuned" for e in out["trace"])
+
+
+def test_other_versions_are_stale_reported_and_not_used(tuned, cache, capsys):
+    versions = _read(cache)["versions"]
+    _edit(cache, versions={**versions, "torch": "1.0.0"},
+          winners={"decode": {"backend": "flex_attention", "runner_up": None, "ratio": None}})
+    out = _select(capsys, tuned[0])
+    assert out["decode_backend"] == "torch_native"  # the policy's, not the stale winner
+    stale = [e["reason"] for e in out["trace"] if e["kind"] == "tuned"]
+    assert len(stale) == 1 and "stale" in stale[0] and str(cache) in stale[0]
+    assert f"torch 1.0.0 -> {versions['torch']}" in stale[0]
+
+
+def test_other_shapes_and_machines_do_not_match(tuned, cache):
+    shape = ModelConfig.load(tuned[0]).attention_shape()
+    hw = detect_hardware()
+    assert find_tuned(hw, shape, "fp32", None)[0] is not None
+    assert find_tuned(hw, shape, "bf16", None)[0] is None  # another KV dtype
+    assert find_tuned(hw, shape, "fp32", 16)[0] is None  # another page size
+    _edit(cache, machine="some other machine")
+    choice, notes = find_tuned(hw, shape, "fp32", None)
+    assert choice is None and "1 for other machines or shapes" in notes[0]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00binary", b"[1, 2]", b'{"kind": "attnserve-tune"}'],
+                         ids=["corrupt", "binary", "not-an-object", "missing-fields"])
+def test_a_broken_cache_file_is_reported_and_ignored(tuned, cache, content):
+    bad = cache.parent / "tune-broken.json"
+    bad.write_bytes(content)
+    (cache.parent / "tune-a-directory.json").mkdir()  # unreadable as a file
+    shape = ModelConfig.load(tuned[0]).attention_shape()
+    hw = detect_hardware()
+    sel = select_backends(hw, shape, ServingFeatures(kv_cache_dtype="fp32"), use_tuned=True)
+    reasons = [e.reason for e in sel.trace if e.kind == "tuned"]
+    assert any(str(bad) in r and "ignored unreadable" in r for r in reasons)
+    assert any("tune-a-directory.json" in r and "ignored unreadable" in r for r in reasons)
+    assert any("measured fastest" in r for r in reasons)  # the good file next to them still counts
+
+
+def test_the_engine_prefers_the_tuned_winner_unless_told_not_to(tuned, cache):
+    from engine_helpers import tiny_llama
+
+    from attnserve.engine.llm import LLM
+
+    winners = _read(cache)["winners"]
+    _edit(cache, winners={**winners, "prefill": {"backend": "flex_attention", "runner_up": "torch_native",
+                                                 "ratio": 1.2}})
+    llm = LLM(loaded=tiny_llama(), device="cpu", max_total_tokens=256)
+    attention = llm.engine.parts.attention
+    assert attention.prefill_backend == "flex_attention"
+    assert any(str(cache) in line for line in attention.trace)
+    llm = LLM(loaded=tiny_llama(), device="cpu", max_total_tokens=256, no_tuned=True)
+    assert llm.engine.parts.attention.prefill_backend == "torch_native"
+
+
+def test_generate_and_serve_take_no_tuned():
+    from attnserve.cli import build_parser
+    from attnserve.commands.engine_args import engine_settings
+
+    for cmd in (["generate", "hi"], ["serve"]):
+        args = build_parser().parse_args([*cmd, "--no-tuned"])
+        assert engine_settings(args)["no_tuned"] is True
+        assert engine_settings(build_parser().parse_args(cmd))["no_tuned"] is False
+
+
+def test_tune_refuses_what_it_cannot_race(tuned, capsys):
+    assert main(["tune", "--model", str(tuned[0]), "--backends", "fa3"]) == 2
+    assert "'fa3' is not implemented" in capsys.readouterr().err
+    assert main(["tune", "--model", "deepseek-v3", "--quick"]) == 2
+    assert "MLA" in capsys.readouterr().err
+    assert main(["tune", "--model", str(tuned[0]), "--kv-cache-dtype", "fp8_e4m3"]) == 2
+    assert "fp8_e4m3" in capsys.readouterr().err
+
+
+def test_tune_baseline_names_every_slowed_workload(tuned, tmp_path, monkeypatch, capsys):
+    """A stored run whose times are made 100x faster: every workload this run times is slower than it allows."""
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    old = json.loads(tuned[1].read_text())
+    for rec in old["records"]:
+        rec["us"] /= 100
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert main(["tune", "--model", str(tuned[0]), "--quick", "--baseline", str(tmp_path / "old.json")]) == 3
+    out = capsys.readouterr().out
+    for rec in old["records"]:
+        assert f"{rec['workload']} / {rec['backend']}" in out
+    # another machine's run is refused before racing
+    (tmp_path / "other.json").write_text(json.dumps({**old, "machine": "NVIDIA H200"}))
+    assert main(["tune", "--model", str(tuned[0]), "--quick", "--baseline", str(tmp_path / "other.json")]) == 2
+    assert "measured on 'NVIDIA H200'" in capsys.readouterr().err
+
+
+def test_triton_on_the_cpu_needs_the_interpreter(tuned, monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert main(["tune", "--model", str(tuned[0]), "--backends", "triton"]) == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
