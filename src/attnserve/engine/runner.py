@@ -2,7 +2,11 @@
 
 All per-step index arithmetic (slots, positions, the request->slot table rows
 to write) is done on the host from the requests' page lists, then moved to the
-device in a few copies; the backend plans once per step, outside any graph.
+device in a few copies from pinned memory, which never wait for the device;
+the backend plans once per step, outside any graph. A decoding request's input
+token is its last sampled one, which the runner keeps on the device
+(`last_tokens`, one entry per request row): the host can build a decode step
+before the previous step's tokens have reached it (overlap scheduling).
 The runner reads requests and never writes them: how much of each table row is
 written is the request->slot pool's bookkeeping.
 """
@@ -16,6 +20,7 @@ from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from attnserve.engine.cuda_graph import CudaGraphRunner
 from attnserve.engine.scheduler import ScheduleBatch
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool
+from attnserve.transfers import to_device
 
 
 class ModelRunner:
@@ -38,6 +43,8 @@ class ModelRunner:
         self.graph_runner = graph_runner
         self.steps_graphed = 0
         self.steps_eager = 0
+        rows = req_pool.req_to_token.shape[0]
+        self.last_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)  # [rows]: latest token per row
 
     def _slots(self, pages: list[int], lo: int, hi: int) -> np.ndarray:
         """Slots of token positions [lo, hi) of a request holding `pages`: [hi - lo] int64."""
@@ -50,36 +57,53 @@ class ModelRunner:
         return page_arr[pos // ps - first] * ps + pos % ps
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Run one step; returns logits `[num sampling requests, vocab]` (float32) in batch order."""
+        """Run one step; returns logits `[num sampling requests, vocab]` (float32) in batch order.
+
+        Launches the work and returns without waiting for the device: nothing here reads device memory.
+        """
         with torch.inference_mode():  # plan and graph buffers, too, are made and updated in inference mode
             return self._forward(batch)
 
+    def record_sampled(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Remember each sampling request's new token on the device (`rows` [S], `tokens` [S] int64): its
+        next decode step reads it there, so the host need not know it before scheduling that step."""
+        self.last_tokens.index_copy_(0, rows, tokens)
+
     def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        ids, positions, out_loc = [], [], []
+        num_tokens = batch.num_tokens
+        bs = batch.batch_size
+        # one int64 host array, one copy to the device: input ids, positions, slots [T] each; rows [B]
+        host = np.empty(3 * num_tokens + bs, dtype=np.int64)
+        ids, positions, out_loc = (host[i * num_tokens : (i + 1) * num_tokens] for i in range(3))
+        host[3 * num_tokens :] = [r.row for r in batch.reqs]
         table_rows, table_slots = [], []
-        for r, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        t = 0
+        for i, (r, prefix, ext) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
             end = prefix + ext
             filled = self.req_pool.filled(r.row)  # below prefix only when a cached prefix was just matched
             slots = self._slots(r.pages, filled, end)  # [end - filled]
             table_rows.append(r.row)
             table_slots.append(slots)
-            out_loc.append(slots[prefix - filled :])
-            ids.append(np.asarray(r.tokens(prefix, end), dtype=np.int64))
-            positions.append(np.arange(prefix, end, dtype=np.int64))
+            out_loc[t : t + ext] = slots[prefix - filled :]
+            positions[t : t + ext] = np.arange(prefix, end, dtype=np.int64)
+            if i < batch.num_decodes:
+                ids[t] = 0  # the request's last sampled token: read from last_tokens on the device below
+            else:
+                ids[t : t + ext] = r.tokens(prefix, end)
+            t += ext
         dev = self.device
-
-        def to_dev(parts, dtype=torch.int64):
-            return torch.from_numpy(np.concatenate(parts)).to(dev, dtype)
 
         # write the new tokens' slots (and a newly admitted request's cached prefix) into its row
         self.req_pool.extend(table_rows, table_slots)
 
         seq_lens_cpu = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
-        input_ids = to_dev(ids)  # [T]
-        pos = to_dev(positions)  # [T]
-        loc = to_dev(out_loc)  # [T]
-        req_rows = torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=dev)  # [B]
-        seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int32, device=dev)  # [B]
+        packed = to_device(host, dev)  # [3T + B]
+        input_ids, pos, loc = (packed[i * num_tokens : (i + 1) * num_tokens] for i in range(3))  # [T] each
+        req_rows = packed[3 * num_tokens :]  # [B]
+        nd = batch.num_decodes
+        if nd:  # decodes come first, one token each: their input rows are 0..nd-1
+            input_ids[:nd] = self.last_tokens[req_rows[:nd]]
+        seq_lens = to_device(np.asarray(seq_lens_cpu, dtype=np.int32), dev)  # [B]
 
         if (
             self.graph_runner is not None
@@ -88,15 +112,16 @@ class ModelRunner:
         ):
             self.steps_graphed += 1
             logits = self.graph_runner.replay(input_ids, pos, loc, req_rows, seq_lens, seq_lens_cpu)
-            return logits[torch.tensor([i for i, s in enumerate(batch.sample) if s], device=dev)] \
-                if not all(batch.sample) else logits
+            if all(batch.sample):
+                return logits
+            return logits[to_device([i for i, s in enumerate(batch.sample) if s], dev)]
 
         self.steps_eager += 1
         fb = ForwardBatch(
             mode=batch.mode,
             req_pool_indices=req_rows,
             seq_lens=seq_lens,
-            extend_lens=torch.tensor(batch.extend_lens, dtype=torch.int32, device=dev),
+            extend_lens=to_device(np.asarray(batch.extend_lens, dtype=np.int32), dev),
             positions=pos,
             out_cache_loc=loc,
             req_to_token=self.req_pool.req_to_token,
@@ -108,5 +133,5 @@ class ModelRunner:
         self.backend.plan(fb)
         last = np.cumsum(batch.extend_lens) - 1  # row of each request's last new token
         picked = [int(t) for t, s in zip(last, batch.sample) if s]
-        logits_indices = None if len(picked) == input_ids.numel() else torch.tensor(picked, dtype=torch.int64, device=dev)
+        logits_indices = None if len(picked) == num_tokens else to_device(picked, dev)
         return self.model(input_ids, pos, fb, logits_indices=logits_indices)
