@@ -124,50 +124,91 @@ def test_written_gguf_matches_transformers(arch, family, qtype, extra, tmp_path)
     assert run.token_ids == expected
 
 
-def _sentencepiece_gguf(path, add_bos_token: bool | None = None) -> None:
+# the toy sentencepiece vocabulary's scored pieces, best score first; their ids follow <unk>, <s>, </s> and
+# the 256 byte tokens
+SP_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "t", "\u2581h", "he", "ll", "llo", "\u2581he",
+             "\u2581hello", "\u2581w", "or", "orld", "\u2581world", "\u2581t", "\u2581the", "th", "\u2581wor",
+             "ld", "\u2581\u2581", "lo", "\u2581th"]
+SP_ID = {piece: 3 + 256 + i for i, piece in enumerate(SP_PIECES)}
+SP_BOS, SP_EOS = 1, 2
+
+
+def _sentencepiece_gguf(path, add_bos_token: bool | None = None, add_space_prefix: bool | None = None) -> None:
     """A metadata-only GGUF with a toy sentencepiece vocabulary: specials, 256 byte tokens, scored pieces.
 
-    add_bos_token: written as tokenizer.ggml.add_bos_token; None leaves the key out.
+    add_bos_token / add_space_prefix: written as tokenizer.ggml.add_bos_token / add_space_prefix; None
+    leaves the key out.
     """
-    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "t", "\u2581h", "he", "ll", "llo", "\u2581he",
-              "\u2581hello", "\u2581w", "or", "orld", "\u2581world", "\u2581t", "\u2581the", "th", "\u2581wor",
-              "ld", "\u2581\u2581", "lo", "\u2581th"]
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
-    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
-    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SP_PIECES
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SP_PIECES)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(SP_PIECES))]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_scores(scores)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_bos_token_id(SP_BOS)
+    w.add_eos_token_id(SP_EOS)
     w.add_unk_token_id(0)
     if add_bos_token is not None:
         w.add_add_bos_token(add_bos_token)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-# tokenizer.ggml.add_bos_token as written -> whether encode() starts with BOS. Without the key a
-# sentencepiece ("llama") vocabulary adds BOS: llama.cpp's default for that tokenizer model, which
-# the GGUF format defines; transformers' GGUF import has changed its mind on this across versions,
-# so BOS is checked against the metadata and transformers only for the tokens after it.
-@pytest.mark.parametrize("add_bos_token,starts_with_bos", [(None, True), (True, True), (False, False)])
-def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path, add_bos_token, starts_with_bos):
+def _sentencepiece_tokenizer(tmp_path, **metadata):
     from attnserve.models.gguf_loader import GGUFFile
     from attnserve.models.tokenizer import Tokenizer
 
     path = tmp_path / "sp.gguf"
-    _sentencepiece_gguf(path, add_bos_token)
-    ours = Tokenizer.from_gguf(GGUFFile(path).tokenizer_fields(), str(path))
+    _sentencepiece_gguf(path, **metadata)
+    return Tokenizer.from_gguf(GGUFFile(path).tokenizer_fields(), str(path)), path
+
+
+# What a GGUF's sentencepiece ("llama") vocabulary means is llama.cpp's reading of its metadata:
+# tokenizer.ggml.add_bos_token (default true) puts BOS first, and tokenizer.ggml.add_space_prefix (default
+# true) puts one '▁' before the text and before the text after each special token, also where the text
+# already starts with a space. These are asserted as such; transformers' GGUF import has changed its mind
+# on both across versions (5.17 adds no BOS and prefixes as llama.cpp does; 5.24 adds BOS and prefixes only
+# text that does not start with a space, and only at the start), so it is compared only on texts where
+# those versions agree.
+TEXTS_TRANSFORMERS_VERSIONS_AGREE_ON = ["hello world", "the worldé!", "\nhe\tllo", "x"]
+
+
+@pytest.mark.parametrize("add_bos_token,starts_with_bos", [(None, True), (True, True), (False, False)])
+def test_sentencepiece_gguf_tokenizer_follows_llama_cpp_and_matches_transformers(tmp_path, add_bos_token,
+                                                                                 starts_with_bos):
+    ours, path = _sentencepiece_tokenizer(tmp_path, add_bos_token=add_bos_token)
+    bos = [SP_BOS] if starts_with_bos else []
+    p = SP_ID
+    # one '▁' in front of the text; a leading space of the text's own stays a '▁' of its own
+    assert ours.encode("hello world") == bos + [p["\u2581hello"], p["\u2581world"]]
+    assert ours.encode(" hello  the world") == bos + [p["\u2581"], p["\u2581hello"], p["\u2581"], p["\u2581the"],
+                                                      p["\u2581world"]]
+    # the text after a special token is prefixed again
+    assert ours.encode("hello</s>world") == bos + [p["\u2581hello"], SP_EOS, p["\u2581world"]]
+    for text in [" hello  the world", "hello world", "  x", "the worldé!", "\nhe\tllo"]:
+        assert ours.decode(ours.encode(text)) == text  # the prefix is dropped again, the text's spaces kept
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
-    for text in ["hello world", " hello  the world", "the worldé!", "hello</s>world", "\nhe\tllo", "x"]:
+    for text in TEXTS_TRANSFORMERS_VERSIONS_AGREE_ON:
         ids = ours.encode(text)
-        assert (ids[0] == 1) == starts_with_bos and ids.count(1) == int(starts_with_bos), (text, ids)
+        assert (ids[0] == SP_BOS) == starts_with_bos and ids.count(SP_BOS) == int(starts_with_bos), (text, ids)
         body = ids[1:] if starts_with_bos else ids
         assert body == ref(text, add_special_tokens=False)["input_ids"], text
         assert ours.encode(text, add_special_tokens=False) == body, text
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+
+
+def test_sentencepiece_gguf_without_a_space_prefix_tokenizes_the_text_as_it_is(tmp_path):
+    """tokenizer.ggml.add_space_prefix = false: no '▁' is added, so "hello" is not the piece "▁hello"."""
+    ours, _ = _sentencepiece_tokenizer(tmp_path, add_bos_token=False, add_space_prefix=False)
+    p = SP_ID
+    assert ours.encode("hello world") == [p["he"], p["llo"], p["\u2581world"]]
+    assert ours.encode(" hello") == [p["\u2581hello"]]
+    assert ours.encode("hello</s>world") == [p["he"], p["llo"], SP_EOS, p["w"], p["orld"]]
+    for text in ["hello world", " hello  the world"]:
+        assert ours.decode(ours.encode(text)) == text

@@ -144,6 +144,10 @@ class GGUFFile:
             # sentencepiece vocabularies add BOS unless the file says otherwise (as llama.cpp does)
             "add_bos_token": bool(self.value("tokenizer.ggml.add_bos_token",
                                              self.value("tokenizer.ggml.model") == "llama")),
+            # llama.cpp prefixes a sentencepiece vocabulary's text (and the text after each special token) with
+            # one space unless the file says otherwise
+            "add_space_prefix": bool(self.value("tokenizer.ggml.add_space_prefix",
+                                                self.value("tokenizer.ggml.model") == "llama")),
             "chat_template": self.value("tokenizer.chat_template"),
         }
 

@@ -154,9 +154,13 @@ def _sentencepiece_backend(fields: dict):
 
     Files usually carry scores instead of merges; merges are then rebuilt from the scores: every
     split of a token into two vocabulary pieces is a merge, ranked by the merged token's score.
+    With tokenizer.ggml.add_space_prefix (llama.cpp's default for these vocabularies) each run of
+    text, at the start and after every special token, gets one '▁' in front even when it already
+    starts with a space (" hi" is "▁▁hi"), as sentencepiece's dummy prefix and llama.cpp do; the
+    decoder drops that one leading space again.
     """
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import decoders, models, normalizers
 
     tokens = fields["tokens"]
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -165,9 +169,11 @@ def _sentencepiece_backend(fields: dict):
     else:
         merges = merges_from_scores(vocab, dict(zip(tokens, fields["scores"])))
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    # the normalizer runs on each piece of text between special tokens, so each piece gets the prefix
+    prefix = [normalizers.Prepend("\u2581")] if fields["add_space_prefix"] else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "\u2581")])
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(content=" ", left=1)])
+                                         *([decoders.Strip(content=" ", left=1)] if prefix else [])])
     return backend
 
 
