@@ -79,8 +79,11 @@ def test_unreadable_baseline_is_refused(tmp_path, capsys):
 
 
 def test_bench_kernels_refuses_another_gpus_baseline_before_racing(tmp_path, capsys):
-    """On this CPU the committed H200 race is not comparable: refused with exit 2, nothing raced or written."""
+    """The committed H200 race, said to be from a GPU no machine here is: refused with exit 2, nothing raced
+    or written (on any machine, the H200 included)."""
+    other = {**json.loads(COMMITTED_H200.read_text()), "gpu": "Another GPU 9000"}
+    (tmp_path / "other.json").write_text(json.dumps(other))
     out = tmp_path / "k.json"
-    assert main(["bench", "kernels", "--tiny", "--json", str(out), "--baseline", str(COMMITTED_H200)]) == 2
-    assert "measured on 'NVIDIA H200'" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--tiny", "--json", str(out), "--baseline", str(tmp_path / "other.json")]) == 2
+    assert "measured on 'Another GPU 9000'" in capsys.readouterr().err
     assert not out.exists()

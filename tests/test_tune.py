@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.attention.tuned import RESULT_KIND, find_tuned
@@ -22,6 +23,16 @@ from attnserve.models.config import ModelConfig
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 1024}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def on_a_machine_without_a_gpu():
+    """These tests describe tune on the CPU: on a GPU machine too, detection (tune, select, the engine's
+    device "auto") sees only the CPU, so results, keys and machine names are the CPU's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        mp.setattr(torch.backends.mps, "is_available", lambda: False)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +210,6 @@ def test_tune_baseline_names_every_slowed_workload(tuned, tmp_path, monkeypatch,
 
 
 def test_triton_on_the_cpu_needs_the_interpreter(tuned, monkeypatch, capsys):
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by conftest on machines without CUDA only
     assert main(["tune", "--model", str(tuned[0]), "--backends", "triton"]) == 2
     assert "TRITON_INTERPRET=1" in capsys.readouterr().err

@@ -16,12 +16,15 @@ TIMED_PACKAGES = ("torch", "triton", "flashinfer-python", "attnserve")
 
 def package_versions() -> dict[str, str]:
     """{distribution: version} for each of TIMED_PACKAGES installed here, plus torch's CUDA ("cuda")."""
+    from attnserve import __version__
+
     out: dict[str, str] = {}
     for pkg in TIMED_PACKAGES:
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             pass
+    out["attnserve"] = __version__  # the code running now, also when it runs from a checkout, not installed
     try:
         import torch
 
