@@ -61,9 +61,15 @@ def test_url_sweep_against_a_running_server(tmp_path):
 
 
 def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
+    """The server exits on its flags before loading a model: a small word tokenizer sizes the prompts, so
+    this holds without the embedded model too."""
+    from attnserve.bench.serve_synthetic import write_tokenizer_dir
+
+    write_tokenizer_dir(tmp_path / "tokenizer", vocab_size=500)
     out = tmp_path / "bad.json"
     rc = main(["bench", "serve", "--launch", "--device cpu", "--compare", "bad=--no-such-flag 1", *SMALL,
-               "--server-log-dir", str(tmp_path / "logs"), "--json", str(out)])
+               "--tokenizer", str(tmp_path / "tokenizer"), "--server-log-dir", str(tmp_path / "logs"),
+               "--json", str(out)])
     assert rc == 1
     (cfg,) = json.loads(out.read_text())["configs"]
     assert cfg["label"] == "bad" and cfg["points"] == []
