@@ -25,20 +25,24 @@ class CausalLM(nn.Module):
 
     def _build_stack(self, cfg, rotary: nn.Module, make_layer) -> None:
         """Embeddings, `make_layer(cfg, layer_id, rotary)` per layer, final norm, LM head (tied if asked)."""
-        from attnserve.models.layers import LMHead, RMSNorm, VocabEmbedding
+        from attnserve.distributed.embedding import ParallelLMHead, VocabParallelEmbedding
+        from attnserve.models.layers import RMSNorm
 
         self.config = cfg
         self.rotary = rotary
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def kv_cache_spec(self) -> AttentionShape:
-        """What the KV pool must hold and what attention sees: the parsed config's attention shape."""
-        return self.config.attention_shape()
+        """What the KV pool must hold and what attention sees: the parsed config's attention shape, as this
+        tensor-parallel rank holds it (its query and KV heads; MLA's latent whole)."""
+        from attnserve.distributed.state import tp_size
+
+        return self.config.attention_shape().per_rank(tp_size())
 
     def forward(
         self,
