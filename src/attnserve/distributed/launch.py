@@ -137,7 +137,7 @@ def _worker_main(rank: int, world: int, init_addr: str, device: str, parent_pid:
     from attnserve.distributed.groups import destroy_groups, init_groups
 
     _die_with_parent(parent_pid)
-    logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s",
+    logging.basicConfig(level=logging.WARNING, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     if torch.device(device).type == "cpu":
         torch.set_num_threads(cpu_threads)

@@ -69,3 +69,14 @@ def take(loaded, dim: int, start: int, length: int) -> torch.Tensor:
 def read_all(loaded) -> torch.Tensor:
     """The whole tensor, read from disk if it is a lazy checkpoint tensor."""
     return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
+
+
+def check_model_splits(cfg, size: int) -> None:
+    """Refuse a tp size that does not split this model (`cfg`: a parsed ModelConfig), naming what it fails on."""
+    check_split(cfg.num_heads, size, "query heads")
+    if not cfg.is_mla:
+        check_split(cfg.num_kv_heads, size, "KV heads", allow_replicas=True)
+    if cfg.intermediate_size:
+        check_split(cfg.intermediate_size, size, "MLP channels (intermediate_size)")
+    if cfg.n_routed_experts:
+        check_split(cfg.moe_intermediate_size, size, "expert channels (moe_intermediate_size)")

@@ -24,6 +24,7 @@ from attnserve.engine.sampler import Sampler
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.scheduler import Scheduler, SchedulerConfig
 from attnserve.engine.setup import EngineParts, build_parts
+from attnserve.engine.tensor_parallel import start_world
 
 log = logging.getLogger("attnserve.engine")
 
@@ -53,7 +54,13 @@ class Engine:
         elif overrides:
             raise ValueError("pass either an EngineConfig or keyword settings, not both")
         self.config = config
-        self.parts: EngineParts = build_parts(config, loaded)
+        self.world = start_world(config, loaded)  # tp > 1: the other ranks, spawned and joined (None at tp 1)
+        try:
+            self.parts: EngineParts = build_parts(config, loaded)
+        except BaseException:
+            if self.world is not None:
+                self.world.abort()
+            raise
         p = self.parts
         self.tokenizer = p.model.tokenizer
         self.eos_token_ids = set(p.model.eos_token_ids)
@@ -69,12 +76,16 @@ class Engine:
             p.kv.allocator,
             p.kv.req_pool,
         )
-        self.runner = ModelRunner(p.model.module, p.kv.pool, p.backend, p.kv.req_pool, p.model.device,
-                                  graph_runner=p.graphs.runner)
+        self.runner = ModelRunner.from_parts(p)
         self.sampler = Sampler(p.model.device, seed=config.seed)
         self.requests: dict[int, Request] = {}
         self.step_times = StepTimes()
         self._rids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (also done at exit); the engine cannot step after."""
+        if self.world is not None:
+            self.world.close()
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
