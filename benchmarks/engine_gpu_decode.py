@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
-    ap.add_argument("--configs", default="triton-graphs,triton-eager,flashinfer-decode")
+    ap.add_argument("--configs", default="triton-graphs,triton-graphs-unfused,triton-eager,flashinfer-decode")
     ap.add_argument("--out", default="benchmarks/results/engine_gpu_decode.json")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script (no roofline meaning)")
     args = ap.parse_args()
@@ -160,6 +160,7 @@ def main() -> None:
     wbytes = weight_bytes(loaded.model)
     configs = {
         "triton-graphs": {"attention_backend": "triton"},
+        "triton-graphs-unfused": {"attention_backend": "triton", "disable_fused_ops": True},
         "triton-eager": {"attention_backend": "triton", "disable_cuda_graph": True},
         "flashinfer-decode": {"prefill_attention_backend": "triton", "decode_attention_backend": "flashinfer"},
         "flashinfer": {"attention_backend": "flashinfer"},
@@ -179,6 +180,13 @@ def main() -> None:
     if "triton-graphs" in by and "flashinfer-decode" in by:
         ratios["triton_vs_flashinfer_decode_step"] = round(
             by["flashinfer-decode"]["decode_step_ms_median"] / by["triton-graphs"]["decode_step_ms_median"], 3)
+    if "triton-graphs" in by and "triton-graphs-unfused" in by:
+        ratios["fused_ops_speedup_decode_step"] = round(
+            by["triton-graphs-unfused"]["decode_step_ms_median"] / by["triton-graphs"]["decode_step_ms_median"], 3)
+        ratios["fused_ops_speedup_output_tok_per_s"] = round(
+            by["triton-graphs"]["output_tok_per_s"] / by["triton-graphs-unfused"]["output_tok_per_s"], 3)
+        ratios["fused_ops_same_first_tokens"] = (
+            by["triton-graphs"]["first_tokens_req0"] == by["triton-graphs-unfused"]["first_tokens_req0"])
     if "triton-graphs" in by and "triton-eager" in by:
         ratios["cuda_graph_speedup_decode_step"] = round(
             by["triton-eager"]["decode_step_ms_median"] / by["triton-graphs"]["decode_step_ms_median"], 3)

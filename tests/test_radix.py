@@ -36,6 +36,20 @@ def test_match_returns_page_aligned_prefix(page_size):
     assert len(cache.match_prefix(a, max_len=len(a) - 1)) * page_size == (len(a) - 1) // page_size * page_size
 
 
+@pytest.mark.parametrize("diverge", [0, 3, 511, 512, 513, 1500, 2047])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_long_prefix_diverging_anywhere_matches_the_whole_pages_before_it(page_size, diverge):
+    """Keys longer than one compare chunk (512 tokens): the match is exact wherever they differ."""
+    alloc = PageAllocator(4096)
+    cache = RadixCache(alloc, page_size)
+    rng = random.Random(diverge)
+    a = [rng.randrange(1000) for _ in range(2048)]
+    _cache_request(cache, alloc, a, page_size)
+    b = a[:diverge] + [a[diverge] + 1] + a[diverge + 1 :]
+    assert len(cache.match_prefix(b)) == diverge // page_size
+    assert len(cache.match_prefix(a[: diverge + 1])) == (diverge + 1) // page_size  # shorter than the key
+
+
 def test_split_keeps_pages_and_refcounts():
     alloc = PageAllocator(32)
     cache = RadixCache(alloc, 2)

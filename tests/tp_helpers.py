@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from engine_helpers import VOCAB, tiny_model
 
 TINY_LLAMA_TP = {  # 8 query / 2 KV heads: tp 2 splits both, tp 4 replicates each KV head on two ranks

@@ -242,6 +242,16 @@ class AttentionLayerParams(Protocol):
     def gqa_group(self) -> int: ...
 
 
+class RopeForStore(Protocol):
+    """What `rotate_and_store_kv` needs of a step's rotary embedding (`models.rope.RopeStep` is the one kind)."""
+
+    fused_store: object | None  # a kernel that rotates and writes the pool in one pass, or None
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotate_and_store(self, q, k, v, k_buffer, v_buffer, loc) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class AttentionBackend(ABC):
     """Attention over the paged pool. Subclasses fill `name`, `features` and the two forward paths."""
 
@@ -261,6 +271,25 @@ class AttentionBackend(ABC):
     def store_kv(self, layer: AttentionLayerParams, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Write this step's K/V at `fb.out_cache_loc`. Backends with their own store kernel override it."""
         self.pool.store(layer.layer_id, fb.out_cache_loc, k, v)
+
+    def rotate_and_store_kv(
+        self, layer: AttentionLayerParams, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        rope: RopeForStore,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply RoPE to q and k, write this step's K/V at `fb.out_cache_loc`; returns the rotated (q, k).
+
+        `rope` is the model's RopeStep. The pool's layout is every backend's layout, so when the model
+        offers a fused rotate+store kernel (`rope.fused_store`) and the pool stores K/V as they are (MHA,
+        not FP8: scaled formats keep one quantising store), one pass does both. Otherwise q and k are
+        rotated and `store_kv` writes them. A backend whose store differs overrides both methods.
+        """
+        if rope.fused_store is not None and v is not None and not self.pool.is_mla and not self.pool.is_fp8:
+            lid = layer.layer_id
+            return rope.rotate_and_store(q, k, v, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid),
+                                         fb.out_cache_loc)
+        q, k = rope.rotate(q, k)
+        self.store_kv(layer, fb, k, v)
+        return q, k
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerParams, fb: ForwardBatch

@@ -106,6 +106,9 @@ class HybridAttentionBackend(AttentionBackend):
     def store_kv(self, layer, fb: ForwardBatch, k, v) -> None:
         self.backend_for(fb.mode).store_kv(layer, fb, k, v)
 
+    def rotate_and_store_kv(self, layer, fb: ForwardBatch, q, k, v, rope):
+        return self.backend_for(fb.mode).rotate_and_store_kv(layer, fb, q, k, v, rope)
+
     def forward(self, q, k, v, layer, fb: ForwardBatch):
         return self.backend_for(fb.mode).forward(q, k, v, layer, fb)
 

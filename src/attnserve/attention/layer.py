@@ -66,8 +66,13 @@ class AttentionLayer(nn.Module):
         v: torch.Tensor | None,
         fb: ForwardBatch,
         save_kv: bool = True,
+        rope=None,
     ) -> torch.Tensor:
-        """q `[T, H*D]` or `[T, H, D]`; k/v likewise with KV heads -> o `[T, H * v_head_dim]`."""
+        """q `[T, H*D]` or `[T, H, D]`; k/v likewise with KV heads -> o `[T, H * v_head_dim]`.
+
+        rope: the model's RopeStep when q and k still need rotating; the backend then rotates and
+        stores in one call (fused into one kernel where the model and pool allow).
+        """
         backend = fb.attn_backend
         if backend is None:
             raise ValueError("ForwardBatch has no attn_backend; plan the step with a backend first")
@@ -77,7 +82,11 @@ class AttentionLayer(nn.Module):
             k = k.view(tokens, self.num_kv_heads, self.head_dim)
         if v is not None:
             v = v.view(tokens, self.num_kv_heads, self.v_head_dim)
-        if save_kv and k is not None:
+        if rope is not None and save_kv and k is not None:
+            q, k = backend.rotate_and_store_kv(self, fb, q, k, v, rope)
+        elif rope is not None:
+            q, k = rope.rotate(q, k)
+        elif save_kv and k is not None:
             backend.store_kv(self, fb, k, v)
         o = backend.forward(q, k, v, self, fb)  # [T, H, v_head_dim]
         return o.reshape(tokens, self.num_heads * self.v_head_dim)

@@ -24,6 +24,7 @@ class EngineConfig:
     max_prefill_tokens: int = 16384
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
+    disable_fused_ops: bool = False  # True: unfused torch ops on the GPU too (to compare outputs and speed)
     cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 128)
     random_weights: bool = False  # with a preset/config: random weights of the real shape (benchmarks)
     seed: int = 0

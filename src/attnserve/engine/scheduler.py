@@ -183,7 +183,8 @@ class Scheduler:
         budget = self.config.chunked_prefill_size or self.config.max_prefill_tokens
         reserve = len(decoding)
         # continue prompts already being prefilled (oldest first), then admit new ones
-        in_progress = [r for r in self.running if r not in decoding]
+        decoding_ids = {id(r) for r in decoding}  # identity: one set lookup per request, not a list scan
+        in_progress = [r for r in self.running if id(r) not in decoding_ids]
         for r in sorted(in_progress, key=lambda r: r.admit_order):
             if budget <= 0:
                 break
@@ -223,8 +224,19 @@ class Scheduler:
         """Running requests that decode this step, with their pages; preempts the newest until they fit."""
         while True:
             decoding = [r for r in self.running if r.num_uncomputed == 1 and r.output_ids]
-            need = sum(self._pages_for(r, 1) for r in decoding)
-            if (need == 0 or self._ensure_free(need)) and all(self._grow(r, 1) for r in decoding):
+            needs = [self._pages_for(r, 1) for r in decoding]  # 0 or 1 each
+            need = sum(needs)
+            if need == 0:
+                return decoding
+            if self._ensure_free(need):
+                # one allocation for the whole batch; reversed so each request gets the page a
+                # per-request alloc(1) would have given it
+                pages = self.allocator.alloc(need)[::-1]
+                taken = 0
+                for r, n in zip(decoding, needs):
+                    if n:
+                        r.pages.extend(pages[taken : taken + n])
+                        taken += n
                 return decoding
             self.preempt(max(self.running, key=lambda r: r.admit_order))
 
@@ -297,15 +309,23 @@ class Scheduler:
                 # share the prompt with requests arriving while this one decodes
                 self.tree.insert(r.prompt_ids, r.pages)
 
+    def _remove_running(self, req: Request) -> bool:
+        """Drop `req` from `running` by identity (never field-by-field equality); False if absent."""
+        for i, r in enumerate(self.running):
+            if r is req:
+                del self.running[i]
+                return True
+        return False
+
     def finish(self, req: Request, reason: FinishReason, matched=None) -> None:
         req.finish(reason, matched)
-        if req in self.running:
-            self.running.remove(req)
+        self._remove_running(req)
         self._release(req, cache=True)
         self.counters.finished += 1
 
     def preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        if not self._remove_running(req):
+            raise ValueError(f"request {req.rid!r} is not running, so it cannot be preempted")
         self._release(req, cache=True)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -314,15 +334,15 @@ class Scheduler:
 
     def abort(self, rid) -> Request | None:
         """Stop a request wherever it is and free what it holds. Returns it, or None if unknown."""
-        for r in list(self.waiting):
+        for i, r in enumerate(self.waiting):
             if r.rid == rid:
-                self.waiting.remove(r)
+                del self.waiting[i]
                 r.finish(FinishReason.ABORT)
                 self.counters.aborted += 1
                 return r
-        for r in list(self.running):
+        for i, r in enumerate(self.running):
             if r.rid == rid:
-                self.running.remove(r)
+                del self.running[i]
                 self._release(r, cache=False)
                 r.finish(FinishReason.ABORT)
                 self.counters.aborted += 1

@@ -171,6 +171,19 @@ def _pool_tokens(config: EngineConfig, bytes_per_token: int, device: torch.devic
     return max(1, min(tokens, max_tokens_needed))
 
 
+def _use_ops(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> None:
+    """Pick the model's non-attention ops once, before any graph is captured (fused Triton on CUDA)."""
+    from attnserve.models.layers import use_ops
+    from attnserve.ops import select_ops
+
+    use_ops(model, select_ops(device, fused=not config.disable_fused_ops, dtype=dtype))
+
+
+def _ops_note(model: torch.nn.Module) -> str:
+    ops = getattr(model, "ops", None)
+    return ops.describe() if ops is not None else "n/a (this model runs its own ops)"
+
+
 def load_model_setup(config: EngineConfig, loaded=None) -> ModelSetup:
     """Load `config.model` (or take the bundle already loaded) and check the dtype asked for is the one it has."""
     t0 = time.perf_counter()
@@ -187,6 +200,7 @@ def load_model_setup(config: EngineConfig, loaded=None) -> ModelSetup:
         where = "the model passed in was already loaded" if given else "the loader gave"
         raise ValueError(f"dtype {config.dtype!r} ({_dtype_name(requested)}) cannot be honoured: {where} "
                          f"{_dtype_name(dtype)}; load it as {_dtype_name(requested)}, or pass dtype='auto'")
+    _use_ops(model, device, dtype, config)
     name = str(getattr(loaded, "source", None) or getattr(loaded, "name", None) or config.model
                or "embedded SmolLM2-135M-Instruct")
     return ModelSetup(
@@ -266,6 +280,7 @@ def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionC
          f"{pool.page_size}, {spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} dim"),
         f"attention: prefill {attention.prefill_backend}, decode {attention.decode_backend}",
         *[f"  {line}" for line in attention.trace],
+        f"fused ops: {_ops_note(model.module)}",
         f"CUDA graphs: {graphs.note}",
         (f"scheduler: max running {config.max_running_requests}, context {kv.max_context_len}, chunked prefill "
          f"{config.chunked_prefill_size or 'off'}, radix cache {'off' if config.disable_radix_cache else 'on'}"),

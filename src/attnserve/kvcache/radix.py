@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from attnserve.kvcache.allocator import PageAllocator
 
+_MATCH_CHUNK = 512  # tokens compared per slice when matching a key
+
 
 @dataclass(eq=False)
 class RadixNode:
@@ -93,13 +95,22 @@ class RadixCache:
         return pages
 
     def _common_pages(self, key: tuple[int, ...], tokens: list[int], pos: int) -> int:
-        ps = self.page_size
-        n = 0
-        while n * ps < len(key) and pos + (n + 1) * ps <= len(tokens):
-            if key[n * ps : (n + 1) * ps] != tuple(tokens[pos + n * ps : pos + (n + 1) * ps]):
+        """Whole pages at the start of `key` that equal `tokens[pos:]`.
+
+        Compared a chunk of tokens at a time with slice equality (C speed), and token by token only
+        inside the one chunk that differs: a 32k-token match costs tens of slice compares, not a
+        tuple per page.
+        """
+        n = min(len(key), len(tokens) - pos)
+        i = 0
+        while i < n:
+            j = min(i + _MATCH_CHUNK, n)
+            if key[i:j] != tuple(tokens[pos + i : pos + j]):
+                while key[i] == tokens[pos + i]:
+                    i += 1
                 break
-            n += 1
-        return n
+            i = j
+        return i // self.page_size
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cut `node` after `num_pages` pages; returns the new upper part."""

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from attnserve.attention.base import ForwardBatch
+from attnserve.ops import TORCH_OPS, OpSet
 from attnserve.shape import AttentionShape
 
 
@@ -20,8 +21,11 @@ class CausalLM(nn.Module):
     """The decoder-only skeleton every model shares: embeddings, layers, final norm, LM head.
 
     Subclasses build `embed_tokens`, `rotary`, `layers`, `norm` and `lm_head`; each layer is
-    called as `layer(positions, hidden, fb, cos_sin)`.
+    called as `layer(positions, hidden, residual, fb, rope) -> (hidden, residual)`: the residual
+    add is left to the next norm so the two run as one fused op (`ops`, set by `use_ops`).
     """
+
+    ops: OpSet = TORCH_OPS
 
     def _build_stack(self, cfg, rotary: nn.Module, make_layer) -> None:
         """Embeddings, `make_layer(cfg, layer_id, rotary)` per layer, final norm, LM head (tied if asked)."""
@@ -53,13 +57,18 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids [T], positions [T] -> logits [T, vocab] (or [len(logits_indices), vocab]), float32."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # 2 x [T, rotary_dim/2], shared by all layers
+        rope = self.rotary.step(positions, hidden.dtype, self.ops.rope_store)  # cos/sin once for every layer
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, fb, cos_sin)
-        return self.compute_logits(hidden, logits_indices)
+            hidden, residual = layer(positions, hidden, residual, fb, rope)
+        return self.compute_logits(hidden, logits_indices, residual)
 
-    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, logits_indices: torch.Tensor | None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The final norm (after adding the residual stream, when given) and the LM head on the picked rows."""
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        hidden = self.norm(hidden)
+            residual = residual[logits_indices] if residual is not None else None
+        hidden = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
         return self.lm_head(hidden).float()  # [T or len(logits_indices), vocab]

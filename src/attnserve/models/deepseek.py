@@ -24,12 +24,12 @@ from torch import nn
 
 from attnserve.attention.base import ForwardBatch
 from attnserve.attention.layer import AttentionLayer
+from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
-from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
-from attnserve.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from attnserve.models.layers import GatedMLP, Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding
 from attnserve.models.moe import MoE
-from attnserve.models.rope import yarn_mscale
+from attnserve.models.rope import RopeStep, yarn_mscale
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
 
 
@@ -83,7 +83,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, rope: RopeStep) -> torch.Tensor:
         tokens = hidden.shape[0]
         if self.q_low_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
@@ -93,7 +93,8 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, rank]
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.view(tokens, 1, self.rope_dim), cos_sin)
+        # the latent row is [latent, k_pe]: RoPE stays unfused here and the layer stores the row
+        q_pe, k_pe = rope.rotate(q_pe, k_pe.view(tokens, 1, self.rope_dim))
         w_uk, w_uv = self._up_projections()
         if getattr(fb.attn_backend, "mla_expanded_applies", lambda _: False)(fb):
             return self._forward_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, fb)
@@ -121,17 +122,13 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer_id, rotary)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_id) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb, cos_sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

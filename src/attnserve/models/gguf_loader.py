@@ -183,7 +183,7 @@ class GGUFSlice:
                     return self.read().narrow(0, start, length)
                 w = _unpermute_rows(w, length // head_dim)
             return w
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[self.t.type_name]]
+        block, _type_size = GGML_QUANT_SIZES[GGMLQuantizationType[self.t.type_name]]
         if self.row_heads or start % block or length % block:
             return self.read().narrow(dim, start, length)
         per = data.shape[1] // (shape[1] // block)  # bytes (or elements) per block as the reader maps it

@@ -13,10 +13,11 @@ from torch import nn
 
 from attnserve.attention.base import ForwardBatch
 from attnserve.attention.layer import AttentionLayer
+from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
-from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
-from attnserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from attnserve.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, RotaryEmbedding
+from attnserve.models.rope import RopeStep
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
 
 
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
             sliding_window=cfg.sliding_windows[layer_id] if cfg.sliding_windows else None,
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, rope: RopeStep) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -54,22 +55,19 @@ class LlamaAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k, cos_sin)
-        o = self.attn(q, k, v.contiguous(), fb)  # [T, Hq * D]
+        if not fb.mode.is_decode:
+            v = v.contiguous()  # extend backends may read the new v directly; decode reads only the pool
+        o = self.attn(q, k, v, fb, rope=rope)  # RoPE, K/V store and attention: [T, Hq * D]
         return self.o_proj(o)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, cos_sin) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb, cos_sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaForCausalLM(CausalLM):

@@ -9,6 +9,8 @@ position, and has no length limit to overflow.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -140,3 +142,32 @@ class RotaryEmbedding(nn.Module):
         """`cos_sin` from `cos_sin(positions, dtype)`, computed once per step and shared by every layer."""
         cos, sin = self.cos_sin(positions, q.dtype) if cos_sin is None else cos_sin
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def step(self, positions: torch.Tensor, dtype: torch.dtype, fused_store: Callable | None = None) -> RopeStep:
+        """This step's RoPE for every layer: cos/sin computed once, and the fused rotate+store kernel if any."""
+        cos, sin = self.cos_sin(positions, dtype)
+        return RopeStep(self, cos, sin, fused_store)
+
+
+@dataclass(frozen=True)
+class RopeStep:
+    """One step's rotary embedding, handed to every attention layer.
+
+    `rotate` is the unfused rotation. `fused_store` (ops' rope_store kernel, or None) rotates q/k and
+    writes k/v into the pool in one pass; the attention backend decides whether it may
+    (`AttentionBackend.rotate_and_store_kv`), since storing K/V is the backend's job.
+    """
+
+    rotary: RotaryEmbedding
+    cos: torch.Tensor  # [T, rotary_dim/2]
+    sin: torch.Tensor  # [T, rotary_dim/2]
+    fused_store: Callable | None = None
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary._rotate(q, self.cos, self.sin), self.rotary._rotate(k, self.cos, self.sin)
+
+    def rotate_and_store(self, q, k, v, k_buffer, v_buffer, loc) -> tuple[torch.Tensor, torch.Tensor]:
+        """q `[T, Hq, D]`, k/v `[T, Hk, D]` -> rotated (q, k); k/v written to the buffers at loc `[T]`."""
+        if self.fused_store is None:
+            raise ValueError("this step has no fused rotate+store kernel; rotate and store separately")
+        return self.fused_store(q, k, v, self.cos, self.sin, k_buffer, v_buffer, loc, self.rotary.interleaved)

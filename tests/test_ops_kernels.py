@@ -1,0 +1,110 @@
+"""Every fused op's Triton kernel against the unfused torch composition it replaces.
+
+In float32 (under the Triton interpreter on a CPU, natively on a GPU) they must match to
+float32 rounding; in bf16 on a GPU (skipped without CUDA) to within a couple of bf16 ulps.
+Shapes are ragged (row widths that are not powers of two, partial rotary dims, GQA).
+"""
+
+import pytest
+import torch
+from attention_helpers import rel_err
+
+from attnserve.kvcache.pool import MHAKVPool
+from attnserve.models.config import RopeConfig
+from attnserve.models.rope import RotaryEmbedding
+from attnserve.ops import reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the Triton interpreter (conftest sets it)
+DEVICES = [
+    pytest.param(DEVICE, torch.float32, 1e-6, id="fp32"),
+    pytest.param("cuda", torch.bfloat16, 8e-3, id="cuda-bf16", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+]
+
+
+def _rand(*shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))) * scale).to(device, dtype)
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("rows,width", [(1, 64), (5, 96), (3, 576)])
+def test_rmsnorm_and_add_rmsnorm_match_the_composition(device, dtype, tol, rows, width):
+    from attnserve.ops.kernels.rmsnorm import add_rmsnorm, rmsnorm
+
+    x = _rand(rows, width, dtype=dtype, device=device, scale=3.0)  # [T, N]
+    res = _rand(rows, width + 1, dtype=dtype, device=device)[:, :width]  # [T, N], row stride != width
+    w = _rand(width, dtype=dtype, device=device) + 1.0  # [N]
+    assert rel_err(rmsnorm(x, w, 1e-6), reference.rmsnorm(x, w, 1e-6)) < tol
+    out, new_res = add_rmsnorm(x, res, w, 1e-5)
+    ref_out, ref_res = reference.add_rmsnorm(x, res, w, 1e-5)
+    assert torch.equal(new_res, ref_res)  # the residual stream is the same rounded sum
+    assert rel_err(out, ref_out) < tol
+    assert out.dtype == new_res.dtype == dtype
+
+
+def test_rmsnorm_rejects_a_weight_of_the_wrong_width():
+    from attnserve.ops.kernels.rmsnorm import rmsnorm
+
+    with pytest.raises(ValueError, match="a weight \\[N\\]"):
+        rmsnorm(torch.ones(2, 8), torch.ones(6), 1e-6)
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("rows,width", [(1, 48), (4, 1536), (2, 1100)])
+def test_silu_mul_matches_the_composition(device, dtype, tol, rows, width):
+    from attnserve.ops.kernels.silu_mul import silu_mul
+
+    gate_up = _rand(rows, 2 * width, dtype=dtype, device=device, scale=4.0)  # [T, 2N]
+    out = silu_mul(gate_up)
+    assert out.shape == (rows, width)
+    assert rel_err(out, reference.silu_mul(gate_up)) < tol
+
+
+def test_silu_mul_rejects_an_odd_width():
+    from attnserve.ops.kernels.silu_mul import silu_mul
+
+    with pytest.raises(ValueError, match="2 \\* N"):
+        silu_mul(torch.ones(2, 7))
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("hq,hk,d,rot,interleaved", [
+    (4, 2, 16, 16, False),  # GQA, whole head rotated
+    (3, 3, 24, 8, False),  # partial rotary: channels 8..23 pass through
+    (4, 1, 16, 16, True),  # interleaved pairs (DeepSeek layout)
+])
+def test_rope_store_matches_rotate_then_store(device, dtype, tol, hq, hk, d, rot, interleaved):
+    from attnserve.ops.kernels.rope_store import rope_store_kv
+
+    tokens, page_size, num_pages = 7, 4, 6
+    rotary = RotaryEmbedding(rot, RopeConfig(theta=10000.0), 4096, interleaved=interleaved).to(device)
+    positions = torch.tensor([0, 1, 2, 3, 40, 41, 1000], device=device)  # [T]
+    cos, sin = rotary.cos_sin(positions, dtype)  # each [T, rot/2]
+    qkv = _rand(tokens, (hq + 2 * hk) * d, dtype=dtype, device=device, scale=2.0)  # [T, (Hq + 2 Hk) D]
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(tokens, hq, d), k.view(tokens, hk, d), v.view(tokens, hk, d)  # strided views of qkv
+    loc = torch.tensor([5, 6, 7, 8, 13, 14, 22], device=device)  # [T] slots, not contiguous
+
+    ref_pool = MHAKVPool(num_pages, page_size, 1, hk, d, dtype=dtype, device=device)
+    ref_q, ref_k = rotary(positions, q, k, (cos, sin))
+    ref_pool.store(0, loc, ref_k, v)
+
+    pool = MHAKVPool(num_pages, page_size, 1, hk, d, dtype=dtype, device=device)
+    qkv_before = qkv.clone()
+    out_q, out_k = rope_store_kv(q, k, v, cos, sin, pool.k_buffer[0], pool.v_buffer[0], loc, interleaved)
+    assert torch.equal(qkv, qkv_before)  # inputs are read, never rotated in place
+    assert rel_err(out_q, ref_q) < tol and rel_err(out_k, ref_k) < tol
+    assert rel_err(pool.k_buffer[0], ref_pool.k_buffer[0]) < tol
+    assert torch.equal(pool.v_buffer[0], ref_pool.v_buffer[0])  # v is copied, not computed
+    untouched = torch.ones(pool.num_slots, dtype=torch.bool, device=device)
+    untouched[loc] = False
+    assert not pool.k_buffer[0][untouched].any() and not pool.v_buffer[0][untouched].any()
+
+
+def test_rope_store_rejects_mismatched_pool():
+    from attnserve.ops.kernels.rope_store import rope_store_kv
+
+    q, k, v = torch.ones(2, 4, 8), torch.ones(2, 2, 8), torch.ones(2, 2, 8)
+    cos = sin = torch.ones(2, 4)
+    with pytest.raises(ValueError, match="pool buffers"):
+        rope_store_kv(q, k, v, cos, sin, torch.zeros(16, 1, 8), torch.zeros(16, 1, 8), torch.zeros(2, dtype=torch.long))
