@@ -26,7 +26,8 @@ class StepInputs:
     """One step as plain host data: all a tensor-parallel rank needs to run it without the scheduler's requests.
 
     input_ids, positions, out_cache_loc: [T] int64; req_rows, seq_lens, extend_lens, sample: one per request;
-    table_rows / table_slots: the request->slot entries to append (row, slots) before the step.
+    table_rows / table_starts / table_slots: the request->slot entries to write (row, first entry, slots) before
+    the step.
     """
 
     mode: ForwardMode
@@ -38,6 +39,7 @@ class StepInputs:
     extend_lens: list[int]
     sample: list[bool]
     table_rows: list[int]
+    table_starts: list[int]
     table_slots: list[np.ndarray]
 
 
@@ -92,12 +94,13 @@ class ModelRunner:
     def prepare(self, batch: ScheduleBatch) -> StepInputs:
         """The step's index arithmetic on the host, from the requests' page lists."""
         ids, positions, out_loc = [], [], []
-        table_rows, table_slots = [], []
+        table_rows, table_starts, table_slots = [], [], []
         for r, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             end = prefix + ext
             filled = self.req_pool.filled(r.row)  # below prefix only when a cached prefix was just matched
             slots = self._slots(r.pages, filled, end)  # [end - filled]
             table_rows.append(r.row)
+            table_starts.append(filled)
             table_slots.append(slots)
             out_loc.append(slots[prefix - filled :])
             ids.append(np.asarray(r.tokens(prefix, end), dtype=np.int64))
@@ -107,7 +110,7 @@ class ModelRunner:
             out_cache_loc=np.concatenate(out_loc), req_rows=[r.row for r in batch.reqs],
             seq_lens=[p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)],
             extend_lens=list(batch.extend_lens), sample=list(batch.sample),
-            table_rows=table_rows, table_slots=table_slots,
+            table_rows=table_rows, table_starts=table_starts, table_slots=table_slots,
         )
 
     def run(self, step: StepInputs) -> torch.Tensor:
@@ -118,7 +121,7 @@ class ModelRunner:
     def _run(self, step: StepInputs) -> torch.Tensor:
         dev = self.device
         # write the new tokens' slots (and a newly admitted request's cached prefix) into its row
-        self.req_pool.extend(step.table_rows, step.table_slots)
+        self.req_pool.write_at(step.table_rows, step.table_starts, step.table_slots)
 
         seq_lens_cpu = step.seq_lens
         input_ids = torch.from_numpy(step.input_ids).to(dev)  # [T]
