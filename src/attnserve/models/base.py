@@ -30,9 +30,11 @@ class CausalLM(nn.Module):
     def _build_stack(self, cfg, rotary: nn.Module, make_layer) -> None:
         """Embeddings, `make_layer(cfg, layer_id, rotary)` per layer, final norm, LM head (tied if asked)."""
         from attnserve.distributed.embedding import ParallelLMHead, VocabParallelEmbedding
+        from attnserve.distributed.state import tp_size
         from attnserve.models.layers import RMSNorm
 
         self.config = cfg
+        self.tp_size = tp_size()  # the tensor-parallel ranks this model's layers were built to share the work with
         self.rotary = rotary
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(cfg, i, rotary) for i in range(cfg.num_layers))
@@ -44,9 +46,7 @@ class CausalLM(nn.Module):
     def kv_cache_spec(self) -> AttentionShape:
         """What the KV pool must hold and what attention sees: the parsed config's attention shape, as this
         tensor-parallel rank holds it (its query and KV heads; MLA's latent whole)."""
-        from attnserve.distributed.state import tp_size
-
-        return self.config.attention_shape().per_rank(tp_size())
+        return self.config.attention_shape().per_rank(self.tp_size)
 
     def forward(
         self,
