@@ -9,6 +9,7 @@ permuted back here so the model can use the HF (half-split) layout.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,14 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
+@functools.lru_cache(maxsize=1)
+def _read_cached(path: str, mtime_ns: int, size: int):
+    """Parsing a GGUF's metadata takes seconds (every vocabulary string is a field part): the start-up checks
+    and the load that follows share one parse. Keyed by modification time and size, so a rewritten file is
+    parsed again."""
+    return read_gguf(path)
+
+
 class GGUFFile:
     """A parsed GGUF file; `source` (the path) names it in every error."""
 
@@ -49,7 +58,8 @@ class GGUFFile:
         self.source = str(self.path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        self.meta, self.tensor_list = read_gguf(self.path)
+        stat = self.path.stat()
+        self.meta, self.tensor_list = _read_cached(str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
         self.arch = str(self.value("general.architecture"))
         if self.arch not in GGUF_ARCHITECTURES:
             raise ValueError(
