@@ -93,3 +93,18 @@ def test_tiny_deepseek_mla_moe_at_tp2_matches_tp1(tmp_path):
     assert got["ids"] == ref["ids"]
     assert _close(got["logprobs"], ref["logprobs"])
     assert got["leaked"] == 0 and got["preemptions"] > 0
+
+
+def test_tp1_through_a_world_of_one_rank_matches_plain_tp1(llama_path, llama_tp1):
+    """tp 1 with an init address runs the tensor-parallel path (process group, step broadcast, collectives)."""
+    from attnserve.distributed.launch import free_local_addr
+    from attnserve.distributed.state import parallel_state
+
+    e = _engine(llama_path, 1, dist_init_addr=free_local_addr())
+    try:
+        assert parallel_state().active and parallel_state().size == 1
+        got = scenario(e)
+    finally:
+        e.close()
+    assert not parallel_state().active
+    assert got["ids"] == llama_tp1["ids"] and _close(got["logprobs"], llama_tp1["logprobs"], tol=1e-6)

@@ -87,3 +87,33 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_rank_that_raises_is_reported_by_rank(capfd):
+    import threading
+
+    import torch
+    from tp_helpers import failing_rank
+
+    from attnserve.distributed.groups import destroy_groups, init_groups
+    from attnserve.distributed.launch import Topology, Workers, free_local_addr
+
+    failures: list[str] = []
+    reported = threading.Event()
+
+    def on_failure(message: str) -> None:  # the server's reaction is to exit; here, to record it
+        failures.append(message)
+        reported.set()
+
+    addr = free_local_addr()
+    workers = Workers(Topology(2), addr, torch.device("cpu"), failing_rank, lambda rank, device: (),
+                      on_failure=on_failure)
+    init_groups(0, 2, addr, torch.device("cpu"))
+    try:
+        assert reported.wait(60), "the failing rank was not reported"
+    finally:
+        destroy_groups()
+        workers.close(timeout=0)
+    assert re.search(r"tensor-parallel rank 1 \(pid \d+\) exited with code 1", failures[0])
+    err = capfd.readouterr().err
+    assert "[tp rank 1] ERROR" in err and "rank failed on purpose" in err  # its traceback, prefixed by rank

@@ -55,3 +55,8 @@ def write_checkpoint(hf_config: dict, folder: Path, seed: int = 0) -> Path:
     (folder / "config.json").write_text(json.dumps(hf_config))
     save_file(checkpoint_tensors(model), str(folder / "model.safetensors"))
     return folder
+
+
+def failing_rank() -> None:
+    """A rank's work that raises (what a worker's out-of-memory or bad weight looks like to the launcher)."""
+    raise RuntimeError("rank failed on purpose")

@@ -16,7 +16,7 @@ from torch import nn
 
 from attnserve.distributed.linear import copy_checked
 from attnserve.distributed.shard import take
-from attnserve.distributed.state import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from attnserve.distributed.state import all_gather_last_dim, all_reduce, parallel_state, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,7 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-vocab_size // size)  # padded block
         self.vocab_start = tp_rank() * self.rows_per_rank
         self.num_real_rows = max(0, min(self.rows_per_rank, vocab_size - self.vocab_start))  # the rest is padding
-        self.sharded = size > 1
+        self.sharded = size > 1 or parallel_state().active  # a world of one rank runs the collectives too
         self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)  # [V_r, hidden]
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int = 0, name: str = "") -> None:

@@ -32,6 +32,9 @@ def init_groups(rank: int, world_size: int, init_addr: str, device: torch.device
     dist.init_process_group(backend, init_method=f"tcp://{init_addr}", world_size=world_size, rank=rank,
                             timeout=join_timeout)
     world = dist.group.WORLD
+    if backend == "nccl":  # NCCL makes its communicator at the first collective: do it now, not inside a graph capture
+        dist.all_reduce(torch.zeros(1, device=device), group=world)
+        torch.cuda.synchronize(device)
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     state = ParallelState(rank=rank, size=world_size, device_group=world, cpu_group=cpu_group)
     set_parallel_state(state)

@@ -1,10 +1,12 @@
 """Which tensor-parallel rank this process is, and the collectives the parallel layers call.
 
 One process per rank; `set_parallel_state` is called once per process after
-`torch.distributed` is initialised (`distributed.groups.init_groups`). Before
-that (and at tp 1) every rank query answers "rank 0 of 1" and every collective
-is the identity, so a model built without tensor parallelism runs the same code
-with no communication at all.
+`torch.distributed` is initialised (`distributed.groups.init_groups`). Without a
+world (tp 1, the default) every rank query answers "rank 0 of 1" and every
+collective is the identity, so a model built without tensor parallelism runs the
+same code with no communication at all. A world of one rank (tp 1 with an init
+address) runs every collective and broadcast for real: the tensor-parallel path's
+own cost, measurable on one GPU.
 
 Two groups, as SGLang keeps them: `device_group` (NCCL on CUDA, gloo on the CPU)
 carries activations; `cpu_group` (always gloo) carries the pickled step each
@@ -29,7 +31,8 @@ class ParallelState:
 
     @property
     def active(self) -> bool:
-        return self.size > 1
+        """A torch.distributed world exists (a world of one rank too: tp 1 through the tensor-parallel path)."""
+        return self.device_group is not None
 
 
 _STATE = ParallelState()

@@ -77,7 +77,12 @@ class TensorParallelWorld:
     """Rank 0's view of the world: the workers on this node and the groups; `close` ends both."""
 
     def __init__(self, config: EngineConfig, loaded=None):
-        topology, device = check_before_loading(config, loaded)
+        if config.tp_size > 1:
+            topology, device = check_before_loading(config, loaded)
+        else:  # a world of one rank: the model may come loaded, nothing is split
+            from attnserve.engine.setup import resolve_device
+
+            topology, device = topology_of(config), resolve_device(config.device)
         addr = resolve_init_addr(topology)
         self.workers = Workers(topology, addr, device, serve_rank, _worker_args(config))
         self._closed = False
@@ -113,8 +118,9 @@ class TensorParallelWorld:
 
 
 def start_world(config: EngineConfig, loaded=None) -> TensorParallelWorld | None:
-    """The tensor-parallel world for this engine, or None at tp 1 (nothing is spawned)."""
-    if config.tp_size == 1:
+    """The tensor-parallel world for this engine, or None at tp 1 (nothing is spawned). tp 1 with an init
+    address forms a world of one rank: the tensor-parallel code path, collectives included, on one device."""
+    if config.tp_size == 1 and config.dist_init_addr is None:
         return None
     if config.node_rank != 0:
         raise ValueError(f"--node-rank {config.node_rank}: only node 0 runs the engine; run_node hosts the others")
