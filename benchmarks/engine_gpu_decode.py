@@ -133,6 +133,7 @@ def run_config(loaded, label: str, args, bw: float, wbytes: int, **engine_kw) ->
         "first_tokens_req0": reqs[0].output_ids[:16],
     }
     print(json.dumps(out), flush=True)
+    engine.close()  # leaves a tensor-parallel world, if the configuration made one
     del engine, reqs
     gc.collect()
     torch.cuda.empty_cache()
@@ -151,6 +152,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu only to check the script (no roofline meaning)")
     args = ap.parse_args()
 
+    from attnserve.distributed.launch import free_local_addr
     from attnserve.models.loader import load_model
 
     bw = copy_bandwidth() if args.device == "cuda" else 10e9
@@ -162,6 +164,9 @@ def main() -> None:
         "triton-graphs": {"attention_backend": "triton"},
         "triton-graphs-unfused": {"attention_backend": "triton", "disable_fused_ops": True},
         "triton-eager": {"attention_backend": "triton", "disable_cuda_graph": True},
+        # tp 1 through the tensor-parallel path: a torch.distributed world of one rank (NCCL), each step
+        # broadcast, every all-reduce / all-gather run (benchmarks/tp_gpu.sh compares it with triton-graphs)
+        "triton-graphs-tp1-world": {"attention_backend": "triton", "dist_init_addr": free_local_addr()},
         "flashinfer-decode": {"prefill_attention_backend": "triton", "decode_attention_backend": "flashinfer"},
         "flashinfer": {"attention_backend": "flashinfer"},
         "torch-native": {"attention_backend": "torch_native"},
