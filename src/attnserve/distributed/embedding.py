@@ -36,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int = 0, name: str = "") -> None:
         n = self.num_real_rows
-        if tuple(loaded.shape)[0] != self.vocab_size:
+        if loaded.shape[0] != self.vocab_size:
             raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} has not {self.vocab_size} rows")
         if n:
             copy_checked(param.data[:n], take(loaded, 0, self.vocab_start, n), name)

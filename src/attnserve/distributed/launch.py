@@ -144,7 +144,7 @@ def _worker_main(rank: int, world: int, init_addr: str, device: str, parent_pid:
     try:
         init_groups(rank, world, init_addr, torch.device(device))
         target(*args)
-    except BaseException:  # noqa: BLE001 - any failure ends this rank; the parent's watchdog reports it
+    except BaseException:  # any failure ends this rank; the parent's watchdog reports it
         logging.getLogger("attnserve.distributed").exception("tensor-parallel rank %d failed", rank)
         sys.stderr.flush()
         os._exit(1)

@@ -143,20 +143,8 @@ def load_model(
     if random_weights:
         lm = _load_random(path, dtype, device, seed)
     else:
-        resolved = embedded_model_path() if path is None else Path(path)
-        if resolved.is_dir() and not (resolved / "config.json").is_file():
-            ggufs = sorted(resolved.glob("*.gguf"))
-            if len(ggufs) == 1:
-                resolved = ggufs[0]
-        if resolved.is_file() and resolved.suffix == ".gguf":
-            lm = _load_gguf(resolved, dtype, device)
-        elif resolved.is_dir():
-            lm = _load_hf_dir(resolved, dtype, device)
-        elif not resolved.exists():
-            raise FileNotFoundError(f"model path not found: {resolved}")
-        else:
-            raise ValueError(f"{resolved}: not a model; expected an HF model directory (config.json + *.safetensors) "
-                             "or a .gguf file")
+        resolved = _resolve(path)
+        lm = _load_gguf(resolved, dtype, device) if resolved.is_file() else _load_hf_dir(resolved, dtype, device)
     lm.load_seconds = time.perf_counter() - start
     log.info("loaded %s (%s, %s, %s) in %.2f s%s", lm.source, lm.config.architecture, lm.format,
              str(lm.dtype).replace("torch.", ""), lm.load_seconds, "  [RANDOM WEIGHTS]" if lm.random_weights else "")
@@ -171,18 +159,27 @@ def read_config(path: str | Path | None = None, random_weights: bool = False) ->
         if path is None:
             raise ValueError("random weights need a preset name or a config.json path (e.g. llama-3-8b)")
         return _parse(load_model_config(path), str(path))
+    resolved = _resolve(path)
+    if resolved.is_file():  # a .gguf
+        from attnserve.models.gguf_loader import GGUFFile
+
+        return _parse(GGUFFile(resolved).hf_config(), str(resolved))
+    return _parse(_read_json(resolved / "config.json"), str(resolved / "config.json"))
+
+
+def _resolve(path: str | Path | None) -> Path:
+    """The .gguf file or HF directory a model path names (the embedded SmolLM2 for None); a file means GGUF."""
     resolved = embedded_model_path() if path is None else Path(path)
     if resolved.is_dir() and not (resolved / "config.json").is_file():
         ggufs = sorted(resolved.glob("*.gguf"))
         if len(ggufs) == 1:
             resolved = ggufs[0]
-    if resolved.is_file() and resolved.suffix == ".gguf":
-        from attnserve.models.gguf_loader import GGUFFile
-
-        return _parse(GGUFFile(resolved).hf_config(), str(resolved))
-    if resolved.is_dir():
-        return _parse(_read_json(resolved / "config.json"), str(resolved / "config.json"))
-    raise FileNotFoundError(f"model path not found: {resolved}")
+    if (resolved.is_file() and resolved.suffix == ".gguf") or resolved.is_dir():
+        return resolved
+    if not resolved.exists():
+        raise FileNotFoundError(f"model path not found: {resolved}")
+    raise ValueError(f"{resolved}: not a model; expected an HF model directory (config.json + *.safetensors) "
+                     "or a .gguf file")
 
 
 # ---- HF directories -------------------------------------------------------------------------
