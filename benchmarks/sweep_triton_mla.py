@@ -1,9 +1,14 @@
-"""Sweep the Triton MLA kernels' tiles (heads per program, key tile, warps, stages) on issue 12's workloads.
+"""Sweep the Triton MLA decode tiles (heads per program, key tile, warps, stages) and split settings on
+issue 12's workloads, and turn the winners into the shipped tile table.
 
-Each setting is checked against the float32 oracle before it is timed (a tile that computes
-garbage fast must not win). Writes JSON with every (workload, setting) and the best per workload.
+Each setting is checked against the float32 oracle before it is timed (a tile that computes garbage fast
+must not win). Writes JSON with every (workload, setting), the best per workload, and `tile_rules`: the
+decode tile table rules the sweep implies (attention/kernels/mla_decode_tiles.py), printed at the end.
 
-    PYTHONPATH=src python3 benchmarks/sweep_triton_mla.py --out sweep-mla.json [--tiny]
+    PYTHONPATH=src python3 benchmarks/sweep_triton_mla.py --out sweep-mla.json [--tiny] [--budget-s 150] [--decode-only]
+    python benchmarks/sweep_triton_mla.py --apply sweep-mla.json   # no GPU: write its rules into the package
+
+--apply replaces the rules of the sweep's architecture (sm90 for an H200) in mla_decode_tiles.json.
 """
 
 from __future__ import annotations
@@ -13,47 +18,61 @@ import datetime
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from attnserve.attention.kernels.mla_decode import MLADecodeConfig
+from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, rules_from_sweep, write_rules
 from attnserve.attention.kernels.mla_extend import MLAExtendConfig
+from attnserve.attention.kernels.tiles import GpuTarget
 from attnserve.attention.reference import reference_for_batch
 from attnserve.bench.racers import attnserve_racer, build_race_batch
 from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
 
+ROOT = Path(__file__).resolve().parents[1]
+# (block_h, block_n, num_warps, num_stages), a workload's time share may end the list, so new shapes
+# alternate with the first H200 sweep's winners (16/64/4/2, 64/32/8/2, 16/32/4/2: the table's rules need a
+# config timed on every workload of a shape). New: all 128 heads of a request in one program on 16 warps
+# (each latent byte read once per request; the [128, 512] float32 accumulator is 128 registers a thread
+# at 512 threads), 64-head groups over 64-key tiles or 3 stages, deeper pipelines for 16 heads.
 DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s) for h, n, w, s in (
-    (16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (32, 16, 4, 2), (64, 32, 8, 2), (64, 16, 8, 2), (32, 64, 8, 1))]
-EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s) for m, n, w, s in (
-    (64, 32, 8, 2), (64, 64, 8, 1), (128, 32, 8, 2), (32, 32, 4, 2))]
+    (128, 32, 16, 2), (16, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2), (16, 32, 4, 3), (16, 32, 4, 2),
+    (64, 32, 8, 3), (128, 16, 16, 2), (16, 16, 4, 4), (32, 64, 4, 2))]
+EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s) for m, n, w, s in ((32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 8, 2))]
 TINY_CONFIGS = {"decode": [MLADecodeConfig(16, 16, 4, 1)], "extend": [MLAExtendConfig(16, 16, 4, 1)]}
-# split waves (the default tiles): fewer splits write fewer float32 partials, more fill the GPU
-WAVES = (0.5, 1.0, 4.0)
+# split settings on the default tiles: fewer splits write fewer float32 partials, more fill the GPU
+SPLITS = ({"split_waves": 4.0, "max_kv_splits": 128}, {"split_waves": 1.0})
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", default="sweep-mla.json")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run under TRITON_INTERPRET=1")
-    p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new settings after this long")
-    args = p.parse_args()
+def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict]]:
+    """(TritonBackend options, what the row records) per setting of a workload kind; no decode head group
+    wider than the heads (a 64-head group over 16 heads computes masked rows for nothing)."""
+    key = "mla_decode_config" if kind == "decode" else "mla_extend_config"
+    configs = TINY_CONFIGS[kind] if tiny else (DECODE_CONFIGS if kind == "decode" else EXTEND_CONFIGS)
+    if kind == "decode":
+        configs = [c for c in configs if c.for_heads(num_heads) == c]
+    out = [({key: cfg}, {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}) for cfg in configs]
+    if kind == "decode":
+        out += [(dict(s), dict(s)) for s in (SPLITS[:1] if tiny else SPLITS)]
+    return out
+
+
+def sweep(args) -> dict:
     device = "cpu" if args.tiny else "cuda"
     workloads = [w for w in TINY_WORKLOADS if w.mla] if args.tiny else MLA_WORKLOADS
+    if args.decode_only:
+        workloads = [w for w in workloads if w.kind == "decode"]
     started, rows = time.perf_counter(), []
     for i, w in enumerate(workloads):
+        deadline = started + args.budget_s * (i + 1) / len(workloads)  # each workload gets its share
         rb = build_race_batch(w, device=device, seed=i)
         ref = reference_for_batch(rb.q, rb.layer, rb.fb, compute_dtype=torch.float32)
-        key = "mla_decode_config" if w.kind == "decode" else "mla_extend_config"
-        configs = TINY_CONFIGS[w.kind] if args.tiny else (DECODE_CONFIGS if w.kind == "decode" else EXTEND_CONFIGS)
-        settings = [({key: cfg}, {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}) for cfg in configs]
-        if w.kind == "decode":
-            settings += [({"split_waves": x}, {"split_waves": x}) for x in (WAVES[:1] if args.tiny else WAVES)]
-        for options, described in settings:
-            if time.perf_counter() - started > args.budget_s:
-                print("budget spent; stopping", flush=True)
+        for options, described in settings_for(w.kind, args.tiny, w.mla.num_heads):
+            if time.perf_counter() > deadline:
+                print(f"{w.name}: time share spent; next workload", flush=True)
                 break
-            row = {"workload": w.name, **described}
+            row = {"workload": w.name, "heads": w.mla.num_heads, "page_size": w.page_size, **described}
             try:
                 fn = attnserve_racer("triton", rb, **options)
                 out = fn()
@@ -71,12 +90,41 @@ def main() -> int:
     for r in rows:
         if "us" in r and (r["workload"] not in best or r["us"] < best[r["workload"]]["us"]):
             best[r["workload"]] = r
-    result = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-              "torch": torch.__version__, "rows": rows, "best": best}
+    shapes = {w.name: (w.mla.num_heads, w.page_size) for w in workloads if w.kind == "decode"}
+    target = GpuTarget.of_device(device)
+    return {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+            "arch": target.arch if target else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            "torch": torch.__version__, "rows": rows, "best": best,
+            "tile_rules": rules_from_sweep(rows, shapes)}
+
+
+def apply(path: str) -> int:
+    result = json.loads(Path(path).read_text())
+    if not result.get("arch") or not result.get("tile_rules"):
+        sys.exit(f"{path}: no architecture or no timed decode tiles to apply (a CPU or an empty sweep)")
+    source = Path(path).resolve()
+    source = source.relative_to(ROOT).as_posix() if source.is_relative_to(ROOT) else source.as_posix()
+    written = write_rules(result["arch"], result["tile_rules"], source)
+    print(f"wrote the {result['arch']} rules of {path} into {written}")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="sweep-mla.json")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run under TRITON_INTERPRET=1")
+    p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new settings after this long")
+    p.add_argument("--decode-only", action="store_true", help="leave out the extend workload")
+    p.add_argument("--apply", metavar="SWEEP_JSON", help="write a finished sweep's tile rules into the package")
+    args = p.parse_args()
+    if args.apply:
+        return apply(args.apply)
+    result = sweep(args)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print("best:", json.dumps(best, indent=1))
+    print("best:", json.dumps(result["best"], indent=1))
+    print("tile_rules (apply with --apply):", json.dumps(result["tile_rules"], indent=1))
     return 0
 
 

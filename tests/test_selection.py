@@ -189,15 +189,46 @@ def test_ranking_scores_each_backend_against_each_workloads_fastest():
     assert [r.backend for r in rank(partial, "decode", complete_only=True)] == ["triton"]
 
 
-def test_measured_order_per_gpu_model_and_side(monkeypatch):
-    shipped = {"h200": {"source": "x.json", "date": "2026-11-29", "decode": ["triton", "flashinfer"],
-                        "prefill": ["flashinfer", "triton"]}}
+def test_measured_order_per_gpu_model_attention_type_and_side(monkeypatch):
+    shipped = {"h200": {"MHA": {"source": "x.json", "date": "2026-11-29", "decode": ["triton", "flashinfer"],
+                                "prefill": ["flashinfer", "triton"]},
+                        "MLA": {"source": "y.json", "date": "2026-12-01", "decode": ["flashinfer", "triton"],
+                                "prefill": ["flashinfer", "triton"],
+                                "scores": {"decode": {"flashinfer": 1.0, "triton": 5.38}}}}}
     monkeypatch.setattr(measured, "_shipped", lambda: shipped)
     h200 = PRESET_HARDWARE["h200"]
     assert measured.measured_order(h200, "decode")[0] == ("triton", "flashinfer")
     assert measured.measured_order(h200, "prefill")[0] == ("flashinfer", "triton")
+    assert measured.measured_order(h200, "decode", "MLA")[0] == ("flashinfer", "triton")
+    assert measured.measured_order(h200, "decode", "GQA")[0] == ("triton", "flashinfer")  # GQA races as MHA
+    assert measured.describe_order(shipped["h200"]["MLA"], "decode") == "flashinfer 1.00x, triton 5.38x"
     assert measured.measured_order(PRESET_HARDWARE["h100"], "decode") is None  # nothing shipped for this GPU
     assert measured.measured_order(PRESET_HARDWARE["cpu"], "decode") is None
+    with pytest.raises(ValueError, match="'verify'"):
+        measured.measured_order(h200, "verify")
+
+
+def test_mla_and_mha_records_are_ranked_apart():
+    """'mla decode ...' workloads are MLA's race: they must not move the MHA order, nor the other way."""
+    records = [
+        {"workload": "decode 64x4096 p1", "backend": "triton", "us": 100.0},
+        {"workload": "decode 64x4096 p1", "backend": "flashinfer-fa3", "us": 110.0},
+        {"workload": "mla decode 128x4096 h128 p1", "backend": "triton", "us": 1900.0},
+        {"workload": "mla decode 128x4096 h128 p1", "backend": "flashinfer-mla-fa3", "us": 265.0},
+        {"workload": "mla extend 8x(4096+512) h128 p1", "backend": "triton", "us": 33000.0},
+        {"workload": "mla extend 8x(4096+512) h128 p1", "backend": "flashinfer-mla-fa3", "us": 8800.0},
+        {"workload": "decode 8x8192 p1", "backend": "triton", "us": 50.0, "attention": "MLA"},
+        {"workload": "decode 8x8192 p1", "backend": "flashinfer", "us": 10.0, "attention": "MLA"},
+    ]
+    assert [r.backend for r in rank(records, "decode", attention="MHA")] == ["triton", "flashinfer"]
+    mla = rank(records, "decode", attention="MLA")
+    assert [r.backend for r in mla] == ["flashinfer", "triton"] and mla[1].score == pytest.approx((1900 / 265 + 5) / 2)
+    assert [r.backend for r in rank(records, "prefill", attention="MLA")] == ["flashinfer", "triton"]
+    assert rank(records, "prefill", attention="MHA") == []
+    entries = measured.order_entry({"gpu": "NVIDIA H200", "date": "d", "records": records}, "r.json")
+    assert sorted(entries) == ["MHA", "MLA"] and entries["MLA"]["decode"] == ["flashinfer", "triton"]
+    with pytest.raises(ValueError, match="'GQA'"):
+        rank(records, attention="GQA")
 
 
 def test_the_shipped_order_is_the_committed_race(monkeypatch):
@@ -205,11 +236,14 @@ def test_the_shipped_order_is_the_committed_race(monkeypatch):
     monkeypatch.undo()  # the real package data
     measured._shipped.cache_clear()
     root = Path(selection.__file__).resolve().parents[3]
-    for key, entry in measured._shipped().items():
-        result = json.loads((root / entry["source"]).read_text())
-        assert measured.gpu_key(result["gpu"]) == key
-        assert entry == measured.order_entry(result, entry["source"]), (
-            f"run: python benchmarks/ship_measured_order.py {entry['source']}")
+    shipped = measured._shipped()
+    assert sorted(shipped["h200"]) == ["MHA", "MLA"]  # both committed H200 races are shipped
+    for key, per_attention in shipped.items():
+        for attention, entry in per_attention.items():
+            result = json.loads((root / entry["source"]).read_text())
+            assert measured.gpu_key(result["gpu"]) == key
+            assert entry == measured.order_entry(result, entry["source"])[attention], (
+                f"run: python benchmarks/ship_measured_order.py {entry['source']}")
 
 
 def test_hopper_without_fa3_takes_the_fastest_measured_backend_per_side(monkeypatch):

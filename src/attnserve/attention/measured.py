@@ -1,10 +1,15 @@
-"""The fallback order measured per GPU model, shipped inside the package.
+"""The fallback order measured per GPU model and attention type, shipped inside the package.
 
-`measured_order.json` (package data, so an installed wheel has it) holds, per GPU key
-('h200'), the implemented backends fastest first on each side, computed by `ranking.rank`
-from a committed `attnserve bench kernels` run (`source` names it). Regenerate it with
-`python benchmarks/ship_measured_order.py benchmarks/results/kernels-<gpu>.json` after a
-new race; a test checks the shipped order still matches the committed race.
+`measured_order.json` (package data, so an installed wheel has it) holds, per GPU key ('h200') and
+attention type ('MHA' for MHA/GQA, 'MLA'), the implemented backends fastest first on each side and
+each one's score (its mean time relative to the fastest backend of each workload, `ranking.rank`),
+from a committed `attnserve bench kernels` run (`source` names it). MHA and MLA are ranked apart:
+they are different kernels (FlashInfer's MLA wrapper is 3-7x our Triton MLA on the H200 while our
+Triton MHA decode beats FlashInfer's), so an MLA model must not inherit the MHA order.
+
+Regenerate after a new race (each file fills the attention types it raced):
+`python benchmarks/ship_measured_order.py benchmarks/results/kernels-h200.json benchmarks/results/kernels-mla-h200.json`;
+a test checks the shipped order still matches the committed races.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ import functools
 import json
 from importlib import resources
 
-from attnserve.attention.ranking import rank
+from attnserve.attention.ranking import ATTENTION_TYPES, attention_of, rank
 from attnserve.hardware import Hardware
 
 DATA_FILE = "measured_order.json"
+SIDES = ("prefill", "decode")
 
 
 def gpu_key(name: str) -> str:
@@ -25,11 +31,19 @@ def gpu_key(name: str) -> str:
     return words[0] if words else ""
 
 
-def order_entry(result: dict, source: str) -> dict:
-    """What the package ships for one race result: its date and GPU, and the order per side."""
+def order_entry(result: dict, source: str) -> dict[str, dict]:
+    """What the package ships for one race result, per attention type it raced: its date and GPU, the
+    order per side, and each backend's score per side (1.0 = fastest on every workload)."""
     records = result.get("records", [])
-    return {"gpu": result.get("gpu"), "date": result.get("date"), "source": source,
-            **{side: [r.backend for r in rank(records, side)] for side in ("prefill", "decode")}}
+    out = {}
+    for attention in ATTENTION_TYPES:
+        if not any(attention_of(r) == attention for r in records):
+            continue
+        ranked = {side: rank(records, side, attention=attention) for side in SIDES}
+        out[attention] = {"gpu": result.get("gpu"), "date": result.get("date"), "source": source,
+                          **{side: [r.backend for r in ranked[side]] for side in SIDES},
+                          "scores": {side: {r.backend: round(r.score, 2) for r in ranked[side]} for side in SIDES}}
+    return out
 
 
 @functools.cache
@@ -38,15 +52,29 @@ def _shipped() -> dict:
     return json.loads(text)
 
 
-def measured_order(hw: Hardware, side: str) -> tuple[tuple[str, ...], dict] | None:
-    """(backends fastest first on `side`, the entry they came from) for this GPU model; None off CUDA or
-    for a GPU no race was shipped for."""
+def attention_key(attention_type: str) -> str:
+    """A model's attention type as the shipped data keys it: 'MLA', else 'MHA' (MHA and GQA race alike)."""
+    return "MLA" if attention_type == "MLA" else "MHA"
+
+
+def measured_order(hw: Hardware, side: str, attention: str = "MHA") -> tuple[tuple[str, ...], dict] | None:
+    """(backends fastest first on `side` for `attention` models, the entry they came from) for this GPU
+    model; None off CUDA, or for a GPU or attention type no race was shipped for."""
+    if side not in SIDES:
+        raise ValueError(f"side must be one of {', '.join(SIDES)}, got {side!r}")
     if hw.device != "cuda" or not hw.name:
         return None
-    entry = _shipped().get(gpu_key(hw.name))
+    entry = _shipped().get(gpu_key(hw.name), {}).get(attention_key(attention))
     if not entry or not entry.get(side):
         return None
     return tuple(entry[side]), entry
 
 
-__all__ = ["DATA_FILE", "gpu_key", "measured_order", "order_entry"]
+def describe_order(entry: dict, side: str) -> str:
+    """'flashinfer 1.00x, triton 5.38x': the order with each backend's measured score (its mean time
+    relative to each workload's fastest)."""
+    scores = entry.get("scores", {}).get(side, {})
+    return ", ".join(f"{name} {scores[name]:.2f}x" if name in scores else name for name in entry[side])
+
+
+__all__ = ["DATA_FILE", "attention_key", "describe_order", "gpu_key", "measured_order", "order_entry"]

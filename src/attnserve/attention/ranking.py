@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from attnserve.attention.registry import REGISTRY
 
+ATTENTION_TYPES = ("MHA", "MLA")  # raced apart: an MLA kernel's speed says nothing about its MHA one
+
 
 def backend_family(contestant: str) -> str | None:
     """The implemented registry backend a contestant belongs to ('flashinfer-fa3' -> 'flashinfer'), else None."""
@@ -29,6 +31,15 @@ def side_of(record: dict) -> str:
     return "decode" if "decode" in str(record.get("workload", "")).split() else "prefill"
 
 
+def attention_of(record: dict) -> str:
+    """'MLA' or 'MHA': which attention a race record measured. MLA workloads are named 'mla ...'
+    (bench/workloads.py) or carry `"attention": "MLA"`; everything else raced MHA/GQA shapes."""
+    if str(record.get("attention", "")).upper() == "MLA":
+        return "MLA"
+    words = str(record.get("workload", "")).split()
+    return "MLA" if words and words[0] == "mla" else "MHA"
+
+
 @dataclass(frozen=True)
 class Ranked:
     backend: str
@@ -36,14 +47,19 @@ class Ranked:
     workloads: int
 
 
-def rank(records: list[dict], side: str | None = None, complete_only: bool = False) -> list[Ranked]:
-    """Backends fastest first on `side`'s workloads (None: all). `complete_only`: a backend that has no
-    time for one of the side's workloads (it failed or was skipped) is left out, since it can't serve it."""
+def rank(records: list[dict], side: str | None = None, complete_only: bool = False,
+         attention: str | None = None) -> list[Ranked]:
+    """Backends fastest first on `side`'s workloads (None: all) of one attention type ('MHA', 'MLA';
+    None: all). `complete_only`: a backend that has no time for one of the side's workloads (it failed
+    or was skipped) is left out, since it can't serve it."""
+    if attention is not None and attention not in ATTENTION_TYPES:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_TYPES)} or None, got {attention!r}")
     times: dict[str, dict[str, float]] = {}
     for rec in records:
         family = backend_family(str(rec.get("backend", "")))
         t = rec.get("us")
-        if family is None or "workload" not in rec or (side is not None and side_of(rec) != side):
+        if family is None or "workload" not in rec or (side is not None and side_of(rec) != side) or (
+                attention is not None and attention_of(rec) != attention):
             continue
         per = times.setdefault(str(rec["workload"]), {})
         if isinstance(t, (int, float)) and t > 0:
@@ -60,4 +76,4 @@ def rank(records: list[dict], side: str | None = None, complete_only: bool = Fal
     return sorted(ranked, key=lambda x: (x.score, x.backend))
 
 
-__all__ = ["Ranked", "backend_family", "rank", "side_of"]
+__all__ = ["ATTENTION_TYPES", "Ranked", "attention_of", "backend_family", "rank", "side_of"]

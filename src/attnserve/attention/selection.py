@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnserve.attention.base import AttentionRequirements, BackendFeatures, unsupported
-from attnserve.attention.measured import measured_order
+from attnserve.attention.measured import attention_key, describe_order, measured_order
 from attnserve.attention.registry import REGISTRY, get_spec, hardware_problems, resolve_name
 from attnserve.attention.tuned import TunedChoice, find_tuned
 from attnserve.hardware import Hardware
@@ -349,8 +349,9 @@ def runnable_backends(hw: Hardware, model: AttentionShape, serving: ServingFeatu
 
 # ---- the decision ---------------------------------------------------------------------------------------
 def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry], side: str,
-                    tuned: TunedChoice | None = None) -> list[str]:
-    """The tuned winner for this side (if any), the policy's choice, the shipped measured order, the static one."""
+                    tuned: TunedChoice | None = None, attention: str = "MHA") -> list[str]:
+    """The tuned winner for this side (if any), the policy's choice, the shipped measured order for this
+    attention type ('MHA' or 'MLA'), the static one."""
     order = []
     winner = tuned.winners.get(side) if tuned else None
     if winner is not None:
@@ -361,11 +362,12 @@ def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry], side:
         order.append(winner.backend)
     if row.choose not in order:
         order.append(row.choose)
-    shipped = measured_order(hw, side)
+    shipped = measured_order(hw, side, attention)
     measured = shipped[0] if shipped else ()
     if shipped:
-        trace.append(TraceEntry("input", f"fallback order measured on this GPU model: {', '.join(measured)} "
-                                f"({shipped[1].get('source')}, {shipped[1].get('date')})", side=side))
+        trace.append(TraceEntry("input", f"fallback order measured on this GPU model for {attention}: "
+                                f"{describe_order(shipped[1], side)} (mean time relative to each workload's "
+                                f"fastest; {shipped[1].get('source')}, {shipped[1].get('date')})", side=side))
     for name in (*measured, *FALLBACK_ORDER.get(hw.device, ("torch_native",))):
         if name not in order:
             order.append(name)
@@ -439,7 +441,7 @@ def select_backends(
                 )
             trace.append(TraceEntry("explicit", f"requested for {side}; passes every check", name, side))
         else:
-            candidates = candidate_order(hw, row, trace, side, tuned)
+            candidates = candidate_order(hw, row, trace, side, tuned, attention_key(model.attention_type))
             name, ps = _first_passing(candidates, hw, model, serving, side, fixed_page, sglang, trace)
         chosen[side] = name
         if fixed_page is None and (name in PREFERRED_PAGE_SIZE or _fixed_page_sizes(name, sglang)):

@@ -296,7 +296,8 @@ class TritonBackend(AttentionBackend):
         """
         from attnserve.attention.kernels.mla_decode import default_mla_decode_config, head_groups
 
-        cfg = self.mla_decode_config or default_mla_decode_config(self.pool.device)
+        cfg = self.mla_decode_config or default_mla_decode_config(self.pool.device, None, num_heads,
+                                                                  self.pool.page_size)
         groups = head_groups(num_heads, cfg)
         if groups == self._mla_head_groups:
             return plan

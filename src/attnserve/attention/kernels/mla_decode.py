@@ -12,8 +12,6 @@ latents carry one per-tensor scale, folded into the softmax scale and the output
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +31,7 @@ from attnserve.attention.kernels.decode import (
     split_bounds,
     split_outputs,
 )
+from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, tiles_for
 from attnserve.attention.kernels.tiles import (
     GpuTarget,
     TileShape,
@@ -41,34 +40,18 @@ from attnserve.attention.kernels.tiles import (
     target_for,
 )
 
-
-@dataclass(frozen=True)
-class MLADecodeConfig:
-    block_h: int = 16  # query heads per program (a power of two, at least 16 for tl.dot)
-    block_n: int = 32
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-# arch -> tiles. Every program holds a [block_h, kv_lora_rank] float32 accumulator in registers, so more heads
-# per program want more warps. sm90 takes 32 heads on 8 warps (each latent byte read by 4 programs of 128
-# heads); the others 16 heads on 4 warps over 2 stages to stay inside 99-163 KiB of shared memory.
-MLA_DECODE_TILES = {
-    "sm90": MLADecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
-    "sm80": MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    "sm86": MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    "sm89": MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    "default": MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-}
+# the interpreter's small tiles (CPU tests); GPU tiles come from mla_decode_tiles.json per arch, heads, page size
 INTERPRETER_MLA_DECODE_TILES = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
 
 
-def default_mla_decode_config(device: torch.device, target: GpuTarget | None = None) -> MLADecodeConfig:
-    """The architecture's tiles on a GPU (`target`, default: the device's); small ones under the interpreter."""
+def default_mla_decode_config(device: torch.device, target: GpuTarget | None = None, num_heads: int = 128,
+                              page_size: int = 1) -> MLADecodeConfig:
+    """The architecture's tiles for this head count and page size on a GPU (`target`, default: the
+    device's); small ones under the interpreter."""
     device = torch.device(device)
     if device.type != "cuda" and target is None:
-        return INTERPRETER_MLA_DECODE_TILES
-    return MLA_DECODE_TILES[(target or target_for(device)).arch]
+        return INTERPRETER_MLA_DECODE_TILES.for_heads(num_heads)
+    return tiles_for((target or target_for(device)).arch, num_heads, page_size)
 
 
 def check_mla_shapes(q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, kv_lora_rank: int) -> int:
@@ -103,7 +86,7 @@ def _mla_decode_split_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, WRITE_FINAL: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, WRITE_FINAL: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
     hg = tl.program_id(1)
@@ -133,8 +116,15 @@ def _mla_decode_split_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_mask, other=0)
-        row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kvt  # [BLOCK_N, 1]
+        if TILE_IN_PAGE:
+            # the tile lies inside one page (tiles start at multiples of BLOCK_N, which divides the page):
+            # one page index per tile, and its rows are contiguous in the pool
+            page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE)
+            first = page.to(tl.int64) * PAGE_SIZE + (n0 % PAGE_SIZE)
+            row = KV + (first + tl.arange(0, BLOCK_N))[:, None] * stride_kvt  # [BLOCK_N, 1]
+        else:
+            page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_mask, other=0)
+            row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kvt  # [BLOCK_N, 1]
         c = tl.load(row + offs_c[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, LATENT]: K and V
         k_pe = tl.load(row + LATENT + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         s = dot_qk(q_c, c, DOT_F32) + dot_qk(q_r, k_pe, DOT_F32)  # [BLOCK_H, BLOCK_N]
@@ -182,7 +172,8 @@ def mla_decode_attention(
         return TileShape(c.block_h, width, c.block_n, width, c.num_stages, q.element_size())
 
     if config is None:
-        config = fewest_stages_dropped(default_mla_decode_config(q.device, target), tile_shape, target)
+        config = default_mla_decode_config(q.device, target, num_heads, page_size)
+        config = fewest_stages_dropped(config, tile_shape, target)
     check_shared_memory("MLA decode", tile_shape(config), target)
     if write_final is None:
         write_final = max_splits == 1
@@ -195,7 +186,8 @@ def mla_decode_attention(
         *partial_strides(partial_o, partial_lse),
         NUM_HEADS=num_heads, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         LATENT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)),
-        PAGE_SIZE=page_size, WRITE_FINAL=write_final, DOT_F32=dot_dtype_is_f32(q),
+        PAGE_SIZE=page_size, TILE_IN_PAGE=page_size % config.block_n == 0, WRITE_FINAL=write_final,
+        DOT_F32=dot_dtype_is_f32(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not write_final:

@@ -1,0 +1,137 @@
+"""The Triton MLA decode tiles per GPU architecture, head count and page size: data, not code.
+
+What is fastest depends on the shape: on the H200 128 heads over 64-token pages ran best as 64-head
+groups on 8 warps (each latent byte read by 2 programs), 128 heads over single-token pages as 16-head
+groups over 64-key tiles, 16 heads (memory-bound) as 16-head groups over 32-key tiles
+(benchmarks/results/sweep-triton-mla-h200.json). So the defaults are rules, first match wins, kept in
+`mla_decode_tiles.json` (package data) that a GPU sweep rewrites (`rules_from_sweep`,
+`benchmarks/sweep_triton_mla.py --apply`) without anyone hand-copying numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+TABLE_FILE = "mla_decode_tiles.json"
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    block_h: int = 16  # query heads per program (a power of two, at least 16 for tl.dot)
+    block_n: int = 32  # latent rows (keys) per pipelined tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_h", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MLADecodeConfig.{name} must be a power of two >= 16, got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"MLADecodeConfig.num_warps must be a power of two up to 32, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"MLADecodeConfig.num_stages must be >= 1, got {self.num_stages}")
+
+    def for_heads(self, num_heads: int) -> MLADecodeConfig:
+        """No wider head group than the model has heads (rounded up to a power of two, at least 16): a
+        64-head group over 16 heads computes 48 masked rows for nothing."""
+        fit = max(16, 1 << max(0, (num_heads - 1).bit_length()))
+        if self.block_h <= fit:
+            return self
+        return MLADecodeConfig(fit, self.block_n, max(4, self.num_warps * fit // self.block_h), self.num_stages)
+
+
+@dataclass(frozen=True)
+class TileRule:
+    config: MLADecodeConfig
+    min_heads: int = 1
+    min_page_size: int = 1
+
+    def holds(self, num_heads: int, page_size: int) -> bool:
+        return num_heads >= self.min_heads and page_size >= self.min_page_size
+
+
+def parse_rules(table: dict) -> dict[str, tuple[TileRule, ...]]:
+    """arch -> rules from the JSON table; every arch's list must end in a rule that always holds."""
+    out = {}
+    for arch, rows in table["rules"].items():
+        rules = tuple(TileRule(MLADecodeConfig(**r["config"]), int(r.get("min_heads", 1)),
+                               int(r.get("min_page_size", 1))) for r in rows)
+        if not rules or (rules[-1].min_heads, rules[-1].min_page_size) != (1, 1):
+            raise ValueError(f"{TABLE_FILE}: the rules of {arch!r} must end in one with min_heads 1 and "
+                             f"min_page_size 1 (a default for every shape)")
+        out[arch] = rules
+    if "default" not in out:
+        raise ValueError(f"{TABLE_FILE}: no 'default' architecture")
+    return out
+
+
+@functools.cache
+def shipped_rules() -> dict[str, tuple[TileRule, ...]]:
+    text = resources.files("attnserve.attention.kernels").joinpath(TABLE_FILE).read_text(encoding="utf-8")
+    return parse_rules(json.loads(text))
+
+
+def tiles_for(arch: str, num_heads: int, page_size: int,
+              rules: dict[str, tuple[TileRule, ...]] | None = None) -> MLADecodeConfig:
+    """The first rule of `arch` (else 'default') that holds for this head count and page size."""
+    rules = rules or shipped_rules()
+    for rule in rules.get(arch, rules["default"]):
+        if rule.holds(num_heads, page_size):
+            return rule.config.for_heads(num_heads)
+    raise AssertionError("every arch's rules end in one that always holds")  # pragma: no cover
+
+
+# ---- from a sweep to the table -------------------------------------------------------------------------
+CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages")
+
+
+def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> list[dict]:
+    """Table rules (JSON rows) from sweep rows `{"workload", block_h.., "us"}`; `shapes` maps a workload to
+    its (heads, page size). Workloads of one (heads, page size) take the config with the best mean time
+    relative to each one's fastest among configs timed on all of them; most heads and largest pages first,
+    and the fewest heads' rule closes the list as the catch-all."""
+    timed: dict[str, dict[tuple, float]] = {}
+    for r in rows:
+        if "us" in r and all(k in r for k in CONFIG_KEYS) and r["workload"] in shapes:
+            key = tuple(r[k] for k in CONFIG_KEYS)
+            per = timed.setdefault(r["workload"], {})
+            per[key] = min(r["us"], per.get(key, r["us"]))
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name in timed:
+        groups.setdefault(shapes[name], []).append(name)
+    out = []
+    for (heads, page), names in sorted(groups.items(), reverse=True):
+        common = set.intersection(*(set(timed[n]) for n in names))
+        if not common:
+            continue
+
+        def score(key, names=names):
+            return sum(timed[n][key] / min(timed[n].values()) for n in names) / len(names)
+
+        best = min(sorted(common), key=score)
+        out.append({"config": dict(zip(CONFIG_KEYS, best)), "min_heads": heads, "min_page_size": page,
+                    "measured": {n: timed[n][best] for n in sorted(names)}})
+    if out:
+        out[-1] = {**out[-1], "min_heads": 1, "min_page_size": 1}
+    return out
+
+
+def write_rules(arch: str, rules: list[dict], source: str, path: Path | None = None) -> Path:
+    """Replace one architecture's rules in the table file (the package's by default); checked before writing."""
+    path = path or Path(str(resources.files("attnserve.attention.kernels").joinpath(TABLE_FILE)))
+    table = json.loads(path.read_text())
+    table["rules"][arch] = rules
+    table["source"] = source
+    parse_rules(table)  # nothing malformed is written
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    shipped_rules.cache_clear()
+    return path
+
+
+__all__ = ["MLADecodeConfig", "TileRule", "parse_rules", "rules_from_sweep", "shipped_rules", "tiles_for",
+           "write_rules"]

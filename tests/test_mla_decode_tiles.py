@@ -1,0 +1,91 @@
+"""The Triton MLA decode tile table: rules per arch, head count and page size, kept equal to the sweep it
+came from, and rewritten from a new sweep without hand-copying (all on the CPU)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from attnserve.attention.kernels import mla_decode_tiles as tiles
+from attnserve.attention.kernels.mla_decode import default_mla_decode_config
+from attnserve.attention.kernels.mla_decode_tiles import (
+    MLADecodeConfig,
+    rules_from_sweep,
+    tiles_for,
+    write_rules,
+)
+from attnserve.attention.kernels.tiles import GpuTarget, TileShape, check_shared_memory
+from attnserve.bench.workloads import MLA_WORKLOADS
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = Path(tiles.__file__).with_name(tiles.TABLE_FILE)
+SHAPES = {w.name: (w.mla.num_heads, w.page_size) for w in MLA_WORKLOADS if w.kind == "decode"}
+
+
+def test_h200_tiles_follow_the_shape():
+    """What the H200 sweep measured: 128 heads on 64-token pages in 64-head groups, on single-token pages in
+    16-head groups over 64-key tiles, 16 heads in 16-head groups over 32-key tiles."""
+    h200 = GpuTarget.of((9, 0))
+    assert default_mla_decode_config("cuda", h200, 128, 64) == MLADecodeConfig(64, 32, 8, 2)
+    assert default_mla_decode_config("cuda", h200, 128, 1) == MLADecodeConfig(16, 64, 4, 2)
+    assert default_mla_decode_config("cuda", h200, 16, 64) == MLADecodeConfig(16, 32, 4, 2)
+    assert tiles_for("sm75", 128, 64) == tiles_for("default", 128, 64)  # an unknown arch takes the default rules
+    assert default_mla_decode_config("cpu", None, 128, 64).block_n == 16  # the interpreter's small tiles
+
+
+@pytest.mark.parametrize("arch", sorted(tiles.shipped_rules()))
+def test_every_shipped_tile_fits_its_architecture(arch):
+    target = GpuTarget.of({"sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9, 0)}.get(arch, (7, 5)))
+    for rule in tiles.shipped_rules()[arch]:
+        c = rule.config
+        check_shared_memory("MLA decode", TileShape(c.block_h, 576, c.block_n, 576, c.num_stages, 2), target)
+
+
+def test_a_head_group_never_exceeds_the_heads():
+    assert MLADecodeConfig(64, 32, 8, 2).for_heads(16) == MLADecodeConfig(16, 32, 4, 2)
+    assert MLADecodeConfig(128, 16, 16, 2).for_heads(40) == MLADecodeConfig(64, 16, 8, 2)
+    assert MLADecodeConfig(64, 32, 8, 2).for_heads(128) == MLADecodeConfig(64, 32, 8, 2)
+    with pytest.raises(ValueError, match="block_h must be a power of two >= 16, got 24"):
+        MLADecodeConfig(block_h=24)
+    with pytest.raises(ValueError, match="num_warps .* got 3"):
+        MLADecodeConfig(num_warps=3)
+
+
+def test_the_shipped_sm90_rules_are_the_committed_sweep():
+    """Like the measured backend order: the package data equals what the sweep it names implies."""
+    table = json.loads(TABLE.read_text())
+    sweep = json.loads((ROOT / table["source"]).read_text())
+    assert table["rules"]["sm90"] == rules_from_sweep(sweep["rows"], SHAPES), (
+        f"run: python benchmarks/sweep_triton_mla.py --apply {table['source']}")
+
+
+def test_rules_from_a_sweep_pick_the_best_mean_per_shape_and_close_with_a_catch_all():
+    rows = [
+        {"workload": "a", "block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "us": 100.0},
+        {"workload": "a", "block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2, "us": 90.0},
+        {"workload": "b", "block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "us": 10.0},
+        {"workload": "b", "block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2, "us": 20.0},
+        {"workload": "c", "block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "us": 5.0},
+        {"workload": "c", "split_waves": 4.0, "us": 1.0},  # a split setting: not a tile
+        {"workload": "c", "block_h": 32, "block_n": 32, "num_warps": 4, "num_stages": 2, "error": "x"},
+    ]
+    rules = rules_from_sweep(rows, {"a": (128, 1), "b": (128, 1), "c": (16, 64)})
+    # a and b share a shape: 16/64 scores (1.11 + 1) / 2, 64/32 (1 + 2) / 2
+    assert [r["config"]["block_h"] for r in rules] == [16, 16] and rules[0]["config"]["block_n"] == 64
+    assert (rules[0]["min_heads"], rules[0]["min_page_size"]) == (128, 1)
+    assert (rules[-1]["min_heads"], rules[-1]["min_page_size"]) == (1, 1)
+
+
+def test_write_rules_replaces_one_arch_and_refuses_a_table_without_a_default(tmp_path):
+    path = tmp_path / tiles.TABLE_FILE
+    shutil.copy(TABLE, path)
+    new = [{"config": {"block_h": 128, "block_n": 16, "num_warps": 16, "num_stages": 2}, "min_heads": 1,
+            "min_page_size": 1}]
+    write_rules("sm90", new, "sweep.json", path)
+    parsed = tiles.parse_rules(json.loads(path.read_text()))
+    assert parsed["sm90"][0].config == MLADecodeConfig(128, 16, 16, 2) and len(parsed["sm80"]) == 1
+    before = path.read_text()
+    with pytest.raises(ValueError, match="must end in one with min_heads 1"):
+        write_rules("sm90", [{**new[0], "min_heads": 64}], "sweep.json", path)
+    assert path.read_text() == before  # nothing half-written
