@@ -26,6 +26,7 @@ class CausalLM(nn.Module):
     """
 
     ops: OpSet = TORCH_OPS
+    tp_size: int = 1  # tensor-parallel ranks the layers were built for (set by _build_stack)
 
     def _build_stack(self, cfg, rotary: nn.Module, make_layer) -> None:
         """Embeddings, `make_layer(cfg, layer_id, rotary)` per layer, final norm, LM head (tied if asked)."""
