@@ -1,24 +1,32 @@
-"""Engine decode speed on one GPU against the memory roofline, and against FlashInfer decode.
+"""Engine decode speed on one GPU against the memory roofline: overlap scheduling on/off, backends.
 
-A Llama-3-8B-shaped model with random weights (bf16) serves --requests requests of
---input-len random prompt tokens and exactly --output-len new tokens each. A
-decode step must read every weight once plus every request's K/V once, so its
-lower bound is (weight bytes + KV bytes) / copy bandwidth, with the bandwidth
-measured in the same run (device-to-device copy, read + write). The report gives
+A Llama-3-8B-shaped model with random weights (bf16) serves each workload
+(`--workloads`, REQUESTSxINPUTxOUTPUT: that many requests of INPUT random prompt
+tokens and exactly OUTPUT new tokens each). A decode step must read every weight
+once plus every request's K/V once, so its lower bound is (weight bytes + KV
+bytes) / copy bandwidth, with the bandwidth measured in the same run
+(device-to-device copy, read + write). The report gives, per configuration:
 the median wall time of full-batch decode steps (scheduling, sampling and graph
-replay included) next to that bound, for each backend configuration.
+replay included; with overlap, the interval between consecutive steps' tokens)
+next to that bound; the device span of a step and the GPU's idle time between
+steps (CUDA events, no sync); synchronizing CUDA calls made while launching
+decode steps (torch's sync debug mode, during the warm-up); and a hash of every output, so
+greedy tokens with overlap on and off can be compared.
 
-    PYTHONPATH=src python3 benchmarks/engine_gpu_decode.py --out results.json
+    PYTHONPATH=src python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256,1x1024x256 \
+        --configs triton-graphs,triton-graphs-no-overlap --out benchmarks/results/engine_gpu_overlap.json
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import statistics
 import time
 import traceback
+import warnings
 from datetime import datetime, timezone
 
 import torch
@@ -56,152 +64,238 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def run_config(loaded, label: str, args, bw: float, wbytes: int, **engine_kw) -> dict:
+def _median_ms(values: list[float]) -> float | None:
+    return round(statistics.median(values) * 1e3, 3) if values else None
+
+
+def _count_syncs(engine, steps: int) -> tuple[int, list[str]]:
+    """Synchronizing CUDA calls (torch's sync debug mode) while launching `steps` engine steps (the wait for
+    the previous step's tokens, outside the launch, is the one sync a step is meant to have)."""
+    if not torch.cuda.is_available():
+        return 0, []
+    launch = engine._launch
+
+    def watched(in_flight):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return launch(in_flight)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine._launch = watched
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for _ in range(steps):
+                if engine.has_work():
+                    engine.step()
+        finally:
+            engine._launch = launch
+    msgs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    return len(msgs), sorted(set(msgs))[:5]
+
+
+def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: float, wbytes: int,
+               **engine_kw) -> dict:
     from attnserve.engine.config import EngineConfig
     from attnserve.engine.engine import Engine
     from attnserve.engine.sampling_params import SamplingParams
 
+    requests, input_len, output_len = workload
+    cuda = args.device == "cuda"
     vocab = loaded.config.vocab_size
     cfg = EngineConfig(
-        device=args.device, dtype="bf16" if args.device == "cuda" else "fp32", max_running_requests=args.requests, cuda_graph_max_bs=args.requests,
-        max_total_tokens=args.requests * (args.input_len + args.output_len) + 1024,
+        device=args.device, dtype="bf16" if cuda else "fp32", max_running_requests=max(requests, 4),
+        cuda_graph_max_bs=max(requests, 4), max_total_tokens=max(requests, 4) * (input_len + output_len) + 1024,
         chunked_prefill_size=args.chunked_prefill_size, disable_radix_cache=True, **engine_kw,
     )
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
     engine = Engine(cfg, loaded=loaded)
     startup_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
-    # warm-up: compiles every kernel the run needs (extend, mixed, decode at a few batch sizes)
+    # warm-up: compiles every kernel the run needs (extend, mixed, decode at a few batch sizes), then
+    # counts synchronizing calls over decode steps
     for _ in range(3):
         engine.add_request(torch.randint(0, vocab, (300,), generator=g).tolist(),
-                           SamplingParams(max_new_tokens=8, ignore_eos=True))
+                           SamplingParams(max_new_tokens=24, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    syncs, sync_msgs = _count_syncs(engine, 12)
     engine.run_until_done()
+    sync()
     engine.step_times = type(engine.step_times)()
-    forward_s: list[float] = []  # model forward (graph replay or eager) of full-batch decode steps
-    plain_forward = engine.runner.forward
+    spans: list[tuple[str, int, object, object]] = []  # (mode, batch size, start event, end event) per step
+    plain_launch = engine._launch
 
-    def timed_forward(batch):
-        sync()
-        t = time.perf_counter()
-        out = plain_forward(batch)
-        sync()
-        if batch.mode.value == "decode" and batch.batch_size == args.requests:
-            forward_s.append(time.perf_counter() - t)
-        return out
+    def timed_launch(in_flight):
+        if not cuda:
+            return plain_launch(in_flight)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        step = plain_launch(in_flight)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        if step is not None:
+            spans.append((step.batch.mode.value, step.batch.batch_size, start, end))
+        return step
 
-    engine.runner.forward = timed_forward
-    prompts = [torch.randint(0, vocab, (args.input_len,), generator=g).tolist() for _ in range(args.requests)]
-    params = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
+    engine._launch = timed_launch
+    prompts = [torch.randint(0, vocab, (input_len,), generator=g).tolist() for _ in range(requests)]
+    params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     sync()
     start = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in prompts]
     engine.run_until_done()
     sync()
     total_s = time.perf_counter() - start
+    engine._launch = plain_launch
     st = engine.step_times
-    full = [t for t, b in zip(st.decode, st.decode_batch) if b == args.requests]
+    full = [t for t, b in zip(st.decode, st.decode_batch) if b == requests]
+    # device span of each full-batch decode step, and the GPU's idle time before the next step starts
+    device_s, idle_s = [], []
+    for (mode, bs, a, b), nxt in zip(spans, spans[1:] + [None]):
+        if mode == "decode" and bs == requests:
+            device_s.append(a.elapsed_time(b) / 1e3)
+            if nxt is not None and nxt[0] == "decode":
+                idle_s.append(max(0.0, b.elapsed_time(nxt[2]) / 1e3))
     bpt = engine.parts.kv.pool.bytes_per_token
     # full-batch decode step k (k = 1..output_len-1) reads K/V of input_len + k tokens per request
-    kv_bytes = [args.requests * (args.input_len + k) * bpt for k in range(1, args.output_len)]
-    bound_s = [(wbytes + kv) / bw for kv in kv_bytes]
+    kv_bytes = [requests * (input_len + k) * bpt for k in range(1, output_len)]
+    bound = statistics.mean((wbytes + kv) / bw for kv in kv_bytes)
     med = statistics.median(full) if full else float("nan")
-    bound = statistics.mean(bound_s)
     ttfts = sorted(r.ttft_s for r in reqs)
+    digest = hashlib.sha256(json.dumps([r.output_ids for r in reqs]).encode()).hexdigest()[:16]
     out = {
         "label": label,
-        "engine_settings": {k: v for k, v in engine_kw.items()},
+        "workload": f"{requests} x {input_len}/{output_len}",
+        "engine_settings": dict(engine_kw),
+        "overlap_schedule": engine.overlap,
         "prefill_backend": engine.parts.attention.prefill_backend,
         "decode_backend": engine.parts.attention.decode_backend,
         "cuda_graph_batch_sizes": engine.parts.graphs.batch_sizes,
         "startup_s": round(startup_s, 2),
         "total_s": round(total_s, 3),
-        "output_tok_per_s": round(args.requests * args.output_len / total_s, 1),
+        "output_tok_per_s": round(requests * output_len / total_s, 1),
         "full_batch_decode_steps": len(full),
         "decode_step_ms_median": round(med * 1e3, 3),
         "decode_step_ms_p10": round(sorted(full)[len(full) // 10] * 1e3, 3) if full else None,
         "decode_step_ms_p90": round(sorted(full)[len(full) * 9 // 10] * 1e3, 3) if full else None,
-        "decode_forward_ms_median": round(statistics.median(forward_s) * 1e3, 3) if forward_s else None,
+        "decode_device_span_ms_median": _median_ms(device_s),
+        "gpu_idle_between_decode_steps_ms_median": _median_ms(idle_s),
+        "gpu_idle_between_decode_steps_ms_p90": round(sorted(idle_s)[len(idle_s) * 9 // 10] * 1e3, 3) if idle_s else None,
         "roofline_step_ms_mean": round(bound * 1e3, 3),
         "fraction_of_roofline": round(bound / med, 3) if full else None,
+        "sync_calls_launching_12_warmup_steps": syncs,
+        "sync_call_messages": sync_msgs,
         "prefill_steps": len(st.extend) + len(st.mixed),
         "prefill_s": round(sum(st.extend) + sum(st.mixed), 3),
         "ttft_s_median": round(ttfts[len(ttfts) // 2], 3),
         "graphed_steps": engine.runner.steps_graphed,
         "eager_steps": engine.runner.steps_eager,
         "pages_leaked": engine.pages_leaked(),
+        "outputs_sha256_16": digest,
         "first_tokens_req0": reqs[0].output_ids[:16],
     }
     print(json.dumps(out), flush=True)
     engine.close()  # leaves a tensor-parallel world, if the configuration made one
     del engine, reqs
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return out
+
+
+CONFIGS = {
+    "triton-graphs": {"attention_backend": "triton"},
+    "triton-graphs-no-overlap": {"attention_backend": "triton", "disable_overlap_schedule": True},
+    "triton-graphs-unfused": {"attention_backend": "triton", "disable_fused_ops": True},
+    "triton-eager": {"attention_backend": "triton", "disable_cuda_graph": True},
+    # tp 1 through the tensor-parallel path: a torch.distributed world of one rank (NCCL), each step broadcast,
+    # every all-reduce / all-gather run (benchmarks/tp_gpu.sh compares it with triton-graphs)
+    "triton-graphs-tp1-world": {"attention_backend": "triton", "dist_init_addr": "auto"},
+    "flashinfer-decode": {"prefill_attention_backend": "triton", "decode_attention_backend": "flashinfer"},
+    "flashinfer": {"attention_backend": "flashinfer"},
+    "torch-native": {"attention_backend": "torch_native"},
+}
+
+
+def parse_workload(text: str) -> tuple[int, int, int]:
+    try:
+        requests, input_len, output_len = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"workload {text!r}: expected REQUESTSxINPUTxOUTPUT, e.g. 64x1024x256") from None
+    if min(requests, input_len, output_len) < 1:
+        raise SystemExit(f"workload {text!r}: every number must be >= 1")
+    return requests, input_len, output_len
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-3-8b")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--workloads", default="64x1024x256",
+                    help="comma-separated REQUESTSxINPUTxOUTPUT (default: 64x1024x256; the overlap check adds "
+                    "1x1024x256)")
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
-    ap.add_argument("--configs", default="triton-graphs,triton-graphs-unfused,triton-eager,flashinfer-decode")
-    ap.add_argument("--out", default="benchmarks/results/engine_gpu_decode.json")
+    ap.add_argument("--configs", default="triton-graphs,triton-graphs-no-overlap",
+                    help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    ap.add_argument("--out", default="benchmarks/results/engine_gpu_overlap.json")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script (no roofline meaning)")
     args = ap.parse_args()
+    workloads = [parse_workload(w) for w in args.workloads.split(",")]
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
 
-    from attnserve.distributed.launch import free_local_addr
     from attnserve.models.loader import load_model
 
-    bw = copy_bandwidth() if args.device == "cuda" else 10e9
+    cuda = args.device == "cuda"
+    bw = copy_bandwidth() if cuda else 10e9
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    dtype = "bf16" if args.device == "cuda" else "fp32"
-    loaded = load_model(args.preset, dtype=dtype, device=args.device, random_weights=True)
+    loaded = load_model(args.preset, dtype="bf16" if cuda else "fp32", device=args.device, random_weights=True)
     wbytes = weight_bytes(loaded.model)
-    configs = {
-        "triton-graphs": {"attention_backend": "triton"},
-        "triton-graphs-unfused": {"attention_backend": "triton", "disable_fused_ops": True},
-        "triton-eager": {"attention_backend": "triton", "disable_cuda_graph": True},
-        # tp 1 through the tensor-parallel path: a torch.distributed world of one rank (NCCL), each step
-        # broadcast, every all-reduce / all-gather run (benchmarks/tp_gpu.sh compares it with triton-graphs)
-        "triton-graphs-tp1-world": {"attention_backend": "triton", "dist_init_addr": free_local_addr()},
-        "flashinfer-decode": {"prefill_attention_backend": "triton", "decode_attention_backend": "flashinfer"},
-        "flashinfer": {"attention_backend": "flashinfer"},
-        "torch-native": {"attention_backend": "torch_native"},
-    }
     results, errors = [], {}
-    for name in args.configs.split(","):
-        try:
-            results.append(run_config(loaded, name, args, bw, wbytes, **configs[name]))
-        except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
-            errors[name] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-            gc.collect()
-            torch.cuda.empty_cache()
-    by = {r["label"]: r for r in results}
+    for workload in workloads:
+        for name in args.configs.split(","):
+            try:
+                settings = dict(CONFIGS[name])
+                if settings.get("dist_init_addr") == "auto":  # a free local port for the one-rank world
+                    from attnserve.distributed.launch import free_local_addr
+
+                    settings["dist_init_addr"] = free_local_addr()
+                results.append(run_config(loaded, name, workload, args, bw, wbytes, **settings))
+            except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
+                errors[f"{name} {workload}"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
     ratios = {}
-    if "triton-graphs" in by and "flashinfer-decode" in by:
-        ratios["triton_vs_flashinfer_decode_step"] = round(
-            by["flashinfer-decode"]["decode_step_ms_median"] / by["triton-graphs"]["decode_step_ms_median"], 3)
-    if "triton-graphs" in by and "triton-graphs-unfused" in by:
-        ratios["fused_ops_speedup_decode_step"] = round(
-            by["triton-graphs-unfused"]["decode_step_ms_median"] / by["triton-graphs"]["decode_step_ms_median"], 3)
-        ratios["fused_ops_speedup_output_tok_per_s"] = round(
-            by["triton-graphs"]["output_tok_per_s"] / by["triton-graphs-unfused"]["output_tok_per_s"], 3)
-        ratios["fused_ops_same_first_tokens"] = (
-            by["triton-graphs"]["first_tokens_req0"] == by["triton-graphs-unfused"]["first_tokens_req0"])
-    if "triton-graphs" in by and "triton-eager" in by:
-        ratios["cuda_graph_speedup_decode_step"] = round(
-            by["triton-eager"]["decode_step_ms_median"] / by["triton-graphs"]["decode_step_ms_median"], 3)
+    for workload in {r["workload"] for r in results}:
+        by = {r["label"]: r for r in results if r["workload"] == workload}
+
+        def ratio(slow: str, fast: str, key: str = "decode_step_ms_median", by=by):
+            if slow in by and fast in by and by[slow][key] and by[fast][key]:
+                return round(by[slow][key] / by[fast][key], 3)
+            return None
+
+        ratios[workload] = {k: v for k, v in {
+            "overlap_speedup_decode_step": ratio("triton-graphs-no-overlap", "triton-graphs"),
+            "overlap_speedup_total": ratio("triton-graphs-no-overlap", "triton-graphs", "total_s"),
+            "overlap_outputs_identical": (by["triton-graphs"]["outputs_sha256_16"]
+                                          == by["triton-graphs-no-overlap"]["outputs_sha256_16"])
+            if {"triton-graphs", "triton-graphs-no-overlap"} <= set(by) else None,
+            "triton_vs_flashinfer_decode_step": ratio("flashinfer-decode", "triton-graphs"),
+            "fused_ops_speedup_decode_step": ratio("triton-graphs-unfused", "triton-graphs"),
+            "fused_ops_speedup_total": ratio("triton-graphs-unfused", "triton-graphs", "total_s"),
+            "cuda_graph_speedup_decode_step": ratio("triton-eager", "triton-graphs"),
+        }.items() if v is not None}
     import triton
 
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (script check only)"
     report = {
-        "what": f"{args.preset} random weights bf16, {args.requests} requests x {args.input_len} in / "
-                f"{args.output_len} out, radix cache off, chunked prefill {args.chunked_prefill_size}",
-        "gpu": gpu,
+        "what": f"{args.preset} random weights bf16, workloads {args.workloads} (requests x input/output), "
+                f"radix cache off, chunked prefill {args.chunked_prefill_size}",
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (script check only)",
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__},
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "copy_bandwidth_TBps": round(bw / 1e12, 3),
@@ -209,7 +303,8 @@ def main() -> None:
         "results": results,
         "ratios": ratios,
         "errors": errors,
-        "command": "PYTHONPATH=src python3 benchmarks/engine_gpu_decode.py",
+        "command": "PYTHONPATH=src python3 benchmarks/engine_gpu_decode.py "
+                   f"--workloads {args.workloads} --configs {args.configs}",
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

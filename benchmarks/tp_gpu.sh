@@ -4,15 +4,16 @@
 # graphs, Triton attention) twice, in both orders, with "triton-graphs" (no torch.distributed world) and
 # "triton-graphs-tp1-world" (a one-rank NCCL world: step broadcast, all-reduces and the logits all-gather
 # all run), then writes benchmarks/results/tp_gpu_tp1.json: GPU, versions, date, decode step medians,
-# the world/plain ratio, and whether both produced the same tokens. About 3 minutes on an H200.
+# the world/plain ratio, host syncs while launching, and whether both produced the same tokens.
+# About 3 minutes on an H200 (overlap scheduling on, the default).
 #   benchmarks/tp_gpu.sh            (from the repository root)
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-timeout 110 python3 benchmarks/engine_gpu_decode.py --configs triton-graphs,triton-graphs-tp1-world \
+timeout 110 python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256 --configs triton-graphs,triton-graphs-tp1-world \
   --out "$OUT/tp_gpu_run1.json" > "$OUT/tp_gpu_run1.log" 2>&1; echo "run 1 rc=$?"
-timeout 110 python3 benchmarks/engine_gpu_decode.py --configs triton-graphs-tp1-world,triton-graphs \
+timeout 110 python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256 --configs triton-graphs-tp1-world,triton-graphs \
   --out "$OUT/tp_gpu_run2.json" > "$OUT/tp_gpu_run2.log" 2>&1; echo "run 2 rc=$?"
 python3 - "$OUT" <<'PY'
 import json, sys
@@ -36,7 +37,9 @@ summary = {
                          world: [r["output_tok_per_s"] for r in rows.get(world, [])]},
     "world_over_plain_decode_step": (round(med(world, "decode_step_ms_median") / med(plain, "decode_step_ms_median"), 3)
                                      if med(plain, "decode_step_ms_median") and med(world, "decode_step_ms_median") else None),
-    "same_first_tokens": len({tuple(r["first_tokens_req0"]) for rs in rows.values() for r in rs}) == 1,
+    "same_outputs": len({r["outputs_sha256_16"] for rs in rows.values() for r in rs}) == 1,
+    "sync_calls_launching_12_warmup_steps": {k: [r.get("sync_calls_launching_12_warmup_steps") for r in rs]
+                                             for k, rs in rows.items()},
     "pages_leaked": sorted({r["pages_leaked"] for rs in rows.values() for r in rs}),
     "errors": [run.get("errors") for run in runs],
 }

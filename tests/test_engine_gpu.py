@@ -66,3 +66,34 @@ def test_cuda_graphs_with_pages_and_preemption():
     tiny, e = _run("triton", graphs=True, page_size=4, max_total_tokens=256, disable_radix_cache=False)
     assert e.scheduler.counters.preemptions > 0
     assert tiny == ref
+
+
+@needs_cuda
+def test_overlap_on_and_off_agree_on_the_gpu_and_launching_a_step_never_syncs():
+    """Greedy tokens are the same with overlap on and off (graphs on); and launching a step (schedule,
+    metadata, plan, graph replay or eager forward, sampling, the async copy of its tokens) makes no
+    synchronizing CUDA call: the host's only wait is on the previous step's event, outside the launch."""
+    off, _ = _run("triton", graphs=True, disable_overlap_schedule=True)
+    on, _ = _run("triton", graphs=True)
+    assert on == off
+    e = Engine(EngineConfig(device="cuda", dtype="fp32", attention_backend="triton", max_running_requests=8,
+                            cuda_graph_max_bs=8, max_total_tokens=4096, disable_radix_cache=True,
+                            chunked_prefill_size=32),
+               loaded=_model_on_cuda())
+    reqs = [e.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8 if i % 2 else 0,
+                                            seed=i, logprobs=2 if i == 3 else None))
+            for i, p in enumerate(PROMPTS[:6])]
+    e.step()  # the first launch allocates (pinned blocks, plans); what follows must not sync
+    launch = e._launch
+
+    def strict(in_flight):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(in_flight)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    e._launch = strict
+    e.run_until_done()
+    assert all(len(r.output_ids) == 30 for r in reqs) and e.pages_leaked() == 0
+    assert e.runner.steps_graphed > 0 and e.scheduler.counters.mixed_steps + len(e.step_times.extend) > 0

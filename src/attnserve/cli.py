@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # the exact command, for reports
     try:
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError, ImportError) as exc:

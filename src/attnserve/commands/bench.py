@@ -7,13 +7,14 @@ import importlib
 # sub-command -> (module with add_arguments(parser) and run(args), one-line help)
 BENCHES = {
     "kernels": ("attnserve.bench.kernels", "race the attention backends on fixed decode/prefill workloads"),
+    "serve": ("attnserve.bench.serve", "load sweep against OpenAI-compatible servers: TTFT/TPOT/ITL per backend"),
     "compare": ("attnserve.bench.baseline",
                 "compare two stored runs (bench kernels or tune JSON); exit 3 if the first is slower"),
 }
 
 
 def add_parser(sub):
-    p = sub.add_parser("bench", help="measure attention kernels (and, later, serving) on this machine")
+    p = sub.add_parser("bench", help="measure attention kernels and serving under load on this machine")
     inner = p.add_subparsers(dest="bench", required=True)
     for name, (module, summary) in BENCHES.items():
         q = inner.add_parser(name, help=summary, description=summary)

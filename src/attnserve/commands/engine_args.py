@@ -50,6 +50,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill tokens per chunk (default: 2048); <= 0 turns chunking off")
     p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
     p.add_argument("--disable-cuda-graph", action="store_true", help="decode runs eagerly")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="schedule each step only after the previous step's tokens reach the host "
+                   "(default: the host schedules and plans step n+1 while the device runs step n)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a graph")
     p.add_argument("--disable-fused-ops", action="store_true",
                    help="run the unfused torch ops (RMSNorm, SiLU x up, RoPE, K/V store) on the GPU too")
@@ -67,6 +70,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
         disable_radix_cache=args.disable_radix_cache,
         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_overlap_schedule=args.disable_overlap_schedule,
         disable_fused_ops=args.disable_fused_ops, random_weights=args.random_weights, no_tuned=args.no_tuned,
         tp_size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
     )

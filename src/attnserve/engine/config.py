@@ -26,6 +26,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     disable_fused_ops: bool = False  # True: unfused torch ops on the GPU too (to compare outputs and speed)
     cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 128)
+    disable_overlap_schedule: bool = False  # True: schedule step n+1 only after step n's tokens are read
     random_weights: bool = False  # with a preset/config: random weights of the real shape (benchmarks)
     seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks (processes, one GPU each on CUDA); the model's heads split over them

@@ -1,9 +1,21 @@
 """Engine: scheduler + model runner + sampler, stepped one batch at a time, in token ids.
 
 Single-threaded: `add_request`, `abort` and `step` are called from one loop
-(the offline LLM API, or the server's engine loop). Each `step` schedules a
-batch, runs it, samples, and finishes requests that hit a stop condition, so
-pages are freed before the next step is planned.
+(the offline LLM API, or the server's engine loop). A step is launched
+(scheduled, its metadata built, the backend planned, the forward pass and the
+sampler queued on the device) and later completed (its sampled ids read on
+the host, stop conditions checked, finished requests' pages freed).
+
+Overlap scheduling (on unless `disable_overlap_schedule`): each `step` launches
+step n+1 before completing step n, so the host schedules and plans while the
+device still runs step n, and the device never waits for the host. Decoding
+requests of step n+1 read their input token (sampled in step n) on the device;
+the host reads step n's ids once, through a pinned buffer and an event, after
+n+1 is queued. Outputs are the same as without overlap: a request that step n
+finishes also ran in step n+1, whose token for it is dropped; a request whose
+pending token is sure to end it by length is not scheduled again. Freeing its
+pages while n+1 still runs is safe because all device work is one stream, so
+anything that reuses them runs after n+1.
 """
 
 from __future__ import annotations
@@ -18,13 +30,15 @@ import torch
 
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.detokenizer import encode
+from attnserve.engine.host_copy import HostCopy
 from attnserve.engine.request import FinishReason, Request
 from attnserve.engine.runner import ModelRunner
-from attnserve.engine.sampler import Sampler
+from attnserve.engine.sampler import DeviceLogprobs, Sampler
 from attnserve.engine.sampling_params import SamplingParams
-from attnserve.engine.scheduler import Scheduler, SchedulerConfig
+from attnserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from attnserve.engine.setup import EngineParts, build_parts
 from attnserve.engine.tensor_parallel import start_world
+from attnserve.transfers import to_device
 
 log = logging.getLogger("attnserve.engine")
 
@@ -37,8 +51,21 @@ STEP_HISTORY = 1 << 16  # steps remembered per mode: a long-running server must 
 
 
 @dataclass
+class LaunchedStep:
+    """A step queued on the device whose tokens the host has not read yet."""
+
+    batch: ScheduleBatch
+    sampling: list[Request]  # the requests it samples for, in token order
+    failed: set[int]  # ids of those whose sampling failed at launch (already finished with ERROR)
+    copy: HostCopy | None  # the sampled ids (and logprobs) on their way to the host; None: nothing sampled
+    logprobs: DeviceLogprobs | None
+    launched_at: float
+
+
+@dataclass
 class StepTimes:
-    """Wall time of recent steps by mode (the host waits for the step's tokens, so these are real)."""
+    """Wall time of recent steps by mode, from launch (or the previous step's completion, if later) to the
+    moment its tokens reached the host: with overlap, the interval between consecutive steps' tokens."""
 
     decode: deque = field(default_factory=_recent)
     decode_batch: deque = field(default_factory=_recent)
@@ -81,6 +108,10 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.step_times = StepTimes()
         self._rids = itertools.count()
+        self.overlap = not config.disable_overlap_schedule
+        self.host_copy = HostCopy  # how a step's results travel to the host (tests slow it down)
+        self._in_flight: LaunchedStep | None = None
+        self._last_done = 0.0
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (also done at exit); the engine cannot step after."""
@@ -144,7 +175,7 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     def _forget(self, req: Request) -> None:
         self.sampler.forget(req.rid)
@@ -152,55 +183,104 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that got a new token or failed (finished ones included).
+        """Complete one batch; returns the requests that got a new token or failed (finished ones included).
 
+        Without overlap: launch a batch and complete it. With overlap: launch the next batch, then
+        complete the one launched by the previous call (so the first call after idling returns []).
         A failure of the batch itself (scheduling, the forward pass) raises; a failure that belongs to one
         request (its sampling, its stop checks) finishes that request with FinishReason.ERROR and the
         reason in `Request.error`, frees its pages, and the others go on.
         """
-        batch = self.scheduler.schedule()
+        if not self.overlap:
+            launched = self._launch(in_flight=False)
+            return self._complete(launched) if launched is not None else []
+        previous, self._in_flight = self._in_flight, None
+        try:
+            self._in_flight = self._launch(in_flight=previous is not None)
+        finally:  # even when launching fails, the step already running is completed (its pages settled)
+            done = self._complete(previous) if previous is not None else []
+        return done
+
+    def drain(self) -> list[Request]:
+        """Complete the step in flight, if any, launching nothing (what `step` would return for it)."""
+        step, self._in_flight = self._in_flight, None
+        return self._complete(step) if step is not None else []
+
+    def _launch(self, in_flight: bool) -> LaunchedStep | None:
+        """Schedule a batch and queue its forward pass and sampling; reads nothing back from the device."""
+        batch = self.scheduler.schedule(in_flight=in_flight)
         if batch is None:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if not in_flight and self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request can be scheduled although nothing is running (pool too small?)")
-            return []
+            return None
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         self.scheduler.commit(batch)
         sampling = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        picks = self._sample(logits, sampling) if sampling else []
+        if not sampling:
+            return LaunchedStep(batch, [], set(), None, None, t0)
+        rows = to_device([r.row for r in sampling], self.device)  # [S] (a request failing below drops its row)
+        tokens, logprobs, failed = self._sample(logits, sampling)
+        self.runner.record_sampled(rows, tokens)
+        for r in sampling:
+            if id(r) not in failed:
+                r.num_pending += 1
+        copy = self.host_copy({"tokens": tokens, **(logprobs.tensors() if logprobs is not None else {})})
+        return LaunchedStep(batch, sampling, failed, copy, logprobs, t0)
+
+    def _complete(self, step: LaunchedStep) -> list[Request]:
+        """Read a launched step's tokens (waiting for them if need be) and apply them to its requests."""
+        host = step.copy.wait() if step.copy is not None else {}
         now = time.perf_counter()
+        batch = step.batch
         times = {"decode": self.step_times.decode, "extend": self.step_times.extend,
                  "mixed": self.step_times.mixed}[batch.mode.value]
-        times.append(now - t0)
+        times.append(now - max(step.launched_at, self._last_done))
+        self._last_done = now
         if batch.mode.value == "decode":
             self.step_times.decode_batch.append(batch.batch_size)
-        for r, pick in zip(sampling, picks):
-            if pick is None:
-                continue  # failed while sampling
+        if not step.sampling:
+            return []
+        tokens = host["tokens"].tolist()
+        logprobs = step.logprobs.on_host(tokens, host) if step.logprobs is not None else [None] * len(tokens)
+        out = []
+        for r, token, logprob in zip(step.sampling, tokens, logprobs):
+            if id(r) in step.failed:
+                out.append(r)  # failed at launch: its consumer hears about it now
+                continue
+            if r.finished:
+                continue  # finished (stop, abort, or its previous token) after this step was launched
+            r.num_pending -= 1
             try:
-                self._append_token(r, *pick, now)
+                self._append_token(r, token, logprob, now)
             except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
                 self._fail(r, exc)
-        return sampling
+            out.append(r)
+        return out
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, object] | None]:
-        """(token, logprob) per request; a request whose sampling raises is failed and gets None."""
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+        """Sampled ids `[S]` (device), their logprobs where asked, and the ids of requests whose sampling
+        raised (each failed alone; its token is a placeholder that is never read)."""
         try:
-            return self._sample_rows(logits, reqs)
-        except Exception:  # noqa: BLE001 - find the request(s) it belongs to, row by row
-            picks = []
-            for i, r in enumerate(reqs):
-                try:
-                    picks += self._sample_rows(logits[i : i + 1], [r])
-                except Exception as exc:  # noqa: BLE001
-                    self._fail(r, exc)
-                    picks.append(None)
-            return picks
+            return (*self._sample_rows(logits, reqs), set())
+        except Exception as exc:  # noqa: BLE001 - find the request(s) it belongs to, row by row
+            log.debug("sampling the batch failed (%r); sampling row by row", exc)
+        tokens, parts, failed = [], [], set()
+        for i, r in enumerate(reqs):
+            try:
+                tok, lp = self._sample_rows(logits[i : i + 1], [r])
+            except Exception as exc:  # noqa: BLE001
+                self._fail(r, exc)
+                failed.add(id(r))
+                tok, lp = torch.zeros(1, dtype=torch.int64, device=logits.device), None
+            tokens.append(tok)
+            parts.append(lp)
+        return torch.cat(tokens), DeviceLogprobs.merge(parts), failed
 
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, object]]:
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, DeviceLogprobs | None]:
         params = [r.params for r in reqs]
         tokens = self.sampler.sample(logits, [r.rid for r in reqs], params)
-        return list(zip(tokens, self.sampler.logprobs(logits, tokens, params)))
+        return tokens, self.sampler.logprobs(logits, tokens, params)
 
     def _append_token(self, r: Request, token: int, logprob, now: float) -> None:
         r.output_ids.append(token)
@@ -212,7 +292,7 @@ class Engine:
         p = r.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self._finish(r, FinishReason.STOP, token)
-        elif len(r.output_ids) >= p.max_new_tokens or r.seq_len >= self.max_context_len:
+        elif len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.max_context_len:
             self._finish(r, FinishReason.LENGTH)
 
     def _fail(self, r: Request, exc: Exception) -> None:
@@ -273,6 +353,7 @@ class Engine:
             "aborted": c.aborted,
             "graphed_steps": self.runner.steps_graphed,
             "eager_steps": self.runner.steps_eager,
+            "overlap_schedule": self.overlap,
             "cache": self.cache_stats(),
         }
 

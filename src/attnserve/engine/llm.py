@@ -87,6 +87,7 @@ class LLM:
             for rid, stream in streams.items():  # a consumer that stops early must not leak pages
                 if not stream.finished:
                     self.engine.abort(rid)
+            self.engine.drain()  # with overlap, a step for requests that have finished may still run
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params=None) -> list[RequestOutput]:
         """Outputs in input order (a prompt with n > 1 gives n consecutive outputs)."""

@@ -45,6 +45,9 @@ class Request:
     error: str | None = None  # why the request failed, with finish_reason ERROR
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when params.logprobs is set
+    # tokens sampled on the device whose ids the host has not read yet (overlap scheduling schedules the
+    # next step before the last one's tokens arrive); they count in seq_len but not in output_ids
+    num_pending: int = 0
 
     # KV state (valid while RUNNING)
     row: int | None = None  # row of req_to_token
@@ -65,7 +68,7 @@ class Request:
 
     @property
     def fill_ids(self) -> list[int]:
-        """Every token whose K/V this request needs: prompt plus what it generated so far."""
+        """Every known token whose K/V this request needs: prompt plus what it generated so far."""
         return self.prompt_ids + self.output_ids
 
     def tokens(self, lo: int, hi: int) -> list[int]:
@@ -79,7 +82,17 @@ class Request:
 
     @property
     def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens so far, pending ones (sampled, not yet read by the host) included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_pending
+
+    def pending_token_ends_it(self, max_context_len: int) -> bool:
+        """The pending token is sure to finish this request by length: scheduling another step is waste."""
+        return self.num_pending > 0 and (
+            self.num_generated >= self.params.max_new_tokens or self.seq_len >= max_context_len)
 
     @property
     def num_uncomputed(self) -> int:
@@ -88,7 +101,7 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_uncomputed > 1 or not self.output_ids
+        return self.num_uncomputed > 1 or not self.num_generated
 
     @property
     def finished(self) -> bool:
@@ -96,6 +109,7 @@ class Request:
 
     def finish(self, reason: FinishReason, matched: str | int | None = None) -> None:
         self.status = RequestStatus.FINISHED
+        self.num_pending = 0  # a token still in flight is dropped when it arrives
         self.finish_reason = reason
         self.matched_stop = matched
         self.finish_time = time.perf_counter()

@@ -10,13 +10,58 @@ whatever batch it lands in.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from attnserve.engine.outputs import TokenLogprob
 from attnserve.engine.sampling_params import SamplingParams
+from attnserve.transfers import to_device
+
+
+@dataclass
+class DeviceLogprobs:
+    """The logprobs a step's requests asked for, still on the device (read with the sampled ids)."""
+
+    rows: list[int]  # which of the step's sampling requests asked (indices into its token list)
+    counts: list[int]  # top logprobs each of them asked for
+    chosen: torch.Tensor  # [R] float32: log-softmax of the sampled token
+    top_logprobs: torch.Tensor  # [R, max count] float32, best first
+    top_ids: torch.Tensor  # [R, max count] int64
+
+    @classmethod
+    def merge(cls, per_row: list[DeviceLogprobs | None]) -> DeviceLogprobs | None:
+        """One DeviceLogprobs from the single-row ones of rows 0, 1, ... (None where a row asked none)."""
+        asked = [(i, lp) for i, lp in enumerate(per_row) if lp is not None]
+        if not asked:
+            return None
+        k = max(lp.top_ids.shape[1] for _, lp in asked)
+
+        def widen(t: torch.Tensor) -> torch.Tensor:  # [1, k_row] -> [1, k]
+            return torch.nn.functional.pad(t, (0, k - t.shape[1]))
+
+        return cls([i for i, _ in asked], [lp.counts[0] for _, lp in asked],
+                   torch.cat([lp.chosen for _, lp in asked]),
+                   torch.cat([widen(lp.top_logprobs) for _, lp in asked]),
+                   torch.cat([widen(lp.top_ids) for _, lp in asked]))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"chosen": self.chosen, "top_logprobs": self.top_logprobs, "top_ids": self.top_ids}
+
+    def on_host(self, tokens: list[int], host: dict[str, torch.Tensor]) -> list[TokenLogprob | None]:
+        """TokenLogprob per sampling request (None where none was asked), from the host copies of `tensors()`."""
+        out: list[TokenLogprob | None] = [None] * len(tokens)
+        chosen, top_lp, top_ids = host["chosen"].tolist(), host["top_logprobs"].tolist(), host["top_ids"].tolist()
+        for j, (i, n) in enumerate(zip(self.rows, self.counts)):
+            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(top_ids[j][:n], top_lp[j][:n])))
+        return out
 
 
 class Sampler:
+    """Runs entirely on the logits' device: nothing here reads device memory from the host, so a step's
+    sampling is queued behind its forward pass without the host waiting (overlap scheduling relies on it).
+    Which filters run is decided from the requests' parameters, which the host knows."""
+
     def __init__(self, device: str | torch.device = "cpu", seed: int = 0):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for unseeded requests
@@ -34,56 +79,56 @@ class Sampler:
             self._request_generators[rid] = g
         return g
 
-    def sample(self, logits: torch.Tensor, rids: list[int], params: list[SamplingParams]) -> list[int]:
-        """logits `[B, vocab]` -> B token ids (host ints)."""
+    def sample(self, logits: torch.Tensor, rids: list[int], params: list[SamplingParams]) -> torch.Tensor:
+        """logits `[B, vocab]` -> token ids `[B]` int64, on the logits' device (greedy rows: the argmax)."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
         tokens = torch.argmax(logits, dim=-1)  # [B]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            probs = self.filtered_probs(logits[rows].float(), [params[i] for i in sampled])  # [S, vocab]
+        if not sampled:
+            return tokens  # the greedy fast path: one kernel
+        dev = logits.device
+        rows = to_device(sampled, dev)  # [S]
+        probs = self.filtered_probs(logits[rows].float(), [params[i] for i in sampled])  # [S, vocab]
+        shared = [j for j, i in enumerate(sampled) if params[i].seed is None]
+        if len(shared) == len(sampled):  # unseeded rows draw together from the engine's generator
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)  # [S, vocab]
+        else:
             noise = torch.empty_like(probs)  # [S, vocab]
-            shared = [j for j, i in enumerate(sampled) if params[i].seed is None]
-            if shared:  # unseeded rows draw together from the engine's generator
-                idx = torch.tensor(shared, device=logits.device)
-                noise[idx] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
+            if shared:
+                noise[to_device(shared, dev)] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
                     generator=self.generator)
             for j, i in enumerate(sampled):
                 if params[i].seed is not None:
                     noise[j].exponential_(generator=self._generator_for(rids[i], params[i]))
-            tokens[rows] = torch.argmax(probs / noise, dim=-1)
-        return tokens.tolist()
+        tokens[rows] = torch.argmax(probs / noise, dim=-1)
+        return tokens
 
     @staticmethod
-    def logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:
-        """Per row asking for them: the sampled token's log-softmax and the `params.logprobs` most likely."""
+    def logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> DeviceLogprobs | None:
+        """For the rows asking (None if none does): the sampled token's log-softmax and the
+        `params.logprobs` most likely, on the device. `tokens` [B] are the sampled ids on the device."""
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        out: list[TokenLogprob | None] = [None] * len(params)
         if not rows:
-            return out
-        index = torch.tensor(rows, device=logits.device)
+            return None
+        counts = [params[i].logprobs for i in rows]
+        index = to_device(rows, logits.device)  # [R]
         logp = torch.log_softmax(logits[index].float(), dim=-1)  # [R, vocab]
-        chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device))  # [R, 1]
-        k = max(params[i].logprobs for i in rows)
+        chosen = logp.gather(1, tokens[index][:, None])[:, 0]  # [R]
+        k = max(counts)
         top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())  # [R, k]
-        chosen, top_lp, top_ids = chosen[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()
-        for j, i in enumerate(rows):
-            n = params[i].logprobs
-            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(top_ids[j][:n], top_lp[j][:n])))
-        return out
+        return DeviceLogprobs(rows, counts, chosen, top_lp, top_ids)
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Probabilities after temperature, top-k, top-p and min-p, renormalised: `[S, vocab]`."""
         device = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        vocab = logits.shape[-1]
+        temps = to_device([float(p.temperature) for p in params], device, torch.float32)  # [S]
         probs = torch.softmax(logits / temps[:, None], dim=-1)
-        vocab = probs.shape[-1]
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
-        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
-        if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+        if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
+            top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)  # [S]
+            top_p = to_device([float(p.top_p) for p in params], device, torch.float32)  # [S]
             sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # [S, vocab]
             rank = torch.arange(vocab, device=device)[None, :]
             # drop a token when the tokens before it already hold top_p of the mass (the first always stays)
@@ -91,7 +136,8 @@ class Sampler:
             drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None])
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):
+            min_p = to_device([float(p.min_p) for p in params], device, torch.float32)  # [S]
             peak = probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < min_p[:, None] * peak, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)

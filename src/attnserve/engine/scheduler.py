@@ -12,6 +12,12 @@ Policy (one step):
    a request row and the pages for its chunk are free, keeping back one page
    per running decode so admission does not immediately force a preemption.
 
+Overlap scheduling: the engine may schedule step n+1 while step n still runs, before
+n's sampled tokens reach the host. A request sampled in step n then holds a pending
+token (`Request.num_pending`): it decodes in step n+1 all the same (the runner reads
+the token on the device), unless that token is sure to end it by length. A request
+with a pending token is never admitted (its prompt-plus-output is not known yet).
+
 Mixed batches, not alternation: decodes and prefill chunks share one forward
 pass (ForwardMode.MIXED). A long prompt then costs running decodes one slower
 step per chunk instead of a stall, and with chunking the slowdown is bounded by
@@ -59,6 +65,7 @@ class ScheduleBatch:
     prefix_lens: list[int]  # tokens already in the pool for each request
     sample: list[bool]  # True when this step computes the request's last uncomputed token
     mode: ForwardMode
+    num_decodes: int = 0  # reqs[:num_decodes] decode: their input token is their last sampled one
 
     @property
     def num_tokens(self) -> int:
@@ -161,10 +168,14 @@ class Scheduler:
         req.pages, req.row, req.kv_len = [], None, 0
 
     # ---- one step ---------------------------------------------------------------------------
-    def schedule(self) -> ScheduleBatch | None:
-        """Pick the next step's work and allocate its pages (None when there is nothing to run)."""
+    def schedule(self, in_flight: bool = False) -> ScheduleBatch | None:
+        """Pick the next step's work and allocate its pages (None when there is nothing to run).
+
+        `in_flight`: a step is still running; with nothing to schedule, wait for it (its finishing requests
+        free pages) rather than preempt.
+        """
         batch = self._schedule_once()
-        while batch is None and len(self.running) > 1:
+        while batch is None and len(self.running) > 1 and not in_flight:
             # running prefills stuck waiting for each other's pages: free the newest so the rest move on
             self.preempt(max(self.running, key=lambda r: r.admit_order))
             batch = self._schedule_once()
@@ -183,8 +194,7 @@ class Scheduler:
         budget = self.config.chunked_prefill_size or self.config.max_prefill_tokens
         reserve = len(decoding)
         # continue prompts already being prefilled (oldest first), then admit new ones
-        decoding_ids = {id(r) for r in decoding}  # identity: one set lookup per request, not a list scan
-        in_progress = [r for r in self.running if id(r) not in decoding_ids]
+        in_progress = [r for r in self.running if r.num_pending == 0 and r.is_prefilling]
         for r in sorted(in_progress, key=lambda r: r.admit_order):
             if budget <= 0:
                 break
@@ -198,6 +208,8 @@ class Scheduler:
                 budget -= chunk
         while self.waiting and budget > 0 and self.req_pool.num_free > 0:
             r = self.waiting[0]
+            if r.num_pending:
+                break  # preempted while its last token was in flight: admitted once the token is known
             chunk = self._admit(r, budget, reserve, first=len(reqs) == len(decoding))
             if not chunk:
                 break
@@ -218,12 +230,14 @@ class Scheduler:
         else:
             mode = ForwardMode.EXTEND
         self.counters.steps += 1
-        return ScheduleBatch(reqs, exts, prefixes, sample, mode)
+        return ScheduleBatch(reqs, exts, prefixes, sample, mode, num_decodes=len(decoding))
 
     def _prepare_decodes(self) -> list[Request]:
         """Running requests that decode this step, with their pages; preempts the newest until they fit."""
         while True:
-            decoding = [r for r in self.running if r.num_uncomputed == 1 and r.output_ids]
+            max_ctx = self.req_pool.max_context_len
+            decoding = [r for r in self.running if r.num_uncomputed == 1 and r.num_generated
+                        and not r.pending_token_ends_it(max_ctx)]
             needs = [self._pages_for(r, 1) for r in decoding]  # 0 or 1 each
             need = sum(needs)
             if need == 0:
@@ -301,11 +315,11 @@ class Scheduler:
         """The step ran: its tokens' K/V are in the pool."""
         for r, e, s in zip(batch.reqs, batch.extend_lens, batch.sample):
             r.kv_len += e
-            if e == 1 and r.output_ids:
+            if e == 1 and r.num_generated:
                 self.counters.decode_tokens += e
             else:
                 self.counters.prefill_tokens += e
-            if r.kv_len == len(r.prompt_ids) and self.tree is not None and not r.output_ids:
+            if r.kv_len == len(r.prompt_ids) and self.tree is not None and not r.num_generated:
                 # share the prompt with requests arriving while this one decodes
                 self.tree.insert(r.prompt_ids, r.pages)
 
@@ -319,7 +333,8 @@ class Scheduler:
 
     def finish(self, req: Request, reason: FinishReason, matched=None) -> None:
         req.finish(reason, matched)
-        self._remove_running(req)
+        if not self._remove_running(req) and req in self.waiting:
+            self.waiting.remove(req)  # preempted while its last token was in flight, and that token ended it
         self._release(req, cache=True)
         self.counters.finished += 1
 

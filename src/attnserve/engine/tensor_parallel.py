@@ -2,7 +2,8 @@
 
 Rank 0 is the engine's own process: it schedules, and its runner broadcasts each step's host
 inputs (`runner.StepInputs`) to the other ranks before running it; sampling happens on rank 0
-alone, from logits every rank holds in full. Every other rank runs `serve_rank`: the same start-up
+alone, from logits every rank holds in full, and the sampled ids are broadcast on the device
+into every rank's `last_tokens` (what the next decode step reads, before the host has seen them). Every other rank runs `serve_rank`: the same start-up
 (its slice of the weights, its heads' KV pool, its own CUDA graphs) and then the steps it is sent,
 until rank 0 sends None. On nodes other than 0 the process only hosts workers (`run_node`).
 
@@ -16,6 +17,9 @@ import atexit
 import logging
 from dataclasses import replace
 
+import numpy as np
+import torch
+
 from attnserve.distributed.groups import destroy_groups, init_groups
 from attnserve.distributed.launch import (
     Topology,
@@ -27,6 +31,7 @@ from attnserve.distributed.launch import (
 from attnserve.distributed.shard import check_model_splits
 from attnserve.distributed.state import broadcast_object, parallel_state
 from attnserve.engine.config import EngineConfig
+from attnserve.transfers import to_device
 
 log = logging.getLogger("attnserve.engine")
 
@@ -65,6 +70,10 @@ def serve_rank(config: EngineConfig) -> None:
         if step is None:
             return
         runner.run(step)
+        if any(step.sample):  # rank 0 samples; its tokens come to every rank's last_tokens for the next decode
+            rows = step.host[3 * step.num_tokens :][np.asarray(step.sample)]  # [S] request rows
+            runner.record_sampled(to_device(rows, runner.device), torch.empty(len(rows), dtype=torch.int64,
+                                                                              device=runner.device))
 
 
 def _worker_args(config: EngineConfig):

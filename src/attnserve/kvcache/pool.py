@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from attnserve.kvcache.dtypes import FP8_DTYPES, parse_kv_dtype
+from attnserve.transfers import to_device
 
 if TYPE_CHECKING:
     from attnserve.shape import AttentionShape
@@ -79,12 +80,13 @@ class ReqToTokenPool:
                 raise ValueError(f"request row {row}: {start + n} tokens exceed max_context_len {self.max_context_len}")
         if not sum(counts):
             return
-        dev = self.req_to_token.device
-        row_idx = np.repeat(np.asarray(rows, dtype=np.int64), counts)  # [total new entries]
-        pos_idx = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, counts)])
-        values = np.concatenate([np.asarray(s, dtype=np.int64) for s in slots])  # [total new entries]
-        self.req_to_token[torch.from_numpy(row_idx).to(dev), torch.from_numpy(pos_idx).to(dev)] = \
-            torch.from_numpy(values).to(dev, torch.int32)
+        total = sum(counts)
+        packed = np.empty((3, total), dtype=np.int64)  # row, position, slot of every new entry
+        packed[0] = np.repeat(np.asarray(rows, dtype=np.int64), counts)
+        packed[1] = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, counts)])
+        packed[2] = np.concatenate([np.asarray(s, dtype=np.int64) for s in slots])
+        idx = to_device(packed, self.req_to_token.device)  # [3, total]: one copy that never waits for the device
+        self.req_to_token[idx[0], idx[1]] = idx[2].to(torch.int32)
         for row, start, n in zip(rows, starts, counts):
             self._filled[row] = start + n
 

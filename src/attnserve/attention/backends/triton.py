@@ -28,6 +28,7 @@ import torch
 from attnserve._lazy import require
 from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch, ForwardMode
 from attnserve.attention.metadata import MetadataBuffers, PagedKVMetadata, metadata_for_batch
+from attnserve.transfers import to_device
 
 if TYPE_CHECKING:
     from attnserve.attention.layer import AttentionLayer
@@ -166,7 +167,7 @@ class TritonBackend(AttentionBackend):
 
         splits = plan_kv_splits(seq_lens_cpu, self._programs_per_split(), self.split_policy, max_splits)
         grid_splits = max(splits)
-        num_splits = torch.tensor(splits, dtype=torch.int32).to(self.pool.device, non_blocking=True)  # [B]
+        num_splits = to_device(splits, self.pool.device, torch.int32)  # [B]
         return _DecodePlan(meta, seq_lens, num_splits, grid_splits, write_final=grid_splits == 1,
                            seq_lens_cpu=list(seq_lens_cpu))
 
@@ -347,7 +348,7 @@ class TritonBackend(AttentionBackend):
         meta = metadata_for_batch(fb, buffers=g.buffers)
         g.seq_lens[:bs].copy_(fb.seq_lens.to(torch.int32), non_blocking=True)
         splits = plan_kv_splits(fb.seq_lens_cpu, self._programs_per_split(), self.split_policy, grid_splits)
-        g.num_splits[:bs].copy_(torch.tensor(splits, dtype=torch.int32), non_blocking=True)
+        g.num_splits[:bs].copy_(to_device(splits, self.pool.device, torch.int32))
         self._extend = None
         self._decode = _DecodePlan(meta, g.seq_lens[:bs], g.num_splits[:bs], grid_splits,
                                    write_final=grid_splits == 1, graph_bs=bs)
