@@ -11,9 +11,9 @@ set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-timeout 110 python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256 --configs triton-graphs,triton-graphs-tp1-world \
+timeout 130 python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256 --configs triton-graphs,triton-graphs-tp1-world \
   --out "$OUT/tp_gpu_run1.json" > "$OUT/tp_gpu_run1.log" 2>&1; echo "run 1 rc=$?"
-timeout 110 python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256 --configs triton-graphs-tp1-world,triton-graphs \
+timeout 130 python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256 --configs triton-graphs-tp1-world,triton-graphs \
   --out "$OUT/tp_gpu_run2.json" > "$OUT/tp_gpu_run2.log" 2>&1; echo "run 2 rc=$?"
 python3 - "$OUT" <<'PY'
 import json, sys

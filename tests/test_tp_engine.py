@@ -63,9 +63,10 @@ def llama_tp1(llama_path):
     return scenario(e)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tiny_llama_at_tp_matches_tp1(llama_path, llama_tp1, tp):
-    e = _engine(llama_path, tp)
+@pytest.mark.parametrize(("tp", "overlap"), [(2, True), (4, True), (2, False)])
+def test_tiny_llama_at_tp_matches_tp1(llama_path, llama_tp1, tp, overlap):
+    """With overlap scheduling the next decode reads its token on the device: rank 0 broadcasts it there."""
+    e = _engine(llama_path, tp, disable_overlap_schedule=not overlap)
     try:
         assert e.parts.model.module.kv_cache_spec().num_kv_heads == max(1, 2 // tp)  # this rank's KV heads
         got = scenario(e)
