@@ -78,7 +78,8 @@ def test_tiny_llama_at_tp_matches_tp1(llama_path, llama_tp1, tp, overlap):
     assert got["leaked"] == 0
     # the scenario really took the hard paths, at tp 1 and here alike
     assert got["preemptions"] > 0 and got["mixed"] > 0 and got["hits"] > 0 and got["aborted"] == 1
-    assert (got["preemptions"], got["mixed"], got["hits"]) == (ref["preemptions"], ref["mixed"], ref["hits"])
+    if overlap:  # the reference schedules with overlap too: the same steps, step for step
+        assert (got["preemptions"], got["mixed"], got["hits"]) == (ref["preemptions"], ref["mixed"], ref["hits"])
 
 
 def test_tiny_deepseek_mla_moe_at_tp2_matches_tp1(tmp_path):
