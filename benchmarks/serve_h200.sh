@@ -50,11 +50,11 @@ echo "model rc=$?"; tail -2 "$OUT/logs/model.log"
 
 echo "[$(left) s left] offline engine"
 timeout "$(cap 100)" python3 benchmarks/engine_gpu_decode.py --configs triton-graphs,flashinfer-decode \
-  --requests 64 --input-len "$IN_LEN" --output-len "$OUT_LEN" --out "$OUT/engine-offline.json" > "$OUT/logs/offline.log" 2>&1
+  --workloads "64x${IN_LEN}x${OUT_LEN}" --out "$OUT/engine-offline.json" > "$OUT/logs/offline.log" 2>&1
 echo "offline rc=$?"; tail -3 "$OUT/logs/offline.log"
 # one request alone: the engine's own batch-1 decode step, to split c=1 TPOT into engine and server time
-timeout "$(cap 45)" python3 benchmarks/engine_gpu_decode.py --configs triton-graphs --requests 1 --input-len "$IN_LEN" \
-  --output-len "$OUT_LEN" --out "$OUT/engine-offline-c1.json" > "$OUT/logs/offline-c1.log" 2>&1
+timeout "$(cap 45)" python3 benchmarks/engine_gpu_decode.py --configs triton-graphs --workloads "1x${IN_LEN}x${OUT_LEN}" \
+  --out "$OUT/engine-offline-c1.json" > "$OUT/logs/offline-c1.log" 2>&1
 echo "offline c=1 rc=$?"
 
 # Shared by ours and the peer: the shape and points. Seeds 3 at c=1 and c=8, 1 at c=32 and c=64;
