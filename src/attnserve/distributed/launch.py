@@ -215,9 +215,13 @@ class Workers:
         for p in self.procs.values():
             p.join(timeout=5.0)
 
+    def expect_exits(self) -> None:
+        """The world is being ended on purpose: workers leaving from now on are not failures."""
+        self._closing.set()
+
     def close(self, timeout: float = 10.0) -> None:
         """Wait for the workers to leave (after they were told to stop), killing those that do not."""
-        self._closing.set()
+        self.expect_exits()
         deadline = time.monotonic() + timeout
         for p in self.procs.values():
             p.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -109,7 +109,7 @@ class TensorParallelWorld:
         if self._closed:
             return
         self._closed = True
-        self.workers._closing.set()
+        self.workers.expect_exits()
         try:
             if parallel_state().active:
                 broadcast_object(None)
