@@ -50,3 +50,8 @@ class EngineConfig:
         Topology(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)  # raises on a bad combination
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
+        from attnserve.attention.registry import resolve_name
+
+        for name in (self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend):
+            if name is not None:
+                resolve_name(name)  # an unknown name fails here, before any weights load

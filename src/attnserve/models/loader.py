@@ -298,7 +298,11 @@ def _load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
 
 # ---- random weights --------------------------------------------------------------------------
 def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Normal(0, std) matrices, unit norms, zero biases: numerically tame activations for benchmarks."""
+    """Normal(0, std) matrices, unit norms, zero biases: numerically tame activations for benchmarks.
+
+    Drawn in float32 and then cast, so one seed gives the same model in every dtype: how torch draws
+    bf16 normals directly differs between versions (2.11 and 2.13 disagree), and a bf16 model must be
+    comparable with its fp32 twin."""
     device = next(model.parameters()).device
     if device.type == "meta":  # shapes only (sizing, tests): nothing to fill
         return
@@ -310,7 +314,7 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02
             elif p.dim() == 1:
                 p.fill_(1.0)
             else:
-                p.normal_(0.0, std, generator=gen)
+                p.copy_(torch.empty(p.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen))
 
 
 def _load_random(preset_or_path, dtype, device: torch.device, seed: int) -> LoadedModel:
