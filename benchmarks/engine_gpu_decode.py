@@ -198,6 +198,7 @@ def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: flo
         "first_tokens_req0": reqs[0].output_ids[:16],
     }
     print(json.dumps(out), flush=True)
+    engine.close()  # leaves a tensor-parallel world, if the configuration made one
     del engine, reqs
     gc.collect()
     if cuda:
@@ -210,6 +211,9 @@ CONFIGS = {
     "triton-graphs-no-overlap": {"attention_backend": "triton", "disable_overlap_schedule": True},
     "triton-graphs-unfused": {"attention_backend": "triton", "disable_fused_ops": True},
     "triton-eager": {"attention_backend": "triton", "disable_cuda_graph": True},
+    # tp 1 through the tensor-parallel path: a torch.distributed world of one rank (NCCL), each step broadcast,
+    # every all-reduce / all-gather run (benchmarks/tp_gpu.sh compares it with triton-graphs)
+    "triton-graphs-tp1-world": {"attention_backend": "triton", "dist_init_addr": "auto"},
     "flashinfer-decode": {"prefill_attention_backend": "triton", "decode_attention_backend": "flashinfer"},
     "flashinfer": {"attention_backend": "flashinfer"},
     "torch-native": {"attention_backend": "torch_native"},
@@ -254,7 +258,12 @@ def main() -> None:
     for workload in workloads:
         for name in args.configs.split(","):
             try:
-                results.append(run_config(loaded, name, workload, args, bw, wbytes, **CONFIGS[name]))
+                settings = dict(CONFIGS[name])
+                if settings.get("dist_init_addr") == "auto":  # a free local port for the one-rank world
+                    from attnserve.distributed.launch import free_local_addr
+
+                    settings["dist_init_addr"] = free_local_addr()
+                results.append(run_config(loaded, name, workload, args, bw, wbytes, **settings))
             except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
                 errors[f"{name} {workload}"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()

@@ -35,11 +35,12 @@ def test_model_path_is_an_alias_and_prefill_budget_reaches_the_engine(engine_set
     EngineConfig(**{k: v for k, v in engine_settings.items() if k != "model"})  # every name is a field
 
 
-def test_tensor_parallelism_is_refused_by_name(engine_settings, capsys):
-    assert main(["generate", "hi", "--quiet", "--tp-size", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "--tp-size 2" in err and "tensor parallelism is not supported" in err
-    assert engine_settings == {}  # refused before any model is loaded
+def test_tensor_parallel_flags_reach_the_engine(engine_settings):
+    with pytest.raises(_Captured):
+        main(["generate", "hi", "--quiet", "--tp-size", "4", "--nnodes", "2", "--node-rank", "0",
+              "--dist-init-addr", "10.0.0.1:5000"])
+    assert (engine_settings["tp_size"], engine_settings["nnodes"], engine_settings["node_rank"],
+            engine_settings["dist_init_addr"]) == (4, 2, 0, "10.0.0.1:5000")
 
 
 def test_help_names_the_backends_and_reads_as_plain_text():

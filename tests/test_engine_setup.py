@@ -31,6 +31,7 @@ class _Model:
     """What the engine reads of a loaded model's shape, for architectures we parse but cannot build."""
 
     kv_cache_spec = CausalLM.kv_cache_spec
+    tp_size = 1  # built for one rank
 
     def __init__(self, hf_config: dict):
         self.config = ModelConfig.from_hf(hf_config)

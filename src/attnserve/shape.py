@@ -67,11 +67,17 @@ class AttentionShape:
 
     def per_rank(self, tp_size: int) -> AttentionShape:
         """The shape one tensor-parallel rank sees: query heads split, KV heads split (at least one each);
-        MLA's one latent head is replicated."""
+        MLA's one latent head is replicated. The parameters a rank holds are counted as a 1/tp share
+        (the replicated norms and MLA's latent projections are small beside the split matrices)."""
         if tp_size < 1 or self.num_q_heads % tp_size:
             raise ValueError(f"tp_size {tp_size} must be >= 1 and divide {self.num_q_heads} query heads")
+        if not self.is_mla and self.num_kv_heads % tp_size and tp_size % self.num_kv_heads:
+            raise ValueError(f"tp_size {tp_size} must divide the {self.num_kv_heads} KV heads or be a multiple of them")
+        if tp_size == 1:
+            return self
         kv = self.num_kv_heads if self.is_mla else max(1, self.num_kv_heads // tp_size)
-        return replace(self, num_q_heads=self.num_q_heads // tp_size, num_kv_heads=kv)
+        return replace(self, num_q_heads=self.num_q_heads // tp_size, num_kv_heads=kv,
+                       num_params=self.num_params // tp_size, num_active_params=self.num_active_params // tp_size)
 
 
 # what `attnserve select` assumes without --model: a Llama-3-8B-like GQA model

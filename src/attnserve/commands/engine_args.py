@@ -11,8 +11,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     backends = ", ".join(sorted(name for name, spec in REGISTRY.items() if spec.implemented))
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="HF model directory, .gguf file, or (with --random-weights) a preset; default: embedded SmolLM2")
-    p.add_argument("--tp-size", type=int, default=1,
-                   help="tensor-parallel size; only 1 (one device) is supported for now")
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                   help="tensor-parallel size: the model's heads and channels split over this many processes (one "
+                   "GPU each on CUDA: NCCL; gloo on the CPU); default 1")
+    p.add_argument("--nnodes", type=int, default=1, help="machines the --tp-size ranks span (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index among --nnodes; node 0 schedules and serves, the others run ranks only")
+    p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="where the ranks meet: node 0's address and a free port, the same on every node "
+                   "(default on one node: a free local port)")
     p.add_argument("--random-weights", action="store_true", help="random weights of the model's shape (benchmarks)")
     p.add_argument("--attention-backend", default=None, metavar="NAME",
                    help=f"attention backend for prefill and decode (default: chosen for this machine and model; "
@@ -53,8 +60,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_settings(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments from the parsed flags."""
-    if args.tp_size != 1:
-        raise ValueError(f"--tp-size {args.tp_size}: tensor parallelism is not supported yet; use --tp-size 1")
     return dict(
         model=args.model, attention_backend=args.attention_backend,
         prefill_attention_backend=args.prefill_attention_backend,
@@ -67,4 +72,13 @@ def engine_settings(args: argparse.Namespace) -> dict:
         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap_schedule=args.disable_overlap_schedule,
         disable_fused_ops=args.disable_fused_ops, random_weights=args.random_weights, no_tuned=args.no_tuned,
+        tp_size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
     )
+
+
+def run_other_node(args: argparse.Namespace) -> int:
+    """`--node-rank` > 0: host this machine's tensor-parallel ranks until node 0 ends the world."""
+    from attnserve.engine.config import EngineConfig
+    from attnserve.engine.tensor_parallel import run_node
+
+    return run_node(EngineConfig(**engine_settings(args)))

@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 
-from attnserve.commands.engine_args import add_engine_arguments, engine_settings
+from attnserve.commands.engine_args import add_engine_arguments, engine_settings, run_other_node
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -59,6 +59,10 @@ def run(args) -> int:
     from attnserve.engine.llm import LLM
     from attnserve.engine.sampling_params import SamplingParams
 
+    if args.node_rank != 0:
+        if not args.quiet:
+            logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        return run_other_node(args)  # node 0 generates; this machine only runs ranks
     prompts = _read_prompts(args)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -25,6 +25,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="bytes per weight for sizing the model beside the cache (default bf16)")
     p.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="device memory in GB (10^9 bytes); reports the max batch that fits beside the weights")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel size: report one rank's share (its heads' cache, 1/tp of the weights; "
+                   "--gpu-memory-gb is then one GPU's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -35,7 +38,7 @@ def run(args) -> int:
 
     shape = ModelConfig.load(args.model).attention_shape(name=str(args.model))
     report = kv_cache_report(args.model, shape, args.context, args.batch, args.kv_cache_dtype,
-                             args.gpu_memory_gb, args.weight_dtype)
+                             args.gpu_memory_gb, args.weight_dtype, args.tp_size)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
@@ -52,7 +55,8 @@ def _print_table(r) -> None:
     heads = f"{r.num_q_heads} query heads, {r.num_kv_heads} KV heads, K {r.head_dim} / V {r.v_head_dim} wide"
     if r.attention_type == "MLA":
         heads = f"{r.num_q_heads} query heads over one latent KV head ({r.head_dim} wide, V = first {r.v_head_dim})"
-    table = Table(title=f"KV cache: {r.model} ({r.attention_type}, {r.kv_cache_dtype})", show_header=False)
+    rank = f", one of {r.tp_size} tensor-parallel ranks" if r.tp_size > 1 else ""
+    table = Table(title=f"KV cache: {r.model} ({r.attention_type}, {r.kv_cache_dtype}{rank})", show_header=False)
     table.add_column("quantity", style="bold")
     table.add_column("value")
     table.add_row("layers / heads", f"{r.num_layers} layers; {heads}")

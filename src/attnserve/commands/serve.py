@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from attnserve.commands.engine_args import add_engine_arguments, engine_settings
+from attnserve.commands.engine_args import add_engine_arguments, engine_settings, run_other_node
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -56,6 +56,8 @@ def run(args) -> int:
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes {args.max_request_bytes}: give at least 1024")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.node_rank != 0:
+        return run_other_node(args)  # node 0 serves; this machine only runs ranks
     llm = LLM(**engine_settings(args))  # refuses a model or backend that cannot run, before the port is bound
     settings = ServerSettings(served_model_name=args.served_model_name or served_name(args.model),
                               api_key=args.api_key, max_queued_requests=args.max_queued_requests,

@@ -29,6 +29,10 @@ class EngineConfig:
     disable_overlap_schedule: bool = False  # True: schedule step n+1 only after step n's tokens are read
     random_weights: bool = False  # with a preset/config: random weights of the real shape (benchmarks)
     seed: int = 0
+    tp_size: int = 1  # tensor-parallel ranks (processes, one GPU each on CUDA); the model's heads split over them
+    nnodes: int = 1  # machines the tp ranks span
+    node_rank: int = 0  # this machine's index; node 0 schedules and serves
+    dist_init_addr: str | None = None  # HOST:PORT of node 0 where the ranks meet; None on one node: a free port
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
@@ -41,6 +45,9 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        from attnserve.distributed.launch import Topology
+
+        Topology(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)  # raises on a bad combination
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
         from attnserve.attention.registry import resolve_name

@@ -37,6 +37,7 @@ from attnserve.engine.sampler import DeviceLogprobs, Sampler
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from attnserve.engine.setup import EngineParts, build_parts
+from attnserve.engine.tensor_parallel import start_world
 from attnserve.transfers import to_device
 
 log = logging.getLogger("attnserve.engine")
@@ -80,7 +81,13 @@ class Engine:
         elif overrides:
             raise ValueError("pass either an EngineConfig or keyword settings, not both")
         self.config = config
-        self.parts: EngineParts = build_parts(config, loaded)
+        self.world = start_world(config, loaded)  # tp > 1: the other ranks, spawned and joined (None at tp 1)
+        try:
+            self.parts: EngineParts = build_parts(config, loaded)
+        except BaseException:
+            if self.world is not None:
+                self.world.abort()
+            raise
         p = self.parts
         self.tokenizer = p.model.tokenizer
         self.eos_token_ids = set(p.model.eos_token_ids)
@@ -96,8 +103,7 @@ class Engine:
             p.kv.allocator,
             p.kv.req_pool,
         )
-        self.runner = ModelRunner(p.model.module, p.kv.pool, p.backend, p.kv.req_pool, p.model.device,
-                                  graph_runner=p.graphs.runner)
+        self.runner = ModelRunner.from_parts(p)
         self.sampler = Sampler(p.model.device, seed=config.seed)
         self.requests: dict[int, Request] = {}
         self.step_times = StepTimes()
@@ -106,6 +112,11 @@ class Engine:
         self.host_copy = HostCopy  # how a step's results travel to the host (tests slow it down)
         self._in_flight: LaunchedStep | None = None
         self._last_done = 0.0
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (also done at exit); the engine cannot step after."""
+        if self.world is not None:
+            self.world.close()
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -13,14 +13,39 @@ written is the request->slot pool's bookkeeping.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from attnserve.distributed.state import broadcast_object, broadcast_tensor, parallel_state
 from attnserve.engine.cuda_graph import CudaGraphRunner
 from attnserve.engine.scheduler import ScheduleBatch
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool
 from attnserve.transfers import to_device
+
+
+@dataclass
+class StepInputs:
+    """One step as plain host data: all a tensor-parallel rank needs to run it without the scheduler's requests.
+
+    host: [3T + B] int64, input ids (0 for the first num_decodes requests: their token is on the device, in
+    last_tokens), positions and slots [T] each, then request rows [B]; seq_lens, extend_lens, sample: one per
+    request; table_rows / table_starts / table_slots: the request->slot entries to write (row, first entry,
+    slots) before the step.
+    """
+
+    mode: ForwardMode
+    host: np.ndarray
+    num_tokens: int
+    num_decodes: int
+    seq_lens: list[int]
+    extend_lens: list[int]
+    sample: list[bool]
+    table_rows: list[int]
+    table_starts: list[int]
+    table_slots: list[np.ndarray]
 
 
 class ModelRunner:
@@ -46,6 +71,12 @@ class ModelRunner:
         rows = req_pool.req_to_token.shape[0]
         self.last_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)  # [rows]: latest token per row
 
+    @classmethod
+    def from_parts(cls, parts) -> ModelRunner:
+        """The runner over what start-up built (`setup.EngineParts`)."""
+        return cls(parts.model.module, parts.kv.pool, parts.backend, parts.kv.req_pool, parts.model.device,
+                   graph_runner=parts.graphs.runner)
+
     def _slots(self, pages: list[int], lo: int, hi: int) -> np.ndarray:
         """Slots of token positions [lo, hi) of a request holding `pages`: [hi - lo] int64."""
         ps = self.page_size
@@ -60,29 +91,37 @@ class ModelRunner:
         """Run one step; returns logits `[num sampling requests, vocab]` (float32) in batch order.
 
         Launches the work and returns without waiting for the device: nothing here reads device memory.
+        Under tensor parallelism (rank 0 of a world) the step's host inputs go to every other rank first,
+        and every rank runs the same `run`.
         """
         with torch.inference_mode():  # plan and graph buffers, too, are made and updated in inference mode
-            return self._forward(batch)
+            step = self.prepare(batch)
+            if parallel_state().active:
+                broadcast_object(step)
+            return self._run(step)
 
     def record_sampled(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Remember each sampling request's new token on the device (`rows` [S], `tokens` [S] int64): its
-        next decode step reads it there, so the host need not know it before scheduling that step."""
-        self.last_tokens.index_copy_(0, rows, tokens)
+        next decode step reads it there, so the host need not know it before scheduling that step. Under
+        tensor parallelism rank 0's tokens reach every rank's `last_tokens` (a device broadcast, no host sync)."""
+        self.last_tokens.index_copy_(0, rows, broadcast_tensor(tokens))
 
-    def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
+    def prepare(self, batch: ScheduleBatch) -> StepInputs:
+        """The step's index arithmetic on the host, from the requests' page lists."""
         num_tokens = batch.num_tokens
         bs = batch.batch_size
         # one int64 host array, one copy to the device: input ids, positions, slots [T] each; rows [B]
         host = np.empty(3 * num_tokens + bs, dtype=np.int64)
         ids, positions, out_loc = (host[i * num_tokens : (i + 1) * num_tokens] for i in range(3))
         host[3 * num_tokens :] = [r.row for r in batch.reqs]
-        table_rows, table_slots = [], []
+        table_rows, table_starts, table_slots = [], [], []
         t = 0
         for i, (r, prefix, ext) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
             end = prefix + ext
             filled = self.req_pool.filled(r.row)  # below prefix only when a cached prefix was just matched
             slots = self._slots(r.pages, filled, end)  # [end - filled]
             table_rows.append(r.row)
+            table_starts.append(filled)
             table_slots.append(slots)
             out_loc[t : t + ext] = slots[prefix - filled :]
             positions[t : t + ext] = np.arange(prefix, end, dtype=np.int64)
@@ -91,47 +130,60 @@ class ModelRunner:
             else:
                 ids[t : t + ext] = r.tokens(prefix, end)
             t += ext
+        return StepInputs(
+            mode=batch.mode, host=host, num_tokens=num_tokens, num_decodes=batch.num_decodes,
+            seq_lens=[p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)],
+            extend_lens=list(batch.extend_lens), sample=list(batch.sample),
+            table_rows=table_rows, table_starts=table_starts, table_slots=table_slots,
+        )
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """Write the table rows, move the inputs to the device, and run the model (replaying a graph if one fits)."""
+        with torch.inference_mode():
+            return self._run(step)
+
+    def _run(self, step: StepInputs) -> torch.Tensor:
         dev = self.device
-
+        num_tokens = step.num_tokens
         # write the new tokens' slots (and a newly admitted request's cached prefix) into its row
-        self.req_pool.extend(table_rows, table_slots)
+        self.req_pool.write_at(step.table_rows, step.table_starts, step.table_slots)
 
-        seq_lens_cpu = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
-        packed = to_device(host, dev)  # [3T + B]
+        seq_lens_cpu = step.seq_lens
+        packed = to_device(step.host, dev)  # [3T + B]
         input_ids, pos, loc = (packed[i * num_tokens : (i + 1) * num_tokens] for i in range(3))  # [T] each
         req_rows = packed[3 * num_tokens :]  # [B]
-        nd = batch.num_decodes
+        nd = step.num_decodes
         if nd:  # decodes come first, one token each: their input rows are 0..nd-1
             input_ids[:nd] = self.last_tokens[req_rows[:nd]]
         seq_lens = to_device(np.asarray(seq_lens_cpu, dtype=np.int32), dev)  # [B]
 
         if (
             self.graph_runner is not None
-            and batch.mode is ForwardMode.DECODE
-            and self.graph_runner.can_run(batch.batch_size)
+            and step.mode is ForwardMode.DECODE
+            and self.graph_runner.can_run(len(step.sample))
         ):
             self.steps_graphed += 1
             logits = self.graph_runner.replay(input_ids, pos, loc, req_rows, seq_lens, seq_lens_cpu)
-            if all(batch.sample):
+            if all(step.sample):
                 return logits
-            return logits[to_device([i for i, s in enumerate(batch.sample) if s], dev)]
+            return logits[to_device([i for i, s in enumerate(step.sample) if s], dev)]
 
         self.steps_eager += 1
         fb = ForwardBatch(
-            mode=batch.mode,
+            mode=step.mode,
             req_pool_indices=req_rows,
             seq_lens=seq_lens,
-            extend_lens=to_device(np.asarray(batch.extend_lens, dtype=np.int32), dev),
+            extend_lens=to_device(np.asarray(step.extend_lens, dtype=np.int32), dev),
             positions=pos,
             out_cache_loc=loc,
             req_to_token=self.req_pool.req_to_token,
             pool=self.pool,
             attn_backend=self.backend,
             seq_lens_cpu=seq_lens_cpu,
-            extend_lens_cpu=list(batch.extend_lens),
+            extend_lens_cpu=list(step.extend_lens),
         )
         self.backend.plan(fb)
-        last = np.cumsum(batch.extend_lens) - 1  # row of each request's last new token
-        picked = [int(t) for t, s in zip(last, batch.sample) if s]
+        last = np.cumsum(step.extend_lens) - 1  # row of each request's last new token
+        picked = [int(t) for t, s in zip(last, step.sample) if s]
         logits_indices = None if len(picked) == num_tokens else to_device(picked, dev)
         return self.model(input_ids, pos, fb, logits_indices=logits_indices)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnserve.distributed.state import min_over_ranks, parallel_state
 from attnserve.engine.config import EngineConfig
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.calc import kv_bytes_per_token
@@ -236,7 +237,8 @@ def size_kv_cache(config: EngineConfig, model: ModelSetup, attention: AttentionC
     model_ctx = getattr(getattr(model.module, "config", None), "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
     max_ctx = config.max_context_len or min(int(model_ctx), MAX_DEFAULT_CONTEXT)
     bpt = kv_bytes_per_token(spec, attention.kv_dtype)
-    tokens = _pool_tokens(config, bpt, model.device, config.max_running_requests * max_ctx)
+    # every tensor-parallel rank sizes from its own free memory; all must hold the same pages
+    tokens = min_over_ranks(_pool_tokens(config, bpt, model.device, config.max_running_requests * max_ctx))
     num_pages = max(2, -(-tokens // page_size) + 1)  # + the padding page
     pool = make_pool(spec, num_pages, page_size, dtype=attention.kv_dtype, device=model.device)
     req_pool = ReqToTokenPool(config.max_running_requests + 1, max_ctx, device=model.device)
@@ -268,12 +270,14 @@ def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionC
     """What the engine runs, in the words the start-up log prints."""
     spec = model.module.kv_cache_spec()
     pool = kv.pool
+    tp = parallel_state().size
+    per_rank = f" per tensor-parallel rank (tp {tp})" if tp > 1 else ""
     pool_gb = pool.num_pages * pool.page_size * kv.bytes_per_token / 1e9
     return [
         f"model: {model.name} ({type(model.module).__name__}, load {model.load_seconds:.1f} s)",
         f"device: {model.device}   dtype: {_dtype_name(model.dtype)}   KV dtype: {attention.kv_dtype}",
-        (f"KV pool: {(pool.num_pages - 1) * pool.page_size} tokens, {pool_gb:.2f} GB, page size {pool.page_size}, "
-         f"{spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} dim"),
+        (f"KV pool: {(pool.num_pages - 1) * pool.page_size} tokens, {pool_gb:.2f} GB{per_rank}, page size "
+         f"{pool.page_size}, {spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} dim"),
         f"attention: prefill {attention.prefill_backend}, decode {attention.decode_backend}",
         *[f"  {line}" for line in attention.trace],
         f"fused ops: {_ops_note(model.module)}",

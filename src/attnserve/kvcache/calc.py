@@ -155,11 +155,14 @@ class KVCacheReport:
     decode_step_intensity: float | None
     gpu_memory_bytes: int | None = None
     max_batch: int | None = None
+    tp_size: int = 1  # > 1: every per-token, cache and weight figure is one tensor-parallel rank's
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if self.gpu_memory_bytes is None:
             del d["gpu_memory_bytes"], d["max_batch"]
+        if self.tp_size == 1:
+            del d["tp_size"]
         return d
 
 
@@ -171,9 +174,12 @@ def kv_cache_report(
     kv_dtype: str = "bf16",
     gpu_memory_gb: float | None = None,
     weight_dtype: str = "bf16",
+    tp_size: int = 1,
 ) -> KVCacheReport:
-    """All the calculator's numbers for one model, context and batch."""
+    """All the calculator's numbers for one model, context and batch; with tp_size > 1, for one rank
+    (its heads' cache, its share of the weights, its GPU's memory): what the engine's start-up log reports."""
     _check_positive(context=context, batch=batch)
+    shape = shape.per_rank(tp_size)
     kv_dtype = canonical_kv_dtype(kv_dtype)
     _weight_dtype_bytes(weight_dtype)
     mem = None
@@ -207,6 +213,7 @@ def kv_cache_report(
         decode_step_intensity=decode_step_intensity(shape, context, batch, kv_dtype, weight_dtype),
         gpu_memory_bytes=mem,
         max_batch=fits,
+        tp_size=tp_size,
     )
 
 

@@ -67,10 +67,14 @@ class ReqToTokenPool:
 
         Checked before anything is written: a row that would pass max_context_len leaves the table as it was.
         """
-        if len(rows) != len(slots):
-            raise ValueError(f"{len(rows)} rows but {len(slots)} slot lists")
+        self.write_at(rows, [self._filled[r] for r in rows], slots)
+
+    def write_at(self, rows: list[int], starts: list[int], slots: list[np.ndarray]) -> None:
+        """Write `slots[i]` into row `rows[i]` from entry `starts[i]` on (what `extend` computed on the rank that
+        schedules; a tensor-parallel rank that only runs steps is told the starts). Checked before writing."""
+        if not len(rows) == len(starts) == len(slots):
+            raise ValueError(f"{len(rows)} rows, {len(starts)} starts but {len(slots)} slot lists")
         counts = [len(s) for s in slots]
-        starts = [self._filled[r] for r in rows]
         for row, start, n in zip(rows, starts, counts):
             if start + n > self.max_context_len:
                 raise ValueError(f"request row {row}: {start + n} tokens exceed max_context_len {self.max_context_len}")

@@ -26,23 +26,28 @@ class CausalLM(nn.Module):
     """
 
     ops: OpSet = TORCH_OPS
+    tp_size: int = 1  # tensor-parallel ranks the layers were built for (set by _build_stack)
 
     def _build_stack(self, cfg, rotary: nn.Module, make_layer) -> None:
         """Embeddings, `make_layer(cfg, layer_id, rotary)` per layer, final norm, LM head (tied if asked)."""
-        from attnserve.models.layers import LMHead, RMSNorm, VocabEmbedding
+        from attnserve.distributed.embedding import ParallelLMHead, VocabParallelEmbedding
+        from attnserve.distributed.state import tp_size
+        from attnserve.models.layers import RMSNorm
 
         self.config = cfg
+        self.tp_size = tp_size()  # the tensor-parallel ranks this model's layers were built to share the work with
         self.rotary = rotary
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def kv_cache_spec(self) -> AttentionShape:
-        """What the KV pool must hold and what attention sees: the parsed config's attention shape."""
-        return self.config.attention_shape()
+        """What the KV pool must hold and what attention sees: the parsed config's attention shape, as this
+        tensor-parallel rank holds it (its query and KV heads; MLA's latent whole)."""
+        return self.config.attention_shape().per_rank(self.tp_size)
 
     def forward(
         self,

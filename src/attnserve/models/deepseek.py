@@ -24,6 +24,7 @@ from torch import nn
 
 from attnserve.attention.base import ForwardBatch
 from attnserve.attention.layer import AttentionLayer
+from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
 from attnserve.models.layers import GatedMLP, Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding
@@ -45,24 +46,27 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads = cfg.num_heads
         self.nope_dim = cfg.qk_nope_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.v_dim = cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
         bias = cfg.attention_bias
+        heads = cfg.num_heads
         self.q_low_rank = cfg.q_lora_rank is not None
+        # under tensor parallelism the query heads (and their up-projections) are split; the latent
+        # down-projection is replicated, so every rank stores the whole latent row
         if not self.q_low_rank:
-            self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * qk_dim)
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, [heads * qk_dim], units=[heads])
         else:
             self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = Linear(cfg.q_lora_rank, cfg.num_heads * qk_dim)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, [heads * qk_dim], units=[heads])
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (self.nope_dim + self.v_dim))
-        self.o_proj = Linear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, [heads * (self.nope_dim + self.v_dim)], units=[heads])
+        self.o_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, units=heads, bias=bias)
+        self.num_heads = self.kv_b_proj.out_features // (self.nope_dim + self.v_dim)  # this rank's heads
         self.rotary = rotary
         self.attn = AttentionLayer(
             layer_id,

@@ -9,6 +9,7 @@ permuted back here so the model can use the HF (half-split) layout.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,14 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
+@functools.lru_cache(maxsize=1)
+def _read_cached(path: str, mtime_ns: int, size: int):
+    """Parsing a GGUF's metadata takes seconds (every vocabulary string is a field part): the start-up checks
+    and the load that follows share one parse. Keyed by modification time and size, so a rewritten file is
+    parsed again."""
+    return read_gguf(path)
+
+
 class GGUFFile:
     """A parsed GGUF file; `source` (the path) names it in every error."""
 
@@ -49,7 +58,8 @@ class GGUFFile:
         self.source = str(self.path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        self.meta, self.tensor_list = read_gguf(self.path)
+        stat = self.path.stat()
+        self.meta, self.tensor_list = _read_cached(str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
         self.arch = str(self.value("general.architecture"))
         if self.arch not in GGUF_ARCHITECTURES:
             raise ValueError(
@@ -99,19 +109,18 @@ class GGUFFile:
             cfg["sliding_window"] = int(window)
         return cfg
 
-    def tensors(self, cfg: dict, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, dense tensor in dtype) for every tensor, q/k rows un-permuted where needed."""
+    def tensors(self, cfg: dict, dtype: torch.dtype) -> Iterator[tuple[str, GGUFSlice]]:
+        """(HF name, lazy tensor in dtype) for every tensor, q/k rows un-permuted where needed.
+
+        A tensor-parallel rank dequantises only the slice it narrows to (`GGUFSlice.narrow`)."""
         heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         for t in self.tensor_list:
             if t.name == "rope_freqs.weight":
                 continue  # consumed by rope_divisors()
-            name = self._hf_name(t.name)
-            w = dequantize(t.data, t.type_name, t.shape, dtype, f"{self.source} [{t.name}]")
-            if self.arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias",
-                                                              "attn_k.bias")):
-                w = _unpermute_rows(w, heads if ".attn_q." in t.name else kv_heads)
-            yield name, w
-
+            permuted = self.arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias",
+                                                                      "attn_k.bias"))
+            row_heads = (heads if ".attn_q." in t.name else kv_heads) if permuted else None
+            yield self._hf_name(t.name), GGUFSlice(t, dtype, f"{self.source} [{t.name}]", row_heads)
     def rope_divisors(self) -> torch.Tensor | None:
         """Llama 3.1 GGUFs carry RoPE scaling as per-frequency divisors in `rope_freqs.weight`."""
         for t in self.tensor_list:
@@ -146,6 +155,49 @@ class GGUFFile:
                                              self.value("tokenizer.ggml.model") == "llama")),
             "chat_template": self.value("tokenizer.chat_template"),
         }
+
+
+class GGUFSlice:
+    """One GGUF tensor, dequantised only as far as it is read.
+
+    Rows (dim 0) are whole quantisation blocks apart, so a row range decodes just those rows; a column
+    range (dim 1) decodes just its blocks when it starts and ends on a block edge. `row_heads`: the
+    rows are llama.cpp-permuted heads of this many (a row range then covers whole heads).
+    """
+
+    def __init__(self, tensor, dtype: torch.dtype, source: str, row_heads: int | None = None):
+        self.t = tensor
+        self.shape = tensor.shape
+        self.dtype = dtype
+        self.source = source
+        self.row_heads = row_heads
+
+    def _decode(self, raw, shape) -> torch.Tensor:
+        return dequantize(raw, self.t.type_name, shape, self.dtype, self.source)
+
+    def read(self) -> torch.Tensor:
+        w = self._decode(self.t.data, self.shape)
+        return _unpermute_rows(w, self.row_heads) if self.row_heads else w
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        data, shape = self.t.data, self.shape
+        if len(shape) != 2 or data.ndim != 2 or data.shape[0] != shape[0]:
+            return self.read().narrow(dim, start, length)
+        if dim == 0:
+            w = self._decode(data[start : start + length], (length, shape[1]))
+            if self.row_heads:
+                head_dim = shape[0] // self.row_heads
+                if start % head_dim or length % head_dim:
+                    return self.read().narrow(0, start, length)
+                w = _unpermute_rows(w, length // head_dim)
+            return w
+        block, _type_size = GGML_QUANT_SIZES[GGMLQuantizationType[self.t.type_name]]
+        if self.row_heads or start % block or length % block:
+            return self.read().narrow(dim, start, length)
+        per = data.shape[1] // (shape[1] // block)  # bytes (or elements) per block as the reader maps it
+        return self._decode(data[:, start // block * per : (start + length) // block * per], (shape[0], length))
 
 
 def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""Building blocks shared by every model: norms, linears (fused or not), gated MLP, embeddings.
+"""Building blocks shared by every model: norms, the replicated linear, gated MLP.
 
 Weight loading goes through `weight_loader(param, tensor, shard_id)`, so a fused
 projection (q|k|v, gate|up) can be filled from the separate checkpoint tensors.
-Every module holds its whole weight: tensor parallelism (sharding these and
-reducing their outputs) is tracked in its own issue and is not written here.
+The tensor-parallel linears and embeddings (each rank holding its slice, row-parallel
+outputs all-reduced) live in `attnserve.distributed`; at tp 1 they are plain layers.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from attnserve.models.rope import RotaryEmbedding  # noqa: F401  (re-exported: models import layers from here)
 from attnserve.ops import TORCH_OPS, OpSet
 
@@ -43,41 +44,11 @@ def use_ops(model: nn.Module, ops: OpSet) -> None:
             module.ops = ops
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
-    dst.copy_(src.to(dst.dtype))
-
-
-class MergedLinear(nn.Module):
-    """y = x W^T (+ b), where W stacks several projections (`output_sizes`, e.g. [q, k, v]) into one matmul.
-
-    The checkpoint holds each part as its own tensor; `weight_loader(..., shard_id=i)` copies part i
-    into its rows of the fused weight.
-    """
-
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
-        super().__init__()
-        self.in_features = in_features
-        self.output_sizes = list(output_sizes)
-        self.out_features = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)  # [out, in]
-        self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0, name: str = "") -> None:
-        start = sum(self.output_sizes[:shard_id])
-        size = self.output_sizes[shard_id]
-        _copy_checked(param.data.narrow(0, start, size), loaded, name)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class Linear(MergedLinear):
-    """y = x W^T (+ b): one projection, loaded from one checkpoint tensor."""
+class Linear(ColumnParallelLinear):
+    """y = x W^T (+ b), held whole by every rank (projections tensor parallelism does not split)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, [out_features], bias)
+        super().__init__(in_features, [out_features], bias=bias, replicate=True)
 
 
 def activation(name: str):
@@ -95,10 +66,13 @@ class GatedMLP(nn.Module):
 
     ops: OpSet = TORCH_OPS  # set for the whole model by use_ops
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False,
+                 reduce_results: bool = True):
+        """Under tensor parallelism each rank holds intermediate_size / tp channels of gate and of up, and
+        down's matching columns; reduce_results=False leaves the partial sum to the caller."""
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, reduce=reduce_results)
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,25 +106,3 @@ class PreNormDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, fb, rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
-
-
-class VocabEmbedding(nn.Module):
-    """Token embedding: ids [T] -> rows of a [vocab, hidden] table."""
-
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)  # [V, hidden]
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0, name: str = "") -> None:
-        _copy_checked(param.data, loaded, name)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
-
-
-class LMHead(VocabEmbedding):
-    """Hidden states -> logits over the vocabulary (the embedding table's shape; tied to it if the model says so)."""
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)  # [T, V]

@@ -13,16 +13,10 @@ from torch import nn
 
 from attnserve.attention.base import ForwardBatch
 from attnserve.attention.layer import AttentionLayer
+from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
-from attnserve.models.layers import (
-    GatedMLP,
-    Linear,
-    MergedLinear,
-    PreNormDecoderLayer,
-    RMSNorm,
-    RotaryEmbedding,
-)
+from attnserve.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, RotaryEmbedding
 from attnserve.models.rope import RopeStep
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
 
@@ -30,16 +24,17 @@ from attnserve.models.weights import LLAMA_STACKED, load_named_weights
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         d = cfg.head_dim
-        self.qkv_proj = MergedLinear(
-            cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], bias=cfg.attention_bias
+        # this rank's query and KV heads (KV heads replicated when tp exceeds them): see distributed.shard
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d],
+            units=[cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], replicable=(1, 2), bias=cfg.attention_bias,
         )
-        self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, units=cfg.num_heads, bias=cfg.o_proj_bias)
+        self.q_size, self.kv_size = self.qkv_proj.output_sizes[:2]
+        self.num_heads = self.q_size // d
+        self.num_kv_heads = self.kv_size // d
+        self.head_dim = d
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary

@@ -143,24 +143,43 @@ def load_model(
     if random_weights:
         lm = _load_random(path, dtype, device, seed)
     else:
-        resolved = embedded_model_path() if path is None else Path(path)
-        if resolved.is_dir() and not (resolved / "config.json").is_file():
-            ggufs = sorted(resolved.glob("*.gguf"))
-            if len(ggufs) == 1:
-                resolved = ggufs[0]
-        if resolved.is_file() and resolved.suffix == ".gguf":
-            lm = _load_gguf(resolved, dtype, device)
-        elif resolved.is_dir():
-            lm = _load_hf_dir(resolved, dtype, device)
-        elif not resolved.exists():
-            raise FileNotFoundError(f"model path not found: {resolved}")
-        else:
-            raise ValueError(f"{resolved}: not a model; expected an HF model directory (config.json + *.safetensors) "
-                             "or a .gguf file")
+        resolved = _resolve(path)
+        lm = _load_gguf(resolved, dtype, device) if resolved.is_file() else _load_hf_dir(resolved, dtype, device)
     lm.load_seconds = time.perf_counter() - start
     log.info("loaded %s (%s, %s, %s) in %.2f s%s", lm.source, lm.config.architecture, lm.format,
              str(lm.dtype).replace("torch.", ""), lm.load_seconds, "  [RANDOM WEIGHTS]" if lm.random_weights else "")
     return lm
+
+
+def read_config(path: str | Path | None = None, random_weights: bool = False) -> ModelConfig:
+    """The parsed config of the model `load_model` would load, reading no weights (checks before loading)."""
+    if random_weights:
+        from attnserve.presets import load_model_config
+
+        if path is None:
+            raise ValueError("random weights need a preset name or a config.json path (e.g. llama-3-8b)")
+        return _parse(load_model_config(path), str(path))
+    resolved = _resolve(path)
+    if resolved.is_file():  # a .gguf
+        from attnserve.models.gguf_loader import GGUFFile
+
+        return _parse(GGUFFile(resolved).hf_config(), str(resolved))
+    return _parse(_read_json(resolved / "config.json"), str(resolved / "config.json"))
+
+
+def _resolve(path: str | Path | None) -> Path:
+    """The .gguf file or HF directory a model path names (the embedded SmolLM2 for None); a file means GGUF."""
+    resolved = embedded_model_path() if path is None else Path(path)
+    if resolved.is_dir() and not (resolved / "config.json").is_file():
+        ggufs = sorted(resolved.glob("*.gguf"))
+        if len(ggufs) == 1:
+            resolved = ggufs[0]
+    if (resolved.is_file() and resolved.suffix == ".gguf") or resolved.is_dir():
+        return resolved
+    if not resolved.exists():
+        raise FileNotFoundError(f"model path not found: {resolved}")
+    raise ValueError(f"{resolved}: not a model; expected an HF model directory (config.json + *.safetensors) "
+                     "or a .gguf file")
 
 
 # ---- HF directories -------------------------------------------------------------------------
@@ -198,7 +217,23 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+class SafetensorsSlice:
+    """One checkpoint tensor not yet read: `narrow` reads only the slice a tensor-parallel rank holds."""
+
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def read(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, SafetensorsSlice]]:
+    """(name, lazy tensor) for every tensor of every file; each is valid until the next one is asked for."""
     from safetensors import SafetensorError, safe_open
 
     for f in files:
@@ -208,7 +243,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"{f}: not a readable safetensors file ({exc})") from exc
         with handle:
             for name in list(handle.keys()):
-                yield name, handle.get_tensor(name)
+                yield name, SafetensorsSlice(handle, name)
 
 
 def _generation_eos(path: Path) -> list[int]:
@@ -253,7 +288,7 @@ def _load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
     cfg = _parse(hf_config, str(path))
     torch_dtype = resolve_dtype(dtype, device, {"torch_dtype": "bfloat16"})
     model = build_model(cfg, torch_dtype, device)
-    model.load_weights(((n, t.to(device)) for n, t in gf.tensors(hf_config, torch_dtype)), source=str(path))
+    model.load_weights(gf.tensors(hf_config, torch_dtype), source=str(path))
     fields = gf.tokenizer_fields()
     tokenizer = Tokenizer.from_gguf(fields, str(path)) if fields is not None else None
     eos = list(dict.fromkeys(cfg.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else [])))

@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.distributed.linear import copy_checked
+from attnserve.distributed.shard import take, unit_slice
+from attnserve.distributed.state import all_reduce, tp_rank, tp_size
 from attnserve.models.config import ModelConfig
 from attnserve.models.layers import GatedMLP, activation
 
@@ -84,11 +87,19 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E gated MLPs as stacked weights: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I]."""
+    """E gated MLPs as stacked weights: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I].
+
+    Tensor-parallel experts: every rank holds every expert, with I / tp of its channels (gate's and up's
+    rows, down's columns), so its output is a partial sum the MoE layer all-reduces.
+    """
+
+    reads_slices = True  # the loader may hand a lazy checkpoint tensor
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
         super().__init__()
         self.num_experts = num_experts
+        self.channels = unit_slice(intermediate_size, 1, tp_rank(), tp_size(), "expert channels")
+        intermediate_size = self.channels.length  # this rank's share
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
@@ -101,17 +112,24 @@ class Experts(nn.Module):
         self.weight_parts = {"gate_up_proj": 2 * num_experts, "down_proj": num_experts}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: int, name: str = "") -> None:
-        """part -1: the stacked tensor whole; else gate_up part 2e (gate) / 2e+1 (up), down part e."""
-        if part == -1:
+        """part -1: the stacked tensor whole; else gate_up part 2e (gate) / 2e+1 (up), down part e.
+
+        Only this rank's channels are read: rows of gate and of up, columns of down."""
+        start, n = self.channels.start, self.channels.length
+        if part == -1 and param is self.gate_up_proj:  # [E, 2I, hidden]: this rank's gate rows, then its up rows
+            half = tuple(loaded.shape)[1] // 2
+            loaded = torch.cat((take(loaded, 1, start, n), take(loaded, 1, half + start, n)), dim=1)
             target = param.data
+        elif part == -1:  # down [E, hidden, I]
+            loaded, target = take(loaded, 2, start, n), param.data
         elif param is self.gate_up_proj:
             expert, half = divmod(part, 2)
-            target = param.data[expert, half * self.intermediate_size : (half + 1) * self.intermediate_size]
+            target = param.data[expert, half * n : (half + 1) * n]
+            loaded = take(loaded, 0, start, n)  # [I_r, hidden]
         else:
             target = param.data[part]
-        if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} != model shape {tuple(target.shape)}")
-        target.copy_(loaded.to(target.dtype))
+            loaded = take(loaded, 1, start, n)  # [hidden, I_r]
+        copy_checked(target, loaded, name)
 
     # below this many token x expert pairs every expert runs on every token (weighted by 0 where unrouted):
     # no host sync, so decode steps can be captured in a CUDA graph, and small batches read each expert's
@@ -192,7 +210,8 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
         self.shared_experts = (
-            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act)
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act,
+                     reduce_results=False)
             if cfg.n_shared_experts
             else None
         )
@@ -202,4 +221,4 @@ class MoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return all_reduce(out)  # routed and shared experts' partial sums over the ranks, in one reduce

@@ -1,6 +1,8 @@
 """Copying named checkpoint tensors into a model, fused projections included.
 
 Checkpoints keep q/k/v and gate/up as separate tensors; the models fuse them.
+A checkpoint may hand lazy tensors (read only in the slice a tensor-parallel
+rank takes, see distributed.shard); modules that do not slice get them whole.
 `stacked` maps a checkpoint name fragment to (fused fragment, part index) so each
 tensor lands in its slice. Every parameter must be filled exactly once: a missing
 or unexpected tensor is an error naming it, never a silently random weight.
@@ -12,6 +14,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from attnserve.distributed.shard import read_all
 
 LLAMA_STACKED = [
     (".q_proj.", ".qkv_proj.", 0),
@@ -75,6 +79,8 @@ def load_named_weights(
             unexpected.append(ckpt_name)
             continue
         loader = _owner_loader(model, name)
+        if not getattr(getattr(loader, "__self__", None), "reads_slices", False):
+            tensor = read_all(tensor)  # a lazy checkpoint tensor, read whole for a module that takes it whole
         with torch.no_grad():
             if loader is not None:
                 loader(param, tensor, shard_id, ckpt_name)
