@@ -186,8 +186,6 @@ def test_generate_and_serve_take_no_tuned():
 def test_tune_refuses_what_it_cannot_race(tuned, capsys):
     assert main(["tune", "--model", str(tuned[0]), "--backends", "fa3"]) == 2
     assert "'fa3' is not implemented" in capsys.readouterr().err
-    assert main(["tune", "--model", "deepseek-v3", "--quick"]) == 2
-    assert "MLA" in capsys.readouterr().err
     assert main(["tune", "--model", str(tuned[0]), "--kv-cache-dtype", "fp8_e4m3"]) == 2
     assert "fp8_e4m3" in capsys.readouterr().err
 
@@ -213,3 +211,55 @@ def test_triton_on_the_cpu_needs_the_interpreter(tuned, monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by conftest on machines without CUDA only
     assert main(["tune", "--model", str(tuned[0]), "--backends", "triton"]) == 2
     assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+# DeepSeek's MLA scaled down: 4 query heads over a latent of 32 + rope 16, contexts capped at 128
+TINY_MLA = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 256,
+            "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
+            "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16, "v_head_dim": 16, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
+
+
+def test_tune_races_an_mla_model_on_its_latent_and_select_cites_it(tmp_path, monkeypatch, capsys):
+    """flex_attention serves no MLA pool and triton needs the interpreter: torch_native races alone on the CPU,
+    on the model's own latent, checked against the oracle; select then cites the result for that shape."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY_MLA))
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["tune", "--model", str(cfg), "--quick", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    shape = result["shape"]
+    assert shape["attention"] == "MLA" and shape["kv_lora_rank"] == 32 and shape["qk_rope_head_dim"] == 16
+    assert (shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"], shape["v_head_dim"]) == (4, 1, 48, 32)
+    assert any("MLA prefill raced as chunks over a cached prefix" in n for n in result["notes"])
+    names = [r["workload"] for r in result["records"]]
+    # quick CPU grid: decode batches 1 and 4 at the model's longest context; the prefill as two 64-token chunks
+    assert names == ["mla decode 1x128 h4 p1", "mla decode 4x128 h4 p1", "mla extend 1x(64+64) h4 p1"]
+    for rec in result["records"]:
+        assert rec["backend"] == "torch_native", rec
+        assert rec["checked_against"] == "oracle" and rec["rel_err"] < 1e-3, rec
+        assert rec["us"] > 0 and "tflops" in rec and "pct_of_ceiling" in rec, rec
+    assert {side: w["backend"] for side, w in result["winners"].items()} == {"prefill": "torch_native",
+                                                                            "decode": "torch_native"}
+    out = _select(capsys, cfg)
+    cited = [e["reason"] for e in out["trace"] if e["kind"] == "tuned"]
+    assert len(cited) == 2 and all("the only backend raced" in r and "-mla4x1-d48v32-" in r for r in cited)
+    # a page size other than the tuned one is another shape: not cited
+    out = _select(capsys, cfg, "--page-size", "16")
+    assert not any("measured fastest" in e["reason"] for e in out["trace"] if e["kind"] == "tuned")
+
+
+def test_mla_workloads_follow_the_model_shape():
+    from attnserve.bench.tune import mla_shape_of, workloads_for
+
+    shape = ModelConfig.load("deepseek-v2-lite").attention_shape()
+    mla = mla_shape_of(shape)
+    assert (mla.num_heads, mla.kv_lora_rank, mla.rope_dim) == (16, 512, 64)
+    ws = workloads_for("cuda", False, 64, 163840, mla)
+    assert all(w.mla == mla and w.page_size == 64 and w.name.startswith("mla ") for w in ws)
+    assert {w.kind for w in ws} == {"decode", "extend"} and all(w.prefix > 0 for w in ws)
+    assert "mla decode 64x4096 h16 p64" in {w.name for w in ws}
+    # a context shorter than every chunk still races one chunk over a prefix
+    assert [(w.prefix, w.new_tokens) for w in workloads_for("cpu", True, 1, 40, mla) if w.kind == "extend"] == [(20, 20)]
+    assert mla_shape_of(ModelConfig.from_hf(TINY).attention_shape()) is None

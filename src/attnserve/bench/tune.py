@@ -3,7 +3,8 @@
 The bench race (`bench kernels`) uses fixed GQA 32/8 shapes to compare kernels across
 machines; tune answers the serving question instead: for this model (heads per rank, head
 width, KV dtype, page size) on this machine, at the decode batch x context grid and prefill
-lengths the engine runs, which backend is fastest per side. Each contestant is the backend
+lengths the engine runs, which backend is fastest per side. An MLA model is raced on its own
+latent (kv_lora_rank + rope, its query heads per rank) in the absorbed form the pool holds. Each contestant is the backend
 the engine would instantiate (through the attention contract), checked against the float32
 oracle before it is timed: one that disagrees is disqualified, not timed. The result goes to
 the user's cache (attention/tuned.py), where selection finds it.
@@ -22,7 +23,7 @@ import torch
 from attnserve.attention.ranking import rank
 from attnserve.attention.selection import ServingFeatures, problems, runnable_backends
 from attnserve.attention.tuned import RESULT_KIND, SCHEMA, shape_key
-from attnserve.bench.workloads import Workload
+from attnserve.bench.workloads import MLAShape, Workload
 from attnserve.hardware import Hardware
 from attnserve.shape import AttentionShape
 from attnserve.versions import package_versions
@@ -52,11 +53,41 @@ GRIDS = {
 }
 
 
-def workloads_for(device: str, quick: bool, page_size: int, max_context: int | None = None) -> list[Workload]:
-    """The grid as race workloads, contexts capped at the model's longest (`max_context`)."""
+def mla_shape_of(model: AttentionShape) -> MLAShape | None:
+    """An MLA model's race shape: its query heads per rank over its latent (kv_lora_rank + rope).
+
+    The softmax scale (MLAShape.qk_head_dim) stays the race's default: it changes no kernel's speed,
+    and the oracle check uses the same one."""
+    if not model.is_mla:
+        return None
+    return MLAShape(model.num_q_heads, kv_lora_rank=model.kv_lora_rank, rope_dim=model.qk_rope_head_dim)
+
+
+def mla_extends(g: Grid) -> tuple[tuple[int, int, int], ...]:
+    """MLA's prefill side: chunks over a cached prefix, which every MLA backend runs absorbed over the latent.
+
+    Fresh prompts are not raced: triton runs them expanded per head (another computation, through
+    forward_mla_expanded), the others absorbed, so one time would not compare like with like. A grid
+    without extends gets each prefill as a second chunk of its length over a first one."""
+    return g.extends or tuple((b, t, t) for b, t in g.prefills)
+
+
+def workloads_for(device: str, quick: bool, page_size: int, max_context: int | None = None,
+                  mla: MLAShape | None = None) -> list[Workload]:
+    """The grid as race workloads, contexts capped at the model's longest (`max_context`); MLA
+    workloads (named `mla ...`, as in `bench kernels`) over the model's latent when `mla` is given."""
     g = GRIDS[("cuda" if device == "cuda" else "cpu", quick)]
     cap = max_context or max(g.decode_contexts)
     contexts = sorted({min(c, cap) for c in g.decode_contexts})
+    if mla is not None:
+        heads = f"h{mla.num_heads} p{page_size}"
+        out = [Workload(f"mla decode {b}x{c} {heads}", "decode", b, c - 1, 1, page_size, mla)
+               for c in contexts for b in g.decode_batches]
+        fitting = [(b, p, n) for b, p, n in mla_extends(g) if p + n <= cap]
+        if not fitting:  # a model whose context is shorter than every chunk: one chunk in two halves
+            fitting = [(1, cap - cap // 2, cap // 2)]
+        return out + [Workload(f"mla extend {b}x({p}+{n}) {heads}", "extend", b, p, n, page_size, mla)
+                      for b, p, n in fitting]
     out = [Workload(f"decode {b}x{c} p{page_size}", "decode", b, c - 1, 1, page_size)
            for c in contexts for b in g.decode_batches]
     out += [Workload(f"prefill {b}x{min(t, cap)}", "prefill", b, 0, min(t, cap), page_size) for b, t in g.prefills]
@@ -70,10 +101,7 @@ def side_of(w: Workload) -> str:
 
 def check_raceable(model: AttentionShape, kv_cache_dtype: str) -> None:
     """Refuse shapes the race batch can't build, naming what is raced."""
-    if model.is_mla:
-        raise ValueError("tune races MHA/GQA shapes only so far; MLA models are raced by "
-                         "`attnserve bench kernels --workloads mla`")
-    if model.v_head_dim != model.head_dim:
+    if not model.is_mla and model.v_head_dim != model.head_dim:
         raise ValueError(f"tune races K and V of one width; this model's V is {model.v_head_dim} wide, "
                          f"K {model.head_dim}")
     if kv_cache_dtype not in RACED_KV_DTYPES:
@@ -139,7 +167,8 @@ def race_one(w: Workload, names: list[str], model: AttentionShape, dtype: torch.
 
     rb = build_race_batch(w, model.num_q_heads, model.num_kv_heads, model.head_dim, dtype=dtype, device=device,
                           seed=seed)
-    rb.layer = _layer_for(model, device)
+    if w.mla is None:  # an MLA batch's layer is already the model's: its heads over the latent
+        rb.layer = _layer_for(model, device)
     ref = _oracle(rb)
     records = []
     for name in names:
@@ -212,9 +241,13 @@ def run_tune(hw: Hardware, model: AttentionShape, serving: ServingFeatures, *, m
     check_raceable(model, serving.kv_cache_dtype)
     notes: list[str] = []
     field = contestants(hw, model, serving, page_size, wanted, notes)
+    mla = mla_shape_of(model)
+    if mla is not None:
+        notes.append("MLA prefill raced as chunks over a cached prefix (absorbed, as every MLA backend runs them); "
+                     "fresh prompts not raced: triton runs them expanded per head, the others absorbed")
     for note in notes:
         log(note)
-    workloads = workloads_for(device, quick, page_size, max_context)
+    workloads = workloads_for(device, quick, page_size, max_context, mla)
     dtype = KV_DTYPES[serving.kv_cache_dtype]
     ceilings = measure_ceilings(device, dtype)
     total = sum(len(field[side_of(w)]) for w in workloads)
@@ -250,5 +283,5 @@ def run_tune(hw: Hardware, model: AttentionShape, serving: ServingFeatures, *, m
     }
 
 
-__all__ = ["GRIDS", "TOLERANCE", "Grid", "check_raceable", "contestants", "race_one", "run_tune", "winners",
-           "workloads_for"]
+__all__ = ["GRIDS", "TOLERANCE", "Grid", "check_raceable", "contestants", "mla_extends", "mla_shape_of", "race_one",
+           "run_tune", "winners", "workloads_for"]
