@@ -14,17 +14,8 @@
 set -u
 OUT=${OUT:-benchmarks/results}
 LOGS="$OUT/logs-mla-iter"
-mkdir -p "$OUT" "$LOGS"
-START=$(date +%s)
 BUDGET=${BUDGET:-285}  # seconds for the whole run
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-cap() { local l; l=$(left); [ "$l" -lt "$1" ] && echo $(( l > 5 ? l : 5 )) || echo "$1"; }  # min(cap, time left)
-
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$LOGS/smi.txt" 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$LOGS/pip.log" 2>&1 \
-  && export PYTHONPATH=/tmp/site:$PYTHONPATH
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__); import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tee "$LOGS/versions.txt"
+. benchmarks/h200_env.sh
 python3 benchmarks/warm_flashinfer.py "mla fa3" > "$LOGS/warm.log" 2>&1 &
 WARM=$!
 
