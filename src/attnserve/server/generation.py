@@ -62,9 +62,8 @@ class CompletionGroup:
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._aio = asyncio.get_running_loop()
         self.handles: dict[int, RequestHandle] = {}
-        self._starting: set[int] = set()  # choices counted as queued until their first item
         admission.admit(len(completions))
-        self._starting = {c.choice for c in completions}
+        self._starting = {c.choice for c in completions}  # counted as queued until their first item
         try:
             for c in completions:  # raises ValueError for input the engine refuses
                 self.handles[c.choice] = loop.submit(c.prompt_ids, c.params, sink=self._sink(c.choice))
