@@ -202,3 +202,35 @@ def test_launching_a_step_reads_nothing_back_from_the_device():
     e.run_until_done()
     assert len(launched) >= 7 and all(len(r.output_ids) == 6 for r in reqs)
     assert e.pages_leaked() == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_readmitted_requests_decode_their_known_last_token(overlap):
+    """A preempted request recomputed in chunks can end one token short of its sequence and then decode
+    in a row it never sampled into: its input must be its known last token, not that row's device entry.
+    Aborts and a tiny pool with the prefix cache on make that happen; every greedy output must equal the
+    same request run alone."""
+    rng = random.Random(1)
+    ps = prompts(60, seed=9, shared_prefix=24, lo=3, hi=12) + prompts(60, seed=10, lo=3, hi=30)
+    engine = make_engine(max_total_tokens=160, max_running_requests=16, chunked_prefill_size=16,
+                         disable_overlap_schedule=not overlap)
+    live, done = {}, {}
+    for i, p in enumerate(ps):
+        params = SamplingParams(max_new_tokens=rng.randrange(8, 28), ignore_eos=True)
+        live[i] = (p, params, engine.add_request(p, params), rng.random() < 1 / 3, rng.randrange(1, 6))
+    while engine.has_work():
+        engine.step()
+        for i, (p, params, r, abort, k) in list(live.items()):
+            if abort and len(r.output_ids) >= k and not r.finished:
+                engine.abort(r.rid)
+                del live[i]
+            elif r.finished:
+                done[i] = (p, params, r)
+                del live[i]
+    engine.drain()
+    assert engine.scheduler.counters.preemptions > 0 and engine.pages_leaked() == 0
+    alone = make_engine(disable_radix_cache=True)
+    for i, (p, params, r) in done.items():
+        ref = alone.add_request(p, params)
+        alone.run_until_done()
+        assert r.output_ids == ref.output_ids, f"request {i}"

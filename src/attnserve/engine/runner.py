@@ -30,7 +30,7 @@ from attnserve.transfers import to_device
 class StepInputs:
     """One step as plain host data: all a tensor-parallel rank needs to run it without the scheduler's requests.
 
-    host: [3T + B] int64, input ids (0 for the first num_decodes requests: their token is on the device, in
+    host: [3T + B] int64, input ids (-1 for a decode whose token is still in flight: it is on the device, in
     last_tokens), positions and slots [T] each, then request rows [B]; seq_lens, extend_lens, sample: one per
     request; table_rows / table_starts / table_slots: the request->slot entries to write (row, first entry,
     slots) before the step.
@@ -126,7 +126,10 @@ class ModelRunner:
             out_loc[t : t + ext] = slots[prefix - filled :]
             positions[t : t + ext] = np.arange(prefix, end, dtype=np.int64)
             if i < batch.num_decodes:
-                ids[t] = 0  # the request's last sampled token: read from last_tokens on the device below
+                # the input is the request's last token: known here unless it is still in flight, and then
+                # it is in last_tokens on the device (-1: read it there). A request readmitted after a
+                # preemption has a known last token that was never sampled into its new row.
+                ids[t] = r.output_ids[-1] if r.num_pending == 0 else -1
             else:
                 ids[t : t + ext] = r.tokens(prefix, end)
             t += ext
@@ -154,7 +157,8 @@ class ModelRunner:
         req_rows = packed[3 * num_tokens :]  # [B]
         nd = step.num_decodes
         if nd:  # decodes come first, one token each: their input rows are 0..nd-1
-            input_ids[:nd] = self.last_tokens[req_rows[:nd]]
+            known = input_ids[:nd]
+            input_ids[:nd] = torch.where(known < 0, self.last_tokens[req_rows[:nd]], known)
         seq_lens = to_device(np.asarray(seq_lens_cpu, dtype=np.int32), dev)  # [B]
 
         if (
