@@ -88,7 +88,6 @@ class EngineLoop:
         self._rids = itertools.count()
         self._lock = threading.Lock()  # a submit either lands before the loop ends or raises
         self._stopping = False
-        self._pending_adds = 0  # submitted, not yet taken by the loop
         self._thread = threading.Thread(target=self._run, name="attnserve-engine", daemon=True)
         self.error: BaseException | None = None
 
@@ -100,10 +99,6 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stopping
-
-    @property
-    def pending_adds(self) -> int:
-        return self._pending_adds
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is left and end the thread."""
@@ -124,7 +119,6 @@ class EngineLoop:
                 raise RuntimeError(f"the engine loop failed: {self.error!r}") from self.error
             if self._stopping:
                 raise RuntimeError("the engine loop has stopped")
-            self._pending_adds += 1
             self._commands.put(("add", handle, req))
         return handle
 
@@ -195,8 +189,6 @@ class EngineLoop:
                     future.set_exception(exc)
 
     def _add(self, handle: RequestHandle, req) -> None:
-        with self._lock:
-            self._pending_adds -= 1
         try:
             self.engine.add(req)
         except BaseException as exc:  # bad input goes back to its submitter; the loop goes on
