@@ -44,6 +44,8 @@ def test_tiny_race_writes_json_and_chart(tmp_path):
     for name in wanted:
         for backend in ("triton", "torch_native"):
             assert recs[(name, backend)]["rel_err"] < 1e-2
+    assert recs[("extend 2x(40+24)", "triton")]["kernel_path"].startswith("prefill_tma")  # the race says which ran
+    assert "kernel_path" not in recs[("extend 2x(40+24)", "torch_native")]
     assert out.with_suffix(".png").stat().st_size > 0
 
 

@@ -118,10 +118,12 @@ def triton_options(text: str | None) -> dict:
     from attnserve.attention.kernels.extend import ExtendConfig
     from attnserve.attention.kernels.mla_decode import MLADecodeConfig
     from attnserve.attention.kernels.mla_extend import MLAExtendConfig
+    from attnserve.attention.kernels.prefill_tma import PrefillTmaConfig
 
     opts = json.loads(text)
     for key, cls in (("decode_config", DecodeConfig), ("extend_config", ExtendConfig),
-                     ("mla_decode_config", MLADecodeConfig), ("mla_extend_config", MLAExtendConfig)):
+                     ("mla_decode_config", MLADecodeConfig), ("mla_extend_config", MLAExtendConfig),
+                     ("prefill_tma_config", PrefillTmaConfig)):
         if key in opts:
             opts[key] = cls(**opts[key])
     return opts
@@ -147,6 +149,9 @@ def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: 
             try:
                 fn = field_[name]()
                 out = output_rows(fn(), rb)  # also compiles / JIT-builds outside the timing
+                path = getattr(getattr(fn, "backend", None), "extend_path", None)
+                if path and w.kind != "decode":
+                    rec["kernel_path"] = path  # which of the backend's kernels ran (triton: TMA or paged)
                 if check:
                     outputs[w.name][name] = out
                 if device == "cuda":
@@ -193,14 +198,16 @@ def _format(r: dict) -> str:
     pct = f"{r['pct_of_ceiling']:.0f}% of ceiling" if "pct_of_ceiling" in r else ""
     err = f"err {r['rel_err']:.1e} vs {r['checked_against']}" if "rel_err" in r else ""
     us = f"{r['us']:.1f} us" if "us" in r else ""
-    return f"  {r['workload']:<22} {r['backend']:<22} {us:>10} {rate:>14} {pct:>17} {err}"
+    path = f" [{r['kernel_path']}]" if "kernel_path" in r else ""
+    return f"  {r['workload']:<22} {r['backend']:<22} {us:>10} {rate:>14} {pct:>17} {err}{path}"
 
 
 def summary_lines(records: list[dict]) -> list[str]:
     lines = []
     for r in records:
         if r.get("backend") == "triton" and "vs_flashinfer" in r:
-            lines.append(f"{r['workload']:<22} triton / {r['flashinfer_peer']}: {r['vs_flashinfer']:.2f}x")
+            path = f" [{r['kernel_path']}]" if "kernel_path" in r else ""
+            lines.append(f"{r['workload']:<22} triton / {r['flashinfer_peer']}: {r['vs_flashinfer']:.2f}x{path}")
     return lines
 
 

@@ -56,6 +56,7 @@ class _ExtendPlan:
     custom_mask: torch.Tensor | None  # flattened per-request [ext, seq] masks, uint8
     mask_indptr: torch.Tensor | None  # [B] int64 offsets into custom_mask
     expanded: object = None  # kernels.mla_extend.ExpandedPrefillPlan, built at the first expanded MLA layer
+    key_rows: object = None  # (slots [rows] int64, kv_starts [B] int32) for the TMA path's gathered keys
 
 
 @dataclass
@@ -91,7 +92,10 @@ class TritonBackend(AttentionBackend):
     def __init__(self, pool: KVPool, **options):
         """Options: num_sms, split_waves, min_split_tokens, max_kv_splits (the decode split policy),
         decode_config (kernels.decode.DecodeConfig), extend_config (kernels.extend.ExtendConfig),
-        mla_decode_config (kernels.mla_decode.MLADecodeConfig), mla_extend_config (kernels.mla_extend.MLAExtendConfig).
+        mla_decode_config (kernels.mla_decode.MLADecodeConfig), mla_extend_config (kernels.mla_extend.MLAExtendConfig),
+        prefill_tma (None: wherever it applies, the default; False: never; True: raise where it does not apply),
+        prefill_tma_config (kernels.prefill_tma.PrefillTmaConfig), prefill_tma_gather_mib (the most memory the TMA
+        path may gather a batch's cached keys into, default 1024 MiB; beyond it the paged kernel runs).
         """
         super().__init__(pool, **options)
         require("triton", "the triton attention backend")
@@ -111,7 +115,8 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"head_dim {max(pool.head_dim, pool.v_head_dim)} unsupported by the triton backend "
                              "(at most 256)")
         unknown = set(options) - {"num_sms", "split_waves", "min_split_tokens", "max_kv_splits",
-                                  "decode_config", "extend_config", "mla_decode_config", "mla_extend_config"}
+                                  "decode_config", "extend_config", "mla_decode_config", "mla_extend_config",
+                                  "prefill_tma", "prefill_tma_config", "prefill_tma_gather_mib"}
         if unknown:
             raise ValueError(f"unknown triton backend options {sorted(unknown)}")
         num_sms = options.get("num_sms")
@@ -127,6 +132,11 @@ class TritonBackend(AttentionBackend):
         self.extend_config = options.get("extend_config")
         self.mla_decode_config = options.get("mla_decode_config")
         self.mla_extend_config = options.get("mla_extend_config")
+        self.prefill_tma = options.get("prefill_tma")
+        self.prefill_tma_config = options.get("prefill_tma_config")
+        self.prefill_tma_gather_bytes = int(options.get("prefill_tma_gather_mib", 1024)) << 20
+        # which extend kernel the last forward_extend ran, and why the TMA path did not (benchmarks report it)
+        self.extend_path: str | None = None
         # programs per (request, split) in MLA decode: head groups of the model's layers, learnt at the first
         # MLA layer (the pool does not know the query heads); the split plan sizes the grid with it
         self._mla_head_groups = 1
@@ -137,17 +147,71 @@ class TritonBackend(AttentionBackend):
     # ---- per step ------------------------------------------------------------------------------
     def _extend_tiles(self, plan: _ExtendPlan, group: int):
         """The step's tile list for this layer's GQA group (layers of one model share it)."""
-        from attnserve.attention.kernels.extend import build_extend_tiles, default_extend_config
+        from attnserve.attention.kernels.extend import default_extend_config
         from attnserve.attention.kernels.mla_extend import default_mla_extend_config
 
         if self.pool.is_mla:
             cfg = self.mla_extend_config or default_mla_extend_config(self.pool.device)
         else:
             cfg = self.extend_config or default_extend_config(self.pool.head_dim, self.pool.device)
-        positions = cfg.positions_per_tile(group)
+        return self._tiles_of(plan, cfg.positions_per_tile(group))
+
+    def _tiles_of(self, plan: _ExtendPlan, positions: int):
+        from attnserve.attention.kernels.extend import build_extend_tiles
+
         if positions not in plan.tiles:
             plan.tiles[positions] = build_extend_tiles(plan.prefix_lens, plan.extend_lens, positions, self.pool.device)
         return plan.tiles[positions]
+
+    def _prefill_tma_config(self, head_dim: int):
+        from attnserve.attention.kernels.prefill_tma import default_prefill_tma_config
+
+        return self.prefill_tma_config or default_prefill_tma_config(head_dim, self.pool.device)
+
+    def _tma_key_rows(self, plan: _ExtendPlan, q, k, v, layer: AttentionLayer):
+        """((k_rows, v_rows, kv_starts), None) when this call takes the TMA path, else (None, why not).
+
+        Fresh prompts read the call's own k and v; with a cached prefix every request's keys are gathered
+        from the pool into contiguous rows once per layer.
+        """
+        from attnserve.attention.kernels.common import interpreting
+        from attnserve.attention.kernels.prefill_tma import (
+            fast_path_blocker,
+            gather_request_rows,
+            request_slots,
+            tma_rows_ok,
+        )
+        from attnserve.attention.kernels.tiles import target_for
+
+        if self.prefill_tma is False:
+            return None, "TMA path off"
+        pool = self.pool
+        blocker = fast_path_blocker(head_dim=layer.head_dim, v_dim=layer.v_head_dim, q_dtype=q.dtype,
+                                    kv_dtype=pool.dtype, custom_mask=plan.custom_mask, target=target_for(q.device),
+                                    interpreting=interpreting())
+        if blocker is None and not tma_rows_ok(q):
+            blocker = "q layout"
+        rows = None
+        if blocker is None:
+            if not any(plan.prefix_lens) and tma_rows_ok(k) and tma_rows_ok(v):
+                rows = (k, v, plan.meta.qo_indptr[:-1])
+            else:
+                seq_total = sum(plan.prefix_lens) + sum(plan.extend_lens)
+                need = seq_total * pool.num_kv_heads * (layer.head_dim + layer.v_head_dim) * pool.dtype.itemsize
+                if need > self.prefill_tma_gather_bytes:
+                    blocker = f"gathering the prefix needs {need >> 20} MiB"
+                else:
+                    if plan.key_rows is None:
+                        seq_lens = [p + e for p, e in zip(plan.prefix_lens, plan.extend_lens)]
+                        plan.key_rows = request_slots(plan.meta.kv_indptr, plan.meta.kv_indices, seq_lens,
+                                                      pool.page_size, pool.device)
+                    slots, starts = plan.key_rows
+                    lid = layer.layer_id
+                    rows = (gather_request_rows(pool.get_key_buffer(lid), slots),
+                            gather_request_rows(pool.get_value_buffer(lid), slots), starts)
+        if rows is None and self.prefill_tma:
+            raise ValueError(f"the TMA prefill path does not apply to this call: {blocker}")
+        return rows, blocker
 
     def plan(self, fb: ForwardBatch) -> None:
         self._decode = None
@@ -225,6 +289,16 @@ class TritonBackend(AttentionBackend):
                 layer.scaling, self.pool.kv_lora_rank, self.pool.k_scale[lid], plan.custom_mask, plan.mask_indptr,
                 config=self.mla_extend_config,
             )
+        rows, blocker = self._tma_key_rows(plan, q, k, v, layer)
+        if rows is not None:
+            from attnserve.attention.kernels.prefill_tma import prefill_tma_attention
+
+            cfg = self._prefill_tma_config(layer.head_dim)
+            self.extend_path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
+            tiles = self._tiles_of(plan, cfg.block_m)
+            return prefill_tma_attention(q, *rows, out, tiles, plan.meta.qo_indptr, plan.seq_lens, layer.scaling,
+                                         layer.sliding_window, layer.logit_cap, layer.sinks, config=cfg)
+        self.extend_path = f"paged ({blocker})"
         return extend_attention(
             q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
             self._extend_tiles(plan, layer.gqa_group),

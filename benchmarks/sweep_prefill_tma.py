@@ -1,0 +1,116 @@
+"""Sweep the TMA prefill kernel's tiles (kernels/prefill_tma.py) on the race's prefill/extend workloads.
+
+Each workload is first run on the paged extend kernel (the TMA path off): its time is the baseline
+of the same run and its output the reference every TMA config must match. Writes JSON with one row
+per (workload, config) and `best`, the config with the smallest geometric mean of its time over
+the best time per workload (the default in PREFILL_TMA_TILES is taken from it).
+
+    PYTHONPATH=src python3 benchmarks/sweep_prefill_tma.py --out sweep-prefill-tma.json [--budget-s 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import torch
+
+from attnserve.attention.backends.triton import TritonBackend
+from attnserve.attention.kernels.prefill_tma import PrefillTmaConfig
+from attnserve.bench.racers import build_race_batch
+from attnserve.bench.timing import time_eager
+from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
+
+# (block_m, block_n, warps per group, stages, warp_specialize[, mask_every_tile]). 128 x 128 x 3 stages and 256-row
+# tiles do not fit or spill (benchmarks/compile_prefill_tma_sm90.py); the rows without warp specialisation show what
+# TMA alone gives (the last masks only the diagonal's tiles, a run-time branch that Triton 3.6 cannot specialise).
+CONFIGS = [PrefillTmaConfig(*c) for c in (
+    (128, 128, 4, 2, True), (128, 64, 4, 3, True), (128, 64, 4, 2, True), (128, 64, 4, 4, True),
+    (128, 128, 8, 2, False), (128, 64, 4, 3, False), (128, 64, 4, 3, False, False))]
+TINY_CONFIGS = [PrefillTmaConfig(16, 16, 4, 1, False), PrefillTmaConfig(16, 32, 4, 1, False)]
+
+
+def run_once(rb, **options):
+    backend = TritonBackend(rb.pool, **options)
+    rb.fb.attn_backend = backend
+    backend.plan(rb.fb)
+    fn = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb)  # noqa: E731
+    out = fn()
+    us = time_eager(fn) if rb.q.is_cuda else 0.0
+    return us, out, backend.extend_path
+
+
+def best_config(rows: list[dict]) -> dict | None:
+    ok = [r for r in rows if r.get("us", 0) > 0 and "block_m" in r]
+    fastest: dict[str, float] = {}
+    for r in ok:
+        fastest[r["workload"]] = min(fastest.get(r["workload"], r["us"]), r["us"])
+    keys = [f.name for f in dataclasses.fields(PrefillTmaConfig)]
+    scores: dict[tuple, list[float]] = {}
+    for r in ok:
+        scores.setdefault(tuple(r[k] for k in keys), []).append(math.log(r["us"] / fastest[r["workload"]]))
+    complete = {k: v for k, v in scores.items() if len(v) == len(fastest)}
+    return dict(zip(keys, min(complete, key=lambda k: sum(complete[k])))) if complete else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="sweep-prefill-tma.json")
+    p.add_argument("--tiny", action="store_true", help="small shapes, two configs (CPU smoke run)")
+    p.add_argument("--workloads", nargs="*")
+    p.add_argument("--budget-s", type=float, default=0, help="stop starting configs after this many seconds")
+    args = p.parse_args(argv)
+    start = time.time()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    workloads = [w for w in (TINY_WORKLOADS if args.tiny else WORKLOADS) if w.kind != "decode" and w.mla is None]
+    if args.workloads:
+        workloads = [w for w in workloads if any(n in w.name for n in args.workloads)]
+    configs = TINY_CONFIGS if args.tiny else CONFIGS
+    rows: list[dict] = []
+    batches = [build_race_batch(w, device=device, seed=i) for i, w in enumerate(workloads)]
+    refs = {}
+    for w, rb in zip(workloads, batches):
+        us, out, path = run_once(rb, prefill_tma=False)
+        refs[w.name] = out.float()
+        flops = w.flops(rb.layer.num_heads, rb.layer.head_dim)
+        rows.append({"workload": w.name, "kernel": "paged", "us": round(us, 1),
+                     "tflops": round(flops / us / 1e6, 1) if us else None, "path": path})
+        print(f"{w.name:<22} paged                                      {us:9.1f} us "
+              f"{flops / us / 1e6 if us else 0:6.0f} TFLOP/s", flush=True)
+    for cfg in configs:
+        if args.budget_s and time.time() - start > args.budget_s:
+            print(f"budget spent: {cfg} and later configs not run", flush=True)
+            break
+        for w, rb in zip(workloads, batches):
+            row = {"workload": w.name, "kernel": "prefill_tma", **dataclasses.asdict(cfg)}
+            try:
+                us, out, path = run_once(rb, prefill_tma=True, prefill_tma_config=cfg)
+                ref = refs[w.name]
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    raise ValueError(f"output differs from the paged kernel's by {err:.2e}")
+                flops = w.flops(rb.layer.num_heads, rb.layer.head_dim)
+                row |= {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1) if us else None,
+                        "rel_err_vs_paged": err, "path": path}
+                print(f"{w.name:<22} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
+                      f"ws={int(cfg.warp_specialize)} every={int(cfg.mask_every_tile)}          {us:9.1f} us {row['tflops'] or 0:6.0f} TFLOP/s",
+                      flush=True)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is a result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(f"{w.name:<22} {cfg} FAILED {row['error']}", flush=True)
+            rows.append(row)
+    best = best_config(rows)
+    print("best:", json.dumps(best), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                   "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+                   "date": time.strftime("%Y-%m-%d", time.gmtime()), "best": best, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

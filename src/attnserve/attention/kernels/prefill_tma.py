@@ -1,0 +1,246 @@
+"""Prefill / extend over contiguous K/V rows through TMA tensor descriptors, warp-specialised on Hopper.
+
+The paged extend kernel (extend.py) gathers every key through the page table, which rules out
+TMA and, with it, Triton's Hopper warp specialisation. This kernel reads K and V as ragged
+contiguous rows instead: request r's keys are rows kv_starts[r] .. kv_starts[r] + seq_lens[r]
+of a `[rows, Hkv, D]` tensor. For fresh prompts those rows are the call's own k and v (no copy);
+with a cached prefix the backend first gathers each request's keys from the pool into one such
+tensor (`gather_request_rows`, one read and one write of the keys, about 1 % of the attention
+time at 8 x (4096 + 512)).
+
+Each program owns BLOCK_M query rows of one query head. Q, K and V tiles arrive through tensor
+descriptors; on sm90 the key loop is `tl.range(..., warp_specialize=True)`, which Triton 3.6
+turns into one producer warpgroup issuing the TMA loads and two consumer warpgroups of
+BLOCK_M / 2 rows each (FlashAttention-3's layout; `num_warps` counts one warpgroup, the
+kernel launches 12 warps). Triton 3.6's Hopper warp specialisation accepts exactly one loop
+per kernel (a second loop, before or after, aborts in a dominance assertion: benchmarks/NOTES.md),
+so the causal / window mask is built on every key tile rather than in a separate diagonal loop.
+
+Rows past a request's end inside a tile read the next request's rows (or zeros past the
+tensor's end, which TMA fills); the mask hides those keys and the output store is masked, so
+they never reach a result. The same source runs under TRITON_INTERPRET=1 (the interpreter
+implements tensor descriptors, zero fill included) with a float32 dot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from attnserve.attention.kernels.common import (
+    LOG2E,
+    dot_dtype_is_f32,
+    dot_pv,
+    dot_qk,
+    online_softmax_tile,
+    to_log2,
+)
+from attnserve.attention.kernels.extend import ExtendTiles
+from attnserve.attention.kernels.tiles import GpuTarget, TileShape, check_shared_memory
+
+
+@dataclass(frozen=True)
+class PrefillTmaConfig:
+    block_m: int = 128  # query rows per program; two consumer warpgroups take half each when warp-specialised
+    block_n: int = 128  # keys per TMA tile
+    num_warps: int = 4  # one warpgroup; warp specialisation adds the producer and the second consumer
+    num_stages: int = 2  # K/V tiles in flight
+    warp_specialize: bool = True
+    # build the causal mask on every key tile (True) or only on the diagonal's, decided per tile at run time
+    mask_every_tile: bool = True
+
+    def positions_per_tile(self, group: int) -> int:
+        """Query positions per tile (one head per program), the ExtendTiles contract."""
+        return self.block_m
+
+
+# sm90, head_dim <= 128 and wider: the defaults the H200 sweep chose (benchmarks/sweep_prefill_tma.py).
+PREFILL_TMA_TILES = {
+    "narrow": PrefillTmaConfig(128, 128, 4, 2, True),
+    "wide": PrefillTmaConfig(128, 64, 4, 2, True),
+}
+INTERPRETER_PREFILL_TMA_TILES = PrefillTmaConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
+                                                 warp_specialize=False)
+
+
+def default_prefill_tma_config(head_dim: int, device: torch.device) -> PrefillTmaConfig:
+    if torch.device(device).type != "cuda":
+        return INTERPRETER_PREFILL_TMA_TILES
+    return PREFILL_TMA_TILES["wide" if head_dim > 128 else "narrow"]
+
+
+def tma_rows_ok(t: torch.Tensor) -> bool:
+    """A `[rows, heads, dim]` tensor a 2-D descriptor over `[rows, heads * dim]` can read.
+
+    Heads adjacent within a row (a view of a fused projection is fine), the last dimension
+    contiguous, the base and the row stride 16-byte aligned (what TMA requires).
+    """
+    if t is None or t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        return False
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def fast_path_blocker(*, head_dim: int, v_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                      custom_mask, target: GpuTarget | None, interpreting: bool) -> str | None:
+    """Why a call cannot take this kernel (None: it can). Cheap host checks, made per call."""
+    if custom_mask is not None:
+        return "custom mask"
+    if kv_dtype != q_dtype:
+        return f"KV dtype {kv_dtype} differs from q's {q_dtype} (FP8 pool)"
+    if q_dtype not in (torch.bfloat16, torch.float16) and not interpreting:
+        return f"{q_dtype} inputs"
+    if head_dim != v_dim:
+        return "V head dim differs from K's"
+    if head_dim not in (64, 128, 256):
+        return f"head_dim {head_dim} (TMA tiles need 64, 128 or 256)"
+    if not interpreting and (target is None or target.arch != "sm90"):
+        return "not Hopper (sm90)"
+    return None
+
+
+def gather_request_rows(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Every request's keys (or values) as contiguous rows: `[len(slots), H, D]` from the pool's `[slots, H, D]`."""
+    return buffer.index_select(0, slots)
+
+
+def request_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: list[int], page_size: int,
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool slots of every request's keys in order, `[sum(seq_lens)]` int64, and each request's first row `[B]`.
+
+    Host-side lengths size everything, so nothing waits for the device.
+    """
+    total = sum(seq_lens)
+    starts = [0]
+    for s in seq_lens[:-1]:
+        starts.append(starts[-1] + s)
+    req = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens)).to(device)  # [total]
+    starts_t = torch.tensor(starts, dtype=torch.int64).to(device)  # [B]
+    pos = torch.arange(total, device=device) - starts_t[req]  # [total] position within the request
+    page = kv_indices.long()[kv_indptr.long()[req] + pos // page_size]  # [total]
+    slots = page * page_size + pos % page_size  # [total]
+    return slots, starts_t.to(torch.int32)
+
+
+@triton.jit
+def _prefill_tma_kernel(
+    desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
+    qk_scale_log2, sm_scale_k, softcap, window, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, MASK_EVERY_TILE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    t = tl.program_id(1)
+    r = tl.load(tile_req + t)
+    m0 = tl.load(tile_m0 + t)
+    q_start = tl.load(qo_indptr + r)
+    ext = tl.load(qo_indptr + r + 1) - q_start
+    seq = tl.load(seq_lens + r)
+    kv_start = tl.load(kv_starts + r)
+    prefix = seq - ext
+    kvh = pid_h // GROUP
+
+    q_row = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] positions among the request's new tokens
+    q_pos = prefix + q_row  # [BLOCK_M] absolute positions
+    q = desc_q.load([q_start + m0, pid_h * HEAD_DIM])  # [BLOCK_M, HEAD_DIM]
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    hi = tl.minimum(seq, prefix + m0 + BLOCK_M)  # nothing past the last row's position is visible
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    offs_n0 = tl.arange(0, BLOCK_N)
+    full_end = prefix + m0 + 1  # keys below it are visible to every row of the tile
+    for n0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = desc_k.load([kv_start + n0, kvh * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
+        s = dot_qk(q, k, DOT_F32)  # [BLOCK_M, BLOCK_N]
+        if MASK_EVERY_TILE or HAS_WINDOW or HAS_SOFTCAP:  # (soft-cap: the mask must follow the transform)
+            offs_n = n0 + offs_n0
+            visible = offs_n[None, :] <= q_pos[:, None]
+            if HAS_WINDOW:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+            p, alpha, m_i, l_i = online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
+                                                     HAS_SOFTCAP, True)
+        else:
+            if n0 + BLOCK_N > full_end:  # a tile on the diagonal, masked at run time (-inf survives the scaling)
+                offs_n = n0 + offs_n0
+                s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+            p, alpha, m_i, l_i = online_softmax_tile(s, None, m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
+                                                     HAS_SOFTCAP, False)
+        v = desc_v.load([kv_start + n0, kvh * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
+        acc = dot_pv(p, v, acc * alpha[:, None], q, DOT_F32)
+
+    if HAS_SINKS:
+        sink = to_log2(tl.load(Sinks + pid_h))
+        l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(Out + (q_start + q_row)[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :],
+             o.to(Out.dtype.element_ty), mask=(q_row < ext)[:, None])
+
+
+def _descriptor(rows: torch.Tensor, block_rows: int):
+    """A 2-D descriptor over `[rows, heads * dim]` whose blocks are `block_rows` rows of one head."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, heads, dim = rows.shape
+    return TensorDescriptor(rows, [n, heads * dim], [rows.stride(0), 1], [block_rows, dim])
+
+
+def prefill_tma_attention(
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    kv_starts: torch.Tensor,
+    out: torch.Tensor,
+    tiles: ExtendTiles,
+    qo_indptr: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    config: PrefillTmaConfig | None = None,
+    target: GpuTarget | None = None,
+) -> torch.Tensor:
+    """New tokens against their request's keys, read as contiguous rows.
+
+    q `[T, Hq, D]`, out `[T, Hq, D]`; k_rows / v_rows `[rows, Hkv, D]` where request r's keys are rows
+    kv_starts[r] .. + seq_lens[r] (`[B]` int32 each); qo_indptr `[B+1]`. Every tensor must satisfy
+    `tma_rows_ok`. `tiles` must have been built with `config.block_m` positions per tile.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_rows.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
+    config = config or default_prefill_tma_config(head_dim, q.device)
+    if tiles.positions != config.block_m:
+        raise ValueError(f"tiles cover {tiles.positions} positions, the config's tiles {config.block_m}")
+    for name, t in (("q", q), ("k_rows", k_rows), ("v_rows", v_rows)):
+        if not tma_rows_ok(t):
+            raise ValueError(f"{name} {tuple(t.shape)} with strides {t.stride()} cannot be read through TMA")
+    check_shared_memory("prefill_tma", TileShape(config.block_m, head_dim, config.block_n, 2 * head_dim,
+                                                 config.num_stages, q.element_size()), target)
+    if num_tokens == 0 or tiles.num_tiles == 0:
+        return out
+    sm_scale_k = sm_scale
+    _prefill_tma_kernel[(num_heads, tiles.num_tiles)](
+        _descriptor(q, config.block_m), _descriptor(k_rows, config.block_n), _descriptor(v_rows, config.block_n),
+        out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens, sinks if sinks is not None else q,
+        sm_scale_k * LOG2E, sm_scale_k, float(logit_cap or 1.0), int(sliding_window or 0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None, HAS_SINKS=sinks is not None,
+        WARP_SPECIALIZE=config.warp_specialize, MASK_EVERY_TILE=config.mask_every_tile, DOT_F32=dot_dtype_is_f32(q),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out

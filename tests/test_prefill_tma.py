@@ -1,0 +1,164 @@
+"""The TMA prefill path (kernels/prefill_tma.py) against the float64 oracle, and the backend's choice of path.
+
+On the CPU the kernel runs under TRITON_INTERPRET=1, tensor descriptors included (the interpreter
+implements them, zero fill past a tensor's end too), with tiles that do not divide the lengths.
+With CUDA (an H200) the same tests run compiled, warp-specialised, plus real shapes.
+"""
+
+import pytest
+import torch
+from attention_helpers import poison_unused_slots, rel_err, run_layer
+
+from attnserve.attention.backends.triton import TritonBackend
+from attnserve.attention.base import ForwardMode
+from attnserve.attention.kernels.extend import build_extend_tiles
+from attnserve.attention.kernels.prefill_tma import (
+    PrefillTmaConfig,
+    fast_path_blocker,
+    prefill_tma_attention,
+    request_slots,
+    tma_rows_ok,
+)
+from attnserve.attention.kernels.tiles import GpuTarget
+from attnserve.attention.metadata import metadata_for_batch
+from attnserve.attention.reference import reference_for_batch
+from attnserve.attention.synthetic import make_batch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SMALL = PrefillTmaConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, warp_specialize=False)
+# block_n 32 > block_m: several programs' diagonals inside one key tile. Compiled, the warp-specialised
+# shapes too (two consumer warpgroups of 64 rows each).
+SHAPES = [SMALL, PrefillTmaConfig(16, 32, 4, 1, False), PrefillTmaConfig(16, 16, 4, 1, False, mask_every_tile=False)]
+if torch.cuda.is_available():
+    SHAPES += [PrefillTmaConfig(128, 128, 4, 2, True), PrefillTmaConfig(128, 64, 4, 3, True)]
+
+
+def _gathered_rows(sb):
+    """Every request's keys as contiguous rows, the way the backend gathers them when there is a prefix."""
+    fb, pool = sb.fb, sb.pool
+    meta = metadata_for_batch(fb)
+    slots, starts = request_slots(meta.kv_indptr, meta.kv_indices, fb.seq_lens_cpu, pool.page_size, pool.device)
+    return pool.k_buffer[0].index_select(0, slots), pool.v_buffer[0].index_select(0, slots), starts
+
+
+def test_request_slots_follow_each_requests_tokens():
+    sb = make_batch([5, 0, 13], [4, 7, 2], num_heads=2, num_kv_heads=1, head_dim=16, page_size=4, device=DEVICE)
+    fb = sb.fb
+    meta = metadata_for_batch(fb)
+    slots, starts = request_slots(meta.kv_indptr, meta.kv_indices, fb.seq_lens_cpu, 4, DEVICE)
+    expected = torch.cat([fb.req_to_token[r, :s].long() for r, s in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu)])
+    assert torch.equal(slots.cpu(), expected.cpu())
+    assert starts.tolist() == [0, 9, 16]
+
+
+@pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: f"{c.block_m}x{c.block_n}-ws{int(c.warp_specialize)}-every{int(c.mask_every_tile)}")
+@pytest.mark.parametrize("prefix", [[0, 0, 0], [29, 0, 6]], ids=["fresh", "prefix"])
+def test_kernel_matches_oracle_on_ragged_lengths(cfg, prefix):
+    """Lengths that divide no tile, GQA 4, fresh prompts from the call's own k/v or prefixes gathered from the pool."""
+    sb = make_batch(prefix, [37, 11, 18], num_heads=8, num_kv_heads=2, head_dim=64, page_size=4,
+                    dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, seed=cfg.block_n + sum(prefix))
+    poison_unused_slots(sb)
+    fb, layer = sb.fb, sb.layer
+    meta = metadata_for_batch(fb)
+    if any(prefix):
+        k_rows, v_rows, starts = _gathered_rows(sb)
+    else:
+        k_rows, v_rows, starts = sb.k, sb.v, meta.qo_indptr[:-1]
+    tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, cfg.block_m, DEVICE)
+    out = torch.full((sb.q.shape[0], 8, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # [T, Hq, D]
+    prefill_tma_attention(sb.q, k_rows, v_rows, starts, out, tiles, meta.qo_indptr, fb.seq_lens.to(torch.int32),
+                          layer.scaling, config=cfg)
+    assert not out.isnan().any()
+    assert rel_err(out, reference_for_batch(sb.q, layer, fb)) < 1e-2
+
+
+@pytest.mark.parametrize("feature", [{"sliding_window": 10}, {"use_sinks": True}, {"logit_cap": 6.0},
+                                     {"sliding_window": 17, "use_sinks": True, "logit_cap": 5.0}],
+                         ids=["window", "sinks", "softcap", "all"])
+def test_backend_takes_the_tma_path_with_each_feature(feature):
+    sb = make_batch([37, 0, 2], [21, 19, 30], num_heads=4, num_kv_heads=2, head_dim=64, page_size=4,
+                    dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, seed=len(feature), **feature)
+    poison_unused_slots(sb)
+    backend = TritonBackend(sb.pool, prefill_tma=True)
+    out = run_layer(sb, backend)
+    assert backend.extend_path.startswith("prefill_tma")
+    assert not out.isnan().any()
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+@pytest.mark.parametrize("prefix", [[0, 0], [19, 50]], ids=["fresh", "prefix"])
+def test_common_case_takes_the_tma_path_by_default(prefix):
+    """Causal GQA in bf16 at head_dim 128, with and without a cached prefix, page size 1 and 16."""
+    for page_size in (1, 16):
+        sb = make_batch(prefix, [18, 5], num_heads=8, num_kv_heads=2, head_dim=128, page_size=page_size,
+                        dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, seed=page_size)
+        poison_unused_slots(sb)
+        backend = TritonBackend(sb.pool)
+        out = run_layer(sb, backend)
+        assert backend.extend_path.startswith("prefill_tma"), backend.extend_path
+        assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+FALLBACKS = {
+    "custom-mask": ({"custom_mask": True, "mode": ForwardMode.TARGET_VERIFY}, "custom mask"),
+    "fp8": ({"kv_dtype": "fp8_e4m3"}, "FP8"),
+    "d80": ({"head_dim": 80}, "head_dim 80"),
+    "asymmetric-v": ({"v_head_dim": 32}, "V head dim"),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_what_the_tma_path_lacks_falls_back_to_the_paged_kernel(case):
+    kw, reason = FALLBACKS[case]
+    kw = {"head_dim": 64} | kw
+    sb = make_batch([12, 3], [9, 14], num_heads=4, num_kv_heads=2, page_size=4, dtype=torch.bfloat16,
+                    device=DEVICE, score_scale=20.0, seed=len(case), **kw)
+    poison_unused_slots(sb)
+    backend = TritonBackend(sb.pool)
+    out = run_layer(sb, backend)
+    assert backend.extend_path.startswith("paged") and reason in backend.extend_path
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+    with pytest.raises(ValueError, match="does not apply"):
+        run_layer(sb, TritonBackend(sb.pool, prefill_tma=True))
+
+
+def test_the_tma_path_can_be_switched_off_and_bounded():
+    sb = make_batch([40, 0], [8, 8], num_heads=4, num_kv_heads=2, head_dim=64, page_size=1, dtype=torch.bfloat16,
+                    device=DEVICE, seed=4)
+    backend = TritonBackend(sb.pool, prefill_tma=False)
+    run_layer(sb, backend)
+    assert backend.extend_path == "paged (TMA path off)"
+    backend = TritonBackend(sb.pool, prefill_tma_gather_mib=0)  # the prefix may not be gathered
+    out = run_layer(sb, backend)
+    assert "gathering the prefix" in backend.extend_path
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+def test_blockers_and_layouts():
+    hopper, ampere = GpuTarget.of((9, 0)), GpuTarget.of((8, 0))
+    common = {"head_dim": 128, "v_dim": 128, "q_dtype": torch.bfloat16, "kv_dtype": torch.bfloat16,
+              "custom_mask": None, "interpreting": False}
+    assert fast_path_blocker(**common, target=hopper) is None
+    assert "sm90" in fast_path_blocker(**common, target=ampere)
+    assert "float32" in fast_path_blocker(**common | {"q_dtype": torch.float32, "kv_dtype": torch.float32},
+                                          target=hopper)
+    fused = torch.zeros(10, 8 + 2 + 2, 64)  # [T, q + k + v heads, D]: k is a strided view, still readable
+    assert tma_rows_ok(fused[:, 8:10]) and tma_rows_ok(fused)
+    assert not tma_rows_ok(fused.transpose(0, 1)) and not tma_rows_ok(fused[:, :, :32])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("prefix,page_size", [([0] * 4, 1), ([0, 1000, 0, 37], 1), ([0, 1000, 0, 37], 16)])
+def test_gpu_real_shapes_on_the_tma_path(prefix, page_size):
+    sb = make_batch(prefix, [1024, 512, 300, 700], num_heads=32, num_kv_heads=8, head_dim=128,
+                    page_size=page_size, dtype=torch.bfloat16, device="cuda", score_scale=20.0)
+    poison_unused_slots(sb)
+    backend = TritonBackend(sb.pool)
+    out = run_layer(sb, backend)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert backend.extend_path == "prefill_tma (warp-specialised)"
+    assert not out.isnan().any()
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
