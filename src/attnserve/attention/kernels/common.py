@@ -86,3 +86,18 @@ def online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, sm_scale_k, softcap
     p = tl.exp2(s - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     return p, alpha, m_new, l_new
+
+
+@triton.jit
+def online_softmax_tile_fma(s, m_i, l_i, qk_scale_log2):
+    """online_softmax_tile without soft-cap, the scale folded into the exponent: one FMA per score.
+
+    s `[M, N]` raw q.k^T, masked keys already -inf. The max is taken over raw scores (the scale is
+    positive), so `s * scale - max` compiles to a single FMA instead of a multiply and a subtract;
+    in a compute-bound prefill the softmax's instruction count is what competes with the MMAs.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_new

@@ -36,6 +36,7 @@ from attnserve.attention.kernels.common import (
     dot_pv,
     dot_qk,
     online_softmax_tile,
+    online_softmax_tile_fma,
     to_log2,
 )
 from attnserve.attention.kernels.extend import ExtendTiles
@@ -162,19 +163,22 @@ def _prefill_tma_kernel(
     for n0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = desc_k.load([kv_start + n0, kvh * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
         s = dot_qk(q, k, DOT_F32)  # [BLOCK_M, BLOCK_N]
-        if MASK_EVERY_TILE or HAS_WINDOW or HAS_SOFTCAP:  # (soft-cap: the mask must follow the transform)
-            offs_n = n0 + offs_n0
+        offs_n = n0 + offs_n0
+        if HAS_SOFTCAP:  # the mask must follow the soft-cap transform
             visible = offs_n[None, :] <= q_pos[:, None]
             if HAS_WINDOW:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
             p, alpha, m_i, l_i = online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
                                                      HAS_SOFTCAP, True)
         else:
-            if n0 + BLOCK_N > full_end:  # a tile on the diagonal, masked at run time (-inf survives the scaling)
-                offs_n = n0 + offs_n0
+            if MASK_EVERY_TILE or HAS_WINDOW:
+                visible = offs_n[None, :] <= q_pos[:, None]
+                if HAS_WINDOW:
+                    visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+                s = tl.where(visible, s, float("-inf"))
+            elif n0 + BLOCK_N > full_end:  # a tile on the diagonal, masked at run time
                 s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
-            p, alpha, m_i, l_i = online_softmax_tile(s, None, m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
-                                                     HAS_SOFTCAP, False)
+            p, alpha, m_i, l_i = online_softmax_tile_fma(s, m_i, l_i, qk_scale_log2)
         v = desc_v.load([kv_start + n0, kvh * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
         acc = dot_pv(p, v, acc * alpha[:, None], q, DOT_F32)
 
