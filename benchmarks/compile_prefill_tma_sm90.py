@@ -32,10 +32,10 @@ def compile_config(cfg: pt.PrefillTmaConfig, head_dim: int = 128, group: int = 4
     args = dict(desc_q=pt._descriptor(x, cfg.block_m), desc_k=pt._descriptor(x, cfg.block_n),
                 desc_v=pt._descriptor(x, cfg.block_n), Out=x, tile_req=idx, tile_m0=idx, qo_indptr=idx,
                 kv_starts=idx, seq_lens=idx, Sinks=x, qk_scale_log2=0.1, sm_scale_k=0.1, softcap=1.5, window=7,
-                stride_ot=1024, stride_oh=128)
-    constexprs = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HAS_WINDOW=window,
+                stride_ot=1024, stride_oh=128, num_work=1000)
+    constexprs = dict(NUM_HEADS=32, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HAS_WINDOW=window,
                       HAS_SOFTCAP=softcap, HAS_SINKS=sinks, WARP_SPECIALIZE=cfg.warp_specialize,
-                      MASK_EVERY_TILE=cfg.mask_every_tile, DOT_F32=False)
+                      PERSISTENT=bool(cfg.persistent), MASK_EVERY_TILE=cfg.mask_every_tile, DOT_F32=False)
     fn = pt._prefill_tma_kernel
     sig = {n: ("constexpr" if n in constexprs else mangle_type(args[n])) for n in fn.arg_names}
     row = {"config": cfg.__dict__, "head_dim": head_dim, "window": window, "softcap": softcap, "sinks": sinks}
@@ -60,13 +60,13 @@ def compile_config(cfg: pt.PrefillTmaConfig, head_dim: int = 128, group: int = 4
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="*", default=["128,128,4,2,1", "128,64,4,3,1", "128,64,4,2,1", "128,128,4,2,0"],
-                   help="block_m,block_n,warps,stages,warp_specialize[,mask_every_tile]")
+                   help="block_m,block_n,warps,stages,warp_specialize[,mask_every_tile[,persistent]]")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--features", action="store_true", help="also compile with window, soft-cap and sinks")
     args = p.parse_args(argv)
     for text in args.configs:
-        bm, bn, w, s, ws, *every = (int(x) for x in text.split(","))
-        cfg = pt.PrefillTmaConfig(bm, bn, w, s, bool(ws), bool(every[0]) if every else True)
+        bm, bn, w, s, ws, *rest = (int(x) for x in text.split(","))
+        cfg = pt.PrefillTmaConfig(bm, bn, w, s, bool(ws), bool(rest[0]) if rest else True, rest[1] if len(rest) > 1 else 0)
         variants = [{}] + ([{"window": True, "softcap": True, "sinks": True}] if args.features else [])
         for extra in variants:
             print(compile_config(cfg, args.head_dim, **extra), flush=True)

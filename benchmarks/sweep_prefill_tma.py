@@ -25,11 +25,12 @@ from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
 
-# (block_m, block_n, warps per group, stages, warp_specialize[, mask_every_tile]). 128 x 128 x 3 stages and 256-row
+# (block_m, block_n, warps per group, stages, warp_specialize[, mask_every_tile[, persistent]]). 128 x 128 x 3 stages and 256-row
 # tiles do not fit or spill (benchmarks/compile_prefill_tma_sm90.py); the rows without warp specialisation show what
 # TMA alone gives (the last masks only the diagonal's tiles, a run-time branch that Triton 3.6 cannot specialise).
 CONFIGS = [PrefillTmaConfig(*c) for c in (
     (128, 128, 4, 2, True), (128, 64, 4, 3, True), (128, 64, 4, 2, True), (128, 64, 4, 4, True),
+    (128, 128, 4, 2, True, True, 1), (128, 64, 4, 3, True, True, 1),
     (128, 128, 8, 2, False), (128, 64, 4, 3, False), (128, 64, 4, 3, False, False))]
 TINY_CONFIGS = [PrefillTmaConfig(16, 16, 4, 1, False), PrefillTmaConfig(16, 32, 4, 1, False)]
 
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
                 row |= {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1) if us else None,
                         "rel_err_vs_paged": err, "path": path}
                 print(f"{w.name:<22} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-                      f"ws={int(cfg.warp_specialize)} every={int(cfg.mask_every_tile)}          {us:9.1f} us {row['tflops'] or 0:6.0f} TFLOP/s",
+                      f"ws={int(cfg.warp_specialize)} every={int(cfg.mask_every_tile)} p={cfg.persistent}     {us:9.1f} us {row['tflops'] or 0:6.0f} TFLOP/s",
                       flush=True)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

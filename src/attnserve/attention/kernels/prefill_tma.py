@@ -52,6 +52,8 @@ class PrefillTmaConfig:
     warp_specialize: bool = True
     # build the causal mask on every key tile (True) or only on the diagonal's, decided per tile at run time
     mask_every_tile: bool = True
+    # one program per SM over the whole work list (0: one program per (head, tile)); programs per SM when > 0
+    persistent: int = 0
 
     def positions_per_tile(self, group: int) -> int:
         """Query positions per tile (one head per program), the ExtendTiles contract."""
@@ -126,15 +128,14 @@ def request_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: l
 
 
 @triton.jit
-def _prefill_tma_kernel(
-    desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
+def _attend_tile(
+    desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks, t, pid_h,
     qk_scale_log2, sm_scale_k, softcap, window, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, MASK_EVERY_TILE: tl.constexpr, DOT_F32: tl.constexpr,
+    WS_KEYS: tl.constexpr, MASK_EVERY_TILE: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    pid_h = tl.program_id(0)
-    t = tl.program_id(1)
+    """Query tile t (BLOCK_M positions of one request) of query head pid_h, written to Out."""
     r = tl.load(tile_req + t)
     m0 = tl.load(tile_m0 + t)
     q_start = tl.load(qo_indptr + r)
@@ -160,7 +161,7 @@ def _prefill_tma_kernel(
         lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
     offs_n0 = tl.arange(0, BLOCK_N)
     full_end = prefix + m0 + 1  # keys below it are visible to every row of the tile
-    for n0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for n0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WS_KEYS):
         k = desc_k.load([kv_start + n0, kvh * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
         s = dot_qk(q, k, DOT_F32)  # [BLOCK_M, BLOCK_N]
         offs_n = n0 + offs_n0
@@ -190,6 +191,31 @@ def _prefill_tma_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(Out + (q_start + q_row)[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :],
              o.to(Out.dtype.element_ty), mask=(q_row < ext)[:, None])
+
+
+@triton.jit
+def _prefill_tma_kernel(
+    desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
+    qk_scale_log2, sm_scale_k, softcap, window, stride_ot, stride_oh, num_work,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # PERSISTENT: one program per SM walks the (tile, head) work list, heads fastest, and the work loop is the
+    # warp-specialised one (the next tile's Q and keys load while this tile's last MMAs run). Otherwise one
+    # program per (head, tile) and the key loop is specialised.
+    if PERSISTENT:
+        for w in tl.range(tl.program_id(0), num_work, tl.num_programs(0), warp_specialize=WARP_SPECIALIZE):
+            _attend_tile(desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
+                         w // NUM_HEADS, w % NUM_HEADS, qk_scale_log2, sm_scale_k, softcap, window,
+                         stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
+                         HAS_SINKS, False, MASK_EVERY_TILE, DOT_F32)
+    else:
+        _attend_tile(desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
+                     tl.program_id(1), tl.program_id(0), qk_scale_log2, sm_scale_k, softcap, window,
+                     stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
+                     HAS_SINKS, WARP_SPECIALIZE, MASK_EVERY_TILE, DOT_F32)
 
 
 def _descriptor(rows: torch.Tensor, block_rows: int):
@@ -237,14 +263,21 @@ def prefill_tma_attention(
     if num_tokens == 0 or tiles.num_tiles == 0:
         return out
     sm_scale_k = sm_scale
-    _prefill_tma_kernel[(num_heads, tiles.num_tiles)](
+    num_work = num_heads * tiles.num_tiles
+    if config.persistent:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
+        grid = (min(num_work, sms * config.persistent),)
+    else:
+        grid = (num_heads, tiles.num_tiles)
+    _prefill_tma_kernel[grid](
         _descriptor(q, config.block_m), _descriptor(k_rows, config.block_n), _descriptor(v_rows, config.block_n),
         out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens, sinks if sinks is not None else q,
         sm_scale_k * LOG2E, sm_scale_k, float(logit_cap or 1.0), int(sliding_window or 0),
-        out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim,
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None, HAS_SINKS=sinks is not None,
-        WARP_SPECIALIZE=config.warp_specialize, MASK_EVERY_TILE=config.mask_every_tile, DOT_F32=dot_dtype_is_f32(q),
+        out.stride(0), out.stride(1), num_work,
+        NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
+        HAS_SINKS=sinks is not None, WARP_SPECIALIZE=config.warp_specialize, PERSISTENT=bool(config.persistent),
+        MASK_EVERY_TILE=config.mask_every_tile, DOT_F32=dot_dtype_is_f32(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
