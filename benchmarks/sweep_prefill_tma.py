@@ -29,9 +29,8 @@ from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
 # tiles do not fit or spill (benchmarks/compile_prefill_tma_sm90.py); the rows without warp specialisation show what
 # TMA alone gives (the last masks only the diagonal's tiles, a run-time branch that Triton 3.6 cannot specialise).
 CONFIGS = [PrefillTmaConfig(*c) for c in (
-    (128, 128, 4, 2, True), (128, 64, 4, 3, True), (128, 64, 4, 2, True), (128, 64, 4, 4, True),
-    (128, 128, 4, 2, True, True, 1), (128, 64, 4, 3, True, True, 1),
-    (128, 128, 8, 2, False), (128, 64, 4, 3, False), (128, 64, 4, 3, False, False))]
+    (128, 128, 4, 2, True), (128, 128, 4, 2, True, True, 1), (128, 64, 4, 3, True), (128, 64, 4, 3, True, True, 1),
+    (128, 128, 8, 2, False), (128, 64, 4, 2, True), (128, 64, 4, 4, True), (128, 64, 4, 3, False, False))]
 TINY_CONFIGS = [PrefillTmaConfig(16, 16, 4, 1, False), PrefillTmaConfig(16, 32, 4, 1, False)]
 
 
