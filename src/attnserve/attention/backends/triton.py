@@ -1,8 +1,12 @@
 """triton: attnserve's own Triton kernels behind the backend contract.
 
-Decode is Flash-Decoding (split-KV + log-sum-exp merge, GQA groups on tensor cores);
-extend/prefill is a FlashAttention-2 style kernel that reads the cached prefix and the
-new tokens through the page table. MLA pools (DeepSeek) run the absorbed MLA kernels of
+Decode is Flash-Decoding (split-KV + log-sum-exp merge, GQA groups on tensor cores).
+Extend/prefill takes, per call, one of two kernels: on Hopper the TMA kernel
+(kernels/prefill_tma.py: keys as contiguous rows through tensor descriptors, warp-specialised:
+the call's own k/v for fresh prompts, each request's keys gathered from the pool when there is
+a cached prefix), and everywhere else, or for what it lacks (custom masks, FP8 pools, head
+dims other than 64/128/256, a V width unlike K's), the FlashAttention-2 style kernel that reads
+the prefix and the new tokens through the page table. `extend_path` names the one that ran. MLA pools (DeepSeek) run the absorbed MLA kernels of
 kernels/mla_decode.py and kernels/mla_extend.py over the latent rows with the same plans,
 and fresh prompts may run expanded (forward_mla_expanded). plan() builds the CSR metadata,
 the per-request split counts and the extend tile list once per step, from host-side
