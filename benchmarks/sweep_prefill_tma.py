@@ -25,12 +25,14 @@ from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
 
-# (block_m, block_n, warps per group, stages, warp_specialize[, mask_every_tile[, persistent]]). 128 x 128 x 3 stages and 256-row
-# tiles do not fit or spill (benchmarks/compile_prefill_tma_sm90.py); the rows without warp specialisation show what
-# TMA alone gives (the last masks only the diagonal's tiles, a run-time branch that Triton 3.6 cannot specialise).
+# (block_m, block_n, warps, stages, warp_specialize[, mask_every_tile[, persistent]]). 128 x 128 x 3 stages and
+# 256-row tiles do not fit or spill (benchmarks/compile_prefill_tma_sm90.py).
 CONFIGS = [PrefillTmaConfig(*c) for c in (
-    (128, 128, 4, 2, True), (128, 128, 4, 2, True, True, 1), (128, 64, 4, 3, True), (128, 64, 4, 3, True, True, 1),
-    (128, 128, 8, 2, False), (128, 64, 4, 2, True), (128, 64, 4, 4, True), (128, 64, 4, 3, False, False))]
+    (128, 128, 8, 2, False), (128, 64, 8, 3, False), (128, 64, 4, 3, False), (128, 128, 8, 2, False, True, 1))]
+# warp-specialised (warps = one group): compiled for sm90, but on the H200 the first launch never finished
+# (benchmarks/diagnose_prefill_ws.py); swept only with --warp-specialized
+WS_CONFIGS = [PrefillTmaConfig(*c) for c in (
+    (128, 128, 4, 2, True), (128, 128, 4, 2, True, True, 1), (128, 64, 4, 3, True), (128, 64, 4, 3, True, True, 1))]
 TINY_CONFIGS = [PrefillTmaConfig(16, 16, 4, 1, False), PrefillTmaConfig(16, 32, 4, 1, False)]
 
 
@@ -63,13 +65,15 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="small shapes, two configs (CPU smoke run)")
     p.add_argument("--workloads", nargs="*")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting configs after this many seconds")
+    p.add_argument("--warp-specialized", action="store_true", help="sweep the warp-specialised configs")
+    p.add_argument("--best-options", default=None, help="write the best config here as --triton-options JSON")
     args = p.parse_args(argv)
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     workloads = [w for w in (TINY_WORKLOADS if args.tiny else WORKLOADS) if w.kind != "decode" and w.mla is None]
     if args.workloads:
         workloads = [w for w in workloads if any(n in w.name for n in args.workloads)]
-    configs = TINY_CONFIGS if args.tiny else CONFIGS
+    configs = TINY_CONFIGS if args.tiny else (WS_CONFIGS if args.warp_specialized else CONFIGS)
     rows: list[dict] = []
     batches = [build_race_batch(w, device=device, seed=i) for i, w in enumerate(workloads)]
     refs = {}
@@ -105,6 +109,9 @@ def main(argv=None) -> int:
             rows.append(row)
     best = best_config(rows)
     print("best:", json.dumps(best), flush=True)
+    if args.best_options and best:
+        with open(args.best_options, "w") as f:
+            json.dump({"prefill_tma_config": best}, f)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                    "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},

@@ -47,9 +47,9 @@ from attnserve.attention.kernels.tiles import GpuTarget, TileShape, check_shared
 class PrefillTmaConfig:
     block_m: int = 128  # query rows per program; two consumer warpgroups take half each when warp-specialised
     block_n: int = 128  # keys per TMA tile
-    num_warps: int = 4  # one warpgroup; warp specialisation adds the producer and the second consumer
+    num_warps: int = 8  # with warp specialisation: one warpgroup, Triton adds the producer and the second consumer
     num_stages: int = 2  # K/V tiles in flight
-    warp_specialize: bool = True
+    warp_specialize: bool = False
     # build the causal mask on every key tile (True) or only on the diagonal's, decided per tile at run time
     mask_every_tile: bool = True
     # one program per SM over the whole work list (0: one program per (head, tile)); programs per SM when > 0
@@ -60,10 +60,11 @@ class PrefillTmaConfig:
         return self.block_m
 
 
-# sm90, head_dim <= 128 and wider: the defaults the H200 sweep chose (benchmarks/sweep_prefill_tma.py).
+# sm90, head_dim <= 128 and wider. Without warp specialisation: on the H200 (Triton 3.6) the warp-specialised
+# kernel compiles but its first launch never finished (benchmarks/NOTES.md); two warpgroups of 64 rows each.
 PREFILL_TMA_TILES = {
-    "narrow": PrefillTmaConfig(128, 128, 4, 2, True),
-    "wide": PrefillTmaConfig(128, 64, 4, 2, True),
+    "narrow": PrefillTmaConfig(128, 128, 8, 2, False),
+    "wide": PrefillTmaConfig(128, 64, 8, 2, False),
 }
 INTERPRETER_PREFILL_TMA_TILES = PrefillTmaConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
                                                  warp_specialize=False)
