@@ -29,13 +29,18 @@ def compile_config(cfg: pt.PrefillTmaConfig, head_dim: int = 128, group: int = 4
                    softcap: bool = False, sinks: bool = False) -> dict:
     x = torch.empty(4096, 8, head_dim, dtype=torch.bfloat16)  # stands in for q / k / v rows
     idx = torch.empty(16, dtype=torch.int32)
-    args = dict(desc_q=pt._descriptor(x, cfg.block_m), desc_k=pt._descriptor(x, cfg.block_n),
-                desc_v=pt._descriptor(x, cfg.block_n), Out=x, tile_req=idx, tile_m0=idx, qo_indptr=idx,
-                kv_starts=idx, seq_lens=idx, Sinks=x, qk_scale_log2=0.1, sm_scale_k=0.1, softcap=1.5, window=7,
-                stride_ot=1024, stride_oh=128, num_work=1000)
-    constexprs = dict(NUM_HEADS=32, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HAS_WINDOW=window,
-                      HAS_SOFTCAP=softcap, HAS_SINKS=sinks, WARP_SPECIALIZE=cfg.warp_specialize,
-                      PERSISTENT=bool(cfg.persistent), MASK_EVERY_TILE=cfg.mask_every_tile, DOT_F32=False)
+    if cfg.device_descriptors:
+        operands = dict(Q=x, K=x, V=x)
+    else:
+        operands = dict(Q=pt._descriptor(x, cfg.block_m), K=pt._descriptor(x, cfg.block_n),
+                        V=pt._descriptor(x, cfg.block_n))
+    args = dict(operands, Out=x, tile_req=idx, tile_m0=idx, qo_indptr=idx, kv_starts=idx, seq_lens=idx, Sinks=x,
+                qk_scale_log2=0.1, sm_scale_k=0.1, softcap=1.5, window=7, stride_ot=1024, stride_oh=128,
+                num_work=1000, q_rows=4096, kv_rows=4096, stride_qt=1024, stride_kt=1024, stride_vt=1024)
+    constexprs = dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      HEAD_DIM=head_dim, HAS_WINDOW=window, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
+                      WARP_SPECIALIZE=cfg.warp_specialize, PERSISTENT=bool(cfg.persistent),
+                      MASK_EVERY_TILE=cfg.mask_every_tile, DEVICE_DESC=cfg.device_descriptors, DOT_F32=False)
     fn = pt._prefill_tma_kernel
     sig = {n: ("constexpr" if n in constexprs else mangle_type(args[n])) for n in fn.arg_names}
     row = {"config": cfg.__dict__, "head_dim": head_dim, "window": window, "softcap": softcap, "sinks": sinks}
@@ -51,7 +56,10 @@ def compile_config(cfg: pt.PrefillTmaConfig, head_dim: int = 128, group: int = 4
     os.unlink(f.name)
     regs = re.findall(r"Used (\d+) registers", res.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
+    boxes = re.findall(r"tensormap_create %\w+, %\w+, \[(%c\d+_i32), (%c\d+_i32)\]", k.asm["ttgir"])
     return row | {"warp_specialized": "ttg.warp_specialize" in k.asm["ttgir"], "warps": k.metadata.num_warps,
+                  "device_descriptor_boxes": [(a[2:-4], b[2:-4]) for a, b in boxes],
+                  "host_descriptor_blocks": [m["block_size"] for m in k.metadata.tensordesc_meta or []],
                   "shared_kib": round(k.metadata.shared / 1024, 1), "registers": int(regs[0]) if regs else None,
                   "spill_bytes": int(spills[0]) if spills else None, "serialized_wgmma": "C7515" in res.stderr,
                   "fits_227k": k.metadata.shared <= 227 * 1024}
@@ -60,13 +68,14 @@ def compile_config(cfg: pt.PrefillTmaConfig, head_dim: int = 128, group: int = 4
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="*", default=["128,128,4,2,1", "128,64,4,3,1", "128,64,4,2,1", "128,128,4,2,0"],
-                   help="block_m,block_n,warps,stages,warp_specialize[,mask_every_tile[,persistent]]")
+                   help="block_m,block_n,warps,stages,warp_specialize[,mask_every_tile[,persistent[,device_descriptors]]]")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--features", action="store_true", help="also compile with window, soft-cap and sinks")
     args = p.parse_args(argv)
     for text in args.configs:
         bm, bn, w, s, ws, *rest = (int(x) for x in text.split(","))
-        cfg = pt.PrefillTmaConfig(bm, bn, w, s, bool(ws), bool(rest[0]) if rest else True, rest[1] if len(rest) > 1 else 0)
+        cfg = pt.PrefillTmaConfig(bm, bn, w, s, bool(ws), bool(rest[0]) if rest else True,
+                                  rest[1] if len(rest) > 1 else 0, bool(rest[2]) if len(rest) > 2 else bool(ws))
         variants = [{}] + ([{"window": True, "softcap": True, "sinks": True}] if args.features else [])
         for extra in variants:
             print(compile_config(cfg, args.head_dim, **extra), flush=True)

@@ -3,10 +3,16 @@
 Each variant runs in its own process under a time limit; a variant that has not finished by then
 prints where its Python thread waits (faulthandler): inside triton.compile (a slow compile) or in
 torch.cuda.synchronize (a kernel that never finishes). Variants:
-  minimal      fixed-length causal attention, Q/K/V through descriptors, one key loop, warp-specialised
-  minimal-nows the same kernel without warp specialisation
-  ours         kernels/prefill_tma.py, 128 x 128 tiles, warp-specialised
+  minimal      fixed-length causal attention, Q/K/V through host descriptors, one key loop, warp-specialised
+  minimal-dev  the same with descriptors the kernel builds (tl.make_tensor_descriptor)
+  minimal-nows the host-descriptor kernel without warp specialisation
+  ours         kernels/prefill_tma.py, 128 x 128 tiles, warp-specialised, device descriptors
   ours-persist the same, persistent (the work loop specialised)
+  ours-host    the same as ours with host descriptors
+
+Warp specialisation splits the 128-row query tile between two consumer warpgroups and loads each 64-row
+half with one TMA box; a host descriptor's box stays 128 rows (the compiled kernel's tensordesc_meta), so the
+halves overrun their buffers and the mbarrier byte counts; a device descriptor is built with the 64-row box.
 
     PYTHONPATH=src python3 benchmarks/diagnose_prefill_ws.py [--timeout 15] [--out diag.json] [VARIANT ...]
 """
@@ -20,7 +26,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("minimal", "minimal-nows", "ours", "ours-persist")
+VARIANTS = ("ours", "minimal", "minimal-dev", "minimal-nows", "ours-persist", "ours-host")
 
 
 def _minimal_kernel():
@@ -28,12 +34,19 @@ def _minimal_kernel():
     import triton.language as tl
 
     @triton.jit
-    def attn(desc_q, desc_k, desc_v, Out, qk_scale, n_ctx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             D: tl.constexpr, WS: tl.constexpr):
+    def attn(desc_q, desc_k, desc_v, Q, Out, qk_scale, n_ctx, total, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             D: tl.constexpr, WS: tl.constexpr, Q_BY_POINTER: tl.constexpr, DEVICE_DESC: tl.constexpr):
+        if DEVICE_DESC:  # desc_* are the tensors; the compiler builds (and sizes) the descriptors
+            desc_q = tl.make_tensor_descriptor(desc_q, [total, D], [D, 1], [BLOCK_M, D])
+            desc_k = tl.make_tensor_descriptor(desc_k, [total, D], [D, 1], [BLOCK_N, D])
+            desc_v = tl.make_tensor_descriptor(desc_v, [total, D], [D, 1], [BLOCK_N, D])
         start = tl.program_id(0) * BLOCK_M
         row0 = tl.program_id(1) * n_ctx
         rows = start + tl.arange(0, BLOCK_M)
-        q = desc_q.load([row0 + start, 0])
+        if Q_BY_POINTER:
+            q = tl.load(Q + (row0 + rows)[:, None] * D + tl.arange(0, D)[None, :])
+        else:
+            q = desc_q.load([row0 + start, 0])
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -69,15 +82,24 @@ def run_variant(name: str) -> dict:
         attn = _minimal_kernel()
         flat = [x.reshape(b * h * n, d) for x in (q, k, v)]
         out = torch.empty_like(flat[0])
-        descs = [TensorDescriptor(x, [b * h * n, d], [d, 1], [128, d]) for x in flat]
-        attn[(n // 128, b * h)](*descs, out, d**-0.5 * 1.4426950408889634, n, BLOCK_M=128, BLOCK_N=128, D=d,
-                                WS=name == "minimal", num_warps=4, num_stages=2)
+        device = name == "minimal-dev"
+        if device:
+            import triton
+
+            triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+            descs = flat
+        else:
+            descs = [TensorDescriptor(x, [b * h * n, d], [d, 1], [128, d]) for x in flat]
+        attn[(n // 128, b * h)](*descs, flat[0], out, d**-0.5 * 1.4426950408889634, n, b * h * n, BLOCK_M=128,
+                                BLOCK_N=128, D=d, WS=name != "minimal-nows", Q_BY_POINTER=name == "minimal-qptr",
+                                DEVICE_DESC=device, num_warps=4 if name != "minimal-nows" else 8, num_stages=2)
         out = out.view(b, h, n, d)
     else:
         from attnserve.attention.kernels.extend import build_extend_tiles
         from attnserve.attention.kernels.prefill_tma import PrefillTmaConfig, prefill_tma_attention
 
-        cfg = PrefillTmaConfig(128, 128, 4, 2, True, persistent=1 if name == "ours-persist" else 0)
+        cfg = PrefillTmaConfig(128, 128, 4, 2, True, persistent=1 if name == "ours-persist" else 0,
+                               device_descriptors=name != "ours-host")
         rows = [x.transpose(1, 2).reshape(b * n, h, d).contiguous() for x in (q, k, v)]  # [T, H, D]
         out = torch.empty_like(rows[0])
         indptr = torch.arange(0, b * n + 1, n, device="cuda", dtype=torch.int32)  # [B+1]

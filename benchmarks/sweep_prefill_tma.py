@@ -29,9 +29,9 @@ from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
 # 256-row tiles do not fit or spill (benchmarks/compile_prefill_tma_sm90.py).
 CONFIGS = [PrefillTmaConfig(*c) for c in (
     (128, 128, 8, 2, False), (128, 64, 8, 3, False), (128, 64, 4, 3, False), (128, 128, 8, 2, False, True, 1))]
-# warp-specialised (warps = one group): compiled for sm90, but on the H200 the first launch never finished
-# (benchmarks/diagnose_prefill_ws.py); swept only with --warp-specialized
-WS_CONFIGS = [PrefillTmaConfig(*c) for c in (
+# warp-specialised (warps = one group), descriptors built by the kernel (the host's do not fit the split query
+# tile: benchmarks/diagnose_prefill_ws.py); swept with --warp-specialized
+WS_CONFIGS = [PrefillTmaConfig(*c, device_descriptors=True) for c in (
     (128, 128, 4, 2, True), (128, 128, 4, 2, True, True, 1), (128, 64, 4, 3, True), (128, 64, 4, 3, True, True, 1))]
 TINY_CONFIGS = [PrefillTmaConfig(16, 16, 4, 1, False), PrefillTmaConfig(16, 32, 4, 1, False)]
 
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="small shapes, two configs (CPU smoke run)")
     p.add_argument("--workloads", nargs="*")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting configs after this many seconds")
-    p.add_argument("--warp-specialized", action="store_true", help="sweep the warp-specialised configs")
+    p.add_argument("--warp-specialized", action="store_true", help="the warp-specialised configs first, then the rest")
     p.add_argument("--best-options", default=None, help="write the best config here as --triton-options JSON")
     args = p.parse_args(argv)
     start = time.time()
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     workloads = [w for w in (TINY_WORKLOADS if args.tiny else WORKLOADS) if w.kind != "decode" and w.mla is None]
     if args.workloads:
         workloads = [w for w in workloads if any(n in w.name for n in args.workloads)]
-    configs = TINY_CONFIGS if args.tiny else (WS_CONFIGS if args.warp_specialized else CONFIGS)
+    configs = TINY_CONFIGS if args.tiny else (WS_CONFIGS + CONFIGS if args.warp_specialized else CONFIGS)
     rows: list[dict] = []
     batches = [build_race_batch(w, device=device, seed=i) for i, w in enumerate(workloads)]
     refs = {}
@@ -85,6 +85,17 @@ def main(argv=None) -> int:
                      "tflops": round(flops / us / 1e6, 1) if us else None, "path": path})
         print(f"{w.name:<22} paged                                      {us:9.1f} us "
               f"{flops / us / 1e6 if us else 0:6.0f} TFLOP/s", flush=True)
+    def save():  # after every config, so a run cut short keeps what it measured
+        best = best_config(rows)
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                       "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+                       "date": time.strftime("%Y-%m-%d", time.gmtime()), "best": best, "rows": rows}, f, indent=1)
+        if args.best_options and best:
+            with open(args.best_options, "w") as f:
+                json.dump({"prefill_tma_config": best}, f)
+        return best
+
     for cfg in configs:
         if args.budget_s and time.time() - start > args.budget_s:
             print(f"budget spent: {cfg} and later configs not run", flush=True)
@@ -101,21 +112,14 @@ def main(argv=None) -> int:
                 row |= {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1) if us else None,
                         "rel_err_vs_paged": err, "path": path}
                 print(f"{w.name:<22} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-                      f"ws={int(cfg.warp_specialize)} every={int(cfg.mask_every_tile)} p={cfg.persistent}     {us:9.1f} us {row['tflops'] or 0:6.0f} TFLOP/s",
-                      flush=True)
+                      f"ws={int(cfg.warp_specialize)} p={cfg.persistent} dev={int(cfg.device_descriptors)} "
+                      f"{us:9.1f} us {row['tflops'] or 0:6.0f} TFLOP/s", flush=True)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"{w.name:<22} {cfg} FAILED {row['error']}", flush=True)
             rows.append(row)
-    best = best_config(rows)
-    print("best:", json.dumps(best), flush=True)
-    if args.best_options and best:
-        with open(args.best_options, "w") as f:
-            json.dump({"prefill_tma_config": best}, f)
-    with open(args.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                   "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
-                   "date": time.strftime("%Y-%m-%d", time.gmtime()), "best": best, "rows": rows}, f, indent=1)
+        save()
+    print("best:", json.dumps(save()), flush=True)
     return 0
 
 

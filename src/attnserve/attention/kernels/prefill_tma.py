@@ -54,6 +54,8 @@ class PrefillTmaConfig:
     mask_every_tile: bool = True
     # one program per SM over the whole work list (0: one program per (head, tile)); programs per SM when > 0
     persistent: int = 0
+    # descriptors built by the kernel (needed with warp specialisation, see _prefill_tma_kernel) or on the host
+    device_descriptors: bool = False
 
     def positions_per_tile(self, group: int) -> int:
         """Query positions per tile (one head per program), the ExtendTiles contract."""
@@ -196,13 +198,27 @@ def _attend_tile(
 
 @triton.jit
 def _prefill_tma_kernel(
-    desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
+    Q, K, V, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
     qk_scale_log2, sm_scale_k, softcap, window, stride_ot, stride_oh, num_work,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_rows, kv_rows, stride_qt, stride_kt, stride_vt,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DEVICE_DESC: tl.constexpr, DOT_F32: tl.constexpr,
 ):
+    # Q, K, V: host-built descriptors, or with DEVICE_DESC the tensors themselves, described here. Warp
+    # specialisation splits the query tile between two consumer warpgroups and loads each half with its own
+    # TMA box; only a descriptor the compiler builds itself gets that box (a host descriptor keeps the whole
+    # tile's, and its loads overrun the half-size buffers: the kernel never finished on the H200).
+    if DEVICE_DESC:
+        desc_q = tl.make_tensor_descriptor(Q, [q_rows, NUM_HEADS * HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
+        desc_k = tl.make_tensor_descriptor(K, [kv_rows, NUM_KV_HEADS * HEAD_DIM], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
+        desc_v = tl.make_tensor_descriptor(V, [kv_rows, NUM_KV_HEADS * HEAD_DIM], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
+    else:
+        desc_q = Q
+        desc_k = K
+        desc_v = V
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     # PERSISTENT: one program per SM walks the (tile, head) work list, heads fastest, and the work loop is the
     # warp-specialised one (the next tile's Q and keys load while this tile's last MMAs run). Otherwise one
     # program per (head, tile) and the key loop is specialised.
@@ -217,6 +233,11 @@ def _prefill_tma_kernel(
                      tl.program_id(1), tl.program_id(0), qk_scale_log2, sm_scale_k, softcap, window,
                      stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
                      HAS_SINKS, WARP_SPECIALIZE, MASK_EVERY_TILE, DOT_F32)
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for descriptors a kernel builds on the device (128 bytes each per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _descriptor(rows: torch.Tensor, block_rows: int):
@@ -270,15 +291,22 @@ def prefill_tma_attention(
         grid = (min(num_work, sms * config.persistent),)
     else:
         grid = (num_heads, tiles.num_tiles)
+    if config.device_descriptors:
+        if q.is_cuda:
+            triton.set_allocator(_scratch)  # a context variable: set where the launch happens
+        operands = (q, k_rows, v_rows)
+    else:
+        operands = (_descriptor(q, config.block_m), _descriptor(k_rows, config.block_n),
+                    _descriptor(v_rows, config.block_n))
     _prefill_tma_kernel[grid](
-        _descriptor(q, config.block_m), _descriptor(k_rows, config.block_n), _descriptor(v_rows, config.block_n),
-        out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens, sinks if sinks is not None else q,
-        sm_scale_k * LOG2E, sm_scale_k, float(logit_cap or 1.0), int(sliding_window or 0),
-        out.stride(0), out.stride(1), num_work,
-        NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        *operands, out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens,
+        sinks if sinks is not None else q, sm_scale_k * LOG2E, sm_scale_k, float(logit_cap or 1.0),
+        int(sliding_window or 0), out.stride(0), out.stride(1), num_work,
+        q.shape[0], k_rows.shape[0], q.stride(0), k_rows.stride(0), v_rows.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
         HAS_SINKS=sinks is not None, WARP_SPECIALIZE=config.warp_specialize, PERSISTENT=bool(config.persistent),
-        MASK_EVERY_TILE=config.mask_every_tile, DOT_F32=dot_dtype_is_f32(q),
+        MASK_EVERY_TILE=config.mask_every_tile, DEVICE_DESC=config.device_descriptors, DOT_F32=dot_dtype_is_f32(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
