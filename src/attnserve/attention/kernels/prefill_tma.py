@@ -5,16 +5,19 @@ TMA and, with it, Triton's Hopper warp specialisation. This kernel reads K and V
 contiguous rows instead: request r's keys are rows kv_starts[r] .. kv_starts[r] + seq_lens[r]
 of a `[rows, Hkv, D]` tensor. For fresh prompts those rows are the call's own k and v (no copy);
 with a cached prefix the backend first gathers each request's keys from the pool into one such
-tensor (`gather_request_rows`, one read and one write of the keys, about 1 % of the attention
-time at 8 x (4096 + 512)).
+tensor (`gather_request_rows`: one read and one write of K and V, by its bytes about a tenth of the
+call at 8 x (4096 + 512) on the H200).
 
 Each program owns BLOCK_M query rows of one query head. Q, K and V tiles arrive through tensor
 descriptors; on sm90 the key loop is `tl.range(..., warp_specialize=True)`, which Triton 3.6
 turns into one producer warpgroup issuing the TMA loads and two consumer warpgroups of
 BLOCK_M / 2 rows each (FlashAttention-3's layout; `num_warps` counts one warpgroup, the
-kernel launches 12 warps). Triton 3.6's Hopper warp specialisation accepts exactly one loop
-per kernel (a second loop, before or after, aborts in a dominance assertion: benchmarks/NOTES.md),
-so the causal / window mask is built on every key tile rather than in a separate diagonal loop.
+kernel launches 12 warps). The sm90 default at head_dim 128 is persistent: one program per SM
+walks the (query tile, head) work list, and that loop is the specialised one. Triton 3.6's Hopper
+warp specialisation takes no second loop beside the specialised one (before or after, it aborts
+in a dominance assertion; a nested loop is fine), so the causal / window mask is built on every
+key tile rather than in a separate diagonal loop; it needs descriptors built in the kernel
+(host ones hang) and no pointer loads. benchmarks/NOTES.md has the measurements and failures.
 
 Rows past a request's end inside a tile read the next request's rows (or zeros past the
 tensor's end, which TMA fills); the mask hides those keys and the output store is masked, so
@@ -62,11 +65,15 @@ class PrefillTmaConfig:
         return self.block_m
 
 
-# sm90, head_dim <= 128 and wider. Without warp specialisation: on the H200 (Triton 3.6) the warp-specialised
-# kernel compiles but its first launch never finished (benchmarks/NOTES.md); two warpgroups of 64 rows each.
+# sm90 defaults per head_dim, from the H200 sweep (benchmarks/results/sweep-prefill-tma-h200.json, 2026-12-01):
+# at head_dim 128 the warp-specialised persistent kernel won every shape (447 / 513 / 321 / 432 TFLOP/s at
+# 8x2048 / 1x16384 / 32x512 / extend, against 379 / 455 / 220 / 393 for the best tiles without specialisation
+# and 307 / 401 / 191 / 351 for the paged kernel). Other head dims take the unspecialised kernel's best tiles
+# (warp-specialised tiles are allowed only where they were measured correct: see check_warp_specialized).
 PREFILL_TMA_TILES = {
-    "narrow": PrefillTmaConfig(128, 128, 8, 2, False),
-    "wide": PrefillTmaConfig(128, 64, 8, 2, False),
+    128: PrefillTmaConfig(128, 128, 4, 2, True, persistent=1, device_descriptors=True),
+    64: PrefillTmaConfig(128, 64, 8, 3, False),
+    256: PrefillTmaConfig(128, 64, 8, 2, False),  # 192 KiB of shared memory: 3 stages would not fit
 }
 INTERPRETER_PREFILL_TMA_TILES = PrefillTmaConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
                                                  warp_specialize=False)
@@ -75,7 +82,31 @@ INTERPRETER_PREFILL_TMA_TILES = PrefillTmaConfig(block_m=16, block_n=16, num_war
 def default_prefill_tma_config(head_dim: int, device: torch.device) -> PrefillTmaConfig:
     if torch.device(device).type != "cuda":
         return INTERPRETER_PREFILL_TMA_TILES
-    return PREFILL_TMA_TILES["wide" if head_dim > 128 else "narrow"]
+    return PREFILL_TMA_TILES[head_dim]
+
+
+def check_warp_specialized(config: PrefillTmaConfig, head_dim: int) -> None:
+    """Refuse the warp-specialised configs Triton 3.6 builds wrongly on the H200 (before anything runs).
+
+    Measured there (benchmarks/NOTES.md): with host descriptors the first launch never finishes (the
+    query tile's TMA box is not split with the tile); with 64-key tiles over 3 stages every output is
+    NaN; a run-time branch in the key loop silently drops the specialisation. Only the shape measured
+    correct is allowed: device descriptors, 128-key tiles, 2 stages, head_dim 128, the mask on every tile.
+    """
+    if not config.warp_specialize:
+        return
+    problems = []
+    if not config.device_descriptors:
+        problems.append("host descriptors (the kernel hangs)")
+    if (config.block_m, config.block_n, config.num_stages) != (128, 128, 2):
+        problems.append(f"tiles {config.block_m}x{config.block_n} over {config.num_stages} stages "
+                        "(only 128x128 over 2 stages was measured correct; 128x64 over 3 gave NaN)")
+    if head_dim != 128:
+        problems.append(f"head_dim {head_dim} (measured at 128 only)")
+    if not config.mask_every_tile:
+        problems.append("mask_every_tile=False (a run-time branch in the key loop is not specialised)")
+    if problems:
+        raise ValueError("warp-specialised prefill config refused: " + "; ".join(problems))
 
 
 def tma_rows_ok(t: torch.Tensor) -> bool:
@@ -275,6 +306,7 @@ def prefill_tma_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
     config = config or default_prefill_tma_config(head_dim, q.device)
+    check_warp_specialized(config, head_dim)
     if tiles.positions != config.block_m:
         raise ValueError(f"tiles cover {tiles.positions} positions, the config's tiles {config.block_m}")
     for name, t in (("q", q), ("k_rows", k_rows), ("v_rows", v_rows)):
