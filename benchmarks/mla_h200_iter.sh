@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# One H200 run for the Triton MLA decode tiles (issue 12 follow-up), under 5 minutes:
+# One H200 run for the Triton MLA decode tiles (issue 12 follow-up), under 4.5 minutes:
 #   1. the MLA kernel tests on CUDA (kernels against the float oracle, backend, CUDA graphs, the tile table)
-#   2. a short sweep of the decode tiles (benchmarks/sweep_triton_mla.py, each workload its time share),
+#   2. a short sweep of the decode tiles and split settings (benchmarks/sweep_triton_mla.py, each workload its
+#      time share; the deferred-PV tiles and the 16-head pipelines/splits are the new rows),
 #      whose winners are applied to this checkout's tile table (mla_decode_tiles.json) before the race
 #   3. the MLA race with those tiles: triton vs FlashInfer MLA fa3, each checked against the oracle first
 # FlashInfer's MLA fa3 JIT build runs in the background from the start.
-# Results under $OUT: sweep-triton-mla-h200-2.json (with "tile_rules"), mla_decode_tiles.json (the table
+# Results under $OUT: sweep-triton-mla-h200-3.json (with "tile_rules"), mla_decode_tiles.json (the table
 # the race ran), kernels-mla-h200.json (+ PNG), logs-mla-iter/. To keep the tiles without a GPU:
-#   python benchmarks/sweep_triton_mla.py --apply <copied sweep-triton-mla-h200-2.json>
+#   python benchmarks/sweep_triton_mla.py --apply <copied sweep-triton-mla-h200-3.json>
 #
 # Run from the repo root with the FlashInfer wheels in .whl/ (fetch: /work/shared/tools/fetch-gpu-wheels.sh):
 #   OUT=<results folder> bash benchmarks/mla_h200_iter.sh      (OUT defaults to benchmarks/results)
 set -u
 OUT=${OUT:-benchmarks/results}
 LOGS="$OUT/logs-mla-iter"
-BUDGET=${BUDGET:-285}  # seconds for the whole run
+BUDGET=${BUDGET:-265}  # seconds for the whole run
 . benchmarks/h200_env.sh
 python3 benchmarks/warm_flashinfer.py "mla fa3" > "$LOGS/warm.log" 2>&1 &
 WARM=$!
@@ -25,10 +26,20 @@ timeout "$(cap 55)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_m
 echo "pytest mla rc=$?"; tail -4 "$LOGS/pytest-mla.log"
 
 echo "== 2. decode tile sweep ($(left) s left)"
-SWEEP="$OUT/sweep-triton-mla-h200-2.json"
+SWEEP="$OUT/sweep-triton-mla-h200-3.json"
 timeout "$(cap 150)" python3 benchmarks/sweep_triton_mla.py --decode-only --budget-s $(( $(left) - 105 )) \
   --out "$SWEEP" > "$LOGS/sweep-mla.log" 2>&1
-echo "sweep rc=$?"; grep -v '^{' "$LOGS/sweep-mla.log" | grep -A60 '^best' | grep -v '"rel_err"' | head -80
+echo "sweep rc=$?"
+python3 - "$SWEEP" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    tile = "/".join(str(r[k]) for k in ("block_h", "block_n", "num_warps", "num_stages", "defer_pv") if k in r)
+    split = {k: r[k] for k in ("split_waves", "max_kv_splits", "split_config") if k in r}
+    print(f"{r['workload'][11:]:18s} {tile:22s} {json.dumps(split) if split else '':40s} "
+          f"{r.get('us', r.get('error', '?'))}")
+print("rules:", json.dumps([[x["config"], x["min_heads"], x["min_page_size"]] for x in d["tile_rules"]]))
+PY
 python3 benchmarks/sweep_triton_mla.py --apply "$SWEEP" 2>&1 | tail -1
 cp src/attnserve/attention/kernels/mla_decode_tiles.json "$OUT/"
 

@@ -48,13 +48,15 @@ def run_decode(sb, splits, write_final, config=SMALL):
                                 kv_scale=sb.pool.k_scale[0], write_final=write_final, config=config)
 
 
-@pytest.mark.parametrize("page_size", [1, 64])
-def test_mla_decode_matches_oracle_with_splits_forced_on_and_off(page_size):
-    """Ragged lengths, 20 heads (two head groups, the second partly masked); 1 split, several, and empty ones."""
+@pytest.mark.parametrize("page_size,defer_pv", [(1, False), (64, False), (1, True), (16, True)])
+def test_mla_decode_matches_oracle_with_splits_forced_on_and_off(page_size, defer_pv):
+    """Ragged lengths, 20 heads (two head groups, the second partly masked); 1 split, several, and empty ones.
+    defer_pv: each tile's values one iteration late, the last tile's after the loop (pages of 16 hold whole tiles)."""
     sb = mla_batch([70, 2, 140, 33], [1, 1, 1, 1], page_size=page_size, seed=page_size)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
+    config = MLADecodeConfig(16, 16, 4, 1, defer_pv=defer_pv)
     for splits, final in (([1, 1, 1, 1], True), ([1, 1, 1, 1], False), ([3, 2, 5, 1], False), ([9, 9, 9, 9], False)):
-        out = run_decode(sb, splits, final)
+        out = run_decode(sb, splits, final, config)
         assert not out.isnan().any(), (splits, final)
         assert rel_err(out, ref) < 1e-2, (splits, final)
 

@@ -98,11 +98,15 @@ class TritonBackend(AttentionBackend):
         from attnserve.attention.kernels.common import interpreting
         from attnserve.attention.kernels.split_plan import SplitPolicy
 
-        if pool.device.type != "cuda" and not interpreting():
-            raise ValueError(
-                f"the triton backend runs on CUDA devices, the pool is on {pool.device} "
-                "(TRITON_INTERPRET=1 runs it on the CPU for tests)"
-            )
+        if pool.device.type != "cuda":
+            if not interpreting():
+                raise ValueError(
+                    f"the triton backend runs on CUDA devices, the pool is on {pool.device} "
+                    "(TRITON_INTERPRET=1 runs it on the CPU for tests)"
+                )
+            from attnserve.attention.kernels.interpreter_compat import let_interpreter_index_with_loaded_scalars
+
+            let_interpreter_index_with_loaded_scalars()  # loop bounds loaded from memory (tune's CPU race)
         if pool.is_mla:
             rank = pool.kv_lora_rank
             if rank < 16 or rank & (rank - 1):

@@ -25,6 +25,9 @@ class MLADecodeConfig:
     block_n: int = 32  # latent rows (keys) per pipelined tile
     num_warps: int = 4
     num_stages: int = 2
+    # multiply a tile's probabilities by its latent one iteration later (mla_decode.py says why): with 8 warps the
+    # score dot is then split over both warpgroups instead of computed twice; the latent is read twice (L2)
+    defer_pv: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -42,7 +45,8 @@ class MLADecodeConfig:
         fit = max(16, 1 << max(0, (num_heads - 1).bit_length()))
         if self.block_h <= fit:
             return self
-        return MLADecodeConfig(fit, self.block_n, max(4, self.num_warps * fit // self.block_h), self.num_stages)
+        return MLADecodeConfig(fit, self.block_n, max(4, self.num_warps * fit // self.block_h), self.num_stages,
+                               self.defer_pv)
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,8 @@ def tiles_for(arch: str, num_heads: int, page_size: int,
 
 
 # ---- from a sweep to the table -------------------------------------------------------------------------
-CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages")
+CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "defer_pv")
+CONFIG_DEFAULTS = {"defer_pv": False}  # what a sweep row made before a key existed ran with
 
 
 def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> list[dict]:
@@ -97,6 +102,7 @@ def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> li
     and the fewest heads' rule closes the list as the catch-all."""
     timed: dict[str, dict[tuple, float]] = {}
     for r in rows:
+        r = {**CONFIG_DEFAULTS, **r}
         if "us" in r and all(k in r for k in CONFIG_KEYS) and r["workload"] in shapes:
             key = tuple(r[k] for k in CONFIG_KEYS)
             per = timed.setdefault(r["workload"], {})
