@@ -34,8 +34,9 @@ python3 - "$SWEEP" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 for r in d["rows"]:
-    tile = "/".join(str(r[k]) for k in ("block_h", "block_n", "num_warps", "num_stages", "defer_pv") if k in r)
-    split = {k: r[k] for k in ("split_waves", "max_kv_splits", "split_config") if k in r}
+    tile = "/".join(str(r[k]) for k in ("block_h", "block_n", "num_warps", "num_stages", "defer_pv", "split_waves")
+                    if k in r and "block_h" in r)
+    split = {k: r[k] for k in ("split_waves", "max_kv_splits") if k in r and "block_h" not in r}
     print(f"{r['workload'][11:]:18s} {tile:22s} {json.dumps(split) if split else '':40s} "
           f"{r.get('us', r.get('error', '?'))}")
 print("rules:", json.dumps([[x["config"], x["min_heads"], x["min_page_size"]] for x in d["tile_rules"]]))

@@ -31,22 +31,20 @@ from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
-# (block_h, block_n, num_warps, num_stages, defer_pv); a workload's time share may end the list, so the
-# second H200 sweep's winners (64/64/8/2 at 128 heads over 64-token pages, 32/64/4/2 over single tokens,
+# (block_h, block_n, num_warps, num_stages, defer_pv, split_waves); a workload's time share may end the list, so
+# the second H200 sweep's winners (64/64/8/2 at 128 heads over 64-token pages, 32/64/4/2 over single tokens,
 # 16/64/4/2 at 16 heads) come first, then the deferred-PV tiles (64 heads on 8 warps with the score dot split
-# over both warpgroups; mla_decode.py), then deeper pipelines for the memory-bound 16 heads.
-DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d) for h, n, w, s, d in (
-    (64, 64, 8, 2, False), (32, 64, 4, 2, False), (16, 64, 4, 2, False), (64, 32, 8, 2, True),
-    (64, 16, 8, 3, True), (16, 32, 4, 4, False), (16, 32, 4, 2, True), (16, 16, 4, 6, False))]
+# over both warpgroups; mla_decode.py), then the memory-bound 16 heads: deeper pipelines, and split waves that
+# put every program of 128 requests in one wave (split_waves 0: the backend's 2).
+DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v) for h, n, w, s, d, v in (
+    (64, 64, 8, 2, False, 0), (32, 64, 4, 2, False, 0), (16, 64, 4, 2, False, 0), (64, 32, 8, 2, True, 0),
+    (16, 64, 4, 2, False, 1), (16, 32, 4, 4, False, 1), (64, 16, 8, 3, True, 0), (16, 32, 4, 4, False, 0.5),
+    (64, 32, 8, 2, True, 1), (16, 32, 4, 2, True, 1), (16, 16, 4, 6, False, 1))]
 EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s) for m, n, w, s in ((32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 8, 2))]
 TINY_CONFIGS = {"decode": [MLADecodeConfig(16, 16, 4, 1)], "extend": [MLAExtendConfig(16, 16, 4, 1)]}
-# split settings, on the default tiles unless a row names its own: fewer splits write fewer float32 partials and
-# leave no partial last wave of programs (16 heads over 128 requests: 3 splits are 1.45 waves of 2 programs per SM),
-# more fill the GPU (one long request)
-SPLITS = ({"split_waves": 1.0}, {"split_waves": 0.5}, {"split_waves": 4.0, "max_kv_splits": 128},
-          {"split_waves": 1.0, "mla_decode_config": MLADecodeConfig(16, 32, 4, 4)},
-          {"split_waves": 0.5, "mla_decode_config": MLADecodeConfig(16, 32, 4, 4)},
-          {"split_waves": 1.0, "mla_decode_config": MLADecodeConfig(64, 32, 8, 2, True)})
+# split settings on the default tiles (backend options): fewer splits write fewer float32 partials, more fill the
+# GPU; a tile's own split_waves (above) is what the table can keep
+SPLITS = ({"split_waves": 1.0}, {"split_waves": 4.0, "max_kv_splits": 128})
 
 
 def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict]]:
@@ -58,14 +56,7 @@ def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict
         configs = [c for c in configs if c.for_heads(num_heads) == c]
     out = [({key: cfg}, {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}) for cfg in configs]
     if kind == "decode":
-        for split in SPLITS[:1] if tiny else SPLITS:
-            cfg = split.get("mla_decode_config")
-            if cfg is not None and cfg.for_heads(num_heads) != cfg:
-                continue
-            described = {k: v for k, v in split.items() if k != "mla_decode_config"}
-            if cfg is not None:  # recorded as its own fields, apart from the tile rows (the table takes tiles only)
-                described["split_config"] = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-            out.append((dict(split), described))
+        out += [(dict(s), dict(s)) for s in (SPLITS[:1] if tiny else SPLITS)]
     return out
 
 
