@@ -6,7 +6,8 @@ score = q_c . c + q_pe . k_pe and output = sum p c, so V is the latent already l
 One program owns BLOCK_H query heads of one request and one KV split: each latent byte is
 read once per head group, and the two dots of the score share one online softmax.
 
-Split-KV and the LSE merge are decode.py's (same partial layout, same split plan); FP8 (e4m3)
+Split-KV is decode.py's (same partial layout, same split plan), merged a tile of splits x columns at a time
+(merge_tiled.py: one long request cut into many splits is MLA's common case); FP8 (e4m3)
 latents carry one per-tensor scale, folded into the softmax scale and the output.
 """
 
@@ -27,11 +28,11 @@ from attnserve.attention.kernels.common import (
 )
 from attnserve.attention.kernels.decode import (
     finish_split,
-    merge_splits,
     partial_strides,
     split_bounds,
     split_outputs,
 )
+from attnserve.attention.kernels.merge_tiled import merge_splits_tiled
 from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, tiles_for
 from attnserve.attention.kernels.tiles import (
     GpuTarget,
@@ -226,5 +227,5 @@ def mla_decode_attention(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not write_final:
-        merge_splits(out, partial_o, partial_lse, num_splits, None, kv_scale)
+        merge_splits_tiled(out, partial_o, partial_lse, num_splits, max_splits, kv_scale)
     return out
