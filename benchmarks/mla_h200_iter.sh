@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One H200 run for the Triton MLA decode tiles (issue 12 follow-up), under 4.5 minutes:
 #   1. the MLA kernel tests on CUDA (kernels against the float oracle, backend, CUDA graphs, the tile table)
-#   2. a short sweep of the decode tiles and split settings (benchmarks/sweep_triton_mla.py, each workload its
-#      time share; the deferred-PV tiles and the 16-head pipelines/splits are the new rows),
+#   2. a short sweep of the decode tiles and split settings and of the extend tiles (benchmarks/sweep_triton_mla.py,
+#      each workload its time share; the deferred-PV tiles and the 16-head pipelines/splits are the new rows),
 #      whose winners are applied to this checkout's tile table (mla_decode_tiles.json) before the race
 #   3. the MLA race with those tiles: triton vs FlashInfer MLA fa3, each checked against the oracle first
 # FlashInfer's MLA fa3 JIT build runs in the background from the start.
@@ -15,28 +15,29 @@
 set -u
 OUT=${OUT:-benchmarks/results}
 LOGS="$OUT/logs-mla-iter"
-BUDGET=${BUDGET:-265}  # seconds for the whole run
+BUDGET=${BUDGET:-270}  # seconds for the whole run
 . benchmarks/h200_env.sh
 python3 benchmarks/warm_flashinfer.py "mla fa3" > "$LOGS/warm.log" 2>&1 &
 WARM=$!
 
 echo "== 1. MLA kernel tests on CUDA"
-timeout "$(cap 55)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py tests/test_triton_mla_backend.py \
+timeout "$(cap 50)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py tests/test_triton_mla_backend.py \
   tests/test_mla_decode_tiles.py > "$LOGS/pytest-mla.log" 2>&1
 echo "pytest mla rc=$?"; tail -4 "$LOGS/pytest-mla.log"
 
 echo "== 2. decode tile sweep ($(left) s left)"
 SWEEP="$OUT/sweep-triton-mla-h200-3.json"
-timeout "$(cap 150)" python3 benchmarks/sweep_triton_mla.py --decode-only --budget-s $(( $(left) - 105 )) \
+timeout "$(cap 150)" python3 benchmarks/sweep_triton_mla.py --budget-s $(( $(left) - 105 )) \
   --out "$SWEEP" > "$LOGS/sweep-mla.log" 2>&1
 echo "sweep rc=$?"
 python3 - "$SWEEP" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 for r in d["rows"]:
-    tile = "/".join(str(r[k]) for k in ("block_h", "block_n", "num_warps", "num_stages", "defer_pv", "split_waves")
-                    if k in r and "block_h" in r)
-    split = {k: r[k] for k in ("split_waves", "max_kv_splits") if k in r and "block_h" not in r}
+    tiled = "block_h" in r or "block_m" in r
+    tile = "/".join(str(r[k]) for k in ("block_h", "block_m", "block_n", "num_warps", "num_stages", "defer_pv",
+                                        "split_waves") if k in r and tiled)
+    split = {k: r[k] for k in ("split_waves", "max_kv_splits") if k in r and not tiled}
     print(f"{r['workload'][11:]:18s} {tile:22s} {json.dumps(split) if split else '':40s} "
           f"{r.get('us', r.get('error', '?'))}")
 print("rules:", json.dumps([[x["config"], x["min_heads"], x["min_page_size"]] for x in d["tile_rules"]]))

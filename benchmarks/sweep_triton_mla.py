@@ -39,8 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v) for h, n, w, s, d, v in (
     (64, 64, 8, 2, False, 0), (32, 64, 4, 2, False, 0), (16, 64, 4, 2, False, 0), (64, 32, 8, 2, True, 0),
     (16, 64, 4, 2, False, 1), (16, 32, 4, 4, False, 1), (64, 16, 8, 3, True, 0), (16, 32, 4, 4, False, 0.5),
-    (64, 32, 8, 2, True, 1), (16, 32, 4, 2, True, 1), (16, 16, 4, 6, False, 1))]
-EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s) for m, n, w, s in ((32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 8, 2))]
+    (64, 32, 8, 2, True, 1), (16, 32, 4, 2, True, 1), (32, 32, 4, 2, True, 0))]
+# extend: the shipped 32/32/4/2 first, then 64 rows on 8 warps with the deferred PV (score dot split over both
+# warpgroups) at two key tiles
+EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s, d) for m, n, w, s, d in (
+    (32, 32, 4, 2, False), (64, 32, 8, 2, True), (64, 16, 8, 3, True), (64, 32, 8, 2, False))]
 TINY_CONFIGS = {"decode": [MLADecodeConfig(16, 16, 4, 1)], "extend": [MLAExtendConfig(16, 16, 4, 1)]}
 # split settings on the default tiles (backend options): fewer splits write fewer float32 partials, more fill the
 # GPU; a tile's own split_waves (above) is what the table can keep
@@ -52,8 +55,8 @@ def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict
     wider than the heads (a 64-head group over 16 heads computes masked rows for nothing)."""
     key = "mla_decode_config" if kind == "decode" else "mla_extend_config"
     configs = TINY_CONFIGS[kind] if tiny else (DECODE_CONFIGS if kind == "decode" else EXTEND_CONFIGS)
-    if kind == "decode":
-        configs = [c for c in configs if c.for_heads(num_heads) == c]
+    if kind == "decode":  # 16-head groups over 64+ heads never won (sweeps 1-2): not raced there
+        configs = [c for c in configs if c.for_heads(num_heads) == c and (num_heads < 64 or c.block_h >= 32)]
     out = [({key: cfg}, {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}) for cfg in configs]
     if kind == "decode":
         out += [(dict(s), dict(s)) for s in (SPLITS[:1] if tiny else SPLITS)]
