@@ -32,18 +32,20 @@ from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
 # (block_h, block_n, num_warps, num_stages, defer_pv, split_waves); a workload's time share may end the list, so
-# the second H200 sweep's winners (64/64/8/2 at 128 heads over 64-token pages, 32/64/4/2 over single tokens,
-# 16/64/4/2 at 16 heads) come first, then the deferred-PV tiles (64 heads on 8 warps with the score dot split
-# over both warpgroups; mla_decode.py), then the memory-bound 16 heads: deeper pipelines, and split waves that
-# put every program of 128 requests in one wave (split_waves 0: the backend's 2).
+# the third H200 sweep's winners come first (sweep-triton-mla-h200-3.json: 64/64/8/2 at 128 heads over 64-token
+# pages, 32/64/4/2 over single tokens, 16/64/4/2 in one wave at 16 heads), then their split waves, 32-head
+# groups on 8 warps (no spills, ptxas: benchmarks/compile_mla_sm90.py), one deferred-PV tile as the reference
+# (it lost at 128 heads in sweep 3), and the 16-head tiles around the one-wave winner.
 DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v) for h, n, w, s, d, v in (
-    (64, 64, 8, 2, False, 0), (32, 64, 4, 2, False, 0), (16, 64, 4, 2, False, 0), (64, 32, 8, 2, True, 0),
-    (16, 64, 4, 2, False, 1), (16, 32, 4, 4, False, 1), (64, 16, 8, 3, True, 0), (16, 32, 4, 4, False, 0.5),
-    (64, 32, 8, 2, True, 1), (16, 32, 4, 2, True, 1), (32, 32, 4, 2, True, 0))]
-# extend: the shipped 32/32/4/2 first, then 64 rows on 8 warps with the deferred PV (score dot split over both
-# warpgroups) at two key tiles
+    (64, 64, 8, 2, False, 0), (32, 64, 4, 2, False, 0), (16, 64, 4, 2, False, 1), (64, 64, 8, 2, False, 1),
+    (32, 64, 4, 2, False, 1), (32, 64, 8, 2, False, 0), (32, 32, 8, 2, False, 0), (32, 32, 4, 3, False, 0),
+    (64, 32, 8, 2, True, 0), (16, 64, 8, 2, False, 1), (16, 64, 4, 2, False, 0.5), (16, 64, 8, 2, False, 0.5),
+    (16, 32, 4, 3, False, 1), (16, 64, 4, 2, False, 0))]
+# extend: the shipped 32/32/4/2 first, then 32 rows on 8 warps (no spills, against 64 B at 4 warps), 64 rows on
+# 8 warps with and without the deferred PV
 EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s, d) for m, n, w, s, d in (
-    (32, 32, 4, 2, False), (64, 32, 8, 2, True), (64, 16, 8, 3, True), (64, 32, 8, 2, False))]
+    (32, 32, 4, 2, False), (32, 32, 8, 2, False), (32, 64, 8, 2, False), (64, 32, 8, 2, True),
+    (64, 32, 8, 2, False), (32, 64, 4, 2, False))]
 TINY_CONFIGS = {"decode": [MLADecodeConfig(16, 16, 4, 1)], "extend": [MLAExtendConfig(16, 16, 4, 1)]}
 # split settings on the default tiles (backend options): fewer splits write fewer float32 partials, more fill the
 # GPU; a tile's own split_waves (above) is what the table can keep
