@@ -53,7 +53,8 @@ def _greedy(page_size: int, **backends) -> list[list[int]]:
         engine.step()
     engine.run_until_done()
     assert engine.pages_leaked() == 0
-    assert engine.runner.steps_graphed > 0
+    if "torch_native" not in backends.values():  # the reference backend runs eagerly
+        assert engine.runner.steps_graphed > 0
     return [r.output_ids for r in reqs]
 
 
