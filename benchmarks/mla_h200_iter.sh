@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200 run for the Triton MLA decode tiles (issue 12 follow-up), under 4.5 minutes:
-#   1. the MLA kernel tests on CUDA (kernels against the float oracle, backend, CUDA graphs, the tile table)
+#   1. the MLA kernel tests on CUDA (kernels against the float oracle, backend, CUDA graphs, the tile table,
+#      a tiny real-latent DeepSeek through the engine with CUDA graphs on every MLA backend)
 #   2. a short sweep of the decode tiles (with their split waves) and of the extend tiles
 #      (benchmarks/sweep_triton_mla.py, each workload its time share), whose decode winners are applied to this
 #      checkout's tile table (mla_decode_tiles.json) before the race
@@ -22,8 +23,8 @@ python3 benchmarks/warm_flashinfer.py "mla fa3" > "$LOGS/warm.log" 2>&1 &
 WARM=$!
 
 echo "== 1. MLA kernel tests on CUDA"
-timeout "$(cap 50)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py tests/test_triton_mla_backend.py \
-  tests/test_mla_decode_tiles.py > "$LOGS/pytest-mla.log" 2>&1
+timeout "$(cap 80)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py tests/test_triton_mla_backend.py \
+  tests/test_mla_decode_tiles.py tests/test_engine_gpu_mla.py > "$LOGS/pytest-mla.log" 2>&1
 echo "pytest mla rc=$?"; tail -4 "$LOGS/pytest-mla.log"
 
 echo "== 2. decode + extend tile sweep ($(left) s left)"
