@@ -24,12 +24,12 @@ SHAPES = {w.name: (w.mla.num_heads, w.page_size) for w in MLA_WORKLOADS if w.kin
 
 
 def test_h200_tiles_follow_the_shape():
-    """What the second H200 sweep measured (sweep-triton-mla-h200-2.json): 128 heads on 64-token pages in
-    64-head groups over 64-key tiles, on single-token pages in 32-head groups, 16 heads in 16-head groups."""
+    """What the fourth H200 sweep measured (sweep-triton-mla-h200-4.json): 128 heads in 64-head groups over
+    64-key tiles on 8 warps, 16 heads in 16-head groups on 8 warps, each with the split plan at one wave."""
     h200 = GpuTarget.of((9, 0))
-    assert default_mla_decode_config("cuda", h200, 128, 64) == MLADecodeConfig(64, 64, 8, 2)
-    assert default_mla_decode_config("cuda", h200, 128, 1) == MLADecodeConfig(32, 64, 4, 2)
-    assert default_mla_decode_config("cuda", h200, 16, 64) == MLADecodeConfig(16, 64, 4, 2)
+    assert default_mla_decode_config("cuda", h200, 128, 64) == MLADecodeConfig(64, 64, 8, 2, split_waves=1)
+    assert default_mla_decode_config("cuda", h200, 128, 1) == MLADecodeConfig(64, 64, 8, 2, split_waves=1)
+    assert default_mla_decode_config("cuda", h200, 16, 64) == MLADecodeConfig(16, 64, 8, 2, split_waves=1)
     assert tiles_for("sm75", 128, 64) == tiles_for("default", 128, 64)  # an unknown arch takes the default rules
     assert default_mla_decode_config("cpu", None, 128, 64).block_n == 16  # the interpreter's small tiles
 

@@ -151,7 +151,10 @@ def _mla_decode_split_kernel(
                                    TILE_IN_PAGE)
         c = tl.load(row + offs_c[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, LATENT]: K and V
         k_pe = tl.load(row + LATENT + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        s = dot_qk_into(q_c, c, dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_H, BLOCK_N]
+        if DEFER_PV:  # the latent dot, the larger, must be the one that feeds no dot (common.dot_qk_into)
+            s = dot_qk_into(q_c, c, dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_H, BLOCK_N]
+        else:  # summed as before the deferred PV: same layouts (ptxas), and the same rounding as what was tested
+            s = dot_qk(q_c, c, DOT_F32) + dot_qk(q_r, k_pe, DOT_F32)
         p, alpha, m_i, l_i = online_softmax_tile(s, n_mask[None, :], m_i, l_i, qk_scale_log2, 1.0, 1.0,
                                                  False, True)
         if DEFER_PV:

@@ -60,11 +60,12 @@ class MLAExtendConfig:
 
 
 # arch -> tiles. A program holds q_c and a [block_m, kv_lora_rank] float32 accumulator, so rows are fewer than
-# MHA extend's. sm90: 32 rows on 4 warps, the H200 sweep's best for 8 x (4096 + 512) at 128 heads (29.0 ms
-# against 33.2 ms for 64 rows on 8 warps, benchmarks/results/sweep-triton-mla-h200.json); sm80: 64 rows on
-# 8 warps; 99 KiB GPUs: 32 rows over 16-key tiles.
+# MHA extend's. sm90: 32 rows over 64-key tiles on 4 warps, the H200 sweep's best for 8 x (4096 + 512) at 128
+# heads (21.5 ms against 28.8 ms for 32-key tiles and 32.5 ms for 64 rows on 8 warps, deferred PV or not;
+# benchmarks/results/sweep-triton-mla-h200-4.json); sm80: 64 rows on 8 warps; 99 KiB GPUs: 32 rows over
+# 16-key tiles.
 MLA_EXTEND_TILES = {
-    "sm90": MLAExtendConfig(32, 32, 4, 2),
+    "sm90": MLAExtendConfig(32, 64, 4, 2),
     "sm80": MLAExtendConfig(64, 32, 8, 2),
     "sm86": MLAExtendConfig(32, 16, 4, 2),
     "sm89": MLAExtendConfig(32, 16, 4, 2),
