@@ -36,14 +36,6 @@ timeout "$(cap 300)" python3 benchmarks/engine_gpu_decode.py --preset deepseek-v
   --workloads 64x1024x128,1x1024x128 --configs triton-graphs,flashinfer-decode,flashinfer \
   --out "$OUT/engine_gpu_deepseek_v2_lite.json" > "$LOGS/decode.log" 2>&1
 echo "decode rc=$?"
-python3 - "$OUT/engine_gpu_deepseek_v2_lite.json" <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-for x in r["results"]:
-    print(x["label"], x["workload"], x["prefill_backend"], x["decode_backend"], "step", x["decode_step_ms_median"],
-          "roof", x["roofline_step_ms_mean"], "frac", x["fraction_of_roofline"], "tok/s", x["output_tok_per_s"],
-          "leaked", x["pages_leaked"], "graphed", x["graphed_steps"], x["outputs_sha256_16"])
-print(json.dumps(r["ratios"]), json.dumps(r["errors"])[:600])
-EOF
+python3 benchmarks/engine_gpu_summary.py "$OUT/engine_gpu_deepseek_v2_lite.json"
 tail -3 "$LOGS/decode.log"
 echo "done in $(( $(date +%s) - START )) s"
