@@ -41,11 +41,7 @@ _BUNDLE = None
 def _model():
     global _BUNDLE
     if _BUNDLE is None:
-        _BUNDLE = tiny_model(TINY_DEEPSEEK_REAL_LATENT, seed=4, dtype=torch.bfloat16, device=DEVICE)
-        with torch.no_grad():  # matrices to std 1/sqrt(fan_in): activations keep their scale through the layers
-            for name, p in _BUNDLE.model.named_parameters():
-                if p.dim() > 1 and "embed" not in name:
-                    p.mul_(1.0 / (0.3 * p.shape[-1] ** 0.5))
+        _BUNDLE = tiny_model(TINY_DEEPSEEK_REAL_LATENT, seed=4, dtype=torch.bfloat16, device=DEVICE, matrix_std=None)
     return _BUNDLE
 
 
