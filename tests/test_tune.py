@@ -274,6 +274,7 @@ def test_tune_races_triton_mla_on_the_cpu_interpreter_in_a_fresh_process(tmp_pat
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY_MLA))
     env = {**os.environ, "TRITON_INTERPRET": "1", "ATTNSERVE_CACHE_DIR": str(tmp_path / "cache"),
+           "CUDA_VISIBLE_DEVICES": "",  # the CPU's race (its workloads), also on a machine with a GPU
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"),
                                                        os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "attnserve", "tune", "--model", str(cfg), "--quick", "--json",
