@@ -141,8 +141,12 @@ class KVPool:
             self.check_slots(loc)
 
     def check_slots(self, loc: torch.Tensor) -> None:
+        if loc is getattr(self, "_checked_loc", None):
+            return  # every layer of a step stores at the same slots: checked once (held, so its id is not reused)
+        self._checked_loc = None
         if loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= self.num_slots):
             raise ValueError(f"out_cache_loc has slots outside [0, {self.num_slots})")
+        self._checked_loc = loc
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if self.is_fp8:
