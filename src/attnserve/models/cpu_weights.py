@@ -65,8 +65,11 @@ class CPUMatmul:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
             packed, scales_zeros = self.int4
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, GROUP, scales_zeros)
-            y = y.to(self.out_dtype)
+            if x.dtype != torch.bfloat16:
+                x = x.to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
+            if y.dtype != self.out_dtype:
+                y = y.to(self.out_dtype)
             return y if bias is None else y + bias
         if self.dense_packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.dense, bias, "none", [], "")

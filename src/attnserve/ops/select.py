@@ -39,7 +39,7 @@ class OpSet:
         if self.name == "torch":
             return f"off (unfused torch ops{gemms})"
         if self.name == "cpu":
-            return f"cpu (torch's fused RMSNorm; the rest unfused torch ops{gemms})"
+            return f"cpu (RMSNorm in one or two kernels; the rest unfused torch ops{gemms})"
         return f"{self.name} (residual add + RMSNorm, SiLU x up, RoPE + K/V store{gemms})"
 
 

@@ -95,8 +95,10 @@ def layer_kv(step: DecodeStep, pool, layer_id: int, k_new: torch.Tensor, v_new: 
         if slots is None:  # appending, but this layer's copies were never built (e.g. it took another path)
             raise RuntimeError("decode mirror is missing a layer that the previous step built")
         bs, length = len(m.rows), step.max_len
-        k_m = k_buf.new_empty(bs, k_buf.shape[1], m.cap, k_buf.shape[2])  # [B, Hkv, cap, D]
-        v_m = v_buf.new_empty(bs, v_buf.shape[1], m.cap, v_buf.shape[2])  # [B, Hkv, cap, Dv]
+        # zeros, not empty: a shorter request's positions past its length are masked, but a masked
+        # probability 0 times a NaN left in uninitialised memory is still NaN
+        k_m = k_buf.new_zeros(bs, k_buf.shape[1], m.cap, k_buf.shape[2])  # [B, Hkv, cap, D]
+        v_m = v_buf.new_zeros(bs, v_buf.shape[1], m.cap, v_buf.shape[2])  # [B, Hkv, cap, Dv]
         k_m[:, :, :length] = k_buf.index_select(0, slots).view(bs, length, *k_buf.shape[1:]).transpose(1, 2)
         v_m[:, :, :length] = v_buf.index_select(0, slots).view(bs, length, *v_buf.shape[1:]).transpose(1, 2)
         if m.keep:
