@@ -221,9 +221,13 @@ def _pack_weights(model: torch.nn.Module, loaded, config: EngineConfig) -> str:
 
     done = getattr(model, "_weights_note", None)
     if done is not None:
+        asked = getattr(model, "_weights_asked", "auto")
+        if config.weights_dtype not in ("auto", asked):
+            raise ValueError(f"weights_dtype {config.weights_dtype!r}: this model was already packed as "
+                             f"{done}; load it again to hold its weights another way")
         return done
     note = pack_cpu_weights(model, loaded, config.weights_dtype)
-    model._weights_note = note
+    model._weights_note, model._weights_asked = note, config.weights_dtype
     return note
 
 

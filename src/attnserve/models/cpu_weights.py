@@ -160,7 +160,8 @@ def pack_cpu_weights(model: nn.Module, bundle, weights_dtype: str = "auto") -> s
     if fmt == "auto":
         fmt = "int4+dense" if is_q4_gguf and dtype == torch.bfloat16 else "dequantized"
     if fmt == "int4" and not is_q4_gguf:
-        raise ValueError(f"--weights-dtype int4 needs a GGUF file with Q4_0/Q4_1 weights; {bundle.source} has none")
+        source = getattr(bundle, "source", None) or "this model"
+        raise ValueError(f"--weights-dtype int4 needs a GGUF file with Q4_0/Q4_1 weights; {source} has none")
     q4 = _q4_parts(model, bundle.source, bundle.hf_config) if fmt != "dequantized" else {}
     kept_4bit = 0
     for name, module in _linears(model):
