@@ -11,6 +11,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when present, else cpu; mps when asked for
     dtype: str = "auto"  # auto: bf16 on a CPU with AMX/AVX512-BF16 (else fp32); GPU: the checkpoint's (bf16 if none)
     weights_dtype: str = "auto"  # CPU projection weights: auto, dequantized, int4 (models.cpu_weights)
+    cpu_threads: int | None = None  # CPU: torch threads for this process; None: torch's default (its usable CPUs)
     kv_cache_dtype: str = "auto"  # auto: the model dtype
     attention_backend: str | None = None  # None: the selection policy decides
     prefill_attention_backend: str | None = None
@@ -44,6 +45,8 @@ class EngineConfig:
 
         if self.weights_dtype not in WEIGHT_FORMATS:
             raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights_dtype!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if not 0 < self.mem_fraction_static < 1:

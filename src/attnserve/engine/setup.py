@@ -202,6 +202,8 @@ def load_model_setup(config: EngineConfig, loaded=None) -> ModelSetup:
         raise ValueError(f"dtype {config.dtype!r} ({_dtype_name(requested)}) cannot be honoured: {where} "
                          f"{_dtype_name(dtype)}; load it as {_dtype_name(requested)}, or pass dtype='auto'")
     _use_ops(model, device, dtype, config)
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
     weights_note = _pack_weights(model, loaded, config)
     name = str(getattr(loaded, "source", None) or getattr(loaded, "name", None) or config.model
                or "embedded SmolLM2-135M-Instruct")
@@ -229,6 +231,12 @@ def _pack_weights(model: torch.nn.Module, loaded, config: EngineConfig) -> str:
     note = pack_cpu_weights(model, loaded, config.weights_dtype)
     model._weights_note, model._weights_asked = note, config.weights_dtype
     return note
+
+
+def _threads_note(config: EngineConfig) -> str:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    why = "--cpu-threads" if config.cpu_threads else "torch's default"
+    return f"cpu threads: {torch.get_num_threads()} ({why}; {usable} usable CPUs)"
 
 
 def _dtype_note(config: EngineConfig, model: ModelSetup) -> str:
@@ -307,6 +315,7 @@ def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionC
         (f"device: {model.device}   dtype: {_dtype_name(model.dtype)}{_dtype_note(config, model)}   "
          f"KV dtype: {attention.kv_dtype}"),
         f"weights: {model.weights_note}",
+        *([_threads_note(config)] if model.device.type == "cpu" else []),
         (f"KV pool: {(pool.num_pages - 1) * pool.page_size} tokens, {pool_gb:.2f} GB{per_rank}, page size "
          f"{pool.page_size}, {spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} dim"),
         f"attention: prefill {attention.prefill_backend}, decode {attention.decode_backend}",
