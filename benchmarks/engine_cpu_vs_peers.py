@@ -14,9 +14,9 @@ new tokens per prompt (EOS ignored by every side), at 1 request at a time and at
 
 Each side runs in its own process (two OpenMP runtimes in one process spin against each other),
 one side after the other, each scenario's best of --repeats kept; the load average is recorded before
-and after each side, since the numbers mean little on a busy machine. About 5 minutes on 2 cores.
+and after each side, since the numbers mean little on a busy machine. About 10 minutes on 2 cores (15 with --repeats 3 on a busy machine).
 
-    python benchmarks/engine_cpu_vs_peers.py [--new-tokens 64] [--repeats 3] [--threads N]
+    python benchmarks/engine_cpu_vs_peers.py [--new-tokens 64] [--repeats 2] [--threads N]
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def _common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="threads for every side (default: the CPUs this process may use)")
     ap.add_argument("--sides", default=",".join(SIDES), help="comma list of " + ", ".join(SIDES))
