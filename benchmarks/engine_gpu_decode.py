@@ -53,15 +53,29 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * n / statistics.median(times)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads: every parameter except the embedding table (only B rows are gathered)."""
-    total = 0
+def weight_bytes(model: torch.nn.Module, batch: int) -> int:
+    """Bytes a decode step of `batch` requests reads from the weights.
+
+    Every parameter except the embedding table (only B rows are gathered). Routed MoE experts count by the
+    expected share a batch touches: with top-k of E experts chosen uniformly (random weights route near
+    uniformly), an expert is untouched by all B tokens with probability (1 - k/E)^B.
+    """
+    from attnserve.models.moe import Experts, MoE
+
+    experts = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    touched = 1.0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            e, k = m.gate.num_experts, m.gate.top_k
+            touched = 1.0 - (1.0 - k / e) ** batch
+            break
+    total = 0.0
     embed = model.embed_tokens.weight
     for p in model.parameters():
         if p is embed and model.lm_head.weight is not embed:
             continue
-        total += p.numel() * p.element_size()
-    return total
+        total += p.numel() * p.element_size() * (touched if id(p) in experts else 1.0)
+    return int(total)
 
 
 def _median_ms(values: list[float]) -> float | None:
@@ -95,8 +109,7 @@ def _count_syncs(engine, steps: int) -> tuple[int, list[str]]:
     return len(msgs), sorted(set(msgs))[:5]
 
 
-def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: float, wbytes: int,
-               **engine_kw) -> dict:
+def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: float, **engine_kw) -> dict:
     from attnserve.engine.config import EngineConfig
     from attnserve.engine.engine import Engine
     from attnserve.engine.sampling_params import SamplingParams
@@ -162,6 +175,7 @@ def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: flo
     bpt = engine.parts.kv.pool.bytes_per_token
     # full-batch decode step k (k = 1..output_len-1) reads K/V of input_len + k tokens per request
     kv_bytes = [requests * (input_len + k) * bpt for k in range(1, output_len)]
+    wbytes = weight_bytes(loaded.model, requests)
     bound = statistics.mean((wbytes + kv) / bw for kv in kv_bytes)
     med = statistics.median(full) if full else float("nan")
     ttfts = sorted(r.ttft_s for r in reqs)
@@ -184,6 +198,7 @@ def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: flo
         "decode_device_span_ms_median": _median_ms(device_s),
         "gpu_idle_between_decode_steps_ms_median": _median_ms(idle_s),
         "gpu_idle_between_decode_steps_ms_p90": round(sorted(idle_s)[len(idle_s) * 9 // 10] * 1e3, 3) if idle_s else None,
+        "weight_bytes_read_per_step": wbytes,
         "roofline_step_ms_mean": round(bound * 1e3, 3),
         "fraction_of_roofline": round(bound / med, 3) if full else None,
         "sync_calls_launching_12_warmup_steps": syncs,
@@ -253,7 +268,6 @@ def main() -> None:
     bw = copy_bandwidth() if cuda else 10e9
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     loaded = load_model(args.preset, dtype="bf16" if cuda else "fp32", device=args.device, random_weights=True)
-    wbytes = weight_bytes(loaded.model)
     results, errors = [], {}
     for workload in workloads:
         for name in args.configs.split(","):
@@ -263,7 +277,7 @@ def main() -> None:
                     from attnserve.distributed.launch import free_local_addr
 
                     settings["dist_init_addr"] = free_local_addr()
-                results.append(run_config(loaded, name, workload, args, bw, wbytes, **settings))
+                results.append(run_config(loaded, name, workload, args, bw, **settings))
             except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
                 errors[f"{name} {workload}"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
@@ -299,7 +313,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__},
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "copy_bandwidth_TBps": round(bw / 1e12, 3),
-        "weight_bytes_read_per_step": wbytes,
+        "weight_bytes_read_per_step": weight_bytes(loaded.model, 1 << 20),  # every weight, every expert
         "results": results,
         "ratios": ratios,
         "errors": errors,

@@ -31,18 +31,25 @@ from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
-# (block_h, block_n, num_warps, num_stages), a workload's time share may end the list, so new shapes
-# alternate with the first H200 sweep's winners (16/64/4/2, 64/32/8/2, 16/32/4/2: the table's rules need a
-# config timed on every workload of a shape). New: all 128 heads of a request in one program on 16 warps
-# (each latent byte read once per request; the [128, 512] float32 accumulator is 128 registers a thread
-# at 512 threads), 64-head groups over 64-key tiles or 3 stages, deeper pipelines for 16 heads.
-DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s) for h, n, w, s in (
-    (128, 32, 16, 2), (16, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2), (16, 32, 4, 3), (16, 32, 4, 2),
-    (64, 32, 8, 3), (128, 16, 16, 2), (16, 16, 4, 4), (32, 64, 4, 2))]
-EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s) for m, n, w, s in ((32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 8, 2))]
+# (block_h, block_n, num_warps, num_stages, defer_pv, split_waves); a workload's time share may end the list, so
+# the third H200 sweep's winners come first (sweep-triton-mla-h200-3.json: 64/64/8/2 at 128 heads over 64-token
+# pages, 32/64/4/2 over single tokens, 16/64/4/2 in one wave at 16 heads), then their split waves, 32-head
+# groups on 8 warps (no spills, ptxas: benchmarks/compile_mla_sm90.py), one deferred-PV tile as the reference
+# (it lost at 128 heads in sweep 3), and the 16-head tiles around the one-wave winner.
+DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v) for h, n, w, s, d, v in (
+    (64, 64, 8, 2, False, 0), (32, 64, 4, 2, False, 0), (16, 64, 4, 2, False, 1), (64, 64, 8, 2, False, 1),
+    (32, 64, 4, 2, False, 1), (32, 64, 8, 2, False, 0), (32, 32, 8, 2, False, 0), (32, 32, 4, 3, False, 0),
+    (64, 32, 8, 2, True, 0), (16, 64, 8, 2, False, 1), (16, 64, 4, 2, False, 0.5), (16, 64, 8, 2, False, 0.5),
+    (16, 32, 4, 3, False, 1), (16, 64, 4, 2, False, 0))]
+# extend: the shipped 32/32/4/2 first, then 32 rows on 8 warps (no spills, against 64 B at 4 warps), 64 rows on
+# 8 warps with and without the deferred PV
+EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s, d) for m, n, w, s, d in (
+    (32, 32, 4, 2, False), (32, 32, 8, 2, False), (32, 64, 8, 2, False), (64, 32, 8, 2, True),
+    (64, 32, 8, 2, False), (32, 64, 4, 2, False))]
 TINY_CONFIGS = {"decode": [MLADecodeConfig(16, 16, 4, 1)], "extend": [MLAExtendConfig(16, 16, 4, 1)]}
-# split settings on the default tiles: fewer splits write fewer float32 partials, more fill the GPU
-SPLITS = ({"split_waves": 4.0, "max_kv_splits": 128}, {"split_waves": 1.0})
+# split settings on the default tiles (backend options): fewer splits write fewer float32 partials, more fill the
+# GPU; a tile's own split_waves (above) is what the table can keep
+SPLITS = ({"split_waves": 1.0}, {"split_waves": 4.0, "max_kv_splits": 128})
 
 
 def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict]]:
@@ -50,8 +57,8 @@ def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict
     wider than the heads (a 64-head group over 16 heads computes masked rows for nothing)."""
     key = "mla_decode_config" if kind == "decode" else "mla_extend_config"
     configs = TINY_CONFIGS[kind] if tiny else (DECODE_CONFIGS if kind == "decode" else EXTEND_CONFIGS)
-    if kind == "decode":
-        configs = [c for c in configs if c.for_heads(num_heads) == c]
+    if kind == "decode":  # 16-head groups over 64+ heads never won (sweeps 1-2): not raced there
+        configs = [c for c in configs if c.for_heads(num_heads) == c and (num_heads < 64 or c.block_h >= 32)]
     out = [({key: cfg}, {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}) for cfg in configs]
     if kind == "decode":
         out += [(dict(s), dict(s)) for s in (SPLITS[:1] if tiny else SPLITS)]

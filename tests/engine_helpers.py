@@ -31,12 +31,18 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4,
     }, seed)
 
 
-def tiny_model(hf_config: dict, seed: int = 0) -> TinyBundle:
-    """Any supported architecture from an HF-style config, fp32 on the CPU, with well-spread random weights."""
+def tiny_model(hf_config: dict, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               matrix_std: float | None = 0.3) -> TinyBundle:
+    """Any supported architecture from an HF-style config, with well-spread random weights.
+
+    The weights are drawn in float32 on the CPU whatever `dtype` and `device` are, so one seed gives the same
+    model everywhere; parameters the model keeps in float32 (MoE routing) stay float32. Matrices get
+    `matrix_std` (None: 1/sqrt(fan_in), which keeps activations at their scale through wider layers).
+    """
     from attnserve.models.config import ModelConfig
     from attnserve.models.loader import build_model
 
-    model = build_model(ModelConfig.from_hf(hf_config), torch.float32, torch.device("cpu"))
+    model = build_model(ModelConfig.from_hf(hf_config), dtype, torch.device(device))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -46,7 +52,8 @@ def tiny_model(hf_config: dict, seed: int = 0) -> TinyBundle:
                 p.fill_(1.0)
             else:
                 # large enough that logits are well separated (greedy ties are then vanishingly rare)
-                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else 0.3))
+                std = 1.0 if "embed" in name else matrix_std or p.shape[-1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=g) * std)
     return TinyBundle(model.eval())
 
 

@@ -24,12 +24,12 @@ SHAPES = {w.name: (w.mla.num_heads, w.page_size) for w in MLA_WORKLOADS if w.kin
 
 
 def test_h200_tiles_follow_the_shape():
-    """What the second H200 sweep measured (sweep-triton-mla-h200-2.json): 128 heads on 64-token pages in
-    64-head groups over 64-key tiles, on single-token pages in 32-head groups, 16 heads in 16-head groups."""
+    """What the fourth H200 sweep measured (sweep-triton-mla-h200-4.json): 128 heads in 64-head groups over
+    64-key tiles on 8 warps, 16 heads in 16-head groups on 8 warps, each with the split plan at one wave."""
     h200 = GpuTarget.of((9, 0))
-    assert default_mla_decode_config("cuda", h200, 128, 64) == MLADecodeConfig(64, 64, 8, 2)
-    assert default_mla_decode_config("cuda", h200, 128, 1) == MLADecodeConfig(32, 64, 4, 2)
-    assert default_mla_decode_config("cuda", h200, 16, 64) == MLADecodeConfig(16, 64, 4, 2)
+    assert default_mla_decode_config("cuda", h200, 128, 64) == MLADecodeConfig(64, 64, 8, 2, split_waves=1)
+    assert default_mla_decode_config("cuda", h200, 128, 1) == MLADecodeConfig(64, 64, 8, 2, split_waves=1)
+    assert default_mla_decode_config("cuda", h200, 16, 64) == MLADecodeConfig(16, 64, 8, 2, split_waves=1)
     assert tiles_for("sm75", 128, 64) == tiles_for("default", 128, 64)  # an unknown arch takes the default rules
     assert default_mla_decode_config("cpu", None, 128, 64).block_n == 16  # the interpreter's small tiles
 
@@ -39,7 +39,8 @@ def test_every_shipped_tile_fits_its_architecture(arch):
     target = GpuTarget.of({"sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9, 0)}.get(arch, (7, 5)))
     for rule in tiles.shipped_rules()[arch]:
         c = rule.config
-        check_shared_memory("MLA decode", TileShape(c.block_h, 576, c.block_n, 576, c.num_stages, 2), target)
+        kv_cols = 576 + 512 * c.defer_pv  # a deferred PV buffers the previous tile's latent too
+        check_shared_memory("MLA decode", TileShape(c.block_h, 576, c.block_n, kv_cols, c.num_stages, 2), target)
 
 
 def test_a_head_group_never_exceeds_the_heads():
@@ -75,6 +76,20 @@ def test_rules_from_a_sweep_pick_the_best_mean_per_shape_and_close_with_a_catch_
     assert [r["config"]["block_h"] for r in rules] == [16, 16] and rules[0]["config"]["block_n"] == 64
     assert (rules[0]["min_heads"], rules[0]["min_page_size"]) == (128, 1)
     assert (rules[-1]["min_heads"], rules[-1]["min_page_size"]) == (1, 1)
+
+
+def test_rules_keep_a_deferred_pv_and_split_waves_and_leave_defaults_unsaid():
+    tile = {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    rows = [
+        {"workload": "a", **tile, "defer_pv": True, "split_waves": 1.0, "us": 80.0},
+        {"workload": "a", **tile, "defer_pv": False, "split_waves": 0.0, "us": 90.0},
+        {"workload": "b", **tile, "us": 50.0},  # an older sweep's row: no deferred PV, the backend's waves
+        {"workload": "b", **tile, "defer_pv": True, "us": 70.0},
+    ]
+    rules = rules_from_sweep(rows, {"a": (128, 64), "b": (16, 1)})
+    assert rules[0]["config"] == {**tile, "defer_pv": True, "split_waves": 1.0}
+    assert rules[1]["config"] == tile  # the defaults won: not written
+    assert tiles.parse_rules({"rules": {"default": rules}})["default"][0].config == MLADecodeConfig(64, 32, 8, 2, True, 1.0)
 
 
 def test_write_rules_replaces_one_arch_and_refuses_a_table_without_a_default(tmp_path):

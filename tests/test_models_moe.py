@@ -123,6 +123,23 @@ def test_small_batches_choose_a_path_that_fits_where_they_run(monkeypatch):
     assert called[-1] == "forward_dense"
 
 
+def test_large_batches_take_the_grouped_gemm_on_a_gpu_only(monkeypatch):
+    """From GROUPED_MIN_PAIRS token x expert pairs on, the grouped GEMM where it is a device kernel."""
+    experts = _experts()  # 16 experts
+    called = []
+    for name in ("forward_grouped", "forward_sparse", "forward_dense"):
+        monkeypatch.setattr(experts, name, lambda *a, _n=name: called.append(_n) or torch.zeros_like(a[0]))
+    monkeypatch.setattr(Experts, "GROUPED_MIN_PAIRS", 16 * 8)
+    below, at = _overlapping_batch(tokens=7, top_k=3), _overlapping_batch(tokens=8, top_k=3)
+    experts(*at)  # on the CPU the grouped GEMM is a loop: dense as before
+    monkeypatch.setattr(moe, "_on_gpu", lambda x: True)
+    experts(*below)
+    experts(*at)
+    monkeypatch.setattr(Experts, "grouped_mm_applies", lambda self, x: False)
+    experts(*at)
+    assert called == ["forward_dense", "forward_dense", "forward_grouped", "forward_dense"]
+
+
 def test_grouped_path_needs_matching_dtypes():
     experts = _experts()
     assert experts.grouped_mm_applies(torch.zeros(2, HIDDEN))

@@ -4,6 +4,8 @@ Shapes are DeepSeek's scaled down (latent 32 + rope 16 instead of 512 + 64) so t
 in seconds; with CUDA the same tests run compiled.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from attention_helpers import rel_err
@@ -48,13 +50,15 @@ def run_decode(sb, splits, write_final, config=SMALL):
                                 kv_scale=sb.pool.k_scale[0], write_final=write_final, config=config)
 
 
-@pytest.mark.parametrize("page_size", [1, 64])
-def test_mla_decode_matches_oracle_with_splits_forced_on_and_off(page_size):
-    """Ragged lengths, 20 heads (two head groups, the second partly masked); 1 split, several, and empty ones."""
+@pytest.mark.parametrize("page_size,defer_pv", [(1, False), (64, False), (1, True), (16, True)])
+def test_mla_decode_matches_oracle_with_splits_forced_on_and_off(page_size, defer_pv):
+    """Ragged lengths, 20 heads (two head groups, the second partly masked); 1 split, several, and empty ones.
+    defer_pv: each tile's values one iteration late, the last tile's after the loop (pages of 16 hold whole tiles)."""
     sb = mla_batch([70, 2, 140, 33], [1, 1, 1, 1], page_size=page_size, seed=page_size)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
+    config = MLADecodeConfig(16, 16, 4, 1, defer_pv=defer_pv)
     for splits, final in (([1, 1, 1, 1], True), ([1, 1, 1, 1], False), ([3, 2, 5, 1], False), ([9, 9, 9, 9], False)):
-        out = run_decode(sb, splits, final)
+        out = run_decode(sb, splits, final, config)
         assert not out.isnan().any(), (splits, final)
         assert rel_err(out, ref) < 1e-2, (splits, final)
 
@@ -93,12 +97,12 @@ def test_mla_decode_rejects_bad_shapes():
 
 
 # ---- extend -----------------------------------------------------------------------------------------
-def run_extend(sb, custom=False):
+def run_extend(sb, custom=False, defer_pv=False):
     from attnserve.attention.kernels.extend import build_extend_tiles
     from attnserve.attention.kernels.mla_extend import INTERPRETER_MLA_EXTEND_TILES, mla_extend_attention
 
     fb, lay = sb.fb, sb.layer
-    cfg = INTERPRETER_MLA_EXTEND_TILES
+    cfg = dataclasses.replace(INTERPRETER_MLA_EXTEND_TILES, defer_pv=defer_pv)
     meta = metadata_for_batch(fb)
     tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, cfg.block_m, DEVICE)
     out = torch.full((fb.num_tokens, lay.num_heads, LATENT), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -112,21 +116,25 @@ def run_extend(sb, custom=False):
                                 kv_scale=sb.pool.k_scale[0], custom_mask=mask, mask_indptr=mask_indptr, config=cfg)
 
 
-@pytest.mark.parametrize("page_size,kv_dtype", [(1, None), (64, None), (64, "fp8_e4m3")])
-def test_mla_extend_absorbed_over_cached_prefixes(page_size, kv_dtype):
-    """Fresh prompts, chunked prefill over a prefix, a one-token tail: one ragged batch."""
+@pytest.mark.parametrize("page_size,kv_dtype,defer_pv", [(1, None, False), (64, None, False),
+                                                        (64, "fp8_e4m3", False), (1, None, True)])
+def test_mla_extend_absorbed_over_cached_prefixes(page_size, kv_dtype, defer_pv):
+    """Fresh prompts, chunked prefill over a prefix, a one-token tail: one ragged batch (defer_pv: each tile's
+    values one tile late, across the unmasked and the diagonal loops)."""
     sb = mla_batch([0, 45, 70, 3], [21, 17, 1, 30], page_size=page_size, heads=3, kv_dtype=kv_dtype, seed=3)
-    out = run_extend(sb)
+    out = run_extend(sb, defer_pv=defer_pv)
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
-def test_mla_extend_with_a_custom_mask():
+@pytest.mark.parametrize("defer_pv", [False, True])
+def test_mla_extend_with_a_custom_mask(defer_pv):
     from attnserve.attention.base import ForwardMode
 
     sb = make_batch([12, 5], [4, 3], num_heads=2, mla=(LATENT, ROPE), dtype=torch.bfloat16, device=DEVICE,
                     custom_mask=True, mode=ForwardMode.TARGET_VERIFY, score_scale=8.0)
-    assert rel_err(run_extend(sb, custom=True), reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+    out = run_extend(sb, custom=True, defer_pv=defer_pv)
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
 def test_mla_expanded_prefill_with_v_narrower_than_k():
@@ -175,3 +183,23 @@ def test_gpu_mla_expanded_prefill_at_deepseek_widths():
                      192**-0.5)
         assert rel_err(out[sl], ref) < 1e-2
         start += n
+
+
+def test_tiled_merge_weights_splits_by_their_lse_over_several_tiles():
+    """More splits than one tile holds (130 > 64), a request with fewer, an empty split (LSE -inf), and a width
+    that is not a multiple of the column tile: the exact LSE-weighted mean of the first num_splits partials."""
+    from attnserve.attention.kernels.merge_tiled import merge_splits_tiled
+
+    gen = torch.Generator().manual_seed(0)
+    partial_o = torch.randn(2, 3, 130, 80, generator=gen)  # [B, H, S, Dv]
+    partial_lse = torch.randn(2, 3, 130, generator=gen) * 4  # [B, H, S], base 2
+    partial_lse[0, 1, 7] = float("-inf")
+    partial_o[1, :, 5:] = float("nan")  # request 1 has 5 splits: the rest is never read
+    num_splits = torch.tensor([130, 5], dtype=torch.int32)
+    out = torch.empty(2, 3, 80, device=DEVICE)
+    merge_splits_tiled(out, partial_o.to(DEVICE), partial_lse.to(DEVICE), num_splits.to(DEVICE), 130, 0.5)
+    out = out.cpu()
+    for b, n in enumerate(num_splits.tolist()):
+        w = torch.softmax(partial_lse[b, :, :n].double() * torch.log(torch.tensor(2.0)), dim=-1)  # [H, n]
+        ref = torch.einsum("hs,hsd->hd", w, partial_o[b, :, :n].double()) * 0.5
+        assert torch.allclose(out[b].double(), ref, atol=1e-5), b

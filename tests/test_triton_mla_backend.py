@@ -52,6 +52,27 @@ def test_mla_head_groups_learnt_at_the_first_layer_replan_the_splits():
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_an_mla_tiles_split_waves_replan_unless_the_backend_was_given_some(given):
+    """A tile with split_waves 0.5 halves the target programs: fewer splits than the default 2 waves; an explicit
+    split_waves option wins over the tile's."""
+    sb = make_batch([300, 250], [1, 1], num_heads=16, mla=(32, 16), dtype=torch.bfloat16, device=DEVICE,
+                    score_scale=8.0)
+    tile = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    default = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16, mla_decode_config=tile)
+    run_layer(sb, default)
+    options = {"split_waves": 2.0} if given else {}
+    backend = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16,
+                            mla_decode_config=MLADecodeConfig(16, 16, 4, 1, split_waves=0.5), **options)
+    out = run_layer(sb, backend)
+    assert backend.split_policy.waves == (2.0 if given else 0.5)
+    if given:
+        assert backend._decode.max_splits == default._decode.max_splits
+    else:
+        assert 1 < backend._decode.max_splits < default._decode.max_splits
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
 def test_mla_graph_buffers_replay_new_lengths_in_place():
     full = [70, 9, 41, 120]
     sb = make_batch([n - 1 for n in full], [1] * 4, num_heads=16, mla=(32, 16), page_size=4, dtype=torch.bfloat16,

@@ -5,8 +5,10 @@ module; each test copies its result into its own cache directory and edits the c
 """
 
 import io
+import os
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -263,3 +265,24 @@ def test_mla_workloads_follow_the_model_shape():
     # a context shorter than every chunk still races one chunk over a prefix
     assert [(w.prefix, w.new_tokens) for w in workloads_for("cpu", True, 1, 40, mla) if w.kind == "extend"] == [(20, 20)]
     assert mla_shape_of(ModelConfig.from_hf(TINY).attention_shape()) is None
+
+
+def test_tune_races_triton_mla_on_the_cpu_interpreter_in_a_fresh_process(tmp_path):
+    """`attnserve tune --backends triton` under TRITON_INTERPRET=1, in a process without this suite's conftest:
+    the MLA kernels' loop bounds are loaded scalars, which Triton 3.6's interpreter cannot index with under
+    numpy >= 2.4 unless the backend lets it (kernels/interpreter_compat.py). Triton is checked and timed."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY_MLA))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "ATTNSERVE_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "attnserve", "tune", "--model", str(cfg), "--quick", "--json",
+                           "--backends", "triton", "torch_native"], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [r for r in json.loads(done.stdout)["records"] if r["backend"] == "triton"]
+    assert [r["workload"] for r in records] == ["mla decode 1x128 h4 p1", "mla decode 4x128 h4 p1",
+                                                "mla extend 1x(64+64) h4 p1"]
+    for rec in records:
+        assert "skipped" not in rec and rec["checked_against"] == "oracle" and rec["rel_err"] < 1e-3, rec
+        assert rec["us"] > 0, rec

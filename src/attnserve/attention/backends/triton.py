@@ -18,6 +18,7 @@ triton is imported only inside methods: the registry imports this module to read
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -98,11 +99,15 @@ class TritonBackend(AttentionBackend):
         from attnserve.attention.kernels.common import interpreting
         from attnserve.attention.kernels.split_plan import SplitPolicy
 
-        if pool.device.type != "cuda" and not interpreting():
-            raise ValueError(
-                f"the triton backend runs on CUDA devices, the pool is on {pool.device} "
-                "(TRITON_INTERPRET=1 runs it on the CPU for tests)"
-            )
+        if pool.device.type != "cuda":
+            if not interpreting():
+                raise ValueError(
+                    f"the triton backend runs on CUDA devices, the pool is on {pool.device} "
+                    "(TRITON_INTERPRET=1 runs it on the CPU for tests)"
+                )
+            from attnserve.attention.kernels.interpreter_compat import let_interpreter_index_with_loaded_scalars
+
+            let_interpreter_index_with_loaded_scalars()  # loop bounds loaded from memory (tune's CPU race)
         if pool.is_mla:
             rank = pool.kv_lora_rank
             if rank < 16 or rank & (rank - 1):
@@ -123,6 +128,9 @@ class TritonBackend(AttentionBackend):
             min_split_tokens=int(options.get("min_split_tokens", 256)),
             max_splits=int(options.get("max_kv_splits", 64)),
         )
+        # an MLA tile may carry its own split waves (mla_decode_tiles.json), taken unless split_waves is given
+        self._split_waves_given = "split_waves" in options
+        self._base_waves = self.split_policy.waves
         self.decode_config = options.get("decode_config")
         self.extend_config = options.get("extend_config")
         self.mla_decode_config = options.get("mla_decode_config")
@@ -300,9 +308,11 @@ class TritonBackend(AttentionBackend):
         cfg = self.mla_decode_config or default_mla_decode_config(self.pool.device, None, num_heads,
                                                                   self.pool.page_size)
         groups = head_groups(num_heads, cfg)
-        if groups == self._mla_head_groups:
+        waves = cfg.split_waves if cfg.split_waves and not self._split_waves_given else self.split_policy.waves
+        if groups == self._mla_head_groups and waves == self.split_policy.waves:
             return plan
         self._mla_head_groups = groups
+        self.split_policy = dataclasses.replace(self.split_policy, waves=waves)
         if plan.graph_bs or plan.seq_lens_cpu is None:
             return plan
         self._decode = self._plan_decode(plan.seq_lens_cpu, plan.meta, plan.seq_lens)
@@ -362,8 +372,10 @@ class TritonBackend(AttentionBackend):
         if key not in g.partial_storage:
             # MLA's head groups may be learnt after a capture: size for one program per split, the most splits
             programs = 1 if self.pool.is_mla else self.pool.num_kv_heads
-            most = max(b * max_splits_for_batch(b, programs, self.split_policy)
-                       for b in range(1, g.max_bs + 1))
+            # an MLA tile's waves are learnt at the first layer, after the first capture's grid was planned with
+            # the constructed policy's: size for whichever gives more splits
+            policy = dataclasses.replace(self.split_policy, waves=max(self.split_policy.waves, self._base_waves))
+            most = max(b * max_splits_for_batch(b, programs, policy) for b in range(1, g.max_bs + 1))
             g.partial_storage[key] = (
                 torch.empty(most * num_heads * v_dim, dtype=torch.float32, device=self.pool.device),
                 torch.empty(most * num_heads, dtype=torch.float32, device=self.pool.device),

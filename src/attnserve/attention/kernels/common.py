@@ -59,6 +59,16 @@ def dot_qk(q, k, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def dot_qk_into(q, k, acc, DOT_F32: tl.constexpr):
+    """acc + q `[M, D]` . k `[N, D]`^T: a score that sums two dots (MLA's latent and rope parts) takes the
+    smaller one as the larger one's accumulator, so the larger one is the dot whose result feeds no other dot
+    (Triton's Hopper layout computes a dot that feeds another on every warpgroup when M is one warpgroup's)."""
+    if DOT_F32:
+        return tl.dot(q, tl.trans(k.to(q.dtype)), acc, input_precision="ieee")
+    return tl.dot(q, tl.trans(k.to(q.dtype)), acc)
+
+
+@triton.jit
 def dot_pv(p, v, acc, q, DOT_F32: tl.constexpr):
     """acc + p `[M, N]` . v `[N, Dv]`: p (float32) and v (maybe FP8) both in q's dtype, as dot_qk reads k."""
     if DOT_F32:

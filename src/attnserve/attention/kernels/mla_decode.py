@@ -6,7 +6,8 @@ score = q_c . c + q_pe . k_pe and output = sum p c, so V is the latent already l
 One program owns BLOCK_H query heads of one request and one KV split: each latent byte is
 read once per head group, and the two dots of the score share one online softmax.
 
-Split-KV and the LSE merge are decode.py's (same partial layout, same split plan); FP8 (e4m3)
+Split-KV is decode.py's (same partial layout, same split plan), merged a tile of splits x columns at a time
+(merge_tiled.py: one long request cut into many splits is MLA's common case); FP8 (e4m3)
 latents carry one per-tensor scale, folded into the softmax scale and the output.
 """
 
@@ -21,16 +22,17 @@ from attnserve.attention.kernels.common import (
     dot_dtype_is_f32,
     dot_pv,
     dot_qk,
+    dot_qk_into,
     next_pow2,
     online_softmax_tile,
 )
 from attnserve.attention.kernels.decode import (
     finish_split,
-    merge_splits,
     partial_strides,
     split_bounds,
     split_outputs,
 )
+from attnserve.attention.kernels.merge_tiled import merge_splits_tiled
 from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, tiles_for
 from attnserve.attention.kernels.tiles import (
     GpuTarget,
@@ -79,6 +81,24 @@ def head_groups(num_heads: int, config: MLADecodeConfig) -> int:
 
 
 @triton.jit
+def _latent_rows(KV, kv_indices, page_base, n0, lo, hi, stride_kvt,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+    """Row pointers `[BLOCK_N, 1]` of the key tile starting at n0, and which rows lie in [lo, hi) `[BLOCK_N]`."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = (offs_n >= lo) & (offs_n < hi)
+    if TILE_IN_PAGE:
+        # the tile lies inside one page (tiles start at multiples of BLOCK_N, which divides the page):
+        # one page index per tile, and its rows are contiguous in the pool
+        page = tl.load(kv_indices + page_base + tl.maximum(n0, 0) // PAGE_SIZE)
+        first = page.to(tl.int64) * PAGE_SIZE + (n0 % PAGE_SIZE)
+        row = KV + (first + tl.arange(0, BLOCK_N))[:, None] * stride_kvt
+    else:
+        page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_mask, other=0)
+        row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kvt
+    return row, n_mask
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits,
     qk_scale_log2, v_scale,
@@ -86,7 +106,8 @@ def _mla_decode_split_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, WRITE_FINAL: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, DEFER_PV: tl.constexpr, WRITE_FINAL: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
     hg = tl.program_id(1)
@@ -113,24 +134,40 @@ def _mla_decode_split_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, LATENT], dtype=tl.float32)
+    # DEFER_PV: a tile's probabilities are multiplied by its latent one iteration later (the tile is read again,
+    # from L2). The score dot then feeds no dot of its own iteration, so Triton's Hopper layout splits its keys
+    # over the two warpgroups of 8 warps instead of computing the whole score tile on both.
+    # p_prev: the last tile's probabilities (relative to the running max m_i); alpha_prev: the factor taking acc
+    # (the tiles before it, relative to the max before it) to m_i, applied as the dot's accumulator input
+    p_prev = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    alpha_prev = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        if TILE_IN_PAGE:
-            # the tile lies inside one page (tiles start at multiples of BLOCK_N, which divides the page):
-            # one page index per tile, and its rows are contiguous in the pool
-            page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE)
-            first = page.to(tl.int64) * PAGE_SIZE + (n0 % PAGE_SIZE)
-            row = KV + (first + tl.arange(0, BLOCK_N))[:, None] * stride_kvt  # [BLOCK_N, 1]
-        else:
-            page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_mask, other=0)
-            row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kvt  # [BLOCK_N, 1]
+        if DEFER_PV:
+            row_prev, prev_mask = _latent_rows(KV, kv_indices, page_base, n0 - BLOCK_N, lo, hi, stride_kvt,
+                                               BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
+            c_prev = tl.load(row_prev + offs_c[None, :], mask=prev_mask[:, None], other=0.0)  # [BLOCK_N, LATENT]
+            acc = dot_pv(p_prev, c_prev, acc * alpha_prev[:, None], q_c, DOT_F32)
+        row, n_mask = _latent_rows(KV, kv_indices, page_base, n0, lo, hi, stride_kvt, BLOCK_N, PAGE_SIZE,
+                                   TILE_IN_PAGE)
         c = tl.load(row + offs_c[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, LATENT]: K and V
         k_pe = tl.load(row + LATENT + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        s = dot_qk(q_c, c, DOT_F32) + dot_qk(q_r, k_pe, DOT_F32)  # [BLOCK_H, BLOCK_N]
+        if DEFER_PV:  # the latent dot, the larger, must be the one that feeds no dot (common.dot_qk_into)
+            s = dot_qk_into(q_c, c, dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_H, BLOCK_N]
+        else:  # summed as before the deferred PV: same layouts (ptxas), and the same rounding as what was tested
+            s = dot_qk(q_c, c, DOT_F32) + dot_qk(q_r, k_pe, DOT_F32)
         p, alpha, m_i, l_i = online_softmax_tile(s, n_mask[None, :], m_i, l_i, qk_scale_log2, 1.0, 1.0,
                                                  False, True)
-        acc = dot_pv(p, c, acc * alpha[:, None], q_c, DOT_F32)
+        if DEFER_PV:
+            p_prev = p
+            alpha_prev = alpha
+        else:
+            acc = dot_pv(p, c, acc * alpha[:, None], q_c, DOT_F32)
+    if DEFER_PV:  # the last tile's values
+        last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N
+        row_last, last_mask = _latent_rows(KV, kv_indices, page_base, last, lo, hi, stride_kvt, BLOCK_N,
+                                           PAGE_SIZE, TILE_IN_PAGE)
+        c_last = tl.load(row_last + offs_c[None, :], mask=last_mask[:, None], other=0.0)
+        acc = dot_pv(p_prev, c_last, acc * alpha_prev[:, None], q_c, DOT_F32)
 
     finish_split(acc, m_i, l_i, Out, PartialO, PartialLse, Q, b, head, h_mask, split, offs_c, offs_c < LATENT,
                  v_scale, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -168,8 +205,9 @@ def mla_decode_attention(
         return out
     target = target or target_for(q.device)
 
-    def tile_shape(c: MLADecodeConfig) -> TileShape:
-        return TileShape(c.block_h, width, c.block_n, width, c.num_stages, q.element_size())
+    def tile_shape(c: MLADecodeConfig) -> TileShape:  # a deferred PV buffers the previous tile's latent too
+        return TileShape(c.block_h, width, c.block_n, width + kv_lora_rank * c.defer_pv, c.num_stages,
+                         q.element_size())
 
     if config is None:
         config = default_mla_decode_config(q.device, target, num_heads, page_size)
@@ -186,10 +224,11 @@ def mla_decode_attention(
         *partial_strides(partial_o, partial_lse),
         NUM_HEADS=num_heads, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         LATENT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)),
-        PAGE_SIZE=page_size, TILE_IN_PAGE=page_size % config.block_n == 0, WRITE_FINAL=write_final,
+        PAGE_SIZE=page_size, TILE_IN_PAGE=page_size % config.block_n == 0, DEFER_PV=config.defer_pv,
+        WRITE_FINAL=write_final,
         DOT_F32=dot_dtype_is_f32(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not write_final:
-        merge_splits(out, partial_o, partial_lse, num_splits, None, kv_scale)
+        merge_splits_tiled(out, partial_o, partial_lse, num_splits, max_splits, kv_scale)
     return out

@@ -10,6 +10,7 @@ groups over 64-key tiles, 16 heads (memory-bound) as 16-head groups over 32-key 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -25,6 +26,12 @@ class MLADecodeConfig:
     block_n: int = 32  # latent rows (keys) per pipelined tile
     num_warps: int = 4
     num_stages: int = 2
+    # multiply a tile's probabilities by its latent one iteration later (mla_decode.py says why): with 8 warps the
+    # score dot is then split over both warpgroups instead of computed twice; the latent is read twice (L2)
+    defer_pv: bool = False
+    # the split plan's target programs per SM for this tile (SplitPolicy.waves); 0: the backend's policy. A tile
+    # that fits twice on an SM over 128 requests wants all programs in one wave (3 splits were 1.45 waves)
+    split_waves: float = 0.0
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -35,6 +42,8 @@ class MLADecodeConfig:
             raise ValueError(f"MLADecodeConfig.num_warps must be a power of two up to 32, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"MLADecodeConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.split_waves < 0:
+            raise ValueError(f"MLADecodeConfig.split_waves must be >= 0 (0: the backend's), got {self.split_waves}")
 
     def for_heads(self, num_heads: int) -> MLADecodeConfig:
         """No wider head group than the model has heads (rounded up to a power of two, at least 16): a
@@ -42,7 +51,7 @@ class MLADecodeConfig:
         fit = max(16, 1 << max(0, (num_heads - 1).bit_length()))
         if self.block_h <= fit:
             return self
-        return MLADecodeConfig(fit, self.block_n, max(4, self.num_warps * fit // self.block_h), self.num_stages)
+        return dataclasses.replace(self, block_h=fit, num_warps=max(4, self.num_warps * fit // self.block_h))
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,8 @@ def tiles_for(arch: str, num_heads: int, page_size: int,
 
 
 # ---- from a sweep to the table -------------------------------------------------------------------------
-CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages")
+CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "defer_pv", "split_waves")
+CONFIG_DEFAULTS = {"defer_pv": False, "split_waves": 0.0}  # what a sweep row made before a key existed ran with
 
 
 def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> list[dict]:
@@ -97,6 +107,7 @@ def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> li
     and the fewest heads' rule closes the list as the catch-all."""
     timed: dict[str, dict[tuple, float]] = {}
     for r in rows:
+        r = {**CONFIG_DEFAULTS, **r}
         if "us" in r and all(k in r for k in CONFIG_KEYS) and r["workload"] in shapes:
             key = tuple(r[k] for k in CONFIG_KEYS)
             per = timed.setdefault(r["workload"], {})
@@ -114,7 +125,8 @@ def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> li
             return sum(timed[n][key] / min(timed[n].values()) for n in names) / len(names)
 
         best = min(sorted(common), key=score)
-        out.append({"config": dict(zip(CONFIG_KEYS, best)), "min_heads": heads, "min_page_size": page,
+        config = {k: v for k, v in zip(CONFIG_KEYS, best) if k not in CONFIG_DEFAULTS or v != CONFIG_DEFAULTS[k]}
+        out.append({"config": config, "min_heads": heads, "min_page_size": page,
                     "measured": {n: timed[n][best] for n in sorted(names)}})
     if out:
         out[-1] = {**out[-1], "min_heads": 1, "min_page_size": 1}

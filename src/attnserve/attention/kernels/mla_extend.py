@@ -24,6 +24,7 @@ from attnserve.attention.kernels.common import (
     dot_dtype_is_f32,
     dot_pv,
     dot_qk,
+    dot_qk_into,
     next_pow2,
     online_softmax_tile,
 )
@@ -51,6 +52,7 @@ class MLAExtendConfig:
     block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
+    defer_pv: bool = False  # as MLADecodeConfig's: 8 warps split the score dot instead of computing it twice
 
     def positions_per_tile(self, group: int) -> int:
         """Same contract as ExtendConfig's: the host tile list is built with this many positions."""
@@ -58,11 +60,12 @@ class MLAExtendConfig:
 
 
 # arch -> tiles. A program holds q_c and a [block_m, kv_lora_rank] float32 accumulator, so rows are fewer than
-# MHA extend's. sm90: 32 rows on 4 warps, the H200 sweep's best for 8 x (4096 + 512) at 128 heads (29.0 ms
-# against 33.2 ms for 64 rows on 8 warps, benchmarks/results/sweep-triton-mla-h200.json); sm80: 64 rows on
-# 8 warps; 99 KiB GPUs: 32 rows over 16-key tiles.
+# MHA extend's. sm90: 32 rows over 64-key tiles on 4 warps, the H200 sweep's best for 8 x (4096 + 512) at 128
+# heads (21.5 ms against 28.8 ms for 32-key tiles and 32.5 ms for 64 rows on 8 warps, deferred PV or not;
+# benchmarks/results/sweep-triton-mla-h200-4.json); sm80: 64 rows on 8 warps; 99 KiB GPUs: 32 rows over
+# 16-key tiles.
 MLA_EXTEND_TILES = {
-    "sm90": MLAExtendConfig(32, 32, 4, 2),
+    "sm90": MLAExtendConfig(32, 64, 4, 2),
     "sm80": MLAExtendConfig(64, 32, 8, 2),
     "sm86": MLAExtendConfig(32, 16, 4, 2),
     "sm89": MLAExtendConfig(32, 16, 4, 2),
@@ -79,24 +82,43 @@ def default_mla_extend_config(device: torch.device, target: GpuTarget | None = N
 
 
 @triton.jit
-def _mla_block(acc, m_i, l_i, q_c, q_r, n0, KV, kv_indices, page_base, seq, q_row, q_pos, m_mask, Mask, mask_base,
-               qk_scale_log2, stride_kvt, offs_c, offs_r, r_mask,
-               BLOCK_N: tl.constexpr, LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-               HAS_CUSTOM_MASK: tl.constexpr, DOT_F32: tl.constexpr):
-    """One latent key tile; MASKED: a tile on the diagonal (or any tile under a custom mask)."""
+def _latent_tile(KV, kv_indices, page_base, n0, lo, seq, stride_kvt, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Row pointers `[BLOCK_N, 1]` of the key tile at n0 and which of its rows are keys in [lo, seq) `[BLOCK_N]`."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < seq
+    n_valid = (offs_n >= lo) & (offs_n < seq)
     page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_valid, other=0)
-    row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kvt  # [BLOCK_N, 1]
+    return KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kvt, n_valid
+
+
+@triton.jit
+def _mla_block(acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indices, page_base, seq, q_row, q_pos,
+               m_mask, Mask, mask_base, qk_scale_log2, stride_kvt, offs_c, offs_r, r_mask,
+               BLOCK_N: tl.constexpr, LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+               HAS_CUSTOM_MASK: tl.constexpr, DEFER_PV: tl.constexpr, DOT_F32: tl.constexpr):
+    """One latent key tile; MASKED: a tile on the diagonal (or any tile under a custom mask).
+
+    DEFER_PV (as in mla_decode.py): the previous tile's probabilities p_prev meet its latent here, read again,
+    and this tile's are returned for the next call; otherwise p_prev / alpha_prev pass through untouched."""
+    if DEFER_PV:
+        row_prev, prev_valid = _latent_tile(KV, kv_indices, page_base, n0 - BLOCK_N, lo, seq, stride_kvt, BLOCK_N,
+                                            PAGE_SIZE)
+        c_prev = tl.load(row_prev + offs_c[None, :], mask=prev_valid[:, None], other=0.0)  # [BLOCK_N, LATENT]
+        acc = dot_pv(p_prev, c_prev, acc * alpha_prev[:, None], q_c, DOT_F32)
+    row, n_valid = _latent_tile(KV, kv_indices, page_base, n0, lo, seq, stride_kvt, BLOCK_N, PAGE_SIZE)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     c = tl.load(row + offs_c[None, :], mask=n_valid[:, None], other=0.0)  # [BLOCK_N, LATENT]: K and V
     k_pe = tl.load(row + LATENT + offs_r[None, :], mask=n_valid[:, None] & r_mask[None, :], other=0.0)
-    s = dot_qk(q_c, c, DOT_F32) + dot_qk(q_r, k_pe, DOT_F32)  # [BLOCK_M, BLOCK_N]
+    s = dot_qk_into(q_c, c, dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_M, BLOCK_N]
     visible = None
     if MASKED:
         visible = _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, 0, False, HAS_CUSTOM_MASK)
     p, alpha, m_i, l_i = online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, 1.0, 1.0, False, MASKED)
-    acc = dot_pv(p, c, acc * alpha[:, None], q_c, DOT_F32)
-    return acc, m_i, l_i
+    if DEFER_PV:
+        p_prev = p
+        alpha_prev = alpha
+    else:
+        acc = dot_pv(p, c, acc * alpha[:, None], q_c, DOT_F32)
+    return acc, m_i, l_i, p_prev, alpha_prev
 
 
 @triton.jit
@@ -105,7 +127,7 @@ def _mla_extend_kernel(
     qk_scale_log2, v_scale,
     stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, DEFER_PV: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     head = tl.program_id(0)
     t = tl.program_id(1)
@@ -136,15 +158,24 @@ def _mla_extend_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, LATENT], dtype=tl.float32)
+    p_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # DEFER_PV's carried tile (see _mla_block)
+    alpha_prev = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     lo, full_end, hi = key_tile_range(prefix, m0, seq, 0, BLOCK_M, BLOCK_N, False, HAS_CUSTOM_MASK)
     for n0 in range(lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _mla_block(acc, m_i, l_i, q_c, q_r, n0, KV, kv_indices, page_base, seq, q_row, q_pos, m_mask,
-                                   Mask, mask_base, qk_scale_log2, stride_kvt, offs_c, offs_r, r_mask,
-                                   BLOCK_N, LATENT, PAGE_SIZE, False, HAS_CUSTOM_MASK, DOT_F32)
+        acc, m_i, l_i, p_prev, alpha_prev = _mla_block(
+            acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indices, page_base, seq, q_row, q_pos,
+            m_mask, Mask, mask_base, qk_scale_log2, stride_kvt, offs_c, offs_r, r_mask,
+            BLOCK_N, LATENT, PAGE_SIZE, False, HAS_CUSTOM_MASK, DEFER_PV, DOT_F32)
     for n0 in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _mla_block(acc, m_i, l_i, q_c, q_r, n0, KV, kv_indices, page_base, seq, q_row, q_pos, m_mask,
-                                   Mask, mask_base, qk_scale_log2, stride_kvt, offs_c, offs_r, r_mask,
-                                   BLOCK_N, LATENT, PAGE_SIZE, True, HAS_CUSTOM_MASK, DOT_F32)
+        acc, m_i, l_i, p_prev, alpha_prev = _mla_block(
+            acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indices, page_base, seq, q_row, q_pos,
+            m_mask, Mask, mask_base, qk_scale_log2, stride_kvt, offs_c, offs_r, r_mask,
+            BLOCK_N, LATENT, PAGE_SIZE, True, HAS_CUSTOM_MASK, DEFER_PV, DOT_F32)
+    if DEFER_PV:  # the last tile's values
+        last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N
+        row_last, last_valid = _latent_tile(KV, kv_indices, page_base, last, lo, seq, stride_kvt, BLOCK_N, PAGE_SIZE)
+        c_last = tl.load(row_last + offs_c[None, :], mask=last_valid[:, None], other=0.0)
+        acc = dot_pv(p_prev, c_last, acc * alpha_prev[:, None], q_c, DOT_F32)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None] * v_scale
@@ -183,7 +214,8 @@ def mla_extend_attention(
     target = target or target_for(q.device)
 
     def tile_shape(c: MLAExtendConfig) -> TileShape:
-        return TileShape(c.block_m, width, c.block_n, width, c.num_stages, q.element_size())
+        return TileShape(c.block_m, width, c.block_n, width + kv_lora_rank * c.defer_pv, c.num_stages,
+                         q.element_size())
 
     if config is None:
         config = fewest_stages_dropped(default_mla_extend_config(q.device, target), tile_shape, target)
@@ -201,7 +233,7 @@ def mla_extend_attention(
         q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, LATENT=kv_lora_rank, ROPE=rope,
         BLOCK_R=max(16, next_pow2(rope)), PAGE_SIZE=page_size, HAS_CUSTOM_MASK=custom_mask is not None,
-        DOT_F32=dot_dtype_is_f32(q), num_warps=config.num_warps, num_stages=config.num_stages,
+        DEFER_PV=config.defer_pv, DOT_F32=dot_dtype_is_f32(q), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

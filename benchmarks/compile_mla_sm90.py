@@ -1,0 +1,101 @@
+"""Compile the Triton MLA kernels for sm_90 on a machine without a GPU and report what ptxas and the TTGIR say.
+
+Per tile: registers, spill bytes, shared memory, whether the latent loads are pipelined (async copies), and the
+Hopper MMA layouts (warpsPerCTA [8, 1] on a 64-row score tile means both warpgroups compute all of it).
+
+    python benchmarks/compile_mla_sm90.py                   # the shipped sm90 tiles and the sweep's new ones
+    python benchmarks/compile_mla_sm90.py --decode 64,32,8,2,1,64   # block_h,block_n,warps,stages,defer_pv,page
+
+Pointers and strides are declared 16-divisible, as Triton's launcher specialises them at run time (576-wide
+bf16 rows): without that hint the pipeliner cannot use 16-byte async copies and compiles nothing like what runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+POINTERS = {"Q": "*bf16", "KV": "*bf16", "Out": "*bf16", "PartialO": "*fp32", "PartialLse": "*fp32",
+            "kv_indptr": "*i32", "kv_indices": "*i32", "seq_lens": "*i32", "num_splits": "*i32",
+            "tile_req": "*i32", "tile_m0": "*i32", "qo_indptr": "*i32", "Mask": "*u8", "mask_indptr": "*i64"}
+FLOATS = {"qk_scale_log2", "v_scale"}
+
+
+def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    names = list(inspect.signature(fn.fn).parameters)
+    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n in FLOATS else "i32")
+                 for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if signature[n].startswith("*") or n.startswith("stride")}
+    kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 64), options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+        info = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    ttgir = kernel.asm["ttgir"]
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": tuple(map(int, spills.groups())) if spills else None,
+            "smem_kib": round(kernel.metadata.shared / 1024, 1),
+            "async_copies": ttgir.count("async_copy_global_to_local"),
+            "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir)}
+
+
+def decode_report(block_h, block_n, warps, stages, defer_pv, page_size, heads=128) -> dict:
+    from attnserve.attention.kernels.mla_decode import _mla_decode_split_kernel
+
+    return compile_sm90(_mla_decode_split_kernel, dict(
+        NUM_HEADS=heads, BLOCK_H=block_h, BLOCK_N=block_n, LATENT=512, ROPE=64, BLOCK_R=64, PAGE_SIZE=page_size,
+        TILE_IN_PAGE=page_size % block_n == 0, DEFER_PV=bool(defer_pv), WRITE_FINAL=False, DOT_F32=False),
+        warps, stages)
+
+
+def extend_report(block_m, block_n, warps, stages, defer_pv, page_size=1) -> dict:
+    from attnserve.attention.kernels.mla_extend import _mla_extend_kernel
+
+    return compile_sm90(_mla_extend_kernel, dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, LATENT=512, ROPE=64, BLOCK_R=64, PAGE_SIZE=page_size,
+        HAS_CUSTOM_MASK=False, DEFER_PV=bool(defer_pv), DOT_F32=False), warps, stages)
+
+
+DECODE = [(64, 64, 8, 2, 0, 64), (32, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 64), (64, 32, 8, 2, 1, 64),
+          (64, 32, 8, 2, 1, 1), (64, 16, 8, 3, 1, 1), (16, 32, 4, 4, 0, 64)]
+EXTEND = [(32, 32, 4, 2, 0), (64, 32, 8, 2, 1), (64, 32, 8, 2, 0)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--decode", action="append", help="block_h,block_n,warps,stages,defer_pv,page_size")
+    p.add_argument("--extend", action="append", help="block_m,block_n,warps,stages,defer_pv")
+    args = p.parse_args()
+    decode = [tuple(map(int, s.split(","))) for s in args.decode or []]
+    extend = [tuple(map(int, s.split(","))) for s in args.extend or []]
+    if not decode and not extend:
+        decode, extend = DECODE, EXTEND
+    for kind, rows, report in (("decode", decode, decode_report), ("extend", extend, extend_report)):
+        for row in rows:
+            try:
+                print(kind, row, report(*row), flush=True)
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
+                print(kind, row, "error:", str(exc).splitlines()[-1][:200], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
