@@ -56,3 +56,14 @@ def test_help_names_the_backends_and_reads_as_plain_text():
         action = next(a for a in parser._actions if flag in a.option_strings)
         assert action.help, flag
     assert "mps" in next(a for a in parser._actions if "--device" in a.option_strings).help
+
+
+def test_weights_dtype_flag_reaches_the_engine_and_is_explained(engine_settings):
+    with pytest.raises(_Captured):
+        main(["generate", "hi", "--quiet", "--weights-dtype", "int4", "--dtype", "bf16"])
+    assert engine_settings["weights_dtype"] == "int4" and engine_settings["dtype"] == "bf16"
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = " ".join(sub.choices["generate"].format_help().split())
+    assert "--weights-dtype {auto,dequantized,int4}" in text and "AMX" in text
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--weights-dtype", "int3"])

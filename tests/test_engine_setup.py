@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
-from engine_helpers import make_engine, shared_model
+from engine_helpers import make_engine, shared_model, tiny_llama
 
 from attnserve import hardware
 from attnserve.attention import registry
 from attnserve.commands.select import model_from_args
 from attnserve.engine.config import EngineConfig
+from attnserve.engine.engine import Engine
 from attnserve.engine.setup import build_parts, model_shape, resolve_device
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
@@ -126,10 +127,14 @@ def test_setup_steps_hand_the_runner_its_graph_runner():
     assert kv.req_pool.filled(kv.padding_row) == 0 and kv.max_context_len == engine.max_context_len
 
 
-def test_auto_dtype_is_fp32_on_the_cpu_and_the_checkpoints_on_a_gpu():
+def test_auto_dtype_is_bf16_on_a_cpu_with_hardware_bf16_and_the_checkpoints_on_a_gpu(monkeypatch):
+    from attnserve.models import cpu_weights
     from attnserve.models.loader import resolve_dtype
 
-    assert resolve_dtype("auto", torch.device("cpu"), {"torch_dtype": "float16"}) == torch.float32
+    for fast, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(cpu_weights, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        assert resolve_dtype("auto", torch.device("cpu"), {"torch_dtype": "float16"}) == expected
+    assert resolve_dtype("fp32", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda"), {}) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda"), {"torch_dtype": "float16"}) == torch.float16
 
@@ -141,3 +146,14 @@ def test_mps_device_is_accepted_and_refused_clearly_without_mps(monkeypatch):
         resolve_device("mps")
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     assert resolve_device("mps") == torch.device("mps")
+
+
+def test_startup_log_names_the_weight_format_and_why_the_dtype():
+    engine = make_engine()  # the tiny fp32 model: dense weights, dtype given by the bundle
+    lines = engine.parts.startup_lines
+    assert any(line == "weights: dequantized (float32)" for line in lines), lines
+    with pytest.raises(ValueError, match="already packed"):
+        make_engine(weights_dtype="int4")  # the shared model's weights are held one way for every engine
+
+    with pytest.raises(ValueError, match="Q4_0/Q4_1"):  # a model without 4-bit GGUF weights
+        Engine(EngineConfig(device="cpu", max_total_tokens=64, weights_dtype="int4"), loaded=tiny_llama())

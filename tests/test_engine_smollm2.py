@@ -13,7 +13,9 @@ PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"
 def llm():
     from attnserve.engine.llm import LLM
 
-    return LLM(device="cpu", max_total_tokens=2048, chunked_prefill_size=4)
+    # fp32: batching must not change a request's tokens, which holds where the kernels do not depend on the
+    # batch; bf16 / int4 pick their matmul by rows (test_cpu_precision bounds them against fp32)
+    return LLM(device="cpu", dtype="fp32", max_total_tokens=2048, chunked_prefill_size=4)
 
 
 def test_batched_matches_one_at_a_time(llm):

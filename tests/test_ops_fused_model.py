@@ -80,7 +80,10 @@ def test_fused_rope_store_is_used_unless_the_pool_quantises(kv_dtype, fused_call
 
 
 def test_engine_picks_ops_by_device_dtype_and_flag():
-    assert select_ops("cpu") is TORCH_OPS
+    from attnserve.ops import cpu
+
+    assert select_ops("cpu").name == "cpu" and select_ops("cpu").rmsnorm is cpu.rmsnorm  # one-kernel RMSNorm
+    assert select_ops("cpu", fused=False).rmsnorm is TORCH_OPS.rmsnorm
     assert select_ops(torch.device("cuda"), fused=False) is TORCH_OPS
     assert select_ops("cuda").name == "triton"  # triton is installed with the test extras
     assert not select_ops("cuda", dtype=torch.float32).split_gate_up  # merged GEMMs on GPUs

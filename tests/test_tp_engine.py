@@ -25,8 +25,9 @@ GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=5)
 
 
 def _engine(path, tp: int, **kw) -> Engine:
-    settings = {"model": str(path), "device": "cpu", "attention_backend": "torch_native", "tp_size": tp,
-                "page_size": 4, "max_total_tokens": 96, "chunked_prefill_size": 16, "max_running_requests": 8, **kw}
+    # fp32: tp ranks sum partial products in another order, which only fp32 keeps within the 1e-4 below
+    settings = {"model": str(path), "device": "cpu", "dtype": "fp32", "attention_backend": "torch_native",
+                "tp_size": tp, "page_size": 4, "max_total_tokens": 96, "chunked_prefill_size": 16, "max_running_requests": 8, **kw}
     return Engine(EngineConfig(**settings))
 
 

@@ -26,7 +26,8 @@ NEW_TOKENS = 3
 def server_tp3():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--port", "0", "--device", "cpu",
-                             "--tp-size", "3", "--max-total-tokens", "256", "--attention-backend", "torch_native"],
+                             "--tp-size", "3", "--max-total-tokens", "256", "--attention-backend", "torch_native",
+                             "--dtype", "fp32"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     lines: list[str] = []
     try:
@@ -56,7 +57,7 @@ def test_serve_tp3_answers_an_openai_client_as_tp1_would(server_tp3):
     assert done.usage.completion_tokens == NEW_TOKENS
     got = done.choices[0].logprobs
 
-    llm = LLM(device="cpu", max_total_tokens=256, attention_backend="torch_native")  # tp 1, in this process
+    llm = LLM(device="cpu", dtype="fp32", max_total_tokens=256, attention_backend="torch_native")  # tp 1, here
     ref = llm.generate(PROMPT, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, logprobs=5))[0]
     assert done.choices[0].text == ref.text  # greedy continuation identical
     # the first token's top 5 come from the prefill's logits: equal within fp32 tolerance, as later ones

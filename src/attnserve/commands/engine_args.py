@@ -33,7 +33,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "for this machine and model shape puts its measured winner first)")
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda[:N] or mps")
     p.add_argument("--dtype", default="auto",
-                   help="model dtype: auto (fp32 on cpu, else the checkpoint's, bf16 if unstated), bf16, fp16, fp32")
+                   help="model dtype: auto (CPU: bf16 where it has AMX or AVX512-BF16, else fp32; GPU: the "
+                   "checkpoint's, bf16 if unstated), bf16, fp16, fp32")
+    p.add_argument("--weights-dtype", default="auto", choices=["auto", "dequantized", "int4"],
+                   help="CPU projection weights: auto (a bf16 model from a GGUF with Q4_0/Q4_1 weights keeps them "
+                   "4-bit for the int4 kernel at 1-2 rows and runs prepacked bf16 above; else dequantized), "
+                   "dequantized (dense, in --dtype), int4 (4-bit only: least memory, slow prefill)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="CPU: threads for the matmuls (default: torch's, one per usable core). On a machine shared "
+                   "with other busy processes, fewer threads than cores can be faster: every parallel op waits "
+                   "for its slowest thread")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache dtype: auto (the model dtype), bf16, fp16, fp32, fp8_e4m3, fp8_e5m2")
     p.add_argument("--page-size", type=int, default=None,
@@ -64,6 +73,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         model=args.model, attention_backend=args.attention_backend,
         prefill_attention_backend=args.prefill_attention_backend,
         decode_attention_backend=args.decode_attention_backend, device=args.device, dtype=args.dtype,
+        weights_dtype=args.weights_dtype, cpu_threads=args.cpu_threads,
         kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
         max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static, max_context_len=args.context_length,

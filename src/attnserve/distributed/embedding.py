@@ -54,7 +54,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states [T, hidden] -> logits [T, vocab] on every rank (the embedding table's shape; tied if asked)."""
 
+    cpu_matmul = None  # a models.cpu_weights.CPUMatmul (prepacked bf16) on a CPU model of one rank
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.cpu_matmul is not None:
+            return self.cpu_matmul(hidden)
         logits = F.linear(hidden, self.weight)  # [T, V_r]
         if not self.sharded:
             return logits

@@ -38,6 +38,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     reads_slices = True  # the loader may hand a lazy checkpoint tensor
+    cpu_matmul = None  # a models.cpu_weights.CPUMatmul once a CPU model's weights are packed
 
     def __init__(self, in_features: int, output_sizes: list[int], units: list[int] | None = None,
                  bias: bool = False, replicable: tuple[int, ...] = (), replicate: bool = False):
@@ -61,6 +62,8 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data.narrow(0, offset, s.length), take(loaded, 0, s.start, s.length), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_matmul is not None:
+            return self.cpu_matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -72,6 +75,7 @@ class RowParallelLinear(nn.Module):
     """
 
     reads_slices = True
+    cpu_matmul = None  # a models.cpu_weights.CPUMatmul once a CPU model's weights are packed (one rank only)
 
     def __init__(self, in_features: int, out_features: int, units: int | None = None, bias: bool = False,
                  reduce: bool = True):
@@ -93,6 +97,8 @@ class RowParallelLinear(nn.Module):
             copy_checked(param.data, take(loaded, 1, self.slice.start, self.slice.length), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_matmul is not None:
+            return self.cpu_matmul(x, self.bias)
         y = F.linear(x, self.weight)
         if self.reduce:
             y = all_reduce(y)

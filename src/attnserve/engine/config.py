@@ -9,7 +9,9 @@ from dataclasses import dataclass
 class EngineConfig:
     model: str | None = None  # HF directory, GGUF file, preset name (random weights) or None (embedded SmolLM2)
     device: str = "auto"  # auto: cuda when present, else cpu; mps when asked for
-    dtype: str = "auto"  # auto: fp32 on cpu, else the checkpoint's dtype (bf16 if it names none)
+    dtype: str = "auto"  # auto: bf16 on a CPU with AMX/AVX512-BF16 (else fp32); GPU: the checkpoint's (bf16 if none)
+    weights_dtype: str = "auto"  # CPU projection weights: auto, dequantized, int4 (models.cpu_weights)
+    cpu_threads: int | None = None  # CPU: torch threads for this process; None: torch's default (its usable CPUs)
     kv_cache_dtype: str = "auto"  # auto: the model dtype
     attention_backend: str | None = None  # None: the selection policy decides
     prefill_attention_backend: str | None = None
@@ -39,6 +41,12 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        from attnserve.models.cpu_weights import WEIGHT_FORMATS
+
+        if self.weights_dtype not in WEIGHT_FORMATS:
+            raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights_dtype!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if not 0 < self.mem_fraction_static < 1:

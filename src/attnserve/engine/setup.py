@@ -47,6 +47,7 @@ class ModelSetup:
     vocab_size: int | None
     name: str  # for the start-up log
     load_seconds: float
+    weights_note: str  # how the projection weights are held (models.cpu_weights), for the start-up log
     bundle: object  # as the loader returned it (hf_config, source, ...)
 
 
@@ -201,6 +202,9 @@ def load_model_setup(config: EngineConfig, loaded=None) -> ModelSetup:
         raise ValueError(f"dtype {config.dtype!r} ({_dtype_name(requested)}) cannot be honoured: {where} "
                          f"{_dtype_name(dtype)}; load it as {_dtype_name(requested)}, or pass dtype='auto'")
     _use_ops(model, device, dtype, config)
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+    weights_note = _pack_weights(model, loaded, config)
     name = str(getattr(loaded, "source", None) or getattr(loaded, "name", None) or config.model
                or "embedded SmolLM2-135M-Instruct")
     return ModelSetup(
@@ -209,8 +213,41 @@ def load_model_setup(config: EngineConfig, loaded=None) -> ModelSetup:
         chat_template=getattr(loaded, "chat_template", None), device=device, dtype=dtype,
         vocab_size=getattr(getattr(model, "config", None), "vocab_size", None),
         name=name + ("  [RANDOM WEIGHTS]" if getattr(loaded, "random_weights", False) else ""),
-        load_seconds=time.perf_counter() - t0, bundle=loaded,
+        load_seconds=time.perf_counter() - t0, bundle=loaded, weights_note=weights_note,
     )
+
+
+def _pack_weights(model: torch.nn.Module, loaded, config: EngineConfig) -> str:
+    """The CPU weight format (once per model: a bundle shared by several engines is packed by the first)."""
+    from attnserve.models.cpu_weights import pack_cpu_weights
+
+    done = getattr(model, "_weights_note", None)
+    if done is not None:
+        asked = getattr(model, "_weights_asked", "auto")
+        if config.weights_dtype not in ("auto", asked):
+            raise ValueError(f"weights_dtype {config.weights_dtype!r}: this model was already packed as "
+                             f"{done}; load it again to hold its weights another way")
+        return done
+    note = pack_cpu_weights(model, loaded, config.weights_dtype)
+    model._weights_note, model._weights_asked = note, config.weights_dtype
+    return note
+
+
+def _threads_note(config: EngineConfig) -> str:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    why = "--cpu-threads" if config.cpu_threads else "torch's default"
+    return f"cpu threads: {torch.get_num_threads()} ({why}; {usable} usable CPUs)"
+
+
+def _dtype_note(config: EngineConfig, model: ModelSetup) -> str:
+    if config.dtype != "auto" or model.device.type != "cpu":
+        return ""
+    from attnserve.models.cpu_weights import cpu_has_fast_bf16
+
+    fast = cpu_has_fast_bf16()
+    if fast and model.dtype == torch.bfloat16:
+        return " (auto: this CPU has AMX/AVX512-BF16)"
+    return " (auto: no hardware bf16 on this CPU)" if not fast else ""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -275,7 +312,10 @@ def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionC
     pool_gb = pool.num_pages * pool.page_size * kv.bytes_per_token / 1e9
     return [
         f"model: {model.name} ({type(model.module).__name__}, load {model.load_seconds:.1f} s)",
-        f"device: {model.device}   dtype: {_dtype_name(model.dtype)}   KV dtype: {attention.kv_dtype}",
+        (f"device: {model.device}   dtype: {_dtype_name(model.dtype)}{_dtype_note(config, model)}   "
+         f"KV dtype: {attention.kv_dtype}"),
+        f"weights: {model.weights_note}",
+        *([_threads_note(config)] if model.device.type == "cpu" else []),
         (f"KV pool: {(pool.num_pages - 1) * pool.page_size} tokens, {pool_gb:.2f} GB{per_rank}, page size "
          f"{pool.page_size}, {spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} dim"),
         f"attention: prefill {attention.prefill_backend}, decode {attention.decode_backend}",

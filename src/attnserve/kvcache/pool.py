@@ -141,10 +141,16 @@ class KVPool:
             self.check_slots(loc)
 
     def check_slots(self, loc: torch.Tensor) -> None:
+        if loc is getattr(self, "_checked_loc", None):
+            return  # every layer of a step stores at the same slots: checked once (held, so its id is not reused)
+        self._checked_loc = None
         if loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= self.num_slots):
             raise ValueError(f"out_cache_loc has slots outside [0, {self.num_slots})")
+        self._checked_loc = loc
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if x.dtype == self.dtype and not self.is_fp8:
+            return x
         if self.is_fp8:
             fmax = torch.finfo(self.dtype).max
             return (x.float() / scale).clamp(-fmax, fmax).to(self.dtype)
@@ -200,8 +206,12 @@ class MHAKVPool(KVPool):
         # quantize both before writing either: a failure leaves nothing half-written
         kq = self._quantize(k, self.k_scale[layer_id])
         vq = self._quantize(v, self.v_scale[layer_id])
-        self.k_buffer[layer_id][loc] = kq
-        self.v_buffer[layer_id][loc] = vq
+        if self.is_fp8:  # index_copy_ has no FP8 kernel on the CPU
+            self.k_buffer[layer_id][loc] = kq
+            self.v_buffer[layer_id][loc] = vq
+        else:
+            self.k_buffer[layer_id].index_copy_(0, loc, kq)
+            self.v_buffer[layer_id].index_copy_(0, loc, vq)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

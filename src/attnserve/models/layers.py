@@ -76,7 +76,7 @@ class GatedMLP(nn.Module):
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops.split_gate_up:  # two GEMMs over views of the merged weight (faster for fp32 on CPUs)
+        if self.ops.split_gate_up and self.gate_up_proj.cpu_matmul is None:  # two GEMMs over views of the merged weight (faster for fp32 on CPUs)
             w, b = self.gate_up_proj.weight, self.gate_up_proj.bias
             n = w.shape[0] // 2
             gate = F.linear(x, w[:n], None if b is None else b[:n])  # [T, intermediate]

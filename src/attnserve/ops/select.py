@@ -38,6 +38,8 @@ class OpSet:
         gemms = "; gate/up as two GEMMs" if self.split_gate_up else ""
         if self.name == "torch":
             return f"off (unfused torch ops{gemms})"
+        if self.name == "cpu":
+            return f"cpu (RMSNorm in one or two kernels; the rest unfused torch ops{gemms})"
         return f"{self.name} (residual add + RMSNorm, SiLU x up, RoPE + K/V store{gemms})"
 
 
@@ -61,6 +63,11 @@ def select_ops(device: str | torch.device, fused: bool = True, dtype: torch.dtyp
     device = torch.device(device)
     if fused and device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return triton_ops()
+    if device.type == "cpu" and fused:
+        from attnserve.ops import cpu
+
+        return replace(TORCH_OPS, name="cpu", rmsnorm=cpu.rmsnorm, add_rmsnorm=cpu.add_rmsnorm,
+                       split_gate_up=dtype == torch.float32)
     if device.type == "cpu" and dtype == torch.float32:
         return replace(TORCH_OPS, split_gate_up=True)
     return TORCH_OPS

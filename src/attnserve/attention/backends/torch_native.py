@@ -1,8 +1,11 @@
 """torch_native: attention over the paged pool in plain PyTorch; the CPU default.
 
-Decode is batched: one gather of every request's KV into a padded
-`[B, max_len, kv_heads, d]` tensor and two batched matmuls, so a step costs a
-few kernel launches per layer whatever the batch. Extend loops over requests
+Decode runs torch's fused SDPA over the running batch's K/V kept contiguous between steps
+(decode_mirror: one row appended per request per step, a gather only when the batch changes),
+with the GQA group as the query length, so a layer costs a few kernel launches whatever the
+batch. Layers with a soft-cap, sinks or a sliding window, and scaled (FP8) or MLA pools, take the
+general path: one gather of every request's KV into a padded `[B, max_len, kv_heads, d]` tensor
+and two batched matmuls. Extend loops over requests
 (never tokens) and uses SDPA's fused kernel unless a feature it lacks (soft-cap,
 sinks, custom mask) is on. Everything a layer needs that does not depend on
 the layer (slots, masks) is built once in plan().
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attnserve.attention.backends.decode_mirror import DecodeMirror, DecodeStep, layer_kv, plan_decode_step
 from attnserve.attention.base import ALL_KV_DTYPES, AttentionBackend, BackendFeatures, ForwardBatch
 
 
@@ -58,17 +62,26 @@ class TorchNativeBackend(AttentionBackend):
         devices=frozenset({"cpu", "cuda", "mps"}),
     )
 
+    _mirror: DecodeMirror | None = None  # the decode batch's K/V copies, kept from step to step
+    _step: DecodeStep | None = None  # this step's share of them (set by plan)
+    _decode_plan = None
+    _decode_fb: ForwardBatch | None = None
+
     def plan(self, fb: ForwardBatch) -> None:
-        self._decode: _DecodePlan | None = None
+        self._decode_plan: _DecodePlan | None = None
+        self._decode_fb: ForwardBatch | None = None
+        self._step: DecodeStep | None = None
         self._extend: list[_ExtendRequest] = []
         if fb.mode.is_decode:
-            max_len = max(fb.seq_lens_cpu, default=0)
-            rows = fb.req_to_token[fb.req_pool_indices.long(), :max_len].long()  # [B, max_len]
-            positions = torch.arange(max_len, device=rows.device)
-            seq_lens = fb.seq_lens.to(rows.device, torch.int64)
-            rows = rows.masked_fill(positions[None, :] >= seq_lens[:, None], 0)
-            self._decode = _DecodePlan(rows, positions, seq_lens)
+            self._decode_fb = fb  # the general path's padded plan is built only if a layer needs it
+            if self._mirror_ok():
+                pool = self.pool
+                row_bytes = (pool.get_key_buffer(0)[0].numel() + pool.get_value_buffer(0)[0].numel()) \
+                    * pool.get_key_buffer(0).element_size()
+                self._step = plan_decode_step(self._mirror, fb, row_bytes, pool.num_layers)
+                self._mirror = self._step.mirror
             return
+        self._mirror = None  # a prefill chunk may bring new requests into rows: rebuild at the next decode
         q_start = 0
         mask_start = 0
         rows = fb.req_pool_indices.tolist()
@@ -80,6 +93,40 @@ class TorchNativeBackend(AttentionBackend):
                 mask_start += ext * seq
             self._extend.append(_ExtendRequest(q_start, q_start + ext, slots, mask))
             q_start += ext
+
+    def _mirror_ok(self) -> bool:
+        pool = self.pool
+        return not pool.is_mla and not pool.is_fp8 and pool.num_layers > 0
+
+    @property
+    def _decode(self) -> _DecodePlan | None:
+        """The general decode path's padded slots (built on first use in a step)."""
+        if self._decode_plan is None and self._decode_fb is not None:
+            fb = self._decode_fb
+            max_len = max(fb.seq_lens_cpu, default=0)
+            rows = fb.req_to_token[fb.req_pool_indices.long(), :max_len].long()  # [B, max_len]
+            positions = torch.arange(max_len, device=rows.device)
+            seq_lens = fb.seq_lens.to(rows.device, torch.int64)
+            rows = rows.masked_fill(positions[None, :] >= seq_lens[:, None], 0)
+            self._decode_plan = _DecodePlan(rows, positions, seq_lens)
+        return self._decode_plan
+
+    def forward(self, q, k, v, layer, fb):
+        step = self._step
+        if (step is not None and fb.mode.is_decode and q.shape[0] and k is not None and v is not None
+                and layer.logit_cap is None and layer.sinks is None and layer.sliding_window is None
+                and q.dtype == self.pool.dtype):
+            return self._forward_decode_sdpa(q, k, v, layer, step)
+        return super().forward(q, k, v, layer, fb)
+
+    def _forward_decode_sdpa(self, q, k, v, layer, step: DecodeStep) -> torch.Tensor:
+        """Fused SDPA over the kept K/V; the GQA group rides as the query length: q `[B, Hkv, G, D]`."""
+        bs = q.shape[0]
+        keys, values = layer_kv(step, self.pool, layer.layer_id, k.view(bs, layer.num_kv_heads, -1),
+                                v.view(bs, layer.num_kv_heads, -1))  # [B, Hkv, L, D], [B, Hkv, L, Dv]
+        qg = q.reshape(bs, layer.num_kv_heads, layer.gqa_group, layer.head_dim)  # [B, Hkv, G, D]
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=step.mask, scale=layer.scaling)
+        return out.reshape(bs, layer.num_heads, layer.v_head_dim)  # [B, Hq, Dv]
 
     # ---- shared math -------------------------------------------------------------------
     def _kv(self, layer, slots: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:

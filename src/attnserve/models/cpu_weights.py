@@ -1,0 +1,193 @@
+"""How a CPU model holds its projection weights: the format chosen once at load, the matmul per step by rows.
+
+Formats (`--weights-dtype`):
+- dequantized: dense weights in the model dtype (every GGUF block decoded to floats). bf16 weights are
+  reordered once into oneDNN's blocked layout, so no step pays that reorder again.
+- int4: the GGUF's Q4_0/Q4_1 blocks kept 4-bit, repacked once for torch's CPU int4 weight-only matmul
+  (`_weight_int4pack_mm_for_cpu`, group size 32 = one GGUF block, scale and zero per group); the
+  dense weights are dropped. Every step runs the int4 kernel, whose cost grows with the rows almost
+  linearly (it is a GEMV per row), so prefill is slow: the smallest memory, not the fastest.
+- auto (the default): on a CPU model in bf16 loaded from a GGUF with Q4 weights, both: the int4
+  kernel for steps of at most `INT4_MAX_ROWS` rows (one or two decoding requests: it reads 4x fewer
+  bytes than bf16) and the prepacked bf16 GEMM above that (AMX tiles win once there are rows to fill
+  them). Anything else: dequantized.
+
+Measured on a 2-core Xeon with AMX (SmolLM2-135M shapes, one thread, microseconds, min of 5x20 calls;
+gate|up [3072 x 576]): 1 row int4 118 / prepacked bf16 190 / plain bf16 305; 2 rows 181 / 221 / 335;
+4 rows 376 / 389 / 513; 8 rows 696 / 180 / 514; 64 rows 3476 / 338 / 506. The LM head [49152 x 576]
+(tied to the Q8_0 embedding, never 4-bit) is prepacked bf16: 2.4 ms at 1 row, 2.5 ms at 8.
+The int4 kernel takes bf16 activations (fp32 ones run a scalar path 20x slower), so an fp32 model
+casts around it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnserve.models.q4_blocks import GROUP, Q4Codes, is_q4, read_q4
+
+log = logging.getLogger("attnserve.models")
+
+WEIGHT_FORMATS = ("auto", "dequantized", "int4")
+INT4_MAX_ROWS = 2  # auto: int4 up to this many rows per matmul, prepacked bf16 above (see the measurements)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16: bf16 matmuls run in hardware (elsewhere they are emulated, slower than fp32)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("\n\nprocessor", 1)[0]
+    except OSError:
+        return False
+    words = set(flags.split())
+    return bool({"amx_bf16", "avx512_bf16"} & words)
+
+
+class CPUMatmul:
+    """y = x W^T (+ bias) for one linear, with W in the formats the model was packed to.
+
+    int4: (packed [N, K/2] uint8, scales_and_zeros [K/32, N, 2] bf16), used for <= int4_max_rows rows;
+    dense: W prepacked by oneDNN (bf16) or plain, used for more rows (or always, without int4).
+    """
+
+    def __init__(self, dense: torch.Tensor | None, int4: tuple[torch.Tensor, torch.Tensor] | None,
+                 int4_max_rows: int, out_dtype: torch.dtype):
+        self.dense = dense
+        self.int4 = int4
+        self.int4_max_rows = int4_max_rows if dense is not None else 1 << 62
+        self.out_dtype = out_dtype
+        self.dense_packed = dense is not None and dense.is_mkldnn
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
+            packed, scales_zeros = self.int4
+            if x.dtype != torch.bfloat16:
+                x = x.to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
+            if y.dtype != self.out_dtype:
+                y = y.to(self.out_dtype)
+            return y if bias is None else y + bias
+        if self.dense_packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.dense, bias, "none", [], "")
+        return F.linear(x, self.dense, bias)
+
+
+def prepack_dense(w: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] -> oneDNN's blocked layout (an opaque mkldnn tensor); other dtypes stay as they are."""
+    if w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return w
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+
+
+def pack_int4(codes: Q4Codes) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4 codes [N, K] -> what `_weight_int4pack_mm_for_cpu` takes: packed [N, K/2] uint8, [K/32, N, 2] bf16."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32).contiguous(), 1)
+    scales_zeros = torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_zeros
+
+
+def _q4_parts(model: nn.Module, source: str, hf_config: dict) -> dict[str, dict[int, Q4Codes]]:
+    """module name -> {part index: its rows' Q4 codes} for every 4-bit GGUF tensor of the model's projections."""
+    from attnserve.models.gguf_loader import GGUFFile, _unpermute_rows
+    from attnserve.models.weights import LLAMA_STACKED
+
+    gf = GGUFFile(source)
+    modules = dict(model.named_modules())
+    parts: dict[str, dict[int, Q4Codes]] = {}
+    for hf_name, lazy in gf.tensors(hf_config, torch.float32):
+        t = lazy.t
+        if not hf_name.endswith(".weight") or not is_q4(t.type_name) or len(t.shape) != 2:
+            continue
+        name, part = hf_name.removeprefix("model.").removesuffix(".weight"), 0
+        for frag, fused, idx in LLAMA_STACKED:
+            frag, fused = frag.strip("."), fused.strip(".")
+            if name.endswith(frag) and name.removesuffix(frag) + fused in modules:
+                name, part = name.removesuffix(frag) + fused, idx
+                break
+        if name not in modules:
+            continue
+        codes = read_q4(t.data, t.type_name, t.shape)
+        if lazy.row_heads:  # llama.cpp's per-head row order, undone as the dense load undoes it
+            order = _unpermute_rows(torch.arange(t.shape[0]), lazy.row_heads)
+            codes = codes.take_rows(order)
+        parts.setdefault(name, {})[part] = codes
+    return parts
+
+
+def _whole(module: nn.Module, found: dict[int, Q4Codes]) -> Q4Codes | None:
+    """The module's full weight as codes, when every part of it was 4-bit (else None: it stays dense)."""
+    sizes = getattr(module, "output_sizes", [module.weight.shape[0]])
+    if sorted(found) != list(range(len(sizes))):
+        return None
+    ordered = [found[i] for i in range(len(sizes))]
+    if [c.codes.shape[0] for c in ordered] != list(sizes):
+        return None
+    return Q4Codes(torch.cat([c.codes for c in ordered]), torch.cat([c.scale for c in ordered]),
+                   torch.cat([c.zero for c in ordered]))
+
+
+def _linears(model: nn.Module):
+    from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
+
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            yield name, module
+
+
+def pack_cpu_weights(model: nn.Module, bundle, weights_dtype: str = "auto") -> str:
+    """Give every projection of a CPU model its `CPUMatmul`; returns the start-up log's description.
+
+    Runs once, after loading and before the first step. Tensor-parallel ranks and other devices keep
+    plain dense linears.
+    """
+    from attnserve.distributed.state import parallel_state
+
+    if weights_dtype not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weights dtype {weights_dtype!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if not params or params[0].device.type != "cpu" or parallel_state().active:
+        if weights_dtype == "int4":
+            raise ValueError("--weights-dtype int4 runs on the CPU with one tensor-parallel rank only")
+        return "dequantized"
+    dtype = params[0].dtype
+    is_q4_gguf = getattr(bundle, "format", None) == "gguf" and any(
+        is_q4(t.type_name) for t in _gguf_tensors(bundle.source))
+    fmt = weights_dtype
+    if fmt == "auto":
+        fmt = "int4+dense" if is_q4_gguf and dtype == torch.bfloat16 else "dequantized"
+    if fmt == "int4" and not is_q4_gguf:
+        source = getattr(bundle, "source", None) or "this model"
+        raise ValueError(f"--weights-dtype int4 needs a GGUF file with Q4_0/Q4_1 weights; {source} has none")
+    q4 = _q4_parts(model, bundle.source, bundle.hf_config) if fmt != "dequantized" else {}
+    kept_4bit = 0
+    for name, module in _linears(model):
+        codes = _whole(module, q4[name]) if name in q4 else None
+        int4 = pack_int4(codes) if codes is not None else None
+        dense = None if (fmt == "int4" and int4 is not None) else prepack_dense(module.weight.data)
+        if int4 is None and dense is not None and not dense.is_mkldnn:
+            continue  # a plain dense linear: F.linear as before
+        module.cpu_matmul = CPUMatmul(dense, int4, INT4_MAX_ROWS, dtype)
+        if int4 is not None:
+            kept_4bit += 1
+            if dense is None:  # int4 only: the dense copy goes (4x less weight memory)
+                module.weight.data = torch.empty(0, dtype=dtype)
+    head = getattr(model, "lm_head", None)
+    if head is not None and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        head.cpu_matmul = CPUMatmul(prepack_dense(head.weight.data), None, 0, dtype)
+    packed_note = ", bf16 prepacked for oneDNN" if dtype == torch.bfloat16 else ""
+    if fmt == "dequantized":
+        return f"dequantized ({str(dtype).replace('torch.', '')}{packed_note})"
+    if fmt == "int4":
+        return f"int4 ({kept_4bit} projections 4-bit only, group {GROUP}; the rest dense)"
+    return (f"int4 + bf16 ({kept_4bit} projections: int4 for <= {INT4_MAX_ROWS} rows, "
+            f"prepacked bf16 above)")
+
+
+def _gguf_tensors(source: str):
+    from attnserve.models.gguf_loader import GGUFFile
+
+    return GGUFFile(source).tensor_list
