@@ -12,35 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from datetime import datetime, timezone
 
 import torch
-
-
-def graph_time_us(fn, replays: int = 20, repeats: int = 7) -> float:
-    """Median time of one call, from CUDA-graph replays of `replays` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / replays)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -53,6 +27,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/moe_gpu_paths.json")
     args = ap.parse_args()
 
+    from attnserve.bench.timing import time_graph
     from attnserve.models.moe import Experts
 
     torch.manual_seed(0)
@@ -76,7 +51,7 @@ def main() -> None:
             row = {"batch": batch, "experts_touched": touched, "grouped_vs_dense_rel_err": round(err, 5)}
             for name in ("dense", "grouped"):
                 path = getattr(experts, f"forward_{name}")
-                us = graph_time_us(lambda path=path, x=x, weights=weights, ids=ids: path(x, weights, ids))
+                us = time_graph(lambda path=path, x=x, weights=weights, ids=ids: path(x, weights, ids))
                 row[f"{name}_us"] = round(us, 1)
                 row[f"{name}_TBps_touched_weights"] = round(weight_bytes * touched / args.experts / us / 1e6, 2)
         row["grouped_speedup"] = round(row["dense_us"] / row["grouped_us"], 2)
