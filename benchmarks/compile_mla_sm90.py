@@ -5,6 +5,7 @@ Hopper MMA layouts (warpsPerCTA [8, 1] on a 64-row score tile means both warpgro
 
     python benchmarks/compile_mla_sm90.py                   # the shipped sm90 tiles and the sweep's new ones
     python benchmarks/compile_mla_sm90.py --decode 64,32,8,2,1,64   # block_h,block_n,warps,stages,defer_pv,page
+    python benchmarks/compile_mla_sm90.py --gluon 1 --json          # the Gluon decode kernel over 1-token pages
 
 Pointers and strides are declared 16-divisible, as Triton's launcher specialises them at run time (576-wide
 bf16 rows): without that hint the pipeliner cannot use 16-byte async copies and compiles nothing like what runs.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -32,13 +34,13 @@ POINTERS = {"Q": "*bf16", "KV": "*bf16", "Out": "*bf16", "PartialO": "*fp32", "P
 FLOATS = {"qk_scale_log2", "v_scale"}
 
 
-def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=ASTSource) -> dict:
     names = list(inspect.signature(fn.fn).parameters)
     signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n in FLOATS else "i32")
                  for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if signature[n].startswith("*") or n.startswith("stride")}
-    kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
+    kernel = triton.compile(source(fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 64), options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
@@ -54,7 +56,9 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int) -> dict:
             "spill_bytes": tuple(map(int, spills.groups())) if spills else None,
             "smem_kib": round(kernel.metadata.shared / 1024, 1),
             "async_copies": ttgir.count("async_copy_global_to_local"),
-            "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir)}
+            "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir),
+            "wgmma": {m: kernel.asm["ptx"].count(m) for m in sorted(set(re.findall(r"wgmma\.mma_async\S*?(m64n\d+k\d+)",
+                                                                                 kernel.asm["ptx"])))}}
 
 
 def decode_report(block_h, block_n, warps, stages, defer_pv, page_size, heads=128) -> dict:
@@ -74,6 +78,16 @@ def extend_report(block_m, block_n, warps, stages, defer_pv, page_size=1) -> dic
         HAS_CUSTOM_MASK=False, DEFER_PV=bool(defer_pv), DOT_F32=False), warps, stages)
 
 
+def gluon_report(page_size, write_final=False, heads=128) -> dict:
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from attnserve.attention.kernels.mla_decode_gluon import GLUON_NUM_WARPS, _mla_decode_gluon_kernel
+
+    return compile_sm90(_mla_decode_gluon_kernel, dict(NUM_HEADS=heads, LATENT=512, ROPE=64, PAGE_SIZE=page_size,
+                                                       WRITE_FINAL=bool(write_final)),
+                        GLUON_NUM_WARPS, 1, source=GluonASTSource)
+
+
 DECODE = [(64, 64, 8, 2, 0, 64), (32, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 64), (64, 32, 8, 2, 1, 64),
           (64, 32, 8, 2, 1, 1), (64, 16, 8, 3, 1, 1), (16, 32, 4, 4, 0, 64)]
 EXTEND = [(32, 32, 4, 2, 0), (64, 32, 8, 2, 1), (64, 32, 8, 2, 0)]
@@ -83,7 +97,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode", action="append", help="block_h,block_n,warps,stages,defer_pv,page_size")
     p.add_argument("--extend", action="append", help="block_m,block_n,warps,stages,defer_pv")
+    p.add_argument("--gluon", action="append", type=int, metavar="PAGE_SIZE", help="the Gluon decode kernel")
+    p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
+    if args.gluon:
+        for page in args.gluon:
+            report = gluon_report(page)
+            print(json.dumps({"page_size": page, **report}) if args.json else ("gluon", page, report), flush=True)
+        return 0
     decode = [tuple(map(int, s.split(","))) for s in args.decode or []]
     extend = [tuple(map(int, s.split(","))) for s in args.extend or []]
     if not decode and not extend:

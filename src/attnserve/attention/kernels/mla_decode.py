@@ -13,6 +13,8 @@ latents carry one per-tensor scale, folded into the softmax scale and the output
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -54,6 +56,15 @@ def default_mla_decode_config(device: torch.device, target: GpuTarget | None = N
     if device.type != "cuda" and target is None:
         return INTERPRETER_MLA_DECODE_TILES.for_heads(num_heads)
     return tiles_for((target or target_for(device)).arch, num_heads, page_size)
+
+
+def gluon_mla_decode_unsupported(q: torch.Tensor, kv_buffer: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """Why mla_decode_gluon.py's kernel cannot run this call (None: it can); imported only where it could."""
+    if q.device.type != "cuda":
+        return "the gluon MLA kernel needs a CUDA device (Gluon has no interpreter)"
+    from attnserve.attention.kernels.mla_decode_gluon import gluon_mla_decode_unsupported as why_not
+
+    return why_not(q, kv_buffer, kv_lora_rank)
 
 
 def check_mla_shapes(q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, kv_lora_rank: int) -> int:
@@ -211,11 +222,25 @@ def mla_decode_attention(
 
     if config is None:
         config = default_mla_decode_config(q.device, target, num_heads, page_size)
-        config = fewest_stages_dropped(config, tile_shape, target)
-    check_shared_memory("MLA decode", tile_shape(config), target)
+        if config.kernel == "gluon" and gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank):
+            config = dataclasses.replace(config, kernel="triton")  # e.g. an FP8 latent: the same tile in Triton
+        if config.kernel == "triton":
+            config = fewest_stages_dropped(config, tile_shape, target)
+    elif config.kernel == "gluon" and (reason := gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank)):
+        raise ValueError(reason)
     if write_final is None:
         write_final = max_splits == 1
     partial_o, partial_lse = split_outputs(out, partials, max_splits, write_final)
+    if config.kernel == "gluon":
+        from attnserve.attention.kernels.mla_decode_gluon import launch_mla_decode_gluon
+
+        launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens,
+                                num_splits, max_splits, page_size, sm_scale, write_final,
+                                partial_strides(partial_o, partial_lse))
+        if not write_final:
+            merge_splits_tiled(out, partial_o, partial_lse, num_splits, max_splits, 1.0)
+        return out
+    check_shared_memory("MLA decode", tile_shape(config), target)
     grid = (batch, head_groups(num_heads, config), max_splits)
     _mla_decode_split_kernel[grid](
         q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,

@@ -32,6 +32,9 @@ class MLADecodeConfig:
     # the split plan's target programs per SM for this tile (SplitPolicy.waves); 0: the backend's policy. A tile
     # that fits twice on an SM over 128 requests wants all programs in one wave (3 splits were 1.45 waves)
     split_waves: float = 0.0
+    # "triton": mla_decode.py's kernel, any tile; "gluon": mla_decode_gluon.py's Hopper kernel, whose tile is fixed
+    # (64 heads on two warpgroups, 64-key tiles, two stages: the fields above must say so)
+    kernel: str = "triton"
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -44,12 +47,18 @@ class MLADecodeConfig:
             raise ValueError(f"MLADecodeConfig.num_stages must be >= 1, got {self.num_stages}")
         if self.split_waves < 0:
             raise ValueError(f"MLADecodeConfig.split_waves must be >= 0 (0: the backend's), got {self.split_waves}")
+        if self.kernel not in ("triton", "gluon"):
+            raise ValueError(f"MLADecodeConfig.kernel must be 'triton' or 'gluon', got {self.kernel!r}")
+        if self.kernel == "gluon" and (self.block_h, self.block_n, self.num_warps, self.num_stages,
+                                       self.defer_pv) != (64, 64, 8, 2, False):
+            raise ValueError("the gluon MLA kernel's tile is fixed: block_h 64, block_n 64, 8 warps, 2 stages, "
+                             "no deferred PV")
 
     def for_heads(self, num_heads: int) -> MLADecodeConfig:
         """No wider head group than the model has heads (rounded up to a power of two, at least 16): a
         64-head group over 16 heads computes 48 masked rows for nothing."""
         fit = max(16, 1 << max(0, (num_heads - 1).bit_length()))
-        if self.block_h <= fit:
+        if self.block_h <= fit or self.kernel == "gluon":  # gluon's 64 rows are one wgmma; it masks the rest
             return self
         return dataclasses.replace(self, block_h=fit, num_warps=max(4, self.num_warps * fit // self.block_h))
 
@@ -96,8 +105,8 @@ def tiles_for(arch: str, num_heads: int, page_size: int,
 
 
 # ---- from a sweep to the table -------------------------------------------------------------------------
-CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "defer_pv", "split_waves")
-CONFIG_DEFAULTS = {"defer_pv": False, "split_waves": 0.0}  # what a sweep row made before a key existed ran with
+CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "defer_pv", "split_waves", "kernel")
+CONFIG_DEFAULTS = {"defer_pv": False, "split_waves": 0.0, "kernel": "triton"}  # what a sweep row made before a key existed ran with
 
 
 def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> list[dict]:

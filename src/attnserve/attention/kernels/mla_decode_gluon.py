@@ -1,0 +1,204 @@
+"""MLA decode on Hopper in Gluon: 64 heads per CTA over two warpgroups, each owning half of every MMA.
+
+Why not `triton.language`: a 64-head program keeps a 64 x 512 float32 output (128 registers a thread on
+8 warps), and Triton's Hopper layout then computes the 64 x 64 score tile on both warpgroups (53 % of the
+FLOPs twice) and waits on every wgmma (benchmarks/NOTES.md, MLA). Here every layout is chosen:
+
+- the score tile `[64 heads, 64 keys]` is split by keys over the two warpgroups (`warps_per_cta [4, 2]`), so
+  each computes its own half, `q_c` from shared memory and the 64-wide rope part of q from registers;
+- the output `[64, 512]` is split by columns the same way (each warpgroup a 64 x 256 wgmma);
+- the probabilities go through shared memory (both warpgroups need all 64 keys of them);
+- latent rows are gathered by `cp.async` (any page size, page 1 included) into a two-stage ring of
+  `[64, 512]` + `[64, 64]` tiles, the next tile's copies in flight during this tile's MMAs, its page
+  indices loaded one tile earlier still.
+
+Shared memory: q_c 64 KB + 2 x 72 KB of latent + 8 KB of probabilities = 216 KB, one CTA per SM.
+The split plan and the LSE merge are mla_decode.py's (the same partial layout), with 64-head groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from attnserve.attention.kernels.common import LOG2E
+
+GLUON_BLOCK_H = 64  # heads per CTA: one 64-row wgmma per warpgroup
+GLUON_BLOCK_N = 64  # keys per tile
+GLUON_NUM_WARPS = 8  # two warpgroups
+GLUON_LATENT = 512
+GLUON_ROPE = 64
+
+
+def gluon_mla_decode_unsupported(q: torch.Tensor, kv_buffer: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """Why the Gluon kernel cannot run this call (None: it can)."""
+    if q.device.type != "cuda":
+        return "the Gluon MLA kernel needs a CUDA device (no interpreter)"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the Gluon MLA kernel is written for Hopper (sm90) wgmma"
+    if q.dtype not in (torch.bfloat16, torch.float16) or kv_buffer.dtype != q.dtype:
+        return f"the Gluon MLA kernel takes a bf16/fp16 query and latent of one dtype, got {q.dtype} / {kv_buffer.dtype}"
+    if kv_lora_rank != GLUON_LATENT or q.shape[-1] != GLUON_LATENT + GLUON_ROPE:
+        return f"the Gluon MLA kernel is built for a {GLUON_LATENT}+{GLUON_ROPE} latent, got {kv_lora_rank}+" \
+               f"{q.shape[-1] - kv_lora_rank}"
+    if kv_buffer.stride(0) % 8 or q.stride(1) % 8 or q.stride(0) % 8:
+        return "the Gluon MLA kernel copies 16-byte vectors: row strides must be multiples of 8 elements"
+    return None
+
+
+@gluon.jit
+def _tile_rows(kv_indices, page_base, n0, hi, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+               layout: gl.constexpr):
+    """Pool rows `[BLOCK_N]` of the key tile at n0; keys past hi repeat the last key (a valid row, never NaN)."""
+    offs_n = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=layout), hi - 1)
+    page = gl.load(kv_indices + page_base + offs_n // PAGE_SIZE)
+    return page.to(gl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+
+
+@gluon.jit
+def _copy_tile(KV, stride_kvt, c_rows, r_rows, c_dst, r_dst,
+               LATENT: gl.constexpr, ROPE: gl.constexpr, c_layout: gl.constexpr, r_layout: gl.constexpr):
+    """cp.async of one tile's latent `[BLOCK_N, LATENT]` and rope key `[BLOCK_N, ROPE]` into a ring stage."""
+    offs_c = gl.arange(0, LATENT, layout=gl.SliceLayout(0, c_layout))
+    async_copy.async_copy_global_to_shared(c_dst, KV + c_rows[:, None] * stride_kvt + offs_c[None, :])
+    offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, r_layout))
+    async_copy.async_copy_global_to_shared(r_dst, KV + r_rows[:, None] * stride_kvt + LATENT + offs_r[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _mla_decode_gluon_kernel(
+    Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, qk_scale_log2,
+    stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    WRITE_FINAL: gl.constexpr,
+):
+    BLOCK_H: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = 64
+    dtype: gl.constexpr = Q.dtype.element_ty
+    # score [64, 64] and output [64, 512]: both split along columns over the two warpgroups
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 256, 16])
+    q_r_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    # 16-byte vectors along a row; a warp covers 256 latent columns, 8 warps 8 rows
+    c_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    r_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    c_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype)
+    r_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+
+    b = gl.program_id(0)
+    hg = gl.program_id(1)
+    split = gl.program_id(2)
+    n_splits = gl.load(num_splits + b)
+    if split < n_splits:
+        seq = gl.load(seq_lens + b)
+        chunk = gl.cdiv(gl.cdiv(seq, n_splits), BLOCK_N) * BLOCK_N  # mla_decode.split_bounds
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, seq)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        page_base = gl.load(kv_indptr + b)
+
+        # the query: q_c [64, 512] into shared memory (the score wgmma's A), q_pe [64, 64] in registers
+        head_c = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, c_layout))
+        offs_c = gl.arange(0, LATENT, layout=gl.SliceLayout(0, c_layout))
+        q_c = gl.load(Q + b * stride_qb + head_c[:, None] * stride_qh + offs_c[None, :],
+                      mask=(head_c < NUM_HEADS)[:, None], other=0.0)
+        q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout, q_c)
+        head_r = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_r_layout))
+        offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_r_layout))
+        q_r = gl.load(Q + b * stride_qb + head_r[:, None] * stride_qh + LATENT + offs_r[None, :],
+                      mask=(head_r < NUM_HEADS)[:, None], other=0.0)
+
+        c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)
+        r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_smem_layout)
+
+        c_rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, c_layout))
+        r_rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, r_layout))
+        _copy_tile(KV, stride_kvt, c_rows, r_rows, c_ring.index(0), r_ring.index(0), LATENT, ROPE, c_layout,
+                   r_layout)
+        c_rows = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
+                            gl.SliceLayout(1, c_layout))
+        r_rows = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
+                            gl.SliceLayout(1, r_layout))
+        fence_async_shared()  # q_c's store before the first wgmma reads it
+
+        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_H, LATENT], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+        for j in range(num_tiles):
+            stage = j % 2
+            n0 = lo + j * BLOCK_N
+            # the next tile into the other stage (its last reader, tile j-1's PV, has been waited on by every
+            # warp at the barrier ending that iteration); past the last tile this re-reads a valid row
+            _copy_tile(KV, stride_kvt, c_rows, r_rows, c_ring.index(1 - stage), r_ring.index(1 - stage), LATENT,
+                       ROPE, c_layout, r_layout)
+            c_rows = _tile_rows(kv_indices, page_base, n0 + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
+                                gl.SliceLayout(1, c_layout))
+            r_rows = _tile_rows(kv_indices, page_base, n0 + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
+                                gl.SliceLayout(1, r_layout))
+            async_copy.wait_group(1)  # this thread's copies of tile j have landed
+            fence_async_shared()
+            gl.thread_barrier()  # ... and every thread's
+
+            c_tile = c_ring.index(stage)
+            s = warpgroup_mma(q_r, r_ring.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_c_smem, c_tile.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = warpgroup_mma(p_smem, c_tile, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()  # both warpgroups are done with this stage and with p_smem
+        async_copy.wait_group(0)
+
+        # epilogue: the normalised output, or a normalised partial and its base-2 LSE (decode.finish_split)
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        head_o = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+        offs_o = gl.arange(0, LATENT, layout=gl.SliceLayout(0, o_layout))
+        o_mask = (head_o < NUM_HEADS)[:, None]
+        if WRITE_FINAL:
+            gl.store(Out + b * stride_ob + head_o[:, None] * stride_oh + offs_o[None, :], o.to(dtype), mask=o_mask)
+        else:
+            gl.store(PartialO + b * stride_pb + head_o[:, None] * stride_ph + split * stride_ps + offs_o[None, :],
+                     o, mask=o_mask)
+            head_l = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+            gl.store(PartialLse + b * stride_lb + head_l * stride_lh + split, lse, mask=head_l < NUM_HEADS)
+
+
+def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
+                            max_splits: int, page_size: int, sm_scale: float, write_final: bool,
+                            partial_strides: tuple[int, ...]) -> None:
+    """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials)."""
+    batch, num_heads, _ = q.shape
+    grid = (batch, triton.cdiv(num_heads, GLUON_BLOCK_H), max_splits)
+    _mla_decode_gluon_kernel[grid](
+        q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,
+        NUM_HEADS=num_heads, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size, WRITE_FINAL=write_final,
+        num_warps=GLUON_NUM_WARPS,
+    )

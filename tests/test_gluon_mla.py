@@ -1,0 +1,95 @@
+"""The Gluon MLA decode kernel (Hopper): compiled for sm_90 on any machine, run against the oracle on an H100/H200.
+
+Gluon has no interpreter, so the CPU checks what can be checked without the GPU: the kernel compiles for sm_90
+with ptxas (no spills, one CTA's shared memory within Hopper's 227 KB), its tile is validated, and asking for it
+where it cannot run fails with the reason while the default falls back to the Triton kernel (whose numbers the
+CPU tests cover under the interpreter).
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from attention_helpers import rel_err
+from test_triton_mla import poison_unused_latent
+
+from attnserve.attention.kernels.mla_decode import mla_decode_attention
+from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, rules_from_sweep
+from attnserve.attention.metadata import metadata_for_batch
+from attnserve.attention.reference import reference_for_batch
+from attnserve.attention.synthetic import make_batch
+
+GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon")
+ROOT = Path(__file__).resolve().parents[1]
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def deepseek_batch(prefix, page_size, heads, device, seed=0):
+    sb = make_batch(prefix, [1] * len(prefix), num_heads=heads, mla=(512, 64), page_size=page_size,
+                    dtype=torch.bfloat16, device=device, score_scale=8.0, seed=seed)
+    poison_unused_latent(sb)
+    return sb
+
+
+def run(sb, splits, write_final, config):
+    fb, lay = sb.fb, sb.layer
+    meta = metadata_for_batch(fb)
+    dev = sb.q.device
+    out = torch.full((fb.batch_size, lay.num_heads, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    num_splits = torch.tensor(splits, dtype=torch.int32, device=dev)
+    return mla_decode_attention(sb.q, sb.pool.kv_buffer[0], out, meta.kv_indptr, meta.kv_indices, fb.seq_lens,
+                                num_splits, max(splits), sb.pool.page_size, lay.scaling, 512,
+                                write_final=write_final, config=config)
+
+
+def test_gluon_tile_is_fixed_and_recorded_by_sweeps():
+    with pytest.raises(ValueError, match="tile is fixed"):
+        MLADecodeConfig(32, 64, 8, 2, kernel="gluon")
+    with pytest.raises(ValueError, match="'triton' or 'gluon'"):
+        MLADecodeConfig(kernel="cuda")
+    assert GLUON.for_heads(16) == GLUON  # one 64-row wgmma; the kernel masks heads past 16
+    rows = [{"workload": "w", **dataclasses.asdict(GLUON), "us": 10.0},
+            {"workload": "w", **dataclasses.asdict(MLADecodeConfig(64, 64, 8, 2)), "us": 20.0}]
+    (rule,) = rules_from_sweep(rows, {"w": (128, 1)})
+    assert rule["config"]["kernel"] == "gluon"
+    assert MLADecodeConfig(**rule["config"]) == GLUON
+
+
+def test_gluon_asked_for_where_it_cannot_run_says_why():
+    sb = deepseek_batch([40], 1, 16, "cpu")
+    with pytest.raises(ValueError, match="CUDA device"):
+        run(sb, [1], True, GLUON)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_gluon_mla_decode_compiles_for_sm90_without_spills(page_size):
+    """Compiled offline with Triton's ptxas, in a fresh process (the interpreter's jitted helpers cannot compile):
+    a spill, a shared-memory overflow or a changed MMA split shows here before any GPU run."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_mla_sm90.py"), "--gluon", str(page_size),
+                           "--json"], check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["spill_bytes"] == [0, 0] and report["registers"] <= 255
+    assert report["smem_kib"] <= 227  # one CTA per SM on Hopper
+    # score: 512 + 64 wide in k16 steps, each warpgroup half the keys; output: 256 columns per warpgroup
+    assert report["wgmma"] == {"m64n32k16": 36, "m64n256k16": 4}
+    assert report["mma"] == [["4, 2", "16, 32, 16"], ["4, 2", "16, 256, 16"]]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; its CPU coverage is above")
+@pytest.mark.parametrize("page_size", [1, 64, 16])
+def test_gluon_mla_decode_matches_oracle(page_size):
+    """Ragged lengths (partial last tiles, a 1-token request), splits forced on and off, 128 and 16 heads."""
+    for heads in (128, 16):
+        sb = deepseek_batch([70, 1, 300, 129, 64], page_size, heads, "cuda", seed=page_size + heads)
+        ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
+        for splits, final in (([1] * 5, True), ([1] * 5, False), ([2, 1, 5, 3, 1], False), ([7] * 5, False)):
+            out = run(sb, splits, final, GLUON)
+            assert not out.isnan().any(), (heads, splits, final)
+            assert rel_err(out, ref) < 1e-2, (heads, splits, final, rel_err(out, ref))
