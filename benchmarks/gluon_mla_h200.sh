@@ -2,10 +2,11 @@
 # One H200 run for the Gluon MLA decode kernel (issue 12), under 5 minutes:
 #   1. its ptxas report (registers, spills, shared memory, wgmma shapes) and the MLA kernel tests on CUDA
 #      (the Gluon kernel against the float oracle over pages 1/16/64, splits on and off, 128 and 16 heads)
-#   2. the MLA decode race: triton with the Gluon kernel at split waves 1 and 2, the Triton kernel's shipped
-#      tiles, FlashInfer MLA fa3, each checked against the oracle first
+#   2. the MLA decode race: triton with the Gluon kernel (split waves 1) against FlashInfer MLA fa3, each
+#      checked against the oracle first
+#   3. where the Gluon kernel's time goes (benchmarks/gluon_mla_ablate.py)
 # FlashInfer's MLA fa3 JIT build runs in the background from the start.
-# Results under $OUT: kernels-mla-gluon-h200-w1.json, -w2.json (+ PNG), logs-gluon/.
+# Results under $OUT: kernels-mla-gluon-h200.json (+ PNG), gluon-mla-ablate-h200.json, logs-gluon/.
 #   OUT=<results folder> bash benchmarks/gluon_mla_h200.sh      (OUT defaults to benchmarks/results)
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -21,18 +22,13 @@ timeout "$(cap 100)" python3 -m pytest -q -p no:cacheprovider tests/test_gluon_m
   tests/test_mla_decode_tiles.py > "$LOGS/pytest-gluon.log" 2>&1
 echo "pytest rc=$?"; grep -E "passed|failed|Error|assert" "$LOGS/pytest-gluon.log" | head -20
 
-for W in 1 2; do
-  echo "== 2. race, gluon at split waves $W ($(left) s left)"
-  G="{\"mla_decode_config\": {\"block_h\": 64, \"block_n\": 64, \"num_warps\": 8, \"num_stages\": 2, \"kernel\": \"gluon\", \"split_waves\": $W}}"
-  BACKENDS="triton"; [ "$W" = 1 ] && BACKENDS="triton flashinfer-mla-fa3"
-  timeout "$(cap 90)" python3 -m attnserve bench kernels --workloads "mla decode" --backends $BACKENDS \
-    --triton-options "$G" --json "$OUT/kernels-mla-gluon-h200-w$W.json" > "$LOGS/bench-w$W.log" 2>&1
-  echo "bench rc=$?"; grep -A10 '^results' "$LOGS/bench-w$W.log"; grep ' / ' "$LOGS/bench-w$W.log"
-done
-echo "== 3. the Triton kernel's shipped tiles ($(left) s left)"
-timeout "$(cap 60)" python3 -m attnserve bench kernels --workloads "mla decode" --backends triton \
-  --json "$OUT/kernels-mla-triton-h200.json" > "$LOGS/bench-triton.log" 2>&1
-echo "bench rc=$?"; grep -A10 '^results' "$LOGS/bench-triton.log"
+echo "== 2. race, gluon at split waves 1 ($(left) s left)"
+G='{"mla_decode_config": {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, "kernel": "gluon", "split_waves": 1}}'
+timeout "$(cap 90)" python3 -m attnserve bench kernels --workloads "mla decode" --backends triton flashinfer-mla-fa3 \
+  --triton-options "$G" --json "$OUT/kernels-mla-gluon-h200.json" > "$LOGS/bench-gluon.log" 2>&1
+echo "bench rc=$?"; grep -A10 '^results' "$LOGS/bench-gluon.log"; grep ' / ' "$LOGS/bench-gluon.log"
 kill "$WARM" 2>/dev/null
 echo "== FlashInfer build"; tail -3 "$LOGS/warm.log"
 echo "done in $(( $(date +%s) - START )) s"
+echo "== 3. ablation ($(left) s left)"
+timeout "$(cap 90)" python3 benchmarks/gluon_mla_ablate.py --json "$OUT/gluon-mla-ablate-h200.json" 2>&1 | tail -12

@@ -79,8 +79,11 @@ def _mla_decode_gluon_kernel(
     Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, qk_scale_log2,
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_FINAL: gl.constexpr,
+    WRITE_FINAL: gl.constexpr, ABLATE: gl.constexpr = 0,
 ):
+    # ABLATE (timing only, wrong results; benchmarks/gluon_mla_ablate.py): 1 leaves out the PV wgmma, 2 the score
+    # wgmma, 3 the latent copies inside the loop, 4 the softmax's
+    # reductions and exponentials
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -96,8 +99,8 @@ def _mla_decode_gluon_kernel(
     r_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
 
-    b = gl.program_id(0)
-    hg = gl.program_id(1)
+    hg = gl.program_id(0)  # a request's head groups are neighbours in launch order: the second reads from L2
+    b = gl.program_id(1)
     split = gl.program_id(2)
     n_splits = gl.load(num_splits + b)
     if split < n_splits:
@@ -142,8 +145,9 @@ def _mla_decode_gluon_kernel(
             n0 = lo + j * BLOCK_N
             # the next tile into the other stage (its last reader, tile j-1's PV, has been waited on by every
             # warp at the barrier ending that iteration); past the last tile this re-reads a valid row
-            _copy_tile(KV, stride_kvt, c_rows, r_rows, c_ring.index(1 - stage), r_ring.index(1 - stage), LATENT,
-                       ROPE, c_layout, r_layout)
+            if ABLATE != 3:
+                _copy_tile(KV, stride_kvt, c_rows, r_rows, c_ring.index(1 - stage), r_ring.index(1 - stage),
+                           LATENT, ROPE, c_layout, r_layout)
             c_rows = _tile_rows(kv_indices, page_base, n0 + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
                                 gl.SliceLayout(1, c_layout))
             r_rows = _tile_rows(kv_indices, page_base, n0 + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
@@ -153,24 +157,32 @@ def _mla_decode_gluon_kernel(
             gl.thread_barrier()  # ... and every thread's
 
             c_tile = c_ring.index(stage)
-            s = warpgroup_mma(q_r, r_ring.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_c_smem, c_tile.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if ABLATE == 2:
+                s = s_zero
+            else:
+                s = warpgroup_mma(q_r, r_ring.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(q_c_smem, c_tile.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
             offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
+            if ABLATE == 4:
+                alpha = l_i
+                p = s
+            else:
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
 
             p_smem.store(p.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(p_smem, c_tile, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if ABLATE != 1:
+                acc = warpgroup_mma(p_smem, c_tile, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()  # both warpgroups are done with this stage and with p_smem
         async_copy.wait_group(0)
 
@@ -192,13 +204,13 @@ def _mla_decode_gluon_kernel(
 
 def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
                             max_splits: int, page_size: int, sm_scale: float, write_final: bool,
-                            partial_strides: tuple[int, ...]) -> None:
+                            partial_strides: tuple[int, ...], ablate: int = 0) -> None:
     """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials)."""
     batch, num_heads, _ = q.shape
-    grid = (batch, triton.cdiv(num_heads, GLUON_BLOCK_H), max_splits)
+    grid = (triton.cdiv(num_heads, GLUON_BLOCK_H), batch, max_splits)
     _mla_decode_gluon_kernel[grid](
         q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,
         NUM_HEADS=num_heads, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size, WRITE_FINAL=write_final,
-        num_warps=GLUON_NUM_WARPS,
+        ABLATE=ablate, num_warps=GLUON_NUM_WARPS,
     )
