@@ -1,4 +1,5 @@
-"""Where the Gluon MLA decode kernel's time goes: the full kernel against itself with one part left out.
+"""Where the Gluon MLA decode kernel's time goes: the full kernel against itself with one part left out, and the
+warp-specialised ping-pong kernel at two register budgets.
 
 Timing only (the ablated kernels compute wrong results): the PV wgmma, the score wgmma, the latent copies
 inside the loop or the softmax are left out (`_mla_decode_gluon_kernel`'s ABLATE), on issue 12's two 128-head decode shapes.
@@ -38,10 +39,12 @@ def main() -> int:
         q, kv, kv_indptr, kv_indices, seq_lens = inputs(batch, seq, page)
         out = torch.empty(batch, 128, 512, device="cuda", dtype=torch.bfloat16)
         ones = torch.ones(batch, device="cuda", dtype=torch.int32)
-        for ablate, part in PARTS.items():
-            def call(ablate=ablate):
+        variants = [(part, {"ablate": a}) for a, part in PARTS.items()]
+        variants += [(f"pingpong, {r} registers", {"pingpong": True, "consumer_regs": r}) for r in (232, 240)]
+        for part, options in variants:
+            def call(options=options):
                 launch_mla_decode_gluon(q, kv, out, out, out, kv_indptr, kv_indices, seq_lens, ones, 1, page,
-                                        576 ** -0.5, True, (0, 0, 0, 0, 0), ablate=ablate)
+                                        576 ** -0.5, True, (0, 0, 0, 0, 0), **options)
 
             us, _ = time_call(call, use_graph=True)
             tiles = batch * 2 * seq // 64  # (request, head group) x 64-key tiles

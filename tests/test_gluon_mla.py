@@ -25,6 +25,7 @@ from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
 
 GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon")
+GLUON_WS = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_ws")
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -50,7 +51,7 @@ def run(sb, splits, write_final, config):
 def test_gluon_tile_is_fixed_and_recorded_by_sweeps():
     with pytest.raises(ValueError, match="tile is fixed"):
         MLADecodeConfig(32, 64, 8, 2, kernel="gluon")
-    with pytest.raises(ValueError, match="'triton' or 'gluon'"):
+    with pytest.raises(ValueError, match="'triton', 'gluon' or 'gluon_ws'"):
         MLADecodeConfig(kernel="cuda")
     assert GLUON.for_heads(16) == GLUON  # one 64-row wgmma; the kernel masks heads past 16
     rows = [{"workload": "w", **dataclasses.asdict(GLUON), "us": 10.0},
@@ -83,13 +84,14 @@ def test_gluon_mla_decode_compiles_for_sm90_without_spills(page_size):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; its CPU coverage is above")
+@pytest.mark.parametrize("config", [GLUON, GLUON_WS], ids=["lockstep", "pingpong"])
 @pytest.mark.parametrize("page_size", [1, 64, 16])
-def test_gluon_mla_decode_matches_oracle(page_size):
+def test_gluon_mla_decode_matches_oracle(page_size, config):
     """Ragged lengths (partial last tiles, a 1-token request), splits forced on and off, 128 and 16 heads."""
     for heads in (128, 16):
         sb = deepseek_batch([70, 1, 300, 129, 64], page_size, heads, "cuda", seed=page_size + heads)
         ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
         for splits, final in (([1] * 5, True), ([1] * 5, False), ([2, 1, 5, 3, 1], False), ([7] * 5, False)):
-            out = run(sb, splits, final, GLUON)
+            out = run(sb, splits, final, config)
             assert not out.isnan().any(), (heads, splits, final)
             assert rel_err(out, ref) < 1e-2, (heads, splits, final, rel_err(out, ref))

@@ -25,6 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -202,12 +203,213 @@ def _mla_decode_gluon_kernel(
             gl.store(PartialLse + b * stride_lb + head_l * stride_lh + split, lse, mask=head_l < NUM_HEADS)
 
 
+# ---- warp-specialised ping-pong (FlashMLA's schedule) ------------------------------------------------------------
+# Two 4-warp consumer partitions, one per warpgroup, take turns owning key tiles: the owner of tile t (t % 2)
+# computes its whole 64 x 64 score (n64 wgmmas: two thirds of the shared-memory reads per FLOP of the n32 split
+# above), the softmax against the chain's running max (m of tile t-1, from the other warpgroup), and publishes the
+# probabilities, the rescale factor and the new max in shared memory; both warpgroups multiply them by their half
+# of the tile's latent (the owner with the probabilities in registers). While one warpgroup runs its softmax the
+# other's wgmmas keep the tensor cores busy. A third, 4-warp producer partition (few registers) gathers the
+# latent rows by cp.async into a two-stage ring: stage s holds the tiles of warpgroup s.
+#
+# mbarriers, each completing one phase per tile of its stage / owner (tile t: phase (t // 2) & 1):
+#   loaded[s]  the tile's copies have landed (128 arrivals: every producer thread)
+#   free[s]    both warpgroups' PV of the tile in stage s are done (2 arrivals)
+#   ready[w]   warpgroup w published its tile's probabilities, rescale factor and max
+#   fin[w]     warpgroup w's row sum is in shared memory (the epilogue adds the two)
+PINGPONG_CONSUMER_REGS = 232  # two warpgroups at 232 + the producer at 40: 64512 of the SM's 65536 registers
+PINGPONG_MAXNREG = 168  # the kernel-wide figure the partitions' budgets are carved from: 168 x 384 threads
+
+
+@gluon.jit
+def _pingpong_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c_ring, r_ring, loaded, free,
+                       LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    BLOCK_N: gl.constexpr = 64
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 128 B of a row per 8 threads
+    copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
+    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
+    rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+    for t in range(num_tiles):
+        stage = t % 2
+        # the stage's previous tile (t - 2) must be done by both warpgroups
+        mbarrier.wait(free.index(stage), ((t // 2) & 1) ^ 1, pred=t >= 2)
+        base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [BLOCK_N, ROPE] pointers, 4 rows a thread
+        rows = _tile_rows(kv_indices, page_base, lo + (t + 1) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        c_dst = c_ring.index(stage)
+        for k in gl.static_range(LATENT // ROPE):  # 64 columns (128 B) at a time: 4 addresses live, not 36
+            async_copy.async_copy_global_to_shared(c_dst.slice(k * ROPE, ROPE, dim=1), base + k * ROPE)
+        async_copy.async_copy_global_to_shared(r_ring.index(stage), base + LATENT)
+        async_copy.mbarrier_arrive(loaded.index(stage), increment_count=False)  # when this thread's copies land
+
+
+@gluon.jit
+def _pingpong_consumer(
+    Q, Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    q_c_smem, q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem, loaded, free, ready, fin,
+    W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr,
+):
+    BLOCK_H: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = 64
+    HALF: gl.constexpr = LATENT // 2
+    dtype: gl.constexpr = Q.dtype.element_ty
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    m_last = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # the chain's max after the last tile seen
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)  # this warpgroup's tiles' row sums, kept at m_last
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # columns W * HALF ... of the output
+    for t in range(num_tiles):
+        stage = t % 2
+        phase = (t // 2) & 1
+        c_tile = c_ring.index(stage)
+        v_half = c_tile.slice(W * HALF, HALF, dim=1)  # [BLOCK_N, HALF]
+        if stage == W:  # this warpgroup's tile: score, softmax, publish, PV
+            mbarrier.wait(loaded.index(W), phase)
+            fence_async_shared()  # cp.async's writes before the wgmmas read them
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)  # made here: not live across the loop
+            s = warpgroup_mma(q_r_smem, r_ring.index(W).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_c_smem, c_tile.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            offs_n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_last, gl.max(s, axis=1))
+            alpha = gl.exp2(m_last - m_new)
+            p = gl.exp2(s - m_new[:, None]).to(dtype)
+            l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
+            m_last = m_new
+            p_smem.store(p)
+            alpha_smem.store(alpha)
+            m_smem.store(m_new)
+            fence_async_shared()  # the other warpgroup's wgmma reads p_smem
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(W), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p, p_layout), v_half, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        else:  # the other warpgroup's tile: its probabilities times this warpgroup's half
+            mbarrier.wait(ready.index(1 - W), phase)
+            fence_async_shared()
+            alpha = alpha_smem.load(row_s)
+            m_last = m_smem.load(row_s)
+            l_i = l_i * alpha
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(p_smem, v_half, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(stage), count=1)
+
+    # the row sum is the two warpgroups' (each kept at the chain's final max, m_last in both)
+    l_smem.slice(W * BLOCK_H, BLOCK_H).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(fin.index(W), count=1)
+    mbarrier.wait(fin.index(1 - W), 0)
+    l_tot = l_i + l_smem.slice((1 - W) * BLOCK_H, BLOCK_H).load(row_s)
+    l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
+    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    head_o = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
+    offs_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    o_mask = ((head_o < NUM_HEADS) & active)[:, None]
+    if WRITE_FINAL:
+        gl.store(Out + b * stride_ob + head_o[:, None] * stride_oh + offs_o[None, :], o.to(dtype), mask=o_mask)
+    else:
+        gl.store(PartialO + b * stride_pb + head_o[:, None] * stride_ph + split * stride_ps + offs_o[None, :], o,
+                 mask=o_mask)
+        if W == 0:
+            head_l = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
+            lse = gl.where(l_tot > 0.0, m_last + gl.log2(l_safe), float("-inf"))
+            gl.store(PartialLse + b * stride_lb + head_l * stride_lh + split, lse, mask=(head_l < NUM_HEADS) & active)
+
+
+@gluon.jit
+def _mla_decode_pingpong_kernel(
+    Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, qk_scale_log2,
+    stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    BLOCK_H: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = 64
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    c_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype)
+    r_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+
+    hg = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    n_splits = gl.load(num_splits + b)
+    active = split < n_splits
+    seq = gl.load(seq_lens + b)
+    chunk = gl.cdiv(gl.cdiv(seq, n_splits), BLOCK_N) * BLOCK_N  # mla_decode.split_bounds
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, seq)
+    num_tiles = gl.where(active, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), 0)
+    page_base = gl.load(kv_indptr + b)
+
+    # the query in shared memory, the score wgmma's A: q_c [64, 512] (64 KB) and q_pe [64, 64] (8 KB)
+    head = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
+    q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]: 64 columns at a time
+    q_mask = (head < NUM_HEADS)[:, None]
+    q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout)
+    for k in gl.static_range(LATENT // ROPE):
+        q_c_smem.slice(k * ROPE, ROPE, dim=1).store(gl.load(q_ptrs + k * ROPE, mask=q_mask, other=0.0))
+    q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], r_smem_layout,
+                                         gl.load(q_ptrs + LATENT, mask=q_mask, other=0.0))
+    c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
+    r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)  # 16 KB
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_smem_layout)  # 8 KB
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)
+    m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)  # each warpgroup's row sums
+    loaded = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    fin = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(loaded.index(i), count=128)  # one cp.async arrival per producer thread
+        mbarrier.init(free.index(i), count=2)
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(fin.index(i), count=1)
+    fence_async_shared()  # the query's stores and the barriers' init before the partitions use them
+
+    gl.warp_specialize([
+        (_pingpong_producer, (KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c_ring, r_ring, loaded, free,
+                              LATENT, ROPE, PAGE_SIZE)),
+        (_pingpong_consumer, (Q, Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
+                              stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
+                              q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem, loaded, free, ready, fin,
+                              0, NUM_HEADS, LATENT, WRITE_FINAL)),
+        (_pingpong_consumer, (Q, Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
+                              stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
+                              q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem, loaded, free, ready, fin,
+                              1, NUM_HEADS, LATENT, WRITE_FINAL)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
 def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
                             max_splits: int, page_size: int, sm_scale: float, write_final: bool,
-                            partial_strides: tuple[int, ...], ablate: int = 0) -> None:
-    """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials)."""
+                            partial_strides: tuple[int, ...], ablate: int = 0, pingpong: bool = False,
+                            consumer_regs: int = 0) -> None:
+    """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials); `pingpong`: the
+    warp-specialised kernel below instead of the lockstep one."""
     batch, num_heads, _ = q.shape
     grid = (triton.cdiv(num_heads, GLUON_BLOCK_H), batch, max_splits)
+    if pingpong:
+        _mla_decode_pingpong_kernel[grid](
+            q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, sm_scale * LOG2E,
+            q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,
+            NUM_HEADS=num_heads, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size, WRITE_FINAL=write_final,
+            CONSUMER_REGS=consumer_regs or PINGPONG_CONSUMER_REGS, num_warps=4, maxnreg=PINGPONG_MAXNREG,
+        )
+        return
     _mla_decode_gluon_kernel[grid](
         q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,
