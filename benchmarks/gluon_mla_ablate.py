@@ -33,13 +33,14 @@ def inputs(batch: int, seq: int, page_size: int, heads: int = 128):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", default=None)
+    p.add_argument("--pingpong-only", action="store_true", help="time only the warp-specialised kernel")
     args = p.parse_args()
     rows = []
     for batch, seq, page in ((128, 4096, 1), (64, 8192, 64)):
         q, kv, kv_indptr, kv_indices, seq_lens = inputs(batch, seq, page)
         out = torch.empty(batch, 128, 512, device="cuda", dtype=torch.bfloat16)
         ones = torch.ones(batch, device="cuda", dtype=torch.int32)
-        variants = [(part, {"ablate": a}) for a, part in PARTS.items()]
+        variants = [] if args.pingpong_only else [(part, {"ablate": a}) for a, part in PARTS.items()]
         variants += [(f"pingpong, {r} registers", {"pingpong": True, "consumer_regs": r}) for r in (232, 240)]
         for part, options in variants:
             def call(options=options):

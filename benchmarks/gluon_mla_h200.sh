@@ -32,4 +32,4 @@ kill "$WARM" 2>/dev/null
 echo "== FlashInfer build"; tail -3 "$LOGS/warm.log"
 echo "done in $(( $(date +%s) - START )) s"
 echo "== 3. ablation ($(left) s left)"
-timeout "$(cap 90)" python3 benchmarks/gluon_mla_ablate.py --json "$OUT/gluon-mla-ablate-h200.json" 2>&1 | tail -12
+timeout "$(cap 90)" python3 benchmarks/gluon_mla_ablate.py ${ABLATE_ARGS:-} --json "$OUT/gluon-mla-ablate-h200.json" 2>&1 | tail -12
