@@ -8,9 +8,9 @@
 #   3. the MLA race with those tiles and the fastest extend tile: triton vs FlashInfer MLA fa3, each checked
 #      against the oracle first
 # FlashInfer's MLA fa3 JIT build runs in the background from the start.
-# Results under $OUT: sweep-triton-mla-h200-4.json (with "tile_rules"), mla_decode_tiles.json (the table
+# Results under $OUT: sweep-triton-mla-h200-5.json (with "tile_rules"), mla_decode_tiles.json (the table
 # the race ran), kernels-mla-h200.json (+ PNG), logs-mla-iter/. To keep the tiles without a GPU:
-#   python benchmarks/sweep_triton_mla.py --apply <copied sweep-triton-mla-h200-4.json>
+#   python benchmarks/sweep_triton_mla.py --apply <copied sweep-triton-mla-h200-5.json>
 #
 # Run from the repo root with the FlashInfer wheels in .whl/ (fetch: /work/shared/tools/fetch-gpu-wheels.sh):
 #   OUT=<results folder> bash benchmarks/mla_h200_iter.sh      (OUT defaults to benchmarks/results)
@@ -23,13 +23,13 @@ python3 benchmarks/warm_flashinfer.py "mla fa3" > "$LOGS/warm.log" 2>&1 &
 WARM=$!
 
 echo "== 1. MLA kernel tests on CUDA"
-timeout "$(cap 80)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py tests/test_triton_mla_backend.py \
-  tests/test_mla_decode_tiles.py tests/test_engine_gpu_mla.py > "$LOGS/pytest-mla.log" 2>&1
+timeout "$(cap 110)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py tests/test_triton_mla_backend.py \
+  tests/test_mla_decode_tiles.py tests/test_engine_gpu_mla.py tests/test_gluon_mla.py > "$LOGS/pytest-mla.log" 2>&1
 echo "pytest mla rc=$?"; tail -4 "$LOGS/pytest-mla.log"
 
 echo "== 2. decode + extend tile sweep ($(left) s left)"
-SWEEP="$OUT/sweep-triton-mla-h200-4.json"
-timeout "$(cap 170)" python3 benchmarks/sweep_triton_mla.py --budget-s $(( $(left) - 100 )) \
+SWEEP="$OUT/sweep-triton-mla-h200-5.json"
+timeout "$(cap 170)" python3 benchmarks/sweep_triton_mla.py ${SWEEP_ARGS:-} --budget-s $(( $(left) - 100 )) \
   --out "$SWEEP" > "$LOGS/sweep-mla.log" 2>&1
 echo "sweep rc=$?"
 python3 - "$SWEEP" <<'PY'

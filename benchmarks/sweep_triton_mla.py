@@ -31,16 +31,13 @@ from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
-# (block_h, block_n, num_warps, num_stages, defer_pv, split_waves); a workload's time share may end the list, so
-# the third H200 sweep's winners come first (sweep-triton-mla-h200-3.json: 64/64/8/2 at 128 heads over 64-token
-# pages, 32/64/4/2 over single tokens, 16/64/4/2 in one wave at 16 heads), then their split waves, 32-head
-# groups on 8 warps (no spills, ptxas: benchmarks/compile_mla_sm90.py), one deferred-PV tile as the reference
-# (it lost at 128 heads in sweep 3), and the 16-head tiles around the one-wave winner.
-DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v) for h, n, w, s, d, v in (
-    (64, 64, 8, 2, False, 0), (32, 64, 4, 2, False, 0), (16, 64, 4, 2, False, 1), (64, 64, 8, 2, False, 1),
-    (32, 64, 4, 2, False, 1), (32, 64, 8, 2, False, 0), (32, 32, 8, 2, False, 0), (32, 32, 4, 3, False, 0),
-    (64, 32, 8, 2, True, 0), (16, 64, 8, 2, False, 1), (16, 64, 4, 2, False, 0.5), (16, 64, 8, 2, False, 0.5),
-    (16, 32, 4, 3, False, 1), (16, 64, 4, 2, False, 0))]
+# (block_h, block_n, num_warps, num_stages, defer_pv, split_waves, kernel); a workload's time share may end the
+# list, so the Gluon kernels come first (mla_decode_gluon.py: the warp-specialised ping-pong at one and half a wave
+# of splits, the lockstep one), then the Triton tiles the fourth H200 sweep kept (sweep-triton-mla-h200-4.json:
+# 64/64/8w/2s at 128 heads, 16/64/8w/2s at 16 heads, one wave each) and the 16-head tile on 4 warps.
+DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v, k) for h, n, w, s, d, v, k in (
+    (64, 64, 8, 2, False, 1, "gluon_ws"), (64, 64, 8, 2, False, 0.5, "gluon_ws"), (64, 64, 8, 2, False, 1, "gluon"),
+    (64, 64, 8, 2, False, 1, "triton"), (16, 64, 8, 2, False, 1, "triton"), (16, 64, 4, 2, False, 1, "triton"))]
 # extend: the shipped 32/32/4/2 first, then 32 rows on 8 warps (no spills, against 64 B at 4 warps), 64 rows on
 # 8 warps with and without the deferred PV
 EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s, d) for m, n, w, s, d in (

@@ -27,7 +27,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -244,32 +243,6 @@ def _pingpong_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt,
 
 
 @gluon.jit
-def _issue_score(q_c_smem, q_r_smem, c_tile, r_tile, loaded_bar, phase, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                 s_layout: gl.constexpr):
-    """The 64 x 64 score of a landed tile, issued (not waited on): q_pe . k_pe + q_c . c."""
-    mbarrier.wait(loaded_bar, phase)
-    fence_async_shared()  # cp.async's writes before the wgmmas read them
-    s = warpgroup_mma(q_r_smem, r_tile.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout),
-                      use_acc=False, is_async=True)
-    return warpgroup_mma(q_c_smem, c_tile.permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _other_tile(t, acc, l_i, c_ring, p_smem, alpha_smem, m_smem, ready, W: gl.constexpr, HALF: gl.constexpr,
-                row_s: gl.constexpr, row_o: gl.constexpr):
-    """The other warpgroup's tile t: its published probabilities times this warpgroup's half of the latent, after
-    the rescale it published. Returns the output, the row sums and the chain's max after tile t."""
-    stage = t % 2
-    mbarrier.wait(ready.index(1 - W), (t // 2) & 1)
-    fence_async_shared()
-    alpha = alpha_smem.load(row_s)
-    m_last = m_smem.load(row_s)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    acc = warpgroup_mma(p_smem, c_ring.index(stage).slice(W * HALF, HALF, dim=1), acc, is_async=True)
-    return acc, l_i * alpha, m_last
-
-
-@gluon.jit
 def _pingpong_consumer(
     Q, Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -290,43 +263,45 @@ def _pingpong_consumer(
     m_last = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # the chain's max after the last tile seen
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)  # this warpgroup's tiles' row sums, kept at m_last
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # columns W * HALF ... of the output
-    # one iteration per own tile t: the other's tile t-1, with this tile's score issued first so that its wgmmas
-    # run while the other warpgroup is in its softmax, then this tile's softmax, publication and PV
-    for i in range(gl.cdiv(num_tiles - W, 2)):
-        t = 2 * i + W
-        stage: gl.constexpr = W
-        s = _issue_score(q_c_smem, q_r_smem, c_ring.index(stage), r_ring.index(stage), loaded.index(stage), i & 1,
-                         BLOCK_H, BLOCK_N, s_layout)
-        if t >= 1:
-            acc, l_i, m_last = _other_tile(t - 1, acc, l_i, c_ring, p_smem, alpha_smem, m_smem, ready, W, HALF, row_s,
-                                           row_o)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # (groups retire in order: the score too)
+    for t in range(num_tiles):
+        stage = t % 2
+        phase = (t // 2) & 1
+        c_tile = c_ring.index(stage)
+        v_half = c_tile.slice(W * HALF, HALF, dim=1)  # [BLOCK_N, HALF]
+        if stage == W:  # this warpgroup's tile: score, softmax, publish, PV
+            mbarrier.wait(loaded.index(W), phase)
+            fence_async_shared()  # cp.async's writes before the wgmmas read them
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)  # made here: not live across the loop
+            s = warpgroup_mma(q_r_smem, r_ring.index(W).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_c_smem, c_tile.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            offs_n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_last, gl.max(s, axis=1))
+            alpha = gl.exp2(m_last - m_new)
+            p = gl.exp2(s - m_new[:, None]).to(dtype)
+            l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
+            m_last = m_new
+            p_smem.store(p)
+            alpha_smem.store(alpha)
+            m_smem.store(m_new)
+            fence_async_shared()  # the other warpgroup's wgmma reads p_smem
             gl.thread_barrier()
-            mbarrier.arrive(free.index(1 - stage), count=1)
-        score = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        offs_n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        score = gl.where((offs_n < hi)[None, :], score * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_last, gl.max(score, axis=1))
-        alpha = gl.exp2(m_last - m_new)
-        p = gl.exp2(score - m_new[:, None]).to(dtype)
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
-        m_last = m_new
-        p_smem.store(p)
-        alpha_smem.store(alpha)
-        m_smem.store(m_new)
-        fence_async_shared()  # the other warpgroup's wgmma reads p_smem
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(W), count=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p, p_layout), c_ring.index(stage).slice(W * HALF, HALF, dim=1), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(ready.index(W), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p, p_layout), v_half, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        else:  # the other warpgroup's tile: its probabilities times this warpgroup's half
+            mbarrier.wait(ready.index(1 - W), phase)
+            fence_async_shared()
+            alpha = alpha_smem.load(row_s)
+            m_last = m_smem.load(row_s)
+            l_i = l_i * alpha
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(p_smem, v_half, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(free.index(stage), count=1)
-    if (num_tiles - 1) % 2 != W and num_tiles > 0:  # the last tile is the other's
-        acc, l_i, m_last = _other_tile(num_tiles - 1, acc, l_i, c_ring, p_smem, alpha_smem, m_smem, ready, W, HALF,
-                                       row_s, row_o)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     # the row sum is the two warpgroups' (each kept at the chain's final max, m_last in both)
     l_smem.slice(W * BLOCK_H, BLOCK_H).store(l_i)
