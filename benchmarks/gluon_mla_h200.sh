@@ -18,7 +18,7 @@ WARM=$!
 
 echo "== 1. compile report and the Gluon kernels against the oracle"
 python3 benchmarks/compile_mla_sm90.py --gluon 1 --gluon-ws 1 --json 2>&1 | tail -2
-timeout "$(cap 100)" python3 -m pytest -q -x -p no:cacheprovider tests/test_gluon_mla.py > "$LOGS/pytest-gluon.log" 2>&1
+timeout "$(cap 100)" python3 -m pytest -q -x -p no:cacheprovider tests/test_gluon_mla.py ${PYTEST_ARGS:-} > "$LOGS/pytest-gluon.log" 2>&1
 echo "pytest rc=$?"; grep -E "passed|failed|Error|assert" "$LOGS/pytest-gluon.log" | head -20
 
 for K in ${KERNELS:-gluon_ws gluon}; do
