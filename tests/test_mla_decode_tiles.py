@@ -1,6 +1,7 @@
 """The Triton MLA decode tile table: rules per arch, head count and page size, kept equal to the sweep it
 came from, and rewritten from a new sweep without hand-copying (all on the CPU)."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -24,11 +25,13 @@ SHAPES = {w.name: (w.mla.num_heads, w.page_size) for w in MLA_WORKLOADS if w.kin
 
 
 def test_h200_tiles_follow_the_shape():
-    """What the fourth H200 sweep measured (sweep-triton-mla-h200-4.json): 128 heads in 64-head groups over
-    64-key tiles on 8 warps, 16 heads in 16-head groups on 8 warps, each with the split plan at one wave."""
+    """What the fifth H200 sweep measured (sweep-triton-mla-h200-5.json): 128 heads on the warp-specialised Gluon
+    kernel (half a wave of splits over 64-token pages, one wave over single tokens), 16 heads in 16-head groups
+    of the Triton kernel on 8 warps at one wave."""
     h200 = GpuTarget.of((9, 0))
-    assert default_mla_decode_config("cuda", h200, 128, 64) == MLADecodeConfig(64, 64, 8, 2, split_waves=1)
-    assert default_mla_decode_config("cuda", h200, 128, 1) == MLADecodeConfig(64, 64, 8, 2, split_waves=1)
+    ws = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_ws")
+    assert default_mla_decode_config("cuda", h200, 128, 64) == dataclasses.replace(ws, split_waves=0.5)
+    assert default_mla_decode_config("cuda", h200, 128, 1) == dataclasses.replace(ws, split_waves=1)
     assert default_mla_decode_config("cuda", h200, 16, 64) == MLADecodeConfig(16, 64, 8, 2, split_waves=1)
     assert tiles_for("sm75", 128, 64) == tiles_for("default", 128, 64)  # an unknown arch takes the default rules
     assert default_mla_decode_config("cpu", None, 128, 64).block_n == 16  # the interpreter's small tiles

@@ -203,21 +203,20 @@ def _mla_decode_gluon_kernel(
             gl.store(PartialLse + b * stride_lb + head_l * stride_lh + split, lse, mask=head_l < NUM_HEADS)
 
 
-# ---- warp-specialised, two independent softmax chains ------------------------------------------------------------
-# Two 4-warp consumer partitions, one per warpgroup, each own every other key tile: the owner of tile t (t % 2)
+# ---- warp-specialised ping-pong (FlashMLA's schedule) ------------------------------------------------------------
+# Two 4-warp consumer partitions, one per warpgroup, take turns owning key tiles: the owner of tile t (t % 2)
 # computes its whole 64 x 64 score (n64 wgmmas: two thirds of the shared-memory reads per FLOP of the n32 split
-# above), its softmax against its own running max, and publishes the probabilities (in the tile's spent rope
-# slot), the max they are relative to and their row sums; both warpgroups multiply them by their half of the
-# tile's latent. Each warpgroup keeps its output half and row sums relative to its own running max and brings
-# the other's tiles to it (a factor per row on the probabilities), so neither waits on the other's softmax, only
-# on its probabilities: the two warpgroups' scores, softmaxes and PVs interleave on the tensor cores. A third,
-# 4-warp producer partition (few registers) gathers the latent rows by cp.async into a two-stage ring: stage s
-# holds the tiles of warpgroup s.
+# above), the softmax against the chain's running max (m of tile t-1, from the other warpgroup), and publishes the
+# probabilities, the rescale factor and the new max in shared memory; both warpgroups multiply them by their half
+# of the tile's latent (the owner with the probabilities in registers). While one warpgroup runs its softmax the
+# other's wgmmas keep the tensor cores busy. A third, 4-warp producer partition (few registers) gathers the
+# latent rows by cp.async into a two-stage ring: stage s holds the tiles of warpgroup s.
 #
-# mbarriers, each completing one phase per pair of tiles (tile t: phase (t // 2) & 1):
-#   loaded[s]  the tile in stage s has landed (128 arrivals: every producer thread)
+# mbarriers, each completing one phase per tile of its stage / owner (tile t: phase (t // 2) & 1):
+#   loaded[s]  the tile's copies have landed (128 arrivals: every producer thread)
 #   free[s]    both warpgroups' PV of the tile in stage s are done (2 arrivals)
-#   ready[w]   warpgroup w published its tile's probabilities, max and row sums
+#   ready[w]   warpgroup w published its tile's probabilities, rescale factor and max
+#   fin[w]     warpgroup w's row sum is in shared memory (the epilogue adds the two)
 PINGPONG_CONSUMER_REGS = 232  # two warpgroups at 232 + the producer at 40: 64512 of the SM's 65536 registers
 PINGPONG_MAXNREG = 168  # the kernel-wide figure the partitions' budgets are carved from: 168 x 384 threads
 
@@ -247,7 +246,7 @@ def _pingpong_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt,
 def _pingpong_consumer(
     Q, Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    q_c_smem, q_r_smem, c_ring, r_ring, m_pub, sum_pub, loaded, free, ready,
+    q_c_smem, q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem, loaded, free, ready, fin,
     W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr,
 ):
     BLOCK_H: gl.constexpr = 64
@@ -261,59 +260,56 @@ def _pingpong_consumer(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    m_ref = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # what acc and l_i are relative to
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)  # row sums of every tile seen (both warpgroups')
+    m_last = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # the chain's max after the last tile seen
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)  # this warpgroup's tiles' row sums, kept at m_last
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # columns W * HALF ... of the output
-    for i in range(gl.cdiv(num_tiles, 2)):  # this warpgroup's tile 2i + W, then the other's 2i + 1 - W
-        phase = i & 1
-        if 2 * i + W < num_tiles:
-            c_tile = c_ring.index(W)
-            r_tile = r_ring.index(W)
+    for t in range(num_tiles):
+        stage = t % 2
+        phase = (t // 2) & 1
+        c_tile = c_ring.index(stage)
+        v_half = c_tile.slice(W * HALF, HALF, dim=1)  # [BLOCK_N, HALF]
+        if stage == W:  # this warpgroup's tile: score, softmax, publish, PV
             mbarrier.wait(loaded.index(W), phase)
             fence_async_shared()  # cp.async's writes before the wgmmas read them
-            s = warpgroup_mma(q_r_smem, r_tile.permute((1, 0)),
-                              gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)  # made here: not live across the loop
+            s = warpgroup_mma(q_r_smem, r_ring.index(W).permute((1, 0)), s, use_acc=False, is_async=True)
             s = warpgroup_mma(q_c_smem, c_tile.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            offs_n = lo + (2 * i + W) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            offs_n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_ref, gl.max(s, axis=1))
-            alpha = gl.exp2(m_ref - m_new)
+            m_new = gl.maximum(m_last, gl.max(s, axis=1))
+            alpha = gl.exp2(m_last - m_new)
             p = gl.exp2(s - m_new[:, None]).to(dtype)
-            row_sum = gl.sum(p.to(gl.float32), axis=1)
-            l_i = l_i * alpha + row_sum
-            m_ref = m_new
-            r_tile.store(p)  # the rope keys are spent (the score is waited on): the probabilities take their place
-            m_pub.slice(W * BLOCK_H, BLOCK_H).store(m_new)
-            sum_pub.slice(W * BLOCK_H, BLOCK_H).store(row_sum)
-            fence_async_shared()  # the other warpgroup's wgmma reads them
+            l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
+            m_last = m_new
+            p_smem.store(p)
+            alpha_smem.store(alpha)
+            m_smem.store(m_new)
+            fence_async_shared()  # the other warpgroup's wgmma reads p_smem
             gl.thread_barrier()
             mbarrier.arrive(ready.index(W), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p, p_layout), c_tile.slice(W * HALF, HALF, dim=1), acc,
-                                is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p, p_layout), v_half, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()
-            mbarrier.arrive(free.index(W), count=1)
-        if 2 * i + 1 - W < num_tiles:  # the other's tile, brought to this warpgroup's max
+        else:  # the other warpgroup's tile: its probabilities times this warpgroup's half
             mbarrier.wait(ready.index(1 - W), phase)
-            m_t = m_pub.slice((1 - W) * BLOCK_H, BLOCK_H).load(row_s)
-            m_new = gl.maximum(m_ref, m_t)
-            alpha = gl.exp2(m_ref - m_new)
-            beta = gl.exp2(m_t - m_new)
-            l_i = l_i * alpha + beta * sum_pub.slice((1 - W) * BLOCK_H, BLOCK_H).load(row_s)
-            m_ref = m_new
-            p = r_ring.index(1 - W).load(s_layout).to(gl.float32) * beta[:, None]
+            fence_async_shared()
+            alpha = alpha_smem.load(row_s)
+            m_last = m_smem.load(row_s)
+            l_i = l_i * alpha
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), c_ring.index(1 - W).slice(W * HALF, HALF,
-                                                                                                     dim=1),
-                                acc, is_async=True)
+            acc = warpgroup_mma(p_smem, v_half, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()
-            mbarrier.arrive(free.index(1 - W), count=1)
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(stage), count=1)
 
-    # acc and l_i hold every tile relative to this warpgroup's max: its half of the output is complete
-    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    # the row sum is the two warpgroups' (each kept at the chain's final max, m_last in both)
+    l_smem.slice(W * BLOCK_H, BLOCK_H).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(fin.index(W), count=1)
+    mbarrier.wait(fin.index(1 - W), 0)
+    l_tot = l_i + l_smem.slice((1 - W) * BLOCK_H, BLOCK_H).load(row_s)
+    l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
     o = acc / gl.convert_layout(l_safe, row_o)[:, None]
     head_o = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
     offs_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
@@ -325,7 +321,7 @@ def _pingpong_consumer(
                  mask=o_mask)
         if W == 0:
             head_l = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
-            lse = gl.where(l_i > 0.0, m_ref + gl.log2(l_safe), float("-inf"))
+            lse = gl.where(l_tot > 0.0, m_last + gl.log2(l_safe), float("-inf"))
             gl.store(PartialLse + b * stride_lb + head_l * stride_lh + split, lse, mask=(head_l < NUM_HEADS) & active)
 
 
@@ -342,6 +338,7 @@ def _mla_decode_pingpong_kernel(
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     c_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype)
     r_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
 
     hg = gl.program_id(0)
@@ -368,15 +365,19 @@ def _mla_decode_pingpong_kernel(
                                          gl.load(q_ptrs + LATENT, mask=q_mask, other=0.0))
     c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
     r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)  # 16 KB
-    m_pub = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)  # each warpgroup's published max
-    sum_pub = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)  # ... and row sums
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_smem_layout)  # 8 KB
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)
+    m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)  # each warpgroup's row sums
     loaded = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    fin = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(loaded.index(i), count=128)  # one cp.async arrival per producer thread
         mbarrier.init(free.index(i), count=2)
         mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(fin.index(i), count=1)
     fence_async_shared()  # the query's stores and the barriers' init before the partitions use them
 
     gl.warp_specialize([
@@ -384,11 +385,11 @@ def _mla_decode_pingpong_kernel(
                               LATENT, ROPE, PAGE_SIZE)),
         (_pingpong_consumer, (Q, Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
                               stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
-                              q_r_smem, c_ring, r_ring, m_pub, sum_pub, loaded, free, ready,
+                              q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem, loaded, free, ready, fin,
                               0, NUM_HEADS, LATENT, WRITE_FINAL)),
         (_pingpong_consumer, (Q, Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
                               stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
-                              q_r_smem, c_ring, r_ring, m_pub, sum_pub, loaded, free, ready,
+                              q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem, loaded, free, ready, fin,
                               1, NUM_HEADS, LATENT, WRITE_FINAL)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
