@@ -6,7 +6,6 @@ Hopper MMA layouts (warpsPerCTA [8, 1] on a 64-row score tile means both warpgro
     python benchmarks/compile_mla_sm90.py                   # the shipped sm90 tiles and the sweep's new ones
     python benchmarks/compile_mla_sm90.py --decode 64,32,8,2,1,64   # block_h,block_n,warps,stages,defer_pv,page
     python benchmarks/compile_mla_sm90.py --gluon 1 --json          # the Gluon decode kernel over 1-token pages
-    python benchmarks/compile_mla_sm90.py --gluon-ws 64             # its warp-specialised ping-pong, 64-token pages
 
 Pointers and strides are declared 16-divisible, as Triton's launcher specialises them at run time (576-wide
 bf16 rows): without that hint the pipeliner cannot use 16-byte async copies and compiles nothing like what runs.
@@ -79,17 +78,16 @@ def extend_report(block_m, block_n, warps, stages, defer_pv, page_size=1) -> dic
         HAS_CUSTOM_MASK=False, DEFER_PV=bool(defer_pv), DOT_F32=False), warps, stages)
 
 
-def gluon_report(page_size, pingpong=False, heads=128) -> dict:
-    """The lockstep Gluon decode kernel, or (pingpong) the warp-specialised one with its register budgets."""
+def gluon_report(page_size, heads=128) -> dict:
+    """The warp-specialised Gluon decode kernel at its register budgets."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attnserve.attention.kernels import mla_decode_gluon as g
 
-    constexprs = {"NUM_HEADS": heads, "LATENT": 512, "ROPE": 64, "PAGE_SIZE": page_size, "WRITE_FINAL": False}
-    if pingpong:
-        return compile_sm90(g._mla_decode_pingpong_kernel, {**constexprs, "CONSUMER_REGS": g.PINGPONG_CONSUMER_REGS},
-                            4, 1, source=GluonASTSource, maxnreg=g.PINGPONG_MAXNREG)
-    return compile_sm90(g._mla_decode_gluon_kernel, constexprs, g.GLUON_NUM_WARPS, 1, source=GluonASTSource)
+    constexprs = {"NUM_HEADS": heads, "LATENT": 512, "ROPE": 64, "PAGE_SIZE": page_size, "WRITE_FINAL": False,
+                  "CONSUMER_REGS": g.PINGPONG_CONSUMER_REGS}
+    return compile_sm90(g._mla_decode_pingpong_kernel, constexprs, 4, 1, source=GluonASTSource,
+                        maxnreg=g.PINGPONG_MAXNREG)
 
 
 DECODE = [(64, 64, 8, 2, 0, 64), (32, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 64), (64, 32, 8, 2, 1, 64),
@@ -102,13 +100,11 @@ def main() -> int:
     p.add_argument("--decode", action="append", help="block_h,block_n,warps,stages,defer_pv,page_size")
     p.add_argument("--extend", action="append", help="block_m,block_n,warps,stages,defer_pv")
     p.add_argument("--gluon", action="append", type=int, metavar="PAGE_SIZE", help="the Gluon decode kernel")
-    p.add_argument("--gluon-ws", action="append", type=int, metavar="PAGE_SIZE",
-                   help="the warp-specialised Gluon decode kernel")
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
-    if args.gluon or args.gluon_ws:
-        for page, pingpong in [(p, False) for p in args.gluon or []] + [(p, True) for p in args.gluon_ws or []]:
-            report = {"kernel": "gluon_ws" if pingpong else "gluon", "page_size": page, **gluon_report(page, pingpong)}
+    if args.gluon:
+        for page in args.gluon:
+            report = {"kernel": "gluon_ws", "page_size": page, **gluon_report(page)}
             print(json.dumps(report) if args.json else report, flush=True)
         return 0
     decode = [tuple(map(int, s.split(","))) for s in args.decode or []]

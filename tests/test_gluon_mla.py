@@ -24,8 +24,7 @@ from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
 
-GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon")
-GLUON_WS = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_ws")
+GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_ws")
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -50,14 +49,14 @@ def run(sb, splits, write_final, config):
 
 def test_gluon_tile_is_fixed_and_recorded_by_sweeps():
     with pytest.raises(ValueError, match="tile is fixed"):
-        MLADecodeConfig(32, 64, 8, 2, kernel="gluon")
-    with pytest.raises(ValueError, match="'triton', 'gluon' or 'gluon_ws'"):
+        MLADecodeConfig(32, 64, 8, 2, kernel="gluon_ws")
+    with pytest.raises(ValueError, match="'triton' or 'gluon_ws'"):
         MLADecodeConfig(kernel="cuda")
     assert GLUON.for_heads(16) == GLUON  # one 64-row wgmma; the kernel masks heads past 16
     rows = [{"workload": "w", **dataclasses.asdict(GLUON), "us": 10.0},
             {"workload": "w", **dataclasses.asdict(MLADecodeConfig(64, 64, 8, 2)), "us": 20.0}]
     (rule,) = rules_from_sweep(rows, {"w": (128, 1)})
-    assert rule["config"]["kernel"] == "gluon"
+    assert rule["config"]["kernel"] == "gluon_ws"
     assert MLADecodeConfig(**rule["config"]) == GLUON
 
 
@@ -68,30 +67,32 @@ def test_gluon_asked_for_where_it_cannot_run_says_why():
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_gluon_mla_decode_compiles_for_sm90_without_spills(page_size):
+def test_gluon_mla_decode_compiles_for_sm90(page_size):
     """Compiled offline with Triton's ptxas, in a fresh process (the interpreter's jitted helpers cannot compile):
-    a spill, a shared-memory overflow or a changed MMA split shows here before any GPU run."""
+    a shared-memory overflow, a changed MMA split or a jump in spills shows here before any GPU run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_mla_sm90.py"), "--gluon", str(page_size),
                            "--json"], check=False, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["spill_bytes"] == [0, 0] and report["registers"] <= 255
     assert report["smem_kib"] <= 227  # one CTA per SM on Hopper
-    # score: 512 + 64 wide in k16 steps, each warpgroup half the keys; output: 256 columns per warpgroup
-    assert report["wgmma"] == {"m64n32k16": 36, "m64n256k16": 4}
-    assert report["mma"] == [["4, 2", "16, 32, 16"], ["4, 2", "16, 256, 16"]]
+    # each warpgroup: its tiles' whole score (512 + 64 wide, k16 steps, two call sites' worth of instructions in
+    # the two partitions) and 256 output columns; warps_per_cta [4, 1]: nothing computed twice
+    assert report["wgmma"] == {"m64n64k16": 72, "m64n256k16": 16}
+    assert report["mma"] == [["4, 1", "16, 64, 16"], ["4, 1", "16, 256, 16"]]
+    # the consumers hold a 64 x 256 float32 output (128 registers) at a 232-register budget: the spills measured
+    # with the race's numbers (260 B) are allowed, a doubling is not
+    assert report["spill_bytes"][0] <= 512, report
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; its CPU coverage is above")
-@pytest.mark.parametrize("config", [GLUON, GLUON_WS], ids=["lockstep", "pingpong"])
 @pytest.mark.parametrize("page_size", [1, 64, 16])
-def test_gluon_mla_decode_matches_oracle(page_size, config):
+def test_gluon_mla_decode_matches_oracle(page_size):
     """Ragged lengths (partial last tiles, a 1-token request), splits forced on and off, 128 and 16 heads."""
     for heads in (128, 16):
         sb = deepseek_batch([70, 1, 300, 129, 64], page_size, heads, "cuda", seed=page_size + heads)
         ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
         for splits, final in (([1] * 5, True), ([1] * 5, False), ([2, 1, 5, 3, 1], False), ([7] * 5, False)):
-            out = run(sb, splits, final, config)
+            out = run(sb, splits, final, GLUON)
             assert not out.isnan().any(), (heads, splits, final)
             assert rel_err(out, ref) < 1e-2, (heads, splits, final, rel_err(out, ref))

@@ -1,19 +1,25 @@
-"""MLA decode on Hopper in Gluon: 64 heads per CTA over two warpgroups, each owning half of every MMA.
+"""MLA decode on Hopper in Gluon: FlashMLA's warp-specialised ping-pong over 64 heads per CTA.
 
-Why not `triton.language`: a 64-head program keeps a 64 x 512 float32 output (128 registers a thread on
-8 warps), and Triton's Hopper layout then computes the 64 x 64 score tile on both warpgroups (53 % of the
-FLOPs twice) and waits on every wgmma (benchmarks/NOTES.md, MLA). Here every layout is chosen:
+Why not `triton.language`: a 64-head program keeps a 64 x 512 float32 output (128 registers a thread over two
+warpgroups), and Triton's Hopper layout then computes the 64 x 64 score tile on both warpgroups (53 % of the
+FLOPs twice), waits on every wgmma and gives no producer/consumer roles (benchmarks/NOTES.md, MLA). Here:
 
-- the score tile `[64 heads, 64 keys]` is split by keys over the two warpgroups (`warps_per_cta [4, 2]`), so
-  each computes its own half, `q_c` from shared memory and the 64-wide rope part of q from registers;
-- the output `[64, 512]` is split by columns the same way (each warpgroup a 64 x 256 wgmma);
-- the probabilities go through shared memory (both warpgroups need all 64 keys of them);
-- latent rows are gathered by `cp.async` (any page size, page 1 included) into a two-stage ring of
-  `[64, 512]` + `[64, 64]` tiles, the next tile's copies in flight during this tile's MMAs, its page
-  indices loaded one tile earlier still.
+- three partitions: a 4-warp producer (40 registers) gathers latent rows by cp.async (any page size, page 1
+  included) into a two-stage ring of `[64 keys, 512]` + `[64 keys, 64]` tiles; two 4-warp consumers, one per
+  warpgroup, each own the 256 output columns of their half;
+- the warpgroups take turns owning key tiles: the owner of tile t (t % 2, its tiles in stage t % 2) computes
+  the whole 64 x 64 score (n64 wgmmas, q from shared memory), the softmax against the chain's running max (the
+  max after tile t-1, from the other warpgroup) and publishes the probabilities, the rescale factor and the
+  new max in shared memory; both multiply them by their half of the tile's latent (the owner with the
+  probabilities in registers); the producer refills a stage once both have;
+- the two warpgroups' row sums are added at the end.
 
-Shared memory: q_c 64 KB + 2 x 72 KB of latent + 8 KB of probabilities = 216 KB, one CTA per SM.
-The split plan and the LSE merge are mla_decode.py's (the same partial layout), with 64-head groups.
+Shared memory: q 72 KB + 2 x 72 KB of latent + 8 KB of probabilities = 225 KB, one CTA per SM. The split plan
+and the LSE merge are mla_decode.py's (the same partial layout), with 64-head groups.
+
+Two other schedules were raced on the H200 and measured slower (benchmarks/NOTES.md): both warpgroups in
+lockstep, each half of every score and output tile; and the next own score issued before the other
+warpgroup's probabilities are waited on.
 """
 
 from __future__ import annotations
@@ -33,8 +39,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attnserve.attention.kernels.common import LOG2E
 
 GLUON_BLOCK_H = 64  # heads per CTA: one 64-row wgmma per warpgroup
-GLUON_BLOCK_N = 64  # keys per tile
-GLUON_NUM_WARPS = 8  # two warpgroups
 GLUON_LATENT = 512
 GLUON_ROPE = 64
 
@@ -64,154 +68,6 @@ def _tile_rows(kv_indices, page_base, n0, hi, PAGE_SIZE: gl.constexpr, BLOCK_N: 
     return page.to(gl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
 
 
-@gluon.jit
-def _copy_tile(KV, stride_kvt, c_rows, r_rows, c_dst, r_dst,
-               LATENT: gl.constexpr, ROPE: gl.constexpr, c_layout: gl.constexpr, r_layout: gl.constexpr):
-    """cp.async of one tile's latent `[BLOCK_N, LATENT]` and rope key `[BLOCK_N, ROPE]` into a ring stage."""
-    offs_c = gl.arange(0, LATENT, layout=gl.SliceLayout(0, c_layout))
-    async_copy.async_copy_global_to_shared(c_dst, KV + c_rows[:, None] * stride_kvt + offs_c[None, :])
-    offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, r_layout))
-    async_copy.async_copy_global_to_shared(r_dst, KV + r_rows[:, None] * stride_kvt + LATENT + offs_r[None, :])
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _mla_decode_gluon_kernel(
-    Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, qk_scale_log2,
-    stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_FINAL: gl.constexpr, ABLATE: gl.constexpr = 0,
-):
-    # ABLATE (timing only, wrong results; benchmarks/gluon_mla_ablate.py): 1 leaves out the PV wgmma, 2 the score
-    # wgmma, 3 the latent copies inside the loop, 4 the softmax's
-    # reductions and exponentials
-    BLOCK_H: gl.constexpr = 64
-    BLOCK_N: gl.constexpr = 64
-    dtype: gl.constexpr = Q.dtype.element_ty
-    # score [64, 64] and output [64, 512]: both split along columns over the two warpgroups
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, 256, 16])
-    q_r_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    # 16-byte vectors along a row; a warp covers 256 latent columns, 8 warps 8 rows
-    c_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    r_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    c_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype)
-    r_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
-    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
-
-    hg = gl.program_id(0)  # a request's head groups are neighbours in launch order: the second reads from L2
-    b = gl.program_id(1)
-    split = gl.program_id(2)
-    n_splits = gl.load(num_splits + b)
-    if split < n_splits:
-        seq = gl.load(seq_lens + b)
-        chunk = gl.cdiv(gl.cdiv(seq, n_splits), BLOCK_N) * BLOCK_N  # mla_decode.split_bounds
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, seq)
-        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-        page_base = gl.load(kv_indptr + b)
-
-        # the query: q_c [64, 512] into shared memory (the score wgmma's A), q_pe [64, 64] in registers
-        head_c = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, c_layout))
-        offs_c = gl.arange(0, LATENT, layout=gl.SliceLayout(0, c_layout))
-        q_c = gl.load(Q + b * stride_qb + head_c[:, None] * stride_qh + offs_c[None, :],
-                      mask=(head_c < NUM_HEADS)[:, None], other=0.0)
-        q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout, q_c)
-        head_r = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_r_layout))
-        offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_r_layout))
-        q_r = gl.load(Q + b * stride_qb + head_r[:, None] * stride_qh + LATENT + offs_r[None, :],
-                      mask=(head_r < NUM_HEADS)[:, None], other=0.0)
-
-        c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)
-        r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_smem_layout)
-
-        c_rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, c_layout))
-        r_rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, r_layout))
-        _copy_tile(KV, stride_kvt, c_rows, r_rows, c_ring.index(0), r_ring.index(0), LATENT, ROPE, c_layout,
-                   r_layout)
-        c_rows = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
-                            gl.SliceLayout(1, c_layout))
-        r_rows = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
-                            gl.SliceLayout(1, r_layout))
-        fence_async_shared()  # q_c's store before the first wgmma reads it
-
-        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_H, LATENT], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-        for j in range(num_tiles):
-            stage = j % 2
-            n0 = lo + j * BLOCK_N
-            # the next tile into the other stage (its last reader, tile j-1's PV, has been waited on by every
-            # warp at the barrier ending that iteration); past the last tile this re-reads a valid row
-            if ABLATE != 3:
-                _copy_tile(KV, stride_kvt, c_rows, r_rows, c_ring.index(1 - stage), r_ring.index(1 - stage),
-                           LATENT, ROPE, c_layout, r_layout)
-            c_rows = _tile_rows(kv_indices, page_base, n0 + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
-                                gl.SliceLayout(1, c_layout))
-            r_rows = _tile_rows(kv_indices, page_base, n0 + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
-                                gl.SliceLayout(1, r_layout))
-            async_copy.wait_group(1)  # this thread's copies of tile j have landed
-            fence_async_shared()
-            gl.thread_barrier()  # ... and every thread's
-
-            c_tile = c_ring.index(stage)
-            if ABLATE == 2:
-                s = s_zero
-            else:
-                s = warpgroup_mma(q_r, r_ring.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(q_c_smem, c_tile.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
-            if ABLATE == 4:
-                alpha = l_i
-                p = s
-            else:
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            if ABLATE != 1:
-                acc = warpgroup_mma(p_smem, c_tile, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()  # both warpgroups are done with this stage and with p_smem
-        async_copy.wait_group(0)
-
-        # epilogue: the normalised output, or a normalised partial and its base-2 LSE (decode.finish_split)
-        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-        head_o = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-        offs_o = gl.arange(0, LATENT, layout=gl.SliceLayout(0, o_layout))
-        o_mask = (head_o < NUM_HEADS)[:, None]
-        if WRITE_FINAL:
-            gl.store(Out + b * stride_ob + head_o[:, None] * stride_oh + offs_o[None, :], o.to(dtype), mask=o_mask)
-        else:
-            gl.store(PartialO + b * stride_pb + head_o[:, None] * stride_ph + split * stride_ps + offs_o[None, :],
-                     o, mask=o_mask)
-            head_l = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
-            gl.store(PartialLse + b * stride_lb + head_l * stride_lh + split, lse, mask=head_l < NUM_HEADS)
-
-
-# ---- warp-specialised ping-pong (FlashMLA's schedule) ------------------------------------------------------------
-# Two 4-warp consumer partitions, one per warpgroup, take turns owning key tiles: the owner of tile t (t % 2)
-# computes its whole 64 x 64 score (n64 wgmmas: two thirds of the shared-memory reads per FLOP of the n32 split
-# above), the softmax against the chain's running max (m of tile t-1, from the other warpgroup), and publishes the
-# probabilities, the rescale factor and the new max in shared memory; both warpgroups multiply them by their half
-# of the tile's latent (the owner with the probabilities in registers). While one warpgroup runs its softmax the
-# other's wgmmas keep the tensor cores busy. A third, 4-warp producer partition (few registers) gathers the
-# latent rows by cp.async into a two-stage ring: stage s holds the tiles of warpgroup s.
-#
 # mbarriers, each completing one phase per tile of its stage / owner (tile t: phase (t // 2) & 1):
 #   loaded[s]  the tile's copies have landed (128 arrivals: every producer thread)
 #   free[s]    both warpgroups' PV of the tile in stage s are done (2 arrivals)
@@ -396,23 +252,13 @@ def _mla_decode_pingpong_kernel(
 
 def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
                             max_splits: int, page_size: int, sm_scale: float, write_final: bool,
-                            partial_strides: tuple[int, ...], ablate: int = 0, pingpong: bool = False,
-                            consumer_regs: int = 0) -> None:
-    """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials); `pingpong`: the
-    warp-specialised kernel below instead of the lockstep one."""
+                            partial_strides: tuple[int, ...]) -> None:
+    """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials)."""
     batch, num_heads, _ = q.shape
-    grid = (triton.cdiv(num_heads, GLUON_BLOCK_H), batch, max_splits)
-    if pingpong:
-        _mla_decode_pingpong_kernel[grid](
-            q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, sm_scale * LOG2E,
-            q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,
-            NUM_HEADS=num_heads, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size, WRITE_FINAL=write_final,
-            CONSUMER_REGS=consumer_regs or PINGPONG_CONSUMER_REGS, num_warps=4, maxnreg=PINGPONG_MAXNREG,
-        )
-        return
-    _mla_decode_gluon_kernel[grid](
+    grid = (triton.cdiv(num_heads, GLUON_BLOCK_H), batch, max_splits)  # a request's head groups are neighbours
+    _mla_decode_pingpong_kernel[grid](
         q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,
         NUM_HEADS=num_heads, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size, WRITE_FINAL=write_final,
-        ABLATE=ablate, num_warps=GLUON_NUM_WARPS,
+        CONSUMER_REGS=PINGPONG_CONSUMER_REGS, num_warps=4, maxnreg=PINGPONG_MAXNREG,
     )
