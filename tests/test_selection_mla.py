@@ -41,14 +41,15 @@ def test_only_triton_installed_serves_deepseek_with_triton():
 
 
 def test_the_measured_mla_race_puts_deepseek_on_flashinfer_both_sides():
-    """The committed H200 MLA race (FlashInfer MLA fa3 1.2-2.6x our Triton MLA) decides MLA models, not the MHA
-    race, where our Triton decode wins; the trace cites the measured ratio and its source."""
+    """The committed H200 MLA race (FlashInfer MLA fa3 ahead of our MLA kernels on both sides: 1.26x decode, 2.45x
+    extend in mean time) decides MLA models, not the MHA race, where our Triton decode wins; the trace cites the
+    measured ratio and its source."""
     sel = select_backends(H200, DSV2_LITE)
     assert (sel.prefill_backend, sel.decode_backend) == ("flashinfer", "flashinfer"), sel.describe()
     for side in ("prefill", "decode"):
         order, entry = measured.measured_order(H200, side, "MLA")
         assert order[:2] == ("flashinfer", "triton") and entry["source"].endswith("kernels-mla-h200.json")
-        assert entry["scores"][side]["triton"] > 1.5  # what the race measured: triton 1.2-2.6x FlashInfer's time
+        assert entry["scores"][side]["triton"] > 1.0  # what the race measured: triton slower on both sides
         cited = [e.reason for e in sel.trace if e.side == side and "measured on this GPU model for MLA" in e.reason]
         assert cited and f"triton {entry['scores'][side]['triton']:.2f}x" in cited[0], sel.describe()
     # the MHA order is a different race: a Llama model still decodes on triton there
