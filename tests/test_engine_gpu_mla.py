@@ -35,21 +35,21 @@ TINY_DEEPSEEK_REAL_LATENT = {
 }
 NEW = 12
 PROMPTS = prompts(10, seed=11, shared_prefix=6, lo=3, hi=200)
-_BUNDLE = None
+_BUNDLES: dict[int, object] = {}
 
 
-def _model():
-    global _BUNDLE
-    if _BUNDLE is None:
-        _BUNDLE = tiny_model(TINY_DEEPSEEK_REAL_LATENT, seed=4, dtype=torch.bfloat16, device=DEVICE, matrix_std=None)
-    return _BUNDLE
+def _model(heads: int = 16):
+    if heads not in _BUNDLES:
+        config = {**TINY_DEEPSEEK_REAL_LATENT, "num_attention_heads": heads, "num_key_value_heads": heads}
+        _BUNDLES[heads] = tiny_model(config, seed=4, dtype=torch.bfloat16, device=DEVICE, matrix_std=None)
+    return _BUNDLES[heads]
 
 
-def _greedy(page_size: int, **backends) -> list[tuple[list[int], torch.Tensor]]:
+def _greedy(page_size: int, heads: int = 16, **backends) -> list[tuple[list[int], torch.Tensor]]:
     """(tokens, logits [tokens, vocab] each was chosen from) per prompt."""
     cfg = EngineConfig(device=DEVICE, dtype="bf16", page_size=page_size, max_total_tokens=8192,
                        max_running_requests=16, cuda_graph_max_bs=16, chunked_prefill_size=64, **backends)
-    engine = Engine(cfg, loaded=_model())
+    engine = Engine(cfg, loaded=_model(heads))
     rows = record_logits(engine)
     reqs = []
     for p in PROMPTS:  # staggered, so prefill chunks, mixed steps and graphed decode all run
@@ -88,3 +88,16 @@ def test_deepseek_greedy_tokens_equal_across_mla_backends(page_size):
         assert_same_greedy(_greedy(page_size, attention_backend="flashinfer"), ref)
         assert_same_greedy(_greedy(page_size, prefill_attention_backend="flashinfer",
                                    decode_attention_backend="triton"), ref)
+
+
+@needs_cuda
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_deepseek_128_heads_on_the_hopper_gluon_kernel(page_size):
+    """128 heads (DeepSeek-V3's count): on Hopper the triton backend decodes on the warp-specialised Gluon kernel
+    (the sm90 table's rule), graphed in the engine, with the same greedy tokens as torch_native."""
+    from attnserve.attention.kernels.mla_decode import default_mla_decode_config
+
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert default_mla_decode_config(torch.device(DEVICE), None, 128, page_size).kernel == "gluon_ws"
+    ref = _greedy(page_size, 128, attention_backend="torch_native")
+    assert_same_greedy(_greedy(page_size, 128, attention_backend="triton"), ref)
