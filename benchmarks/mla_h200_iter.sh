@@ -7,10 +7,11 @@
 #      checkout's tile table (mla_decode_tiles.json) before the race
 #   3. the MLA race with those tiles and the fastest extend tile: triton vs FlashInfer MLA fa3, each checked
 #      against the oracle first
+#   4. the MLA extend workloads with decode rows forced (mla_extend_rows), against FlashInfer again
 # FlashInfer's MLA fa3 JIT build runs in the background from the start.
-# Results under $OUT: sweep-triton-mla-h200-5.json (with "tile_rules"), mla_decode_tiles.json (the table
+# Results under $OUT: $SWEEP_NAME (default sweep-triton-mla-h200-6.json) (with "tile_rules"), mla_decode_tiles.json (the table
 # the race ran), kernels-mla-h200.json (+ PNG), logs-mla-iter/. To keep the tiles without a GPU:
-#   python benchmarks/sweep_triton_mla.py --apply <copied sweep-triton-mla-h200-5.json>
+#   python benchmarks/sweep_triton_mla.py --apply <copied sweep json>
 #
 # Run from the repo root with the FlashInfer wheels in .whl/ (fetch: /work/shared/tools/fetch-gpu-wheels.sh):
 #   OUT=<results folder> bash benchmarks/mla_h200_iter.sh      (OUT defaults to benchmarks/results)
@@ -28,8 +29,9 @@ timeout "$(cap 110)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_
 echo "pytest mla rc=$?"; tail -4 "$LOGS/pytest-mla.log"
 
 echo "== 2. decode + extend tile sweep ($(left) s left)"
-SWEEP="$OUT/sweep-triton-mla-h200-5.json"
-timeout "$(cap 170)" python3 benchmarks/sweep_triton_mla.py ${SWEEP_ARGS:-} --budget-s $(( $(left) - 100 )) \
+SWEEP="$OUT/${SWEEP_NAME:-sweep-triton-mla-h200-6.json}"
+SWEEP_S=$(cap "${SWEEP_CAP:-170}")  # the sweep stops starting settings 30 s before its timeout
+timeout "$SWEEP_S" python3 benchmarks/sweep_triton_mla.py ${SWEEP_ARGS:-} --budget-s $(( SWEEP_S - 30 )) \
   --out "$SWEEP" > "$LOGS/sweep-mla.log" 2>&1
 echo "sweep rc=$?"
 python3 - "$SWEEP" <<'PY'
@@ -58,9 +60,14 @@ PY
 echo "extend tile raced: $EXT"
 
 echo "== 3. MLA race with the applied tiles ($(left) s left)"
-timeout "$(cap 100)" python3 -m attnserve bench kernels --workloads mla --backends triton flashinfer-mla-fa3 \
+timeout "$(cap 130)" python3 -m attnserve bench kernels --workloads mla --backends triton flashinfer-mla-fa3 \
   --triton-options "$EXT" --json "$OUT/kernels-mla-h200.json" > "$LOGS/bench-mla.log" 2>&1
 echo "bench mla rc=$?"; grep -A12 '^results' "$LOGS/bench-mla.log"; grep ' / ' "$LOGS/bench-mla.log"
+
+echo "== 4. MLA extend with decode rows forced at every head count ($(left) s left)"
+timeout "$(cap 70)" python3 -m attnserve bench kernels --workloads "mla extend" --backends triton flashinfer-mla-fa3 \
+  --triton-options '{"mla_extend_rows": true}' --json "$OUT/kernels-mla-extend-rows-h200.json" > "$LOGS/bench-rows.log" 2>&1
+echo "bench rows rc=$?"; grep -A6 '^results' "$LOGS/bench-rows.log"; grep ' / ' "$LOGS/bench-rows.log"
 kill "$WARM" 2>/dev/null
 echo "== FlashInfer build"; tail -3 "$LOGS/warm.log"
 echo "done in $(( $(date +%s) - START )) s"

@@ -50,7 +50,7 @@ def run(sb, splits, write_final, config):
 def test_gluon_tile_is_fixed_and_recorded_by_sweeps():
     with pytest.raises(ValueError, match="tile is fixed"):
         MLADecodeConfig(32, 64, 8, 2, kernel="gluon_ws")
-    with pytest.raises(ValueError, match="'triton' or 'gluon_ws'"):
+    with pytest.raises(ValueError, match="one of 'triton', 'triton_keys_major', 'gluon_ws'"):
         MLADecodeConfig(kernel="cuda")
     assert GLUON.for_heads(16) == GLUON  # one 64-row wgmma; the kernel masks heads past 16
     rows = [{"workload": "w", **dataclasses.asdict(GLUON), "us": 10.0},
@@ -96,3 +96,26 @@ def test_gluon_mla_decode_matches_oracle(page_size):
             out = run(sb, splits, final, GLUON)
             assert not out.isnan().any(), (heads, splits, final)
             assert rel_err(out, ref) < 1e-2, (heads, splits, final, rel_err(out, ref))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the decode-row plan's CPU coverage is "
+                                       "test_triton_mla.py's")
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_gluon_mla_extend_as_decode_rows_is_the_128_head_default(page_size):
+    """The backend's absorbed extend at 128 heads runs as Gluon decode rows (a fresh prompt, chunks over
+    prefixes, a 3-token tail over 4096 cached keys) and matches the oracle; at 16 heads the
+    decode tile is Triton's and the tile kernel runs."""
+    from attention_helpers import run_layer
+
+    from attnserve.attention.backends.triton import TritonBackend
+    from attnserve.attention.base import ForwardMode
+
+    for heads, path in ((128, "mla decode rows"), (16, "mla tiles (the decode tile for this head count is Triton's)")):
+        sb = make_batch([0, 1000, 37, 4096], [512, 256, 300, 3], num_heads=heads, mla=(512, 64), page_size=page_size,
+                        dtype=torch.bfloat16, device="cuda", score_scale=2.0, mode=ForwardMode.EXTEND, seed=heads)
+        poison_unused_latent(sb)
+        backend = TritonBackend(sb.pool)
+        out = run_layer(sb, backend)
+        assert backend.extend_path == path
+        assert not out.isnan().any()
+        assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2

@@ -60,7 +60,8 @@ def test_mla_workloads_run_only_when_asked_for():
 
     assert [w.name for w in select(["mla"], WORKLOADS + MLA_WORKLOADS)] == [
         "mla decode 128x4096 h128 p1", "mla decode 64x8192 h128 p64", "mla decode 128x4096 h16 p64",
-        "mla decode 1x32768 h128 p1", "mla extend 8x(4096+512) h128 p1"]
+        "mla decode 1x32768 h128 p1", "mla extend 8x(4096+512) h128 p1",
+        "mla extend 8x(4096+512) h16 p64"]
     assert all(w.mla is None for w in select(["decode"], WORKLOADS + MLA_WORKLOADS))
     assert all(w.mla is None for w in select(None, WORKLOADS + MLA_WORKLOADS))
     decode = MLA_WORKLOADS[0]  # issue 12's conventions: bytes = B*n*576*2, FLOPs = 2*B*heads*n*(576+512)

@@ -203,3 +203,59 @@ def test_tiled_merge_weights_splits_by_their_lse_over_several_tiles():
         w = torch.softmax(partial_lse[b, :, :n].double() * torch.log(torch.tensor(2.0)), dim=-1)  # [H, n]
         ref = torch.einsum("hs,hsd->hd", w, partial_o[b, :, :n].double()) * 0.5
         assert torch.allclose(out[b].double(), ref, atol=1e-5), b
+
+
+# ---- extend as decode rows (one decode row per new token) -------------------------------------------
+def test_extend_rows_plan_points_every_token_at_its_requests_pages():
+    """Each token's row starts at its request's kv_indptr entry and sees its causal horizon; the split plan is
+    decode's over those horizons (a long prefix under few tokens is split, many tokens are not)."""
+    from attnserve.attention.kernels.mla_extend_rows import causal_horizons, plan_extend_rows
+
+    prefix, ext = [0, 45, 70, 3], [2, 3, 1, 0]
+    assert causal_horizons(prefix, ext).tolist() == [1, 2, 46, 47, 48, 71]
+    sb = mla_batch(prefix, ext, page_size=16)
+    meta = metadata_for_batch(sb.fb)
+    plan = plan_extend_rows(prefix, ext, 16, DEVICE, 1, SplitPolicy(num_sms=4, min_split_tokens=16))
+    owner = [0, 0, 1, 1, 1, 2]
+    assert plan.kv_starts.tolist() == meta.kv_indptr[owner].tolist()
+    assert plan.seq_lens.tolist() == [1, 2, 46, 47, 48, 71]
+    assert plan.num_splits.tolist() == plan_kv_splits([1, 2, 46, 47, 48, 71], 1,
+                                                      SplitPolicy(num_sms=4, min_split_tokens=16))
+    assert plan.max_splits == max(plan.num_splits.tolist()) > 1
+    many = plan_extend_rows([4096], [512], 1, DEVICE, 2, SplitPolicy(num_sms=132, waves=1.0))
+    assert many.max_splits == 1 and many.kv_starts.unique().tolist() == [0]
+
+
+@pytest.mark.parametrize("page_size,kv_dtype,min_split_tokens", [(1, None, 256), (16, None, 16),
+                                                                  (64, "fp8_e4m3", 16)])
+def test_mla_extend_as_decode_rows_over_cached_prefixes(page_size, kv_dtype, min_split_tokens):
+    """The same ragged batch as the tile kernel's test (fresh prompt, chunk over a prefix, one-token tail, an
+    empty request), splits off and on: the oracle's causal extend. Unused latent rows are NaN, so a row that
+    reads past its horizon or into another request shows."""
+    from attnserve.attention.kernels.mla_extend_rows import mla_extend_rows_attention, plan_extend_rows
+
+    sb = mla_batch([0, 45, 70, 3, 9], [21, 17, 1, 30, 0], page_size=page_size, heads=20, kv_dtype=kv_dtype, seed=4)
+    fb, lay = sb.fb, sb.layer
+    plan = plan_extend_rows(fb.prefix_lens_cpu, fb.extend_lens_cpu, page_size, DEVICE, 2,
+                            SplitPolicy(num_sms=64, min_split_tokens=min_split_tokens))
+    assert (plan.max_splits > 1) == (min_split_tokens == 16)
+    out = torch.full((fb.num_tokens, lay.num_heads, LATENT), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    mla_extend_rows_attention(sb.q, sb.pool.kv_buffer[0], out, plan, metadata_for_batch(fb).kv_indices, page_size,
+                              lay.scaling, LATENT, kv_scale=sb.pool.k_scale[0], config=SMALL)
+    assert not out.isnan().any()
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+@pytest.mark.parametrize("page_size,kv_dtype", [(1, None), (16, None), (64, "fp8_e4m3")])
+def test_mla_decode_keys_major_matches_oracle_with_splits_forced_on_and_off(page_size, kv_dtype):
+    """The transposed kernel (keys as the MMA's rows, heads as its columns): ragged lengths, 20 heads in two
+    groups of 16 (the second partly masked), 1 split, several, more than a request has keys."""
+    sb = mla_batch([70, 2, 140, 33], [1, 1, 1, 1], page_size=page_size, kv_dtype=kv_dtype, seed=page_size + 1)
+    ref = reference_for_batch(sb.q, sb.layer, sb.fb)
+    config = MLADecodeConfig(16, 16, 4, 1, kernel="triton_keys_major")
+    for splits, final in (([1, 1, 1, 1], True), ([1, 1, 1, 1], False), ([3, 2, 5, 1], False), ([9, 9, 9, 9], False)):
+        out = run_decode(sb, splits, final, config)
+        assert not out.isnan().any(), (splits, final)
+        assert rel_err(out, ref) < 1e-2, (splits, final)
+    with pytest.raises(ValueError, match="no deferred PV"):
+        MLADecodeConfig(16, 16, 4, 1, defer_pv=True, kernel="triton_keys_major")

@@ -38,6 +38,31 @@ def test_mla_extend_through_the_layer_with_prefixes():
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [None, True, False])
+def test_mla_extend_takes_decode_rows_where_asked_and_says_which_path_ran(rows):
+    """Default: decode rows only where the decode tile is the Gluon kernel (never on the interpreter's tile);
+    True forces them (the Triton decode kernel here), False never; the output is the oracle's either way."""
+    sb = make_batch([0, 40, 9], [20, 13, 1], num_heads=20, mla=(32, 16), page_size=4, dtype=torch.bfloat16,
+                    device=DEVICE, score_scale=8.0, mode=ForwardMode.EXTEND)
+    backend = TritonBackend(sb.pool, mla_extend_rows=rows, num_sms=64, min_split_tokens=16)
+    out = run_layer(sb, backend)
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+    expected = {None: "mla tiles (the decode tile for this head count is Triton's)", True: "mla decode rows",
+                False: "mla tiles (decode rows off)"}[rows]
+    if rows is None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        expected = "mla tiles (the Gluon MLA kernel is built for a 512+64 latent, got 32+16)"
+    assert backend.extend_path == expected
+    if rows:
+        assert backend._extend.mla_rows.max_splits > 1  # a 40-token prefix under 13 tokens is split
+
+
+def test_mla_extend_rows_forced_under_a_custom_mask_says_why():
+    sb = make_batch([12, 5], [4, 3], num_heads=2, mla=(32, 16), dtype=torch.bfloat16, device=DEVICE,
+                    custom_mask=True, mode=ForwardMode.TARGET_VERIFY, score_scale=8.0)
+    with pytest.raises(ValueError, match="does not apply to this call: custom mask"):
+        run_layer(sb, TritonBackend(sb.pool, mla_extend_rows=True))
+
+
 def test_mla_head_groups_learnt_at_the_first_layer_replan_the_splits():
     """40 heads are 3 groups of 16: three programs per split, so fewer splits than with one."""
     sb = make_batch([300, 250], [1, 1], num_heads=40, mla=(32, 16), dtype=torch.bfloat16, device=DEVICE,

@@ -101,6 +101,7 @@ MLA_WORKLOADS: list[Workload] = [
     _mla_decode(128, 4096, 16, 64),  # memory-bound
     _mla_decode(1, 32768, 128, 1),  # long context: splits
     _mla_extend(8, 4096, 512, 128, 1),  # absorbed, over a cached prefix
+    _mla_extend(8, 4096, 512, 16, 64),  # DeepSeek-V2-Lite's heads: chunked prefill / radix hits
 ]
 
 _TINY_MLA = MLAShape(16, kv_lora_rank=32, rope_dim=16, qk_head_dim=48)

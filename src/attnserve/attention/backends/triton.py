@@ -61,6 +61,7 @@ class _ExtendPlan:
     custom_mask: torch.Tensor | None  # flattened per-request [ext, seq] masks, uint8
     mask_indptr: torch.Tensor | None  # [B] int64 offsets into custom_mask
     expanded: object = None  # kernels.mla_extend.ExpandedPrefillPlan, built at the first expanded MLA layer
+    mla_rows: object = None  # kernels.mla_extend_rows.ExtendRowsPlan, built at the first MLA layer taking it
     key_rows: object = None  # (slots [rows] int64, kv_starts [B] int32) for the TMA path's gathered keys
 
 
@@ -100,7 +101,10 @@ class TritonBackend(AttentionBackend):
         mla_decode_config (kernels.mla_decode.MLADecodeConfig), mla_extend_config (kernels.mla_extend.MLAExtendConfig),
         prefill_tma (None: wherever it applies, the default; False: never; True: raise where it does not apply),
         prefill_tma_config (kernels.prefill_tma.PrefillTmaConfig), prefill_tma_gather_mib (the most memory the TMA
-        path may gather a batch's cached keys into, default 1024 MiB; beyond it the paged kernel runs).
+        path may gather a batch's cached keys into, default 1024 MiB; beyond it the paged kernel runs),
+        mla_extend_rows (absorbed MLA extend through the decode kernel, one row per new token: None, the default,
+        where the decode tile is the Gluon kernel and no mla_extend_config is given; False: never; True: always,
+        but for custom masks, which raise).
         """
         super().__init__(pool, **options)
         require("triton", "the triton attention backend")
@@ -125,7 +129,7 @@ class TritonBackend(AttentionBackend):
                              "(at most 256)")
         unknown = set(options) - {"num_sms", "split_waves", "min_split_tokens", "max_kv_splits",
                                   "decode_config", "extend_config", "mla_decode_config", "mla_extend_config",
-                                  "prefill_tma", "prefill_tma_config", "prefill_tma_gather_mib"}
+                                  "prefill_tma", "prefill_tma_config", "prefill_tma_gather_mib", "mla_extend_rows"}
         if unknown:
             raise ValueError(f"unknown triton backend options {sorted(unknown)}")
         num_sms = options.get("num_sms")
@@ -147,6 +151,7 @@ class TritonBackend(AttentionBackend):
         self.prefill_tma = options.get("prefill_tma")
         self.prefill_tma_config = options.get("prefill_tma_config")
         self.prefill_tma_gather_bytes = int(options.get("prefill_tma_gather_mib", 1024)) << 20
+        self.mla_extend_rows = options.get("mla_extend_rows")
         # which extend kernel the last forward_extend ran, and why the TMA path did not (benchmarks report it)
         self.extend_path: str | None = None
         # programs per (request, split) in MLA decode: head groups of the model's layers, learnt at the first
@@ -294,7 +299,15 @@ class TritonBackend(AttentionBackend):
         lid = layer.layer_id
         if self.pool.is_mla:
             from attnserve.attention.kernels.mla_extend import mla_extend_attention
+            from attnserve.attention.kernels.mla_extend_rows import mla_extend_rows_attention
 
+            rows, blocker = self._mla_extend_rows(plan, q, layer)
+            if rows is not None:
+                self.extend_path = "mla decode rows"
+                return mla_extend_rows_attention(q, self.pool.get_key_buffer(lid), out, rows, plan.meta.kv_indices,
+                                                 self.pool.page_size, layer.scaling, self.pool.kv_lora_rank,
+                                                 self.pool.k_scale[lid], config=self.mla_decode_config)
+            self.extend_path = f"mla tiles ({blocker})"
             return mla_extend_attention(
                 q, self.pool.get_key_buffer(lid), out, self._extend_tiles(plan, layer.gqa_group),
                 plan.meta.qo_indptr, plan.meta.kv_indptr, plan.meta.kv_indices, plan.seq_lens, self.pool.page_size,
@@ -318,6 +331,41 @@ class TritonBackend(AttentionBackend):
             layer.scaling, self.pool.k_scale[lid], self.pool.v_scale[lid], layer.sliding_window, layer.logit_cap,
             layer.sinks, plan.custom_mask, plan.mask_indptr, config=self.extend_config,
         )
+
+    def _mla_extend_rows(self, plan: _ExtendPlan, q: torch.Tensor, layer: AttentionLayer):
+        """(the step's decode-row plan, None) when this MLA extend runs as decode rows, else (None, why not)."""
+        from attnserve.attention.kernels.mla_decode import (
+            default_mla_decode_config,
+            gluon_mla_decode_unsupported,
+            head_groups,
+        )
+        from attnserve.attention.kernels.mla_extend_rows import MAX_ROWS, extend_rows_blocker, plan_extend_rows
+
+        pool = self.pool
+        cfg = self.mla_decode_config or default_mla_decode_config(pool.device, None, layer.num_heads, pool.page_size)
+        if self.mla_extend_rows is False:
+            blocker = "decode rows off"
+        elif plan.custom_mask is not None:
+            blocker = "custom mask"
+        elif self.mla_extend_rows:
+            blocker = f"{q.shape[0]} new tokens exceed {MAX_ROWS} rows" if q.shape[0] > MAX_ROWS else None
+        elif self.mla_extend_config is not None:
+            blocker = "an extend tile was given"
+        else:
+            gluon_blocker = None if cfg.kernel != "gluon_ws" else gluon_mla_decode_unsupported(
+                q, pool.get_key_buffer(layer.layer_id), pool.kv_lora_rank)
+            blocker = extend_rows_blocker(q.shape[0], cfg, gluon_blocker)
+        if blocker is not None:
+            if self.mla_extend_rows:
+                raise ValueError(f"MLA extend as decode rows does not apply to this call: {blocker}")
+            return None, blocker
+        if plan.mla_rows is None:
+            policy = self.split_policy
+            if cfg.split_waves and not self._split_waves_given:
+                policy = dataclasses.replace(policy, waves=cfg.split_waves)
+            plan.mla_rows = plan_extend_rows(plan.prefix_lens, plan.extend_lens, pool.page_size, pool.device,
+                                             head_groups(layer.num_heads, cfg), policy)
+        return plan.mla_rows, None
 
     def mla_expanded_applies(self, fb: ForwardBatch) -> bool:
         """Whether this step may run expanded MLA: an MLA pool and fresh prompts only (no cached prefix, no mask)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class SplitPolicy:
@@ -36,13 +38,29 @@ def plan_kv_splits(
     least `min_split_tokens`; a request of length n gets ceil(n / chunk) splits, capped at
     `max_splits` (default: the policy's cap). A request of length 0 still gets one split.
     """
-    cap = policy.max_splits if max_splits is None else max(1, min(max_splits, policy.max_splits))
     if not seq_lens:
         return []
-    target_programs = max(1, int(policy.waves * policy.num_sms))
-    total_work = sum(seq_lens) * num_kv_heads
-    chunk = max(policy.min_split_tokens, math.ceil(total_work / target_programs))
+    cap, chunk = _cap_and_chunk(sum(seq_lens), num_kv_heads, policy, max_splits)
     return [max(1, min(cap, math.ceil(n / chunk))) for n in seq_lens]
+
+
+def plan_kv_splits_array(seq_lens: np.ndarray, num_kv_heads: int, policy: SplitPolicy,
+                         max_splits: int | None = None) -> np.ndarray:
+    """plan_kv_splits over a numpy array of lengths (thousands of rows, e.g. one per token of an extend)."""
+    if seq_lens.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    cap, chunk = _cap_and_chunk(int(seq_lens.sum()), num_kv_heads, policy, max_splits)
+    return np.clip(-(-seq_lens.astype(np.int64) // chunk), 1, cap).astype(np.int32)
+
+
+def _cap_and_chunk(total_tokens: int, num_kv_heads: int, policy: SplitPolicy,
+                   max_splits: int | None) -> tuple[int, int]:
+    """The split cap, and the chunk length: the total KV work over the target program count, at least
+    `min_split_tokens`."""
+    cap = policy.max_splits if max_splits is None else max(1, min(max_splits, policy.max_splits))
+    target_programs = max(1, int(policy.waves * policy.num_sms))
+    chunk = max(policy.min_split_tokens, math.ceil(total_tokens * num_kv_heads / target_programs))
+    return cap, chunk
 
 
 def max_splits_for_batch(batch_size: int, num_kv_heads: int, policy: SplitPolicy) -> int:

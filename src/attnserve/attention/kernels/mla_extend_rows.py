@@ -1,0 +1,89 @@
+"""Absorbed MLA extend as decode rows: every new token is a decode "request" over its causal horizon.
+
+Why: in the absorbed form all query heads of a token attend to the same latent rows, so the decode kernel's
+tile (a group of heads of one query token against a run of latent rows) is already an extend tile. On Hopper
+at 64 heads and more that tile is the warp-specialised Gluon kernel (mla_decode_gluon.py, FlashMLA's
+schedule), which computes 1.8x faster per key tile than the tile kernel of mla_extend.py (benchmarks/NOTES.md,
+MLA extend). The tokens of one request run as neighbouring programs, so their shared latent rows come from
+L2 after the first read.
+
+Token i of request r (with p cached tokens) sees keys [0, p + i + 1): a prefix of r's page list. Its decode
+row therefore starts where r's pages start (r's kv_indptr entry) and is p + i + 1 long; no page index is
+copied. The split plan is decode's, over these lengths: a few tokens over a long prefix are split, thousands
+are not. Custom masks stay on mla_extend.py's kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnserve.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
+from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits_array
+from attnserve.transfers import to_device
+
+MAX_ROWS = 65535  # the Gluon kernel's grid puts tokens on CUDA's second grid dimension
+
+
+@dataclass
+class ExtendRowsPlan:
+    """One step's decode-row metadata for the new tokens (every MLA layer of the model reuses it)."""
+
+    kv_starts: torch.Tensor  # [T] int32: offset of the token's request in kv_indices (decode's kv_indptr[b])
+    seq_lens: torch.Tensor  # [T] int32: keys the token sees, its own included
+    num_splits: torch.Tensor  # [T] int32
+    max_splits: int
+
+
+def causal_horizons(prefix_lens: list[int], extend_lens: list[int]) -> np.ndarray:
+    """`[T]` keys each new token sees: p + 1, ..., p + e for a request with p cached and e new tokens."""
+    prefix = np.asarray(prefix_lens, dtype=np.int64)
+    ext = np.asarray(extend_lens, dtype=np.int64)
+    first_row = np.cumsum(ext) - ext  # [B] the request's first row among the T tokens
+    return np.repeat(prefix + 1 - first_row, ext) + np.arange(int(ext.sum()))
+
+
+def plan_extend_rows(prefix_lens: list[int], extend_lens: list[int], page_size: int, device: torch.device,
+                     programs_per_split: int, policy: SplitPolicy) -> ExtendRowsPlan:
+    """From host lengths (no device sync): kv_indptr's starts repeated per token, horizons, splits."""
+    ext = np.asarray(extend_lens, dtype=np.int64)
+    pages = -(-(np.asarray(prefix_lens, dtype=np.int64) + ext) // page_size)  # [B] as metadata.kv_indptr counts
+    starts = np.repeat(np.cumsum(pages) - pages, ext)  # [T]
+    horizons = causal_horizons(prefix_lens, extend_lens)  # [T]
+    splits = plan_kv_splits_array(horizons, programs_per_split, policy)  # [T]
+    device = torch.device(device)
+    return ExtendRowsPlan(
+        kv_starts=to_device(starts.astype(np.int32), device),
+        seq_lens=to_device(horizons.astype(np.int32), device),
+        num_splits=to_device(splits, device),
+        max_splits=int(splits.max(initial=1)),
+    )
+
+
+def extend_rows_blocker(num_tokens: int, decode_config: MLADecodeConfig, gluon_blocker: str | None) -> str | None:
+    """Why the decode-row form is not the default for this call (None: it is): it pays where the decode tile
+    is the Gluon kernel; the Triton decode tile measured no faster than the extend kernel."""
+    if decode_config.kernel != "gluon_ws":
+        return "the decode tile for this head count is Triton's"
+    if gluon_blocker is not None:
+        return gluon_blocker
+    if num_tokens > MAX_ROWS:
+        return f"{num_tokens} new tokens exceed the grid's {MAX_ROWS} rows"
+    return None
+
+
+def mla_extend_rows_attention(q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, plan: ExtendRowsPlan,
+                              kv_indices: torch.Tensor, page_size: int, sm_scale: float, kv_lora_rank: int,
+                              kv_scale: float = 1.0, config: MLADecodeConfig | None = None) -> torch.Tensor:
+    """New tokens against their causal latent KV through the MLA decode kernel.
+
+    q `[T, H, kv_lora_rank + rope]`, kv_buffer `[slots, 1, kv_lora_rank + rope]`, out `[T, H, kv_lora_rank]`;
+    kv_indices: the step's page list (metadata.kv_indices); config: the decode tile (default: the GPU's for
+    this head count and page size).
+    """
+    if plan.seq_lens.numel() != q.shape[0]:
+        raise ValueError(f"the rows plan covers {plan.seq_lens.numel()} tokens, q has {q.shape[0]}")
+    return mla_decode_attention(q, kv_buffer, out, plan.kv_starts, kv_indices, plan.seq_lens, plan.num_splits,
+                                plan.max_splits, page_size, sm_scale, kv_lora_rank, kv_scale, config=config)
