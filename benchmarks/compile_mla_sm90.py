@@ -30,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "KV": "*bf16", "Out": "*bf16", "PartialO": "*fp32", "PartialLse": "*fp32",
             "kv_indptr": "*i32", "kv_indices": "*i32", "seq_lens": "*i32", "num_splits": "*i32",
-            "tile_req": "*i32", "tile_m0": "*i32", "qo_indptr": "*i32", "Mask": "*u8", "mask_indptr": "*i64"}
+            "tile_req": "*i32", "group_first": "*i32", "group_ntok": "*i32", "tile_m0": "*i32", "qo_indptr": "*i32", "Mask": "*u8", "mask_indptr": "*i64"}
 FLOATS = {"qk_scale_log2", "v_scale"}
 
 
@@ -79,13 +79,14 @@ def extend_report(block_m, block_n, warps, stages, defer_pv, page_size=1) -> dic
 
 
 def gluon_report(page_size, heads=128) -> dict:
-    """The warp-specialised Gluon decode kernel at its register budgets."""
+    """The warp-specialised Gluon decode kernel at its register budgets (fewer heads: the extend rows' token
+    groups, mla_decode_gluon.tokens_per_cta)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attnserve.attention.kernels import mla_decode_gluon as g
 
     constexprs = {"NUM_HEADS": heads, "LATENT": 512, "ROPE": 64, "PAGE_SIZE": page_size, "WRITE_FINAL": False,
-                  "CONSUMER_REGS": g.PINGPONG_CONSUMER_REGS}
+                  "CONSUMER_REGS": g.PINGPONG_CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
     return compile_sm90(g._mla_decode_pingpong_kernel, constexprs, 4, 1, source=GluonASTSource,
                         maxnreg=g.PINGPONG_MAXNREG)
 
@@ -100,11 +101,13 @@ def main() -> int:
     p.add_argument("--decode", action="append", help="block_h,block_n,warps,stages,defer_pv,page_size")
     p.add_argument("--extend", action="append", help="block_m,block_n,warps,stages,defer_pv")
     p.add_argument("--gluon", action="append", type=int, metavar="PAGE_SIZE", help="the Gluon decode kernel")
+    p.add_argument("--gluon-heads", type=int, default=128, help="with --gluon: query heads (16: 4-token rows)")
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:
         for page in args.gluon:
-            report = {"kernel": "gluon_ws", "page_size": page, **gluon_report(page)}
+            report = {"kernel": "gluon_ws", "page_size": page, "heads": args.gluon_heads,
+                      **gluon_report(page, args.gluon_heads)}
             print(json.dumps(report) if args.json else report, flush=True)
         return 0
     decode = [tuple(map(int, s.split(","))) for s in args.decode or []]

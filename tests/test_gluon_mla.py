@@ -101,21 +101,25 @@ def test_gluon_mla_decode_matches_oracle(page_size):
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the decode-row plan's CPU coverage is "
                                        "test_triton_mla.py's")
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_gluon_mla_extend_as_decode_rows_is_the_128_head_default(page_size):
-    """The backend's absorbed extend at 128 heads runs as Gluon decode rows (a fresh prompt, chunks over
-    prefixes, a 3-token tail over 4096 cached keys) and matches the oracle; at 16 heads the
-    decode tile is Triton's and the tile kernel runs."""
+def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size):
+    """The backend's absorbed extend runs as Gluon decode rows at 128 heads (a token a CTA) and at 32 and 16 (2
+    and 4 tokens a CTA, each row masked to its own horizon), and matches the oracle: a fresh prompt, chunks over
+    prefixes, short tails over long prefixes; the few-token batch is split."""
     from attention_helpers import run_layer
 
     from attnserve.attention.backends.triton import TritonBackend
     from attnserve.attention.base import ForwardMode
 
-    for heads, path in ((128, "mla decode rows"), (16, "mla tiles (the decode tile for this head count is Triton's)")):
-        sb = make_batch([0, 1000, 37, 4096], [512, 256, 300, 3], num_heads=heads, mla=(512, 64), page_size=page_size,
-                        dtype=torch.bfloat16, device="cuda", score_scale=2.0, mode=ForwardMode.EXTEND, seed=heads)
-        poison_unused_latent(sb)
-        backend = TritonBackend(sb.pool)
-        out = run_layer(sb, backend)
-        assert backend.extend_path == path
-        assert not out.isnan().any()
-        assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
+    batches = (([0, 1000, 37, 4096], [512, 256, 301, 3]), ([4096, 3000, 5], [3, 6, 2]))
+    for heads, tokens in ((128, 1), (32, 2), (16, 4)):
+        for (prefix, ext), split in zip(batches, (False, True)):
+            sb = make_batch(prefix, ext, num_heads=heads, mla=(512, 64), page_size=page_size, dtype=torch.bfloat16,
+                            device="cuda", score_scale=2.0, mode=ForwardMode.EXTEND, seed=heads + len(prefix))
+            poison_unused_latent(sb)
+            backend = TritonBackend(sb.pool)
+            out = run_layer(sb, backend)
+            assert backend.extend_path == f"mla decode rows (gluon_ws, {tokens} token{'s' * (tokens > 1)} a CTA)"
+            assert backend._extend.mla_rows.max_splits > 1 or not split, (heads, prefix)
+            assert not out.isnan().any(), (heads, prefix)
+            err = rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32))
+            assert err < 1e-2, (heads, prefix, err)

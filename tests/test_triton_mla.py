@@ -223,7 +223,23 @@ def test_extend_rows_plan_points_every_token_at_its_requests_pages():
                                                       SplitPolicy(num_sms=4, min_split_tokens=16))
     assert plan.max_splits == max(plan.num_splits.tolist()) > 1
     many = plan_extend_rows([4096], [512], 1, DEVICE, 2, SplitPolicy(num_sms=132, waves=1.0))
-    assert many.max_splits == 1 and many.kv_starts.unique().tolist() == [0]
+    assert many.max_splits == 1 and many.kv_starts.unique().tolist() == [0] and many.token_groups is None
+
+
+def test_extend_rows_token_groups_never_cross_a_request():
+    """CTAs of 4 tokens (16 heads on the Gluon kernel's 64 rows): runs of one request, the last one short; a
+    group's split count is its last token's (the longest horizon), given to each of its tokens."""
+    from attnserve.attention.kernels.mla_extend_rows import plan_extend_rows, token_groups
+
+    first, ntok = token_groups([5, 0, 3, 8], 4)
+    assert first.tolist() == [0, 4, 5, 8, 12] and ntok.tolist() == [4, 1, 3, 4, 4]
+    policy = SplitPolicy(num_sms=8, min_split_tokens=16)
+    plan = plan_extend_rows([300, 0, 40, 2], [5, 0, 3, 8], 16, DEVICE, 1, policy, tokens=4)
+    g_first, g_ntok, tokens = plan.token_groups
+    assert tokens == 4 and g_first.tolist() == first.tolist() and g_ntok.tolist() == ntok.tolist()
+    group_splits = plan_kv_splits([304, 305, 43, 6, 10], 1, policy)  # each group's last horizon
+    assert plan.num_splits.tolist() == [s for s, n in zip(group_splits, ntok.tolist()) for _ in range(n)]
+    assert plan.seq_lens.tolist() == [301, 302, 303, 304, 305, 41, 42, 43, 3, 4, 5, 6, 7, 8, 9, 10]
 
 
 @pytest.mark.parametrize("page_size,kv_dtype,min_split_tokens", [(1, None, 256), (16, None, 16),

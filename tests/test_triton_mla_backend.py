@@ -40,17 +40,18 @@ def test_mla_extend_through_the_layer_with_prefixes():
 
 @pytest.mark.parametrize("rows", [None, True, False])
 def test_mla_extend_takes_decode_rows_where_asked_and_says_which_path_ran(rows):
-    """Default: decode rows only where the decode tile is the Gluon kernel (never on the interpreter's tile);
-    True forces them (the Triton decode kernel here), False never; the output is the oracle's either way."""
+    """Default: decode rows only where the Gluon kernel runs (not on a CPU, nor for this 32 + 16 latent on a
+    GPU); True forces them (on the Triton decode kernel here), False never; the oracle's output either way."""
+    from attnserve.attention.kernels.mla_decode import gluon_mla_decode_unsupported
+
     sb = make_batch([0, 40, 9], [20, 13, 1], num_heads=20, mla=(32, 16), page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, score_scale=8.0, mode=ForwardMode.EXTEND)
     backend = TritonBackend(sb.pool, mla_extend_rows=rows, num_sms=64, min_split_tokens=16)
     out = run_layer(sb, backend)
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
-    expected = {None: "mla tiles (the decode tile for this head count is Triton's)", True: "mla decode rows",
+    why_not_gluon = gluon_mla_decode_unsupported(sb.q, sb.pool.kv_buffer[0], 32)
+    expected = {None: f"mla tiles ({why_not_gluon})", True: "mla decode rows (triton, 1 token a CTA)",
                 False: "mla tiles (decode rows off)"}[rows]
-    if rows is None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-        expected = "mla tiles (the Gluon MLA kernel is built for a 512+64 latent, got 32+16)"
     assert backend.extend_path == expected
     if rows:
         assert backend._extend.mla_rows.max_splits > 1  # a 40-token prefix under 13 tokens is split

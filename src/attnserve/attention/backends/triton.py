@@ -102,9 +102,9 @@ class TritonBackend(AttentionBackend):
         prefill_tma (None: wherever it applies, the default; False: never; True: raise where it does not apply),
         prefill_tma_config (kernels.prefill_tma.PrefillTmaConfig), prefill_tma_gather_mib (the most memory the TMA
         path may gather a batch's cached keys into, default 1024 MiB; beyond it the paged kernel runs),
-        mla_extend_rows (absorbed MLA extend through the decode kernel, one row per new token: None, the default,
-        where the decode tile is the Gluon kernel and no mla_extend_config is given; False: never; True: always,
-        but for custom masks, which raise).
+        mla_extend_rows (absorbed MLA extend through the decode kernel, a decode row per new token: None, the
+        default, wherever the Gluon kernel runs and no mla_extend_config is given; False: never; True: always, on
+        the decode tile where Gluon cannot run; custom masks then raise).
         """
         super().__init__(pool, **options)
         require("triton", "the triton attention backend")
@@ -301,12 +301,13 @@ class TritonBackend(AttentionBackend):
             from attnserve.attention.kernels.mla_extend import mla_extend_attention
             from attnserve.attention.kernels.mla_extend_rows import mla_extend_rows_attention
 
-            rows, blocker = self._mla_extend_rows(plan, q, layer)
+            rows, rows_config, blocker = self._mla_extend_rows(plan, q, layer)
             if rows is not None:
-                self.extend_path = "mla decode rows"
+                tokens = rows.token_groups[2] if rows.token_groups else 1
+                self.extend_path = f"mla decode rows ({rows_config.kernel}, {tokens} token{'s' * (tokens > 1)} a CTA)"
                 return mla_extend_rows_attention(q, self.pool.get_key_buffer(lid), out, rows, plan.meta.kv_indices,
                                                  self.pool.page_size, layer.scaling, self.pool.kv_lora_rank,
-                                                 self.pool.k_scale[lid], config=self.mla_decode_config)
+                                                 self.pool.k_scale[lid], config=rows_config)
             self.extend_path = f"mla tiles ({blocker})"
             return mla_extend_attention(
                 q, self.pool.get_key_buffer(lid), out, self._extend_tiles(plan, layer.gqa_group),
@@ -333,39 +334,50 @@ class TritonBackend(AttentionBackend):
         )
 
     def _mla_extend_rows(self, plan: _ExtendPlan, q: torch.Tensor, layer: AttentionLayer):
-        """(the step's decode-row plan, None) when this MLA extend runs as decode rows, else (None, why not)."""
+        """(the step's decode-row plan, its decode tile, None) when this MLA extend runs as decode rows, else
+        (None, None, why not). By default where the Gluon kernel runs (any head count: with fewer than 64 heads a
+        CTA takes several tokens); forced (mla_extend_rows=True) elsewhere on the decode tile, a token a CTA."""
         from attnserve.attention.kernels.mla_decode import (
             default_mla_decode_config,
             gluon_mla_decode_unsupported,
             head_groups,
         )
-        from attnserve.attention.kernels.mla_extend_rows import MAX_ROWS, extend_rows_blocker, plan_extend_rows
+        from attnserve.attention.kernels.mla_extend_rows import GLUON_ROWS_CONFIG, MAX_ROWS, plan_extend_rows
 
         pool = self.pool
-        cfg = self.mla_decode_config or default_mla_decode_config(pool.device, None, layer.num_heads, pool.page_size)
+        gluon_blocker = gluon_mla_decode_unsupported(q, pool.get_key_buffer(layer.layer_id), pool.kv_lora_rank)
         if self.mla_extend_rows is False:
             blocker = "decode rows off"
         elif plan.custom_mask is not None:
             blocker = "custom mask"
+        elif q.shape[0] > MAX_ROWS:
+            blocker = f"{q.shape[0]} new tokens exceed the grid's {MAX_ROWS} rows"
         elif self.mla_extend_rows:
-            blocker = f"{q.shape[0]} new tokens exceed {MAX_ROWS} rows" if q.shape[0] > MAX_ROWS else None
+            blocker = None
         elif self.mla_extend_config is not None:
             blocker = "an extend tile was given"
         else:
-            gluon_blocker = None if cfg.kernel != "gluon_ws" else gluon_mla_decode_unsupported(
-                q, pool.get_key_buffer(layer.layer_id), pool.kv_lora_rank)
-            blocker = extend_rows_blocker(q.shape[0], cfg, gluon_blocker)
+            blocker = gluon_blocker
         if blocker is not None:
             if self.mla_extend_rows:
                 raise ValueError(f"MLA extend as decode rows does not apply to this call: {blocker}")
-            return None, blocker
+            return None, None, blocker
+        if gluon_blocker is None:
+            from attnserve.attention.kernels.mla_decode_gluon import tokens_per_cta
+
+            cfg, tokens = GLUON_ROWS_CONFIG, tokens_per_cta(layer.num_heads)
+            programs = math.ceil(layer.num_heads * tokens / cfg.block_h)
+        else:
+            cfg = self.mla_decode_config or default_mla_decode_config(pool.device, None, layer.num_heads,
+                                                                      pool.page_size)
+            tokens, programs = 1, head_groups(layer.num_heads, cfg)
         if plan.mla_rows is None:
             policy = self.split_policy
             if cfg.split_waves and not self._split_waves_given:
                 policy = dataclasses.replace(policy, waves=cfg.split_waves)
             plan.mla_rows = plan_extend_rows(plan.prefix_lens, plan.extend_lens, pool.page_size, pool.device,
-                                             head_groups(layer.num_heads, cfg), policy)
-        return plan.mla_rows, None
+                                             programs, policy, tokens)
+        return plan.mla_rows, cfg, None
 
     def mla_expanded_applies(self, fb: ForwardBatch) -> bool:
         """Whether this step may run expanded MLA: an MLA pool and fresh prompts only (no cached prefix, no mask)."""

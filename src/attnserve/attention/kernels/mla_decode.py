@@ -266,13 +266,15 @@ def mla_decode_attention(
     write_final: bool | None = None,
     config: MLADecodeConfig | None = None,
     target: GpuTarget | None = None,
+    token_groups: tuple | None = None,
 ) -> torch.Tensor:
     """One query token per request against its latent KV (absorbed MLA).
 
     q `[B, H, kv_lora_rank + rope]` (q_nope folded through W_UK, then q_pe); kv_buffer
     `[slots, 1, kv_lora_rank + rope]` (the MLA pool's buffer, bf16/fp16/fp32 or FP8 e4m3 holding
     x / kv_scale); out `[B, H, kv_lora_rank]`. kv_indptr / kv_indices / seq_lens / num_splits /
-    max_splits / write_final / partials as in decode.decode_attention.
+    max_splits / write_final / partials as in decode.decode_attention. token_groups: extend rows' CTAs of several
+    tokens (mla_extend_rows.ExtendRowsPlan), the Gluon kernel's alone.
     """
     batch, num_heads, width = q.shape
     rope = check_mla_shapes(q, kv_buffer, out, kv_lora_rank)
@@ -292,6 +294,8 @@ def mla_decode_attention(
             config = fewest_stages_dropped(config, tile_shape, target)
     elif config.kernel == "gluon_ws" and (reason := gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank)):
         raise ValueError(reason)
+    if token_groups is not None and token_groups[2] > 1 and config.kernel != "gluon_ws":
+        raise ValueError(f"CTAs of several query tokens need the Gluon MLA kernel, the tile is {config.kernel}'s")
     if write_final is None:
         write_final = max_splits == 1
     partial_o, partial_lse = split_outputs(out, partials, max_splits, write_final)
@@ -300,7 +304,7 @@ def mla_decode_attention(
 
         launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens,
                                 num_splits, max_splits, page_size, sm_scale, write_final,
-                                partial_strides(partial_o, partial_lse))
+                                partial_strides(partial_o, partial_lse), token_groups)
         if not write_final:
             merge_splits_tiled(out, partial_o, partial_lse, num_splits, max_splits, 1.0)
         return out

@@ -17,6 +17,10 @@ FLOPs twice), waits on every wgmma and gives no producer/consumer roles (benchma
 Shared memory: q 72 KB + 2 x 72 KB of latent + 8 KB of probabilities = 225 KB, one CTA per SM. The split plan
 and the LSE merge are mla_decode.py's (the same partial layout), with 64-head groups.
 
+The 64 rows need not be heads of one token: for extend as decode rows (mla_extend_rows.py) with fewer heads, a
+CTA takes consecutive query tokens of one request x all their heads (16 heads: 4 tokens), each row masked to
+its own causal horizon, so few-head models fill the wgmma rows too.
+
 Two other schedules were raced on the H200 and measured slower (benchmarks/NOTES.md): both warpgroups in
 lockstep, each half of every score and output tile; and the next own score issued before the other
 warpgroup's probabilities are waited on.
@@ -68,6 +72,18 @@ def _tile_rows(kv_indices, page_base, n0, hi, PAGE_SIZE: gl.constexpr, BLOCK_N: 
     return page.to(gl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
 
 
+@gluon.jit
+def _row_token_head(tok0, ntok, hg, NUM_HEADS: gl.constexpr, TOKENS: gl.constexpr, BLOCK_H: gl.constexpr,
+                    layout: gl.constexpr):
+    """Per row `[BLOCK_H]` of the CTA: its query token, its head, and whether it is a real (token, head).
+
+    A CTA's 64 rows are TOKENS consecutive tokens x 64 / TOKENS heads (decode: 1 token, 64 heads of group hg)."""
+    ROW_HEADS: gl.constexpr = BLOCK_H // TOKENS
+    r = gl.arange(0, BLOCK_H, layout=layout)
+    head = hg * ROW_HEADS + r % ROW_HEADS
+    return tok0 + r // ROW_HEADS, head, (r // ROW_HEADS < ntok) & (head < NUM_HEADS)
+
+
 # mbarriers, each completing one phase per tile of its stage / owner (tile t: phase (t // 2) & 1):
 #   loaded[s]  the tile's copies have landed (128 arrivals: every producer thread)
 #   free[s]    both warpgroups' PV of the tile in stage s are done (2 arrivals)
@@ -100,10 +116,11 @@ def _pingpong_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt,
 
 @gluon.jit
 def _pingpong_consumer(
-    Q, Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
+    Q, Out, PartialO, PartialLse, seq_lens, tok0, ntok, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     q_c_smem, q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem, loaded, free, ready, fin,
     W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr,
+    TOKENS: gl.constexpr,
 ):
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
@@ -116,6 +133,9 @@ def _pingpong_consumer(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+    if TOKENS > 1:  # each row's own causal horizon within the split: rows of earlier tokens see fewer keys
+        row_tok, _, row_ok = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
+        hi_row = gl.minimum(gl.load(seq_lens + row_tok, mask=row_ok, other=0), hi)
     m_last = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # the chain's max after the last tile seen
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)  # this warpgroup's tiles' row sums, kept at m_last
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # columns W * HALF ... of the output
@@ -132,7 +152,10 @@ def _pingpong_consumer(
             s = warpgroup_mma(q_c_smem, c_tile.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             offs_n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
+            if TOKENS > 1:
+                s = gl.where(offs_n[None, :] < hi_row[:, None], s * qk_scale_log2, float("-inf"))
+            else:
+                s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
             m_new = gl.maximum(m_last, gl.max(s, axis=1))
             alpha = gl.exp2(m_last - m_new)
             p = gl.exp2(s - m_new[:, None]).to(dtype)
@@ -167,27 +190,32 @@ def _pingpong_consumer(
     l_tot = l_i + l_smem.slice((1 - W) * BLOCK_H, BLOCK_H).load(row_s)
     l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
     o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    head_o = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
+    tok_o, head_o, ok_o = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_o)
     offs_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    o_mask = ((head_o < NUM_HEADS) & active)[:, None]
+    o_mask = (ok_o & active)[:, None]
     if WRITE_FINAL:
-        gl.store(Out + b * stride_ob + head_o[:, None] * stride_oh + offs_o[None, :], o.to(dtype), mask=o_mask)
-    else:
-        gl.store(PartialO + b * stride_pb + head_o[:, None] * stride_ph + split * stride_ps + offs_o[None, :], o,
+        gl.store(Out + tok_o[:, None] * stride_ob + head_o[:, None] * stride_oh + offs_o[None, :], o.to(dtype),
                  mask=o_mask)
+    else:
+        gl.store(PartialO + tok_o[:, None] * stride_pb + head_o[:, None] * stride_ph + split * stride_ps
+                 + offs_o[None, :], o, mask=o_mask)
         if W == 0:
-            head_l = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
+            tok_l, head_l, ok_l = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
             lse = gl.where(l_tot > 0.0, m_last + gl.log2(l_safe), float("-inf"))
-            gl.store(PartialLse + b * stride_lb + head_l * stride_lh + split, lse, mask=(head_l < NUM_HEADS) & active)
+            gl.store(PartialLse + tok_l * stride_lb + head_l * stride_lh + split, lse, mask=ok_l & active)
 
 
 @gluon.jit
 def _mla_decode_pingpong_kernel(
-    Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, qk_scale_log2,
+    Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, group_first, group_ntok,
+    qk_scale_log2,
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr,
 ):
+    """Per-token arrays (kv_indptr's starts, seq_lens, num_splits) are indexed by query token. TOKENS > 1 (extend
+    rows, few heads): CTA g takes tokens group_first[g] ... + group_ntok[g] - 1 of one request, whose horizon
+    grows by one per token, so the last one's is the CTA's key range."""
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -198,22 +226,28 @@ def _mla_decode_pingpong_kernel(
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
 
     hg = gl.program_id(0)
-    b = gl.program_id(1)
+    g = gl.program_id(1)
     split = gl.program_id(2)
-    n_splits = gl.load(num_splits + b)
+    if TOKENS > 1:
+        tok0 = gl.load(group_first + g)
+        ntok = gl.load(group_ntok + g)
+    else:
+        tok0 = g
+        ntok = 1
+    n_splits = gl.load(num_splits + tok0)
     active = split < n_splits
-    seq = gl.load(seq_lens + b)
+    seq = gl.load(seq_lens + tok0 + ntok - 1)
     chunk = gl.cdiv(gl.cdiv(seq, n_splits), BLOCK_N) * BLOCK_N  # mla_decode.split_bounds
     lo = split * chunk
     hi = gl.minimum(lo + chunk, seq)
     num_tiles = gl.where(active, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), 0)
-    page_base = gl.load(kv_indptr + b)
+    page_base = gl.load(kv_indptr + tok0)
 
     # the query in shared memory, the score wgmma's A: q_c [64, 512] (64 KB) and q_pe [64, 64] (8 KB)
-    head = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    tok, head, row_ok = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, gl.SliceLayout(1, q_layout))
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
-    q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]: 64 columns at a time
-    q_mask = (head < NUM_HEADS)[:, None]
+    q_ptrs = Q + tok[:, None] * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]: 64 columns a time
+    q_mask = row_ok[:, None]
     q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout)
     for k in gl.static_range(LATENT // ROPE):
         q_c_smem.slice(k * ROPE, ROPE, dim=1).store(gl.load(q_ptrs + k * ROPE, mask=q_mask, other=0.0))
@@ -239,26 +273,38 @@ def _mla_decode_pingpong_kernel(
     gl.warp_specialize([
         (_pingpong_producer, (KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c_ring, r_ring, loaded, free,
                               LATENT, ROPE, PAGE_SIZE)),
-        (_pingpong_consumer, (Q, Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
-                              stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
-                              q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem, loaded, free, ready, fin,
-                              0, NUM_HEADS, LATENT, WRITE_FINAL)),
-        (_pingpong_consumer, (Q, Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
-                              stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
-                              q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem, loaded, free, ready, fin,
-                              1, NUM_HEADS, LATENT, WRITE_FINAL)),
+        (_pingpong_consumer, (Q, Out, PartialO, PartialLse, seq_lens, tok0, ntok, hg, split, lo, hi, num_tiles,
+                              active, qk_scale_log2, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
+                              stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem,
+                              loaded, free, ready, fin, 0, NUM_HEADS, LATENT, WRITE_FINAL, TOKENS)),
+        (_pingpong_consumer, (Q, Out, PartialO, PartialLse, seq_lens, tok0, ntok, hg, split, lo, hi, num_tiles,
+                              active, qk_scale_log2, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
+                              stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, p_smem, alpha_smem, m_smem, l_smem,
+                              loaded, free, ready, fin, 1, NUM_HEADS, LATENT, WRITE_FINAL, TOKENS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+def tokens_per_cta(num_heads: int) -> int:
+    """Query tokens that share a CTA's 64 rows in extend rows: 64 / heads where heads divide 64 (16 heads: 4)."""
+    return GLUON_BLOCK_H // num_heads if num_heads < GLUON_BLOCK_H and GLUON_BLOCK_H % num_heads == 0 else 1
 
 
 def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
                             max_splits: int, page_size: int, sm_scale: float, write_final: bool,
-                            partial_strides: tuple[int, ...]) -> None:
-    """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials)."""
+                            partial_strides: tuple[int, ...], token_groups=None) -> None:
+    """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials).
+
+    token_groups: (group_first `[G]`, group_ntok `[G]`, tokens): CTAs of several query tokens each (extend rows,
+    mla_extend_rows.py); the per-token arrays stay per token."""
     batch, num_heads, _ = q.shape
-    grid = (triton.cdiv(num_heads, GLUON_BLOCK_H), batch, max_splits)  # a request's head groups are neighbours
+    first, ntok, tokens = token_groups if token_groups is not None else (seq_lens, seq_lens, 1)
+    rows = first.numel() if tokens > 1 else batch
+    # a request's head groups are neighbours
+    grid = (triton.cdiv(num_heads * tokens, GLUON_BLOCK_H), rows, max_splits)
     _mla_decode_pingpong_kernel[grid](
-        q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, sm_scale * LOG2E,
+        q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, first, ntok,
+        sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,
         NUM_HEADS=num_heads, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size, WRITE_FINAL=write_final,
-        CONSUMER_REGS=PINGPONG_CONSUMER_REGS, num_warps=4, maxnreg=PINGPONG_MAXNREG,
+        CONSUMER_REGS=PINGPONG_CONSUMER_REGS, TOKENS=tokens, num_warps=4, maxnreg=PINGPONG_MAXNREG,
     )

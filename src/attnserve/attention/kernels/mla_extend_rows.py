@@ -3,14 +3,16 @@
 Why: in the absorbed form all query heads of a token attend to the same latent rows, so the decode kernel's
 tile (a group of heads of one query token against a run of latent rows) is already an extend tile. On Hopper
 at 64 heads and more that tile is the warp-specialised Gluon kernel (mla_decode_gluon.py, FlashMLA's
-schedule), which computes 1.8x faster per key tile than the tile kernel of mla_extend.py (benchmarks/NOTES.md,
-MLA extend). The tokens of one request run as neighbouring programs, so their shared latent rows come from
+schedule): 0.78x FlashInfer's MLA fa3 at 128 heads on the H200 against the tile kernel's 0.41x
+(benchmarks/NOTES.md, MLA extend). The tokens of one request run as neighbouring programs, so their shared latent rows come from
 L2 after the first read.
 
 Token i of request r (with p cached tokens) sees keys [0, p + i + 1): a prefix of r's page list. Its decode
 row therefore starts where r's pages start (r's kv_indptr entry) and is p + i + 1 long; no page index is
-copied. The split plan is decode's, over these lengths: a few tokens over a long prefix are split, thousands
-are not. Custom masks stay on mla_extend.py's kernel.
+copied. With fewer heads than the Gluon kernel's 64 rows (DeepSeek-V2-Lite's 16, or 128 heads over tensor
+parallel ranks) a CTA takes several consecutive tokens of one request, each row masked to its own horizon.
+The split plan is decode's, over these lengths: a few tokens over a long prefix are split, thousands are not.
+Custom masks stay on mla_extend.py's kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits_a
 from attnserve.transfers import to_device
 
 MAX_ROWS = 65535  # the Gluon kernel's grid puts tokens on CUDA's second grid dimension
+# the Gluon kernel's only tile, with one wave of splits (one CTA per SM) for the few-token steps that split
+GLUON_ROWS_CONFIG = MLADecodeConfig(64, 64, 8, 2, split_waves=1.0, kernel="gluon_ws")
 
 
 @dataclass
@@ -33,8 +37,11 @@ class ExtendRowsPlan:
 
     kv_starts: torch.Tensor  # [T] int32: offset of the token's request in kv_indices (decode's kv_indptr[b])
     seq_lens: torch.Tensor  # [T] int32: keys the token sees, its own included
-    num_splits: torch.Tensor  # [T] int32
+    num_splits: torch.Tensor  # [T] int32 (tokens that share a CTA share their group's count)
     max_splits: int
+    # (group_first [G] int32, group_ntok [G] int32, tokens): CTAs of `tokens` consecutive tokens of one request
+    # (the Gluon kernel with fewer heads than its 64 rows); None: a CTA per token
+    token_groups: tuple | None = None
 
 
 def causal_horizons(prefix_lens: list[int], extend_lens: list[int]) -> np.ndarray:
@@ -45,33 +52,40 @@ def causal_horizons(prefix_lens: list[int], extend_lens: list[int]) -> np.ndarra
     return np.repeat(prefix + 1 - first_row, ext) + np.arange(int(ext.sum()))
 
 
+def token_groups(extend_lens: list[int], tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first row `[G]`, token count `[G]`) of runs of at most `tokens` consecutive new tokens of one request."""
+    ext = np.asarray(extend_lens, dtype=np.int64)
+    per_req = -(-ext // tokens)  # [B] groups of each request
+    req = np.repeat(np.arange(ext.size), per_req)  # [G]
+    k = np.arange(int(per_req.sum())) - np.repeat(np.cumsum(per_req) - per_req, per_req)  # [G] index in its request
+    first = (np.cumsum(ext) - ext)[req] + k * tokens
+    return first, np.minimum(tokens, ext[req] - k * tokens)
+
+
 def plan_extend_rows(prefix_lens: list[int], extend_lens: list[int], page_size: int, device: torch.device,
-                     programs_per_split: int, policy: SplitPolicy) -> ExtendRowsPlan:
-    """From host lengths (no device sync): kv_indptr's starts repeated per token, horizons, splits."""
+                     programs_per_split: int, policy: SplitPolicy, tokens: int = 1) -> ExtendRowsPlan:
+    """From host lengths (no device sync): kv_indptr's starts repeated per token, horizons, splits; with
+    tokens > 1, the CTA groups, split by their last (longest) token's horizon."""
     ext = np.asarray(extend_lens, dtype=np.int64)
     pages = -(-(np.asarray(prefix_lens, dtype=np.int64) + ext) // page_size)  # [B] as metadata.kv_indptr counts
     starts = np.repeat(np.cumsum(pages) - pages, ext)  # [T]
     horizons = causal_horizons(prefix_lens, extend_lens)  # [T]
-    splits = plan_kv_splits_array(horizons, programs_per_split, policy)  # [T]
     device = torch.device(device)
+    groups = None
+    if tokens > 1:
+        first, ntok = token_groups(extend_lens, tokens)
+        group_splits = plan_kv_splits_array(horizons[first + ntok - 1], programs_per_split, policy)  # [G]
+        splits = np.repeat(group_splits, ntok)  # [T]
+        groups = (to_device(first.astype(np.int32), device), to_device(ntok.astype(np.int32), device), tokens)
+    else:
+        splits = plan_kv_splits_array(horizons, programs_per_split, policy)  # [T]
     return ExtendRowsPlan(
         kv_starts=to_device(starts.astype(np.int32), device),
         seq_lens=to_device(horizons.astype(np.int32), device),
         num_splits=to_device(splits, device),
         max_splits=int(splits.max(initial=1)),
+        token_groups=groups,
     )
-
-
-def extend_rows_blocker(num_tokens: int, decode_config: MLADecodeConfig, gluon_blocker: str | None) -> str | None:
-    """Why the decode-row form is not the default for this call (None: it is): it pays where the decode tile
-    is the Gluon kernel; the Triton decode tile measured no faster than the extend kernel."""
-    if decode_config.kernel != "gluon_ws":
-        return "the decode tile for this head count is Triton's"
-    if gluon_blocker is not None:
-        return gluon_blocker
-    if num_tokens > MAX_ROWS:
-        return f"{num_tokens} new tokens exceed the grid's {MAX_ROWS} rows"
-    return None
 
 
 def mla_extend_rows_attention(q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, plan: ExtendRowsPlan,
@@ -81,9 +95,10 @@ def mla_extend_rows_attention(q: torch.Tensor, kv_buffer: torch.Tensor, out: tor
 
     q `[T, H, kv_lora_rank + rope]`, kv_buffer `[slots, 1, kv_lora_rank + rope]`, out `[T, H, kv_lora_rank]`;
     kv_indices: the step's page list (metadata.kv_indices); config: the decode tile (default: the GPU's for
-    this head count and page size).
+    this head count and page size; token groups need the Gluon kernel's).
     """
     if plan.seq_lens.numel() != q.shape[0]:
         raise ValueError(f"the rows plan covers {plan.seq_lens.numel()} tokens, q has {q.shape[0]}")
     return mla_decode_attention(q, kv_buffer, out, plan.kv_starts, kv_indices, plan.seq_lens, plan.num_splits,
-                                plan.max_splits, page_size, sm_scale, kv_lora_rank, kv_scale, config=config)
+                                plan.max_splits, page_size, sm_scale, kv_lora_rank, kv_scale, config=config,
+                                token_groups=plan.token_groups)
