@@ -7,7 +7,7 @@
 #      checkout's tile table (mla_decode_tiles.json) before the race
 #   3. the MLA race with those tiles and the fastest extend tile: triton vs FlashInfer MLA fa3, each checked
 #      against the oracle first
-#   4. the MLA extend workloads with decode rows forced (mla_extend_rows), against FlashInfer again
+# SWEEP=0 leaves out step 2 (the race then runs the checkout's tiles).
 # FlashInfer's MLA fa3 JIT build runs in the background from the start.
 # Results under $OUT: $SWEEP_NAME (default sweep-triton-mla-h200-6.json) (with "tile_rules"), mla_decode_tiles.json (the table
 # the race ran), kernels-mla-h200.json (+ PNG), logs-mla-iter/. To keep the tiles without a GPU:
@@ -24,10 +24,12 @@ python3 benchmarks/warm_flashinfer.py "mla fa3" > "$LOGS/warm.log" 2>&1 &
 WARM=$!
 
 echo "== 1. MLA kernel tests on CUDA"
-timeout "$(cap 110)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py tests/test_triton_mla_backend.py \
+timeout "$(cap ${TEST_CAP:-110})" python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py tests/test_triton_mla_backend.py \
   tests/test_mla_decode_tiles.py tests/test_engine_gpu_mla.py tests/test_gluon_mla.py > "$LOGS/pytest-mla.log" 2>&1
 echo "pytest mla rc=$?"; tail -4 "$LOGS/pytest-mla.log"
 
+EXT="{}"
+if [ "${SWEEP:-1}" != 0 ]; then
 echo "== 2. decode + extend tile sweep ($(left) s left)"
 SWEEP="$OUT/${SWEEP_NAME:-sweep-triton-mla-h200-6.json}"
 SWEEP_S=$(cap "${SWEEP_CAP:-170}")  # the sweep stops starting settings 30 s before its timeout
@@ -58,16 +60,13 @@ print(json.dumps({"mla_extend_config": {k: min(rows, key=lambda r: r["us"])[k] f
 PY
 )
 echo "extend tile raced: $EXT"
+fi
 
 echo "== 3. MLA race with the applied tiles ($(left) s left)"
 timeout "$(cap 130)" python3 -m attnserve bench kernels --workloads mla --backends triton flashinfer-mla-fa3 \
   --triton-options "$EXT" --json "$OUT/kernels-mla-h200.json" > "$LOGS/bench-mla.log" 2>&1
 echo "bench mla rc=$?"; grep -A12 '^results' "$LOGS/bench-mla.log"; grep ' / ' "$LOGS/bench-mla.log"
 
-echo "== 4. MLA extend with decode rows forced at every head count ($(left) s left)"
-timeout "$(cap 70)" python3 -m attnserve bench kernels --workloads "mla extend" --backends triton flashinfer-mla-fa3 \
-  --triton-options '{"mla_extend_rows": true}' --json "$OUT/kernels-mla-extend-rows-h200.json" > "$LOGS/bench-rows.log" 2>&1
-echo "bench rows rc=$?"; grep -A6 '^results' "$LOGS/bench-rows.log"; grep ' / ' "$LOGS/bench-rows.log"
 kill "$WARM" 2>/dev/null
 echo "== FlashInfer build"; tail -3 "$LOGS/warm.log"
 echo "done in $(( $(date +%s) - START )) s"
