@@ -7,7 +7,7 @@
 #      checkout's tile table (mla_decode_tiles.json) before the race
 #   3. the MLA race with those tiles and the fastest extend tile: triton vs FlashInfer MLA fa3, each checked
 #      against the oracle first
-# SWEEP=0 leaves out step 2 (the race then runs the checkout's tiles).
+# RUN_SWEEP=0 leaves out step 2 (the race then runs the checkout's tiles).
 # FlashInfer's MLA fa3 JIT build runs in the background from the start.
 # Results under $OUT: $SWEEP_NAME (default sweep-triton-mla-h200-6.json) (with "tile_rules"), mla_decode_tiles.json (the table
 # the race ran), kernels-mla-h200.json (+ PNG), logs-mla-iter/. To keep the tiles without a GPU:
@@ -26,10 +26,10 @@ WARM=$!
 echo "== 1. MLA kernel tests on CUDA"
 timeout "$(cap ${TEST_CAP:-110})" python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py tests/test_triton_mla_backend.py \
   tests/test_mla_decode_tiles.py tests/test_engine_gpu_mla.py tests/test_gluon_mla.py > "$LOGS/pytest-mla.log" 2>&1
-echo "pytest mla rc=$?"; tail -4 "$LOGS/pytest-mla.log"
+echo "pytest mla rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest-mla.log" | cut -c1-300; tail -1 "$LOGS/pytest-mla.log"
 
 EXT="{}"
-if [ "${SWEEP:-1}" != 0 ]; then
+if [ "${RUN_SWEEP:-1}" != 0 ]; then
 echo "== 2. decode + extend tile sweep ($(left) s left)"
 SWEEP="$OUT/${SWEEP_NAME:-sweep-triton-mla-h200-6.json}"
 SWEEP_S=$(cap "${SWEEP_CAP:-170}")  # the sweep stops starting settings 30 s before its timeout
