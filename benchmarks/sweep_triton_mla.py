@@ -38,12 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Gluon kernel, "gluon", since removed: slower on every workload.)
 DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v, k) for h, n, w, s, d, v, k in (
     (64, 64, 8, 2, False, 1, "gluon_ws"), (64, 64, 8, 2, False, 0.5, "gluon_ws"),
-    (64, 64, 8, 2, False, 1, "triton"), (16, 64, 8, 2, False, 1, "triton"), (16, 64, 4, 2, False, 1, "triton"),
-    # keys as the MMA's rows at 16 heads (m64n16 wgmmas, no masked rows): one warpgroup over 64-key tiles, 2 or 3
-    # stages; 32-key tiles (55 KB: several programs an SM) at one and two waves of splits; two warpgroups
-    (16, 64, 4, 2, False, 1, "triton_keys_major"), (16, 64, 4, 3, False, 1, "triton_keys_major"),
-    (16, 32, 4, 4, False, 1, "triton_keys_major"), (16, 32, 4, 4, False, 2, "triton_keys_major"),
-    (16, 64, 8, 2, False, 1, "triton_keys_major"))]
+    (64, 64, 8, 2, False, 1, "triton"), (16, 64, 8, 2, False, 1, "triton"), (16, 64, 4, 2, False, 1, "triton"))]
+# (Sweep 6 also raced a keys-major Triton kernel at 16 heads, keys as the MMA's rows and heads as its columns:
+# 231-294 us against 174; removed, kept in history at b9b0bec.)
 # extend: the shipped 32/32/4/2 first, then 32 rows on 8 warps (no spills, against 64 B at 4 warps), 64 rows on
 # 8 warps with and without the deferred PV
 EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s, d) for m, n, w, s, d in (

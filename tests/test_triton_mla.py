@@ -260,18 +260,3 @@ def test_mla_extend_as_decode_rows_over_cached_prefixes(page_size, kv_dtype, min
                               lay.scaling, LATENT, kv_scale=sb.pool.k_scale[0], config=SMALL)
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
-
-
-@pytest.mark.parametrize("page_size,kv_dtype", [(1, None), (16, None), (64, "fp8_e4m3")])
-def test_mla_decode_keys_major_matches_oracle_with_splits_forced_on_and_off(page_size, kv_dtype):
-    """The transposed kernel (keys as the MMA's rows, heads as its columns): ragged lengths, 20 heads in two
-    groups of 16 (the second partly masked), 1 split, several, more than a request has keys."""
-    sb = mla_batch([70, 2, 140, 33], [1, 1, 1, 1], page_size=page_size, kv_dtype=kv_dtype, seed=page_size + 1)
-    ref = reference_for_batch(sb.q, sb.layer, sb.fb)
-    config = MLADecodeConfig(16, 16, 4, 1, kernel="triton_keys_major")
-    for splits, final in (([1, 1, 1, 1], True), ([1, 1, 1, 1], False), ([3, 2, 5, 1], False), ([9, 9, 9, 9], False)):
-        out = run_decode(sb, splits, final, config)
-        assert not out.isnan().any(), (splits, final)
-        assert rel_err(out, ref) < 1e-2, (splits, final)
-    with pytest.raises(ValueError, match="no deferred PV"):
-        MLADecodeConfig(16, 16, 4, 1, defer_pv=True, kernel="triton_keys_major")

@@ -185,70 +185,6 @@ def _mla_decode_split_kernel(
                  False, WRITE_FINAL)
 
 
-@triton.jit
-def _mla_decode_keys_major_kernel(
-    Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits,
-    qk_scale_log2, v_scale,
-    stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, WRITE_FINAL: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """The split kernel transposed for few heads: keys are the MMA's rows (M, 64 or more on Hopper's wgmma)
-    and heads its columns (N, 8 or more), so 16 heads compute no masked rows. Scores are `[BLOCK_N, BLOCK_H]`,
-    the softmax runs down the keys, and the output accumulates as `[LATENT, BLOCK_H]` = c^T . p."""
-    b = tl.program_id(0)
-    hg = tl.program_id(1)
-    split = tl.program_id(2)
-    n_splits = tl.load(num_splits + b)
-    if split >= n_splits:
-        return
-    seq = tl.load(seq_lens + b)
-    lo, hi = split_bounds(0, seq, n_splits, split, BLOCK_N)
-    page_base = tl.load(kv_indptr + b)
-
-    head = hg * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    h_mask = head < NUM_HEADS
-    offs_c = tl.arange(0, LATENT)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < ROPE
-    q_ptrs = Q + b * stride_qb + head[None, :] * stride_qh
-    q_c_t = tl.load(q_ptrs + offs_c[:, None], mask=h_mask[None, :], other=0.0)  # [LATENT, BLOCK_H]
-    q_r_t = tl.load(q_ptrs + LATENT + offs_r[:, None], mask=h_mask[None, :] & r_mask[:, None], other=0.0)
-    if DOT_F32:
-        q_c_t = q_c_t.to(tl.float32)
-        q_r_t = q_r_t.to(tl.float32)
-
-    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([LATENT, BLOCK_H], dtype=tl.float32)  # the output, transposed
-    for n0 in range(lo, hi, BLOCK_N):
-        row, n_mask = _latent_rows(KV, kv_indices, page_base, n0, lo, hi, stride_kvt, BLOCK_N, PAGE_SIZE,
-                                   TILE_IN_PAGE)
-        c = tl.load(row + offs_c[None, :], mask=n_mask[:, None], other=0.0).to(q_c_t.dtype)  # [BLOCK_N, LATENT]
-        k_pe = tl.load(row + LATENT + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        if DOT_F32:
-            s = tl.dot(k_pe.to(tl.float32), q_r_t, input_precision="ieee")
-            s = tl.dot(c, q_c_t, s, input_precision="ieee")  # [BLOCK_N, BLOCK_H]
-        else:
-            s = tl.dot(c, q_c_t, tl.dot(k_pe.to(q_r_t.dtype), q_r_t))
-        s = tl.where(n_mask[:, None], s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])  # [BLOCK_N, BLOCK_H]
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
-        if DOT_F32:
-            acc = tl.dot(tl.trans(c), p, acc * alpha[None, :], input_precision="ieee")
-        else:
-            acc = tl.dot(tl.trans(c), p.to(c.dtype), acc * alpha[None, :])  # [LATENT, BLOCK_H]
-
-    finish_split(tl.trans(acc), m_i, l_i, Out, PartialO, PartialLse, Q, b, head, h_mask, split, offs_c,
-                 offs_c < LATENT, v_scale, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
-                 stride_lh, False, WRITE_FINAL)
-
-
 def mla_decode_attention(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,
@@ -310,20 +246,6 @@ def mla_decode_attention(
         return out
     check_shared_memory("MLA decode", tile_shape(config), target)
     grid = (batch, head_groups(num_heads, config), max_splits)
-    if config.kernel == "triton_keys_major":
-        _mla_decode_keys_major_kernel[grid](
-            q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
-            sm_scale * kv_scale * LOG2E, kv_scale,
-            q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1),
-            *partial_strides(partial_o, partial_lse),
-            NUM_HEADS=num_heads, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-            LATENT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)),
-            PAGE_SIZE=page_size, TILE_IN_PAGE=page_size % config.block_n == 0, WRITE_FINAL=write_final,
-            DOT_F32=dot_dtype_is_f32(q), num_warps=config.num_warps, num_stages=config.num_stages,
-        )
-        if not write_final:
-            merge_splits_tiled(out, partial_o, partial_lse, num_splits, max_splits, kv_scale)
-        return out
     _mla_decode_split_kernel[grid](
         q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
         sm_scale * kv_scale * LOG2E, kv_scale,

@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 TABLE_FILE = "mla_decode_tiles.json"
-KERNELS = ("triton", "triton_keys_major", "gluon_ws")
+KERNELS = ("triton", "gluon_ws")
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,7 @@ class MLADecodeConfig:
     # the split plan's target programs per SM for this tile (SplitPolicy.waves); 0: the backend's policy. A tile
     # that fits twice on an SM over 128 requests wants all programs in one wave (3 splits were 1.45 waves)
     split_waves: float = 0.0
-    # "triton": mla_decode.py's kernel, any tile; "triton_keys_major": the same transposed (keys as the MMA's rows,
-    # heads as its columns: few heads compute no masked rows); "gluon_ws": mla_decode_gluon.py's warp-specialised Hopper kernel,
+    # "triton": mla_decode.py's kernel, any tile; "gluon_ws": mla_decode_gluon.py's warp-specialised Hopper kernel,
     # whose tile is fixed (64 heads on two warpgroups, 64-key tiles, two stages: the fields above must say so)
     kernel: str = "triton"
 
@@ -56,8 +55,6 @@ class MLADecodeConfig:
                                        self.defer_pv) != (64, 64, 8, 2, False):
             raise ValueError("the gluon MLA kernel's tile is fixed: block_h 64, block_n 64, 8 warps, 2 stages, "
                              "no deferred PV")
-        if self.kernel == "triton_keys_major" and self.defer_pv:
-            raise ValueError("the keys-major MLA kernel has no deferred PV")
 
     def for_heads(self, num_heads: int) -> MLADecodeConfig:
         """No wider head group than the model has heads (rounded up to a power of two, at least 16): a
