@@ -2,10 +2,10 @@
 
 Why: in the absorbed form all query heads of a token attend to the same latent rows, so the decode kernel's
 tile (a group of heads of one query token against a run of latent rows) is already an extend tile. On Hopper
-at 64 heads and more that tile is the warp-specialised Gluon kernel (mla_decode_gluon.py, FlashMLA's
-schedule): 0.78x FlashInfer's MLA fa3 at 128 heads on the H200 against the tile kernel's 0.41x
-(benchmarks/NOTES.md, MLA extend). The tokens of one request run as neighbouring programs, so their shared latent rows come from
-L2 after the first read.
+that tile is the warp-specialised Gluon kernel (mla_decode_gluon.py, FlashMLA's schedule): on the H200 0.78x
+FlashInfer's MLA fa3 at 128 heads and 0.76x at 16, against the tile kernel's 0.41x and 0.37x
+(benchmarks/NOTES.md, MLA extend as decode rows). The tokens of one request run as neighbouring programs, so
+their shared latent rows come from L2 after the first read.
 
 Token i of request r (with p cached tokens) sees keys [0, p + i + 1): a prefix of r's page list. Its decode
 row therefore starts where r's pages start (r's kv_indptr entry) and is p + i + 1 long; no page index is
