@@ -6,10 +6,12 @@ Tolerances, and why:
   the same tokens so far. bf16 keeps 8 significant bits (0.4% per rounding) and 30 layers accumulate
   it; measured over those positions, per prompt: 1.3-4.0% dequantised, 1.5-3.0% auto, 1.9-5.1% int4
   only (its scales and zeros are bf16 too). A wrong nibble order, group or zero gives errors of order 1.
-- greedy: every prompt's first 4 tokens agree and at least half the prompts agree on all 24. Greedy
-  decoding flips at the first near-tie between two tokens (closer than the error above) and then
-  follows another text for good, so agreement holds on a prefix and on most prompts, not all
-  (measured: 4 or 5 of 6 prompts agree on all 24 tokens, the others on their first 5-13).
+- greedy: a prompt's continuation may part from fp32's only at a near-tie, a step where fp32's two best
+  logits are closer than twice the two runs' logit error there, and at least half the prompts agree on all
+  24. Greedy decoding flips at the first near-tie and then follows another text for good, so agreement
+  holds on a prefix and on most prompts, not all (measured on a Xeon with AMX: 4 or 5 of 6 prompts agree on
+  all 24 tokens, the others on their first 5-13; on an AVX2-only EPYC, where bf16 runs without oneDNN's
+  prepacked path, one prompt parted at its third token).
 Two requests run at a time so decode steps have 1-2 rows: the int4 kernel's range under `auto`.
 """
 
@@ -64,5 +66,10 @@ def test_bf16_and_int4_stay_close_to_fp32(fp32_runs, weights):
         # rows 0..n: the logits each side sampled from while their texts were still the same
         rel = max_rel_err(run.logits[: n + 1], fp32.logits[: n + 1])
         assert rel < 0.1, f"{weights}: logits differ from fp32 by {rel:.3f} (relative to the largest)"
-    assert min(prefixes) >= 4, f"{weights}: greedy continuations part early: {prefixes}"
+        if n < NEW_TOKENS:  # parted at token n: only a near-tie may do that
+            ref_row, row = fp32.logits[n].float(), run.logits[n].float()
+            best, second = ref_row.topk(2).values.tolist()
+            err = float((row - ref_row).abs().max())
+            assert best - second <= 2 * err, (
+                f"{weights}: parted at token {n} though fp32's choice led by {best - second:.3f} (error {err:.3f})")
     assert sum(n == NEW_TOKENS for n in prefixes) >= len(PROMPTS) // 2, f"{weights}: {prefixes}"

@@ -250,9 +250,9 @@ def test_mla_extend_as_decode_rows_over_cached_prefixes(page_size, kv_dtype, min
     reads past its horizon or into another request shows."""
     from attnserve.attention.kernels.mla_extend_rows import mla_extend_rows_attention, plan_extend_rows
 
-    sb = mla_batch([0, 45, 70, 3, 9], [21, 17, 1, 30, 0], page_size=page_size, heads=20, kv_dtype=kv_dtype, seed=4)
+    sb = mla_batch([0, 45, 70, 3, 9], [9, 7, 1, 12, 0], page_size=page_size, heads=16, kv_dtype=kv_dtype, seed=4)
     fb, lay = sb.fb, sb.layer
-    plan = plan_extend_rows(fb.prefix_lens_cpu, fb.extend_lens_cpu, page_size, DEVICE, 2,
+    plan = plan_extend_rows(fb.prefix_lens_cpu, fb.extend_lens_cpu, page_size, DEVICE, 1,
                             SplitPolicy(num_sms=64, min_split_tokens=min_split_tokens))
     assert (plan.max_splits > 1) == (min_split_tokens == 16)
     out = torch.full((fb.num_tokens, lay.num_heads, LATENT), float("nan"), dtype=torch.bfloat16, device=DEVICE)

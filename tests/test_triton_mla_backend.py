@@ -44,7 +44,7 @@ def test_mla_extend_takes_decode_rows_where_asked_and_says_which_path_ran(rows):
     GPU); True forces them (on the Triton decode kernel here), False never; the oracle's output either way."""
     from attnserve.attention.kernels.mla_decode import gluon_mla_decode_unsupported
 
-    sb = make_batch([0, 40, 9], [20, 13, 1], num_heads=20, mla=(32, 16), page_size=4, dtype=torch.bfloat16,
+    sb = make_batch([0, 40, 9], [12, 9, 1], num_heads=16, mla=(32, 16), page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, score_scale=8.0, mode=ForwardMode.EXTEND)
     backend = TritonBackend(sb.pool, mla_extend_rows=rows, num_sms=64, min_split_tokens=16)
     out = run_layer(sb, backend)
@@ -54,7 +54,7 @@ def test_mla_extend_takes_decode_rows_where_asked_and_says_which_path_ran(rows):
                 False: "mla tiles (decode rows off)"}[rows]
     assert backend.extend_path == expected
     if rows:
-        assert backend._extend.mla_rows.max_splits > 1  # a 40-token prefix under 13 tokens is split
+        assert backend._extend.mla_rows.max_splits > 1  # a 40-token prefix under 9 tokens is split
 
 
 def test_mla_extend_rows_forced_under_a_custom_mask_says_why():

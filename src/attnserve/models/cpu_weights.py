@@ -76,9 +76,15 @@ class CPUMatmul:
         return F.linear(x, self.dense, bias)
 
 
+def onednn_has_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def prepack_dense(w: torch.Tensor) -> torch.Tensor:
-    """bf16 [N, K] -> oneDNN's blocked layout (an opaque mkldnn tensor); other dtypes stay as they are."""
-    if w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """bf16 [N, K] -> oneDNN's blocked layout (an opaque mkldnn tensor); other dtypes stay as they are, and so
+    does bf16 where oneDNN has no bf16 path (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU asked
+    for bf16 runs plain F.linear)."""
+    if w.dtype != torch.bfloat16 or not onednn_has_bf16():
         return w
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
 
@@ -176,9 +182,9 @@ def pack_cpu_weights(model: nn.Module, bundle, weights_dtype: str = "auto") -> s
             if dense is None:  # int4 only: the dense copy goes (4x less weight memory)
                 module.weight.data = torch.empty(0, dtype=dtype)
     head = getattr(model, "lm_head", None)
-    if head is not None and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+    if head is not None and dtype == torch.bfloat16 and onednn_has_bf16():
         head.cpu_matmul = CPUMatmul(prepack_dense(head.weight.data), None, 0, dtype)
-    packed_note = ", bf16 prepacked for oneDNN" if dtype == torch.bfloat16 else ""
+    packed_note = ", bf16 prepacked for oneDNN" if dtype == torch.bfloat16 and onednn_has_bf16() else ""
     if fmt == "dequantized":
         return f"dequantized ({str(dtype).replace('torch.', '')}{packed_note})"
     if fmt == "int4":
