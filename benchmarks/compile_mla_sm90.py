@@ -30,7 +30,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "KV": "*bf16", "Out": "*bf16", "PartialO": "*fp32", "PartialLse": "*fp32",
             "kv_indptr": "*i32", "kv_indices": "*i32", "seq_lens": "*i32", "num_splits": "*i32",
-            "tile_req": "*i32", "group_first": "*i32", "group_ntok": "*i32", "tile_m0": "*i32", "qo_indptr": "*i32", "Mask": "*u8", "mask_indptr": "*i64"}
+            "tile_req": "*i32", "tile_m0": "*i32", "qo_indptr": "*i32", "Mask": "*u8", "mask_indptr": "*i64",
+            "group_first": "*i32", "group_ntok": "*i32"}
 FLOATS = {"qk_scale_log2", "v_scale"}
 
 

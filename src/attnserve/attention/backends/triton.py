@@ -363,10 +363,10 @@ class TritonBackend(AttentionBackend):
                 raise ValueError(f"MLA extend as decode rows does not apply to this call: {blocker}")
             return None, None, blocker
         if gluon_blocker is None:
-            from attnserve.attention.kernels.mla_decode_gluon import tokens_per_cta
+            from attnserve.attention.kernels.mla_decode_gluon import head_groups_per_cta_row, tokens_per_cta
 
             cfg, tokens = GLUON_ROWS_CONFIG, tokens_per_cta(layer.num_heads)
-            programs = math.ceil(layer.num_heads * tokens / cfg.block_h)
+            programs = head_groups_per_cta_row(layer.num_heads, tokens)
         else:
             cfg = self.mla_decode_config or default_mla_decode_config(pool.device, None, layer.num_heads,
                                                                       pool.page_size)

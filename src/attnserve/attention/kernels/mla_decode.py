@@ -224,18 +224,18 @@ def mla_decode_attention(
 
     if config is None:
         config = default_mla_decode_config(q.device, target, num_heads, page_size)
-        if config.kernel == "gluon_ws" and gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank):
+        if config.kernel != "triton" and gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank):
             config = dataclasses.replace(config, kernel="triton")  # e.g. an FP8 latent: the same tile in Triton
-        if config.kernel != "gluon_ws":
+        if config.kernel == "triton":
             config = fewest_stages_dropped(config, tile_shape, target)
-    elif config.kernel == "gluon_ws" and (reason := gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank)):
+    elif config.kernel != "triton" and (reason := gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank)):
         raise ValueError(reason)
-    if token_groups is not None and token_groups[2] > 1 and config.kernel != "gluon_ws":
+    if token_groups is not None and token_groups[2] > 1 and config.kernel == "triton":
         raise ValueError(f"CTAs of several query tokens need the Gluon MLA kernel, the tile is {config.kernel}'s")
     if write_final is None:
         write_final = max_splits == 1
     partial_o, partial_lse = split_outputs(out, partials, max_splits, write_final)
-    if config.kernel == "gluon_ws":
+    if config.kernel != "triton":
         from attnserve.attention.kernels.mla_decode_gluon import launch_mla_decode_gluon
 
         launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens,

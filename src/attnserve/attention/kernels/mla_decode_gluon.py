@@ -289,6 +289,11 @@ def tokens_per_cta(num_heads: int) -> int:
     return GLUON_BLOCK_H // num_heads if num_heads < GLUON_BLOCK_H and GLUON_BLOCK_H % num_heads == 0 else 1
 
 
+def head_groups_per_cta_row(num_heads: int, tokens: int = 1) -> int:
+    """CTAs per (token group, split): the grid's first dimension, and what the split plan counts as programs."""
+    return triton.cdiv(num_heads * tokens, GLUON_BLOCK_H)
+
+
 def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
                             max_splits: int, page_size: int, sm_scale: float, write_final: bool,
                             partial_strides: tuple[int, ...], token_groups=None) -> None:
@@ -299,8 +304,7 @@ def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr
     batch, num_heads, _ = q.shape
     first, ntok, tokens = token_groups if token_groups is not None else (seq_lens, seq_lens, 1)
     rows = first.numel() if tokens > 1 else batch
-    # a request's head groups are neighbours
-    grid = (triton.cdiv(num_heads * tokens, GLUON_BLOCK_H), rows, max_splits)
+    grid = (head_groups_per_cta_row(num_heads, tokens), rows, max_splits)  # a request's head groups are neighbours
     _mla_decode_pingpong_kernel[grid](
         q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, first, ntok,
         sm_scale * LOG2E,

@@ -18,7 +18,6 @@ from importlib import resources
 from pathlib import Path
 
 TABLE_FILE = "mla_decode_tiles.json"
-KERNELS = ("triton", "gluon_ws")
 
 
 @dataclass(frozen=True)
@@ -48,10 +47,9 @@ class MLADecodeConfig:
             raise ValueError(f"MLADecodeConfig.num_stages must be >= 1, got {self.num_stages}")
         if self.split_waves < 0:
             raise ValueError(f"MLADecodeConfig.split_waves must be >= 0 (0: the backend's), got {self.split_waves}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"MLADecodeConfig.kernel must be one of {', '.join(map(repr, KERNELS))}, "
-                             f"got {self.kernel!r}")
-        if self.kernel == "gluon_ws" and (self.block_h, self.block_n, self.num_warps, self.num_stages,
+        if self.kernel not in ("triton", "gluon_ws"):
+            raise ValueError(f"MLADecodeConfig.kernel must be 'triton' or 'gluon_ws', got {self.kernel!r}")
+        if self.kernel != "triton" and (self.block_h, self.block_n, self.num_warps, self.num_stages,
                                        self.defer_pv) != (64, 64, 8, 2, False):
             raise ValueError("the gluon MLA kernel's tile is fixed: block_h 64, block_n 64, 8 warps, 2 stages, "
                              "no deferred PV")
@@ -60,7 +58,7 @@ class MLADecodeConfig:
         """No wider head group than the model has heads (rounded up to a power of two, at least 16): a
         64-head group over 16 heads computes 48 masked rows for nothing."""
         fit = max(16, 1 << max(0, (num_heads - 1).bit_length()))
-        if self.block_h <= fit or self.kernel == "gluon_ws":  # gluon's 64 rows are one wgmma; it masks the rest
+        if self.block_h <= fit or self.kernel != "triton":  # gluon's 64 rows are one wgmma; it masks the rest
             return self
         return dataclasses.replace(self, block_h=fit, num_warps=max(4, self.num_warps * fit // self.block_h))
 
