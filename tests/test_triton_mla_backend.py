@@ -54,7 +54,7 @@ def test_mla_extend_takes_decode_rows_where_asked_and_says_which_path_ran(rows):
                 False: "mla tiles (decode rows off)"}[rows]
     assert backend.extend_path == expected
     if rows:
-        assert backend._extend.mla_rows.max_splits > 1  # a 40-token prefix under 9 tokens is split
+        assert backend._extend.mla_rows[0].max_splits > 1  # a 40-token prefix under 9 tokens is split
 
 
 def test_mla_extend_rows_forced_under_a_custom_mask_says_why():

@@ -61,7 +61,9 @@ class _ExtendPlan:
     custom_mask: torch.Tensor | None  # flattened per-request [ext, seq] masks, uint8
     mask_indptr: torch.Tensor | None  # [B] int64 offsets into custom_mask
     expanded: object = None  # kernels.mla_extend.ExpandedPrefillPlan, built at the first expanded MLA layer
-    mla_rows: object = None  # kernels.mla_extend_rows.ExtendRowsPlan, built at the first MLA layer taking it
+    # (kernels.mla_extend_rows.ExtendRowsPlan, its decode tile, None) or (None, None, why not): decided at the
+    # step's first MLA layer, which every later layer shares
+    mla_rows: tuple | None = None
     key_rows: object = None  # (slots [rows] int64, kv_starts [B] int32) for the TMA path's gathered keys
 
 
@@ -344,6 +346,8 @@ class TritonBackend(AttentionBackend):
         )
         from attnserve.attention.kernels.mla_extend_rows import GLUON_ROWS_CONFIG, MAX_ROWS, plan_extend_rows
 
+        if plan.mla_rows is not None:
+            return plan.mla_rows
         pool = self.pool
         gluon_blocker = gluon_mla_decode_unsupported(q, pool.get_key_buffer(layer.layer_id), pool.kv_lora_rank)
         if self.mla_extend_rows is False:
@@ -361,7 +365,8 @@ class TritonBackend(AttentionBackend):
         if blocker is not None:
             if self.mla_extend_rows:
                 raise ValueError(f"MLA extend as decode rows does not apply to this call: {blocker}")
-            return None, None, blocker
+            plan.mla_rows = (None, None, blocker)
+            return plan.mla_rows
         if gluon_blocker is None:
             from attnserve.attention.kernels.mla_decode_gluon import head_groups_per_cta_row, tokens_per_cta
 
@@ -371,13 +376,13 @@ class TritonBackend(AttentionBackend):
             cfg = self.mla_decode_config or default_mla_decode_config(pool.device, None, layer.num_heads,
                                                                       pool.page_size)
             tokens, programs = 1, head_groups(layer.num_heads, cfg)
-        if plan.mla_rows is None:
-            policy = self.split_policy
-            if cfg.split_waves and not self._split_waves_given:
-                policy = dataclasses.replace(policy, waves=cfg.split_waves)
-            plan.mla_rows = plan_extend_rows(plan.prefix_lens, plan.extend_lens, pool.page_size, pool.device,
-                                             programs, policy, tokens)
-        return plan.mla_rows, cfg, None
+        policy = self.split_policy
+        if cfg.split_waves and not self._split_waves_given:
+            policy = dataclasses.replace(policy, waves=cfg.split_waves)
+        rows = plan_extend_rows(plan.prefix_lens, plan.extend_lens, pool.page_size, pool.device, programs, policy,
+                                tokens)
+        plan.mla_rows = (rows, cfg, None)
+        return plan.mla_rows
 
     def mla_expanded_applies(self, fb: ForwardBatch) -> bool:
         """Whether this step may run expanded MLA: an MLA pool and fresh prompts only (no cached prefix, no mask)."""
