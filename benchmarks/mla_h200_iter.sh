@@ -7,7 +7,10 @@
 #      checkout's tile table (mla_decode_tiles.json) before the race
 #   3. the MLA race with those tiles and the fastest extend tile: triton vs FlashInfer MLA fa3, each checked
 #      against the oracle first
-# RUN_SWEEP=0 leaves out step 2 (the race then runs the checkout's tiles).
+# RUN_SWEEP=0 leaves out step 2 (the race then runs the checkout's tiles). TESTS / TEST_K: the test files and a
+# pytest -k filter of step 1; STOP_ON_TEST_FAIL=1 ends the run there if they fail (a kernel under test that
+# hangs or is wrong is not timed). RACE_OPTIONS: the triton options of step 3's race (default: the swept extend
+# tile, if any); RACE2_OPTIONS: a second race, triton alone with these options (kernels-mla-h200-race2.json).
 # FlashInfer's MLA fa3 JIT build runs in the background from the start.
 # Results under $OUT: $SWEEP_NAME (default sweep-triton-mla-h200-6.json) (with "tile_rules"), mla_decode_tiles.json (the table
 # the race ran), kernels-mla-h200.json (+ PNG), logs-mla-iter/. To keep the tiles without a GPU:
@@ -24,9 +27,15 @@ python3 benchmarks/warm_flashinfer.py "mla fa3" > "$LOGS/warm.log" 2>&1 &
 WARM=$!
 
 echo "== 1. MLA kernel tests on CUDA"
-timeout "$(cap ${TEST_CAP:-110})" python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py tests/test_triton_mla_backend.py \
-  tests/test_mla_decode_tiles.py tests/test_engine_gpu_mla.py tests/test_gluon_mla.py > "$LOGS/pytest-mla.log" 2>&1
-echo "pytest mla rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest-mla.log" | cut -c1-300; tail -1 "$LOGS/pytest-mla.log"
+TESTS=${TESTS:-tests/test_triton_mla.py tests/test_triton_mla_backend.py tests/test_mla_decode_tiles.py \
+  tests/test_engine_gpu_mla.py tests/test_gluon_mla.py}
+timeout "$(cap ${TEST_CAP:-110})" python3 -m pytest -q -p no:cacheprovider $TESTS ${TEST_K:+-k "$TEST_K"} \
+  > "$LOGS/pytest-mla.log" 2>&1
+TEST_RC=$?
+echo "pytest mla rc=$TEST_RC"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest-mla.log" | cut -c1-300; tail -1 "$LOGS/pytest-mla.log"
+if [ "$TEST_RC" != 0 ] && [ "${STOP_ON_TEST_FAIL:-0}" = 1 ]; then
+  kill "$WARM" 2>/dev/null; echo "stopped: the tests failed"; exit 1
+fi
 
 EXT="{}"
 if [ "${RUN_SWEEP:-1}" != 0 ]; then
@@ -64,8 +73,15 @@ fi
 
 echo "== 3. MLA race with the applied tiles ($(left) s left)"
 timeout "$(cap 130)" python3 -m attnserve bench kernels --workloads mla --backends triton flashinfer-mla-fa3 \
-  --triton-options "$EXT" --json "$OUT/kernels-mla-h200.json" > "$LOGS/bench-mla.log" 2>&1
+  --triton-options "${RACE_OPTIONS:-$EXT}" --json "$OUT/kernels-mla-h200.json" > "$LOGS/bench-mla.log" 2>&1
 echo "bench mla rc=$?"; grep -A12 '^results' "$LOGS/bench-mla.log"; grep ' / ' "$LOGS/bench-mla.log"
+
+if [ -n "${RACE2_OPTIONS:-}" ]; then
+echo "== 4. triton alone with $RACE2_OPTIONS ($(left) s left)"
+timeout "$(cap 100)" python3 -m attnserve bench kernels --workloads mla --backends triton \
+  --triton-options "$RACE2_OPTIONS" --json "$OUT/kernels-mla-h200-race2.json" > "$LOGS/bench-mla-2.log" 2>&1
+echo "bench mla 2 rc=$?"; grep -A6 '^results' "$LOGS/bench-mla-2.log"
+fi
 
 kill "$WARM" 2>/dev/null
 echo "== FlashInfer build"; tail -3 "$LOGS/warm.log"

@@ -25,6 +25,9 @@ from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
 
 GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_ws")
+SEESAW = dataclasses.replace(GLUON, kernel="gluon_seesaw")
+# per schedule: wgmmas in the PTX (m64n64k16 score steps: 36 a call site; m64n256k16 PV steps: 4 a call site)
+WGMMAS = {"gluon_ws": {"m64n64k16": 72, "m64n256k16": 16}, "gluon_seesaw": {"m64n64k16": 108, "m64n256k16": 24}}
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -50,7 +53,7 @@ def run(sb, splits, write_final, config):
 def test_gluon_tile_is_fixed_and_recorded_by_sweeps():
     with pytest.raises(ValueError, match="tile is fixed"):
         MLADecodeConfig(32, 64, 8, 2, kernel="gluon_ws")
-    with pytest.raises(ValueError, match="'triton' or 'gluon_ws'"):
+    with pytest.raises(ValueError, match="'triton', 'gluon_ws', 'gluon_seesaw'"):
         MLADecodeConfig(kernel="cuda")
     assert GLUON.for_heads(16) == GLUON  # one 64-row wgmma; the kernel masks heads past 16
     rows = [{"workload": "w", **dataclasses.asdict(GLUON), "us": 10.0},
@@ -66,19 +69,21 @@ def test_gluon_asked_for_where_it_cannot_run_says_why():
         run(sb, [1], True, GLUON)
 
 
+@pytest.mark.parametrize("schedule", sorted(WGMMAS))
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_gluon_mla_decode_compiles_for_sm90(page_size):
+def test_gluon_mla_decode_compiles_for_sm90(page_size, schedule):
     """Compiled offline with Triton's ptxas, in a fresh process (the interpreter's jitted helpers cannot compile):
     a shared-memory overflow, a changed MMA split or a jump in spills shows here before any GPU run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_mla_sm90.py"), "--gluon", str(page_size),
-                           "--json"], check=False, capture_output=True, text=True, env=env, timeout=300)
+                           "--schedule", schedule, "--json"], check=False, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["smem_kib"] <= 227  # one CTA per SM on Hopper
-    # each warpgroup: its tiles' whole score (512 + 64 wide, k16 steps, two call sites' worth of instructions in
-    # the two partitions) and 256 output columns; warps_per_cta [4, 1]: nothing computed twice
-    assert report["wgmma"] == {"m64n64k16": 72, "m64n256k16": 16}
+    # each warpgroup: its tiles' whole score (512 + 64 wide, k16 steps; the ping-pong has two call sites in the two
+    # partitions, the seesaw three: warpgroup 0's odd last tile) and 256 output columns; warps_per_cta [4, 1]:
+    # nothing computed twice
+    assert report["wgmma"] == WGMMAS[schedule]
     assert report["mma"] == [["4, 1", "16, 64, 16"], ["4, 1", "16, 256, 16"]]
     # the consumers hold a 64 x 256 float32 output (128 registers) at a 232-register budget: the spills measured
     # with the race's numbers (260 B) are allowed, a doubling is not
@@ -86,22 +91,25 @@ def test_gluon_mla_decode_compiles_for_sm90(page_size):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; its CPU coverage is above")
+@pytest.mark.parametrize("config", [GLUON, SEESAW], ids=lambda c: c.kernel)
 @pytest.mark.parametrize("page_size", [1, 64, 16])
-def test_gluon_mla_decode_matches_oracle(page_size):
-    """Ragged lengths (partial last tiles, a 1-token request), splits forced on and off, 128 and 16 heads."""
+def test_gluon_mla_decode_matches_oracle(page_size, config):
+    """Ragged lengths (partial last tiles, odd and even tile counts, a 1-token request), splits forced on and
+    off, 128 and 16 heads."""
     for heads in (128, 16):
         sb = deepseek_batch([70, 1, 300, 129, 64], page_size, heads, "cuda", seed=page_size + heads)
         ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
         for splits, final in (([1] * 5, True), ([1] * 5, False), ([2, 1, 5, 3, 1], False), ([7] * 5, False)):
-            out = run(sb, splits, final, GLUON)
+            out = run(sb, splits, final, config)
             assert not out.isnan().any(), (heads, splits, final)
             assert rel_err(out, ref) < 1e-2, (heads, splits, final, rel_err(out, ref))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the decode-row plan's CPU coverage is "
                                        "test_triton_mla.py's")
+@pytest.mark.parametrize("schedule", [None, "gluon_seesaw"])
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size):
+def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size, schedule):
     """The backend's absorbed extend runs as Gluon decode rows at 128 heads (a token a CTA) and at 32 and 16 (2
     and 4 tokens a CTA, each row masked to its own horizon), and matches the oracle: a fresh prompt, chunks over
     prefixes, short tails over long prefixes; the few-token batch is split."""
@@ -116,9 +124,10 @@ def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size):
             sb = make_batch(prefix, ext, num_heads=heads, mla=(512, 64), page_size=page_size, dtype=torch.bfloat16,
                             device="cuda", score_scale=2.0, mode=ForwardMode.EXTEND, seed=heads + len(prefix))
             poison_unused_latent(sb)
-            backend = TritonBackend(sb.pool)
+            backend = TritonBackend(sb.pool, **({"mla_decode_config": SEESAW} if schedule else {}))
             out = run_layer(sb, backend)
-            assert backend.extend_path == f"mla decode rows (gluon_ws, {tokens} token{'s' * (tokens > 1)} a CTA)"
+            kernel = schedule or "gluon_ws"
+            assert backend.extend_path == f"mla decode rows ({kernel}, {tokens} token{'s' * (tokens > 1)} a CTA)"
             assert backend._extend.mla_rows[0].max_splits > 1 or not split, (heads, prefix)
             assert not out.isnan().any(), (heads, prefix)
             err = rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32))

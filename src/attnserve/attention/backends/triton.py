@@ -371,6 +371,8 @@ class TritonBackend(AttentionBackend):
             from attnserve.attention.kernels.mla_decode_gluon import head_groups_per_cta_row, tokens_per_cta
 
             cfg, tokens = GLUON_ROWS_CONFIG, tokens_per_cta(layer.num_heads)
+            if self.mla_decode_config is not None and self.mla_decode_config.kernel != "triton":
+                cfg = dataclasses.replace(cfg, kernel=self.mla_decode_config.kernel)  # the Gluon schedule asked for
             programs = head_groups_per_cta_row(layer.num_heads, tokens)
         else:
             cfg = self.mla_decode_config or default_mla_decode_config(pool.device, None, layer.num_heads,

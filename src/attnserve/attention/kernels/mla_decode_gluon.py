@@ -296,8 +296,11 @@ def head_groups_per_cta_row(num_heads: int, tokens: int = 1) -> int:
 
 def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
                             max_splits: int, page_size: int, sm_scale: float, write_final: bool,
-                            partial_strides: tuple[int, ...], token_groups=None) -> None:
+                            partial_strides: tuple[int, ...], token_groups=None, schedule: str = "gluon_ws") -> None:
     """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials).
+
+    schedule: the MLADecodeConfig kernel, "gluon_ws" (this file's ping-pong) or "gluon_seesaw"
+    (mla_decode_seesaw.py); both take the same arguments and grid.
 
     token_groups: (group_first `[G]`, group_ntok `[G]`, tokens): CTAs of several query tokens each (extend rows,
     mla_extend_rows.py); the per-token arrays stay per token."""
@@ -305,7 +308,10 @@ def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr
     first, ntok, tokens = token_groups if token_groups is not None else (seq_lens, seq_lens, 1)
     rows = first.numel() if tokens > 1 else batch
     grid = (head_groups_per_cta_row(num_heads, tokens), rows, max_splits)  # a request's head groups are neighbours
-    _mla_decode_pingpong_kernel[grid](
+    kernel = _mla_decode_pingpong_kernel
+    if schedule == "gluon_seesaw":
+        from attnserve.attention.kernels.mla_decode_seesaw import _mla_decode_seesaw_kernel as kernel
+    kernel[grid](
         q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, first, ntok,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,

@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 TABLE_FILE = "mla_decode_tiles.json"
+KERNELS = ("triton", "gluon_ws", "gluon_seesaw")
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,9 @@ class MLADecodeConfig:
     # the split plan's target programs per SM for this tile (SplitPolicy.waves); 0: the backend's policy. A tile
     # that fits twice on an SM over 128 requests wants all programs in one wave (3 splits were 1.45 waves)
     split_waves: float = 0.0
-    # "triton": mla_decode.py's kernel, any tile; "gluon_ws": mla_decode_gluon.py's warp-specialised Hopper kernel,
-    # whose tile is fixed (64 heads on two warpgroups, 64-key tiles, two stages: the fields above must say so)
+    # "triton": mla_decode.py's kernel, any tile; "gluon_ws": mla_decode_gluon.py's warp-specialised Hopper kernel
+    # (ping-pong), "gluon_seesaw": mla_decode_seesaw.py's (two tiles a round), whose tile is fixed (64 heads on two
+    # warpgroups, 64-key tiles, two stages: the fields above must say so)
     kernel: str = "triton"
 
     def __post_init__(self):
@@ -47,8 +49,9 @@ class MLADecodeConfig:
             raise ValueError(f"MLADecodeConfig.num_stages must be >= 1, got {self.num_stages}")
         if self.split_waves < 0:
             raise ValueError(f"MLADecodeConfig.split_waves must be >= 0 (0: the backend's), got {self.split_waves}")
-        if self.kernel not in ("triton", "gluon_ws"):
-            raise ValueError(f"MLADecodeConfig.kernel must be 'triton' or 'gluon_ws', got {self.kernel!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"MLADecodeConfig.kernel must be one of {', '.join(map(repr, KERNELS))}, got "
+                             f"{self.kernel!r}")
         if self.kernel != "triton" and (self.block_h, self.block_n, self.num_warps, self.num_stages,
                                        self.defer_pv) != (64, 64, 8, 2, False):
             raise ValueError("the gluon MLA kernel's tile is fixed: block_h 64, block_n 64, 8 warps, 2 stages, "
