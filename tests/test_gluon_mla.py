@@ -19,7 +19,8 @@ from attention_helpers import rel_err
 from test_triton_mla import poison_unused_latent
 
 from attnserve.attention.kernels.mla_decode import mla_decode_attention
-from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, rules_from_sweep
+from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, rules_from_sweep, tiles_for
+from attnserve.attention.kernels.mla_extend_rows import GLUON_ROWS_CONFIG, gluon_rows_config
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
@@ -61,6 +62,14 @@ def test_gluon_tile_is_fixed_and_recorded_by_sweeps():
     (rule,) = rules_from_sweep(rows, {"w": (128, 1)})
     assert rule["config"]["kernel"] == "gluon_ws"
     assert MLADecodeConfig(**rule["config"]) == GLUON
+
+
+def test_decode_rows_take_the_gluon_schedule_asked_for():
+    assert gluon_rows_config(torch.device("cpu"), 64, SEESAW) == dataclasses.replace(GLUON_ROWS_CONFIG,
+                                                                                     kernel="gluon_seesaw")
+    # a Triton tile asked for (or none) leaves the decode table's Gluon schedule (the interpreter's table: none)
+    assert gluon_rows_config(torch.device("cpu"), 1, MLADecodeConfig(16, 16, 4, 1)) == GLUON_ROWS_CONFIG
+    assert gluon_rows_config(torch.device("cpu"), 1).split_waves == 1.0
 
 
 def test_gluon_asked_for_where_it_cannot_run_says_why():
@@ -126,7 +135,8 @@ def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size, schedule):
             poison_unused_latent(sb)
             backend = TritonBackend(sb.pool, **({"mla_decode_config": SEESAW} if schedule else {}))
             out = run_layer(sb, backend)
-            kernel = schedule or "gluon_ws"
+            kernel = gluon_rows_config(sb.pool.device, page_size, backend.mla_decode_config).kernel
+            assert kernel == (schedule or tiles_for("sm90", 128, page_size).kernel)
             assert backend.extend_path == f"mla decode rows ({kernel}, {tokens} token{'s' * (tokens > 1)} a CTA)"
             assert backend._extend.mla_rows[0].max_splits > 1 or not split, (heads, prefix)
             assert not out.isnan().any(), (heads, prefix)

@@ -45,13 +45,11 @@ def _copy_columns(c_dst, base, FIRST_CHUNK: gl.constexpr, CHUNKS: gl.constexpr, 
 
 
 @gluon.jit
-def _load_stage0(KV, kv_indices, page_base, n0, hi, stride_kvt, offs, c_ring, r_ring, loaded_e, loaded_l, free_e,
-                 free_l, phase, refill, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                 copy_rows: gl.constexpr):
-    """Stage 0's tile at key n0: columns 0-255 once warpgroup 0's own PV freed them, then 256-511 and the rope."""
+def _load_stage0(base, c_ring, r_ring, loaded_e, loaded_l, free_e, free_l, phase, refill, LATENT: gl.constexpr,
+                 ROPE: gl.constexpr):
+    """Stage 0's tile (base: `[64 keys, ROPE]` pointers to its rows): columns 0-255 once warpgroup 0's own PV freed
+    them, then 256-511 and the rope."""
     QUARTER: gl.constexpr = LATENT // 2 // ROPE
-    rows = _tile_rows(kv_indices, page_base, n0, hi, PAGE_SIZE, 64, copy_rows)
-    base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [64 keys, ROPE] pointers, 4 rows a thread
     mbarrier.wait(free_e.index(0), phase, pred=refill)
     _copy_columns(c_ring.index(0), base, 0, QUARTER, ROPE)
     async_copy.mbarrier_arrive(loaded_e.index(0), increment_count=False)
@@ -66,19 +64,23 @@ def _seesaw_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c
                      loaded_e, loaded_l, free_e, free_l,
                      LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr):
     """Per round: stage 0's columns 0-255 (early), 256-511 + rope (late); stage 1's 0-255 + rope (late), 256-511
-    (early). Both stages' scores read columns 0-255 first, so the loads land in the order they are read."""
+    (early). Both stages' scores read columns 0-255 first, so the loads land in the order they are read. The next
+    round's page indices are loaded while this round's copies wait for their stages."""
     BLOCK_N: gl.constexpr = 64
     QUARTER: gl.constexpr = LATENT // 2 // ROPE  # 4 chunks of 64 columns: one warpgroup's half
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 128 B of a row per 8 threads
     copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
+    rows0 = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
+    rows1 = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
     rounds = num_tiles // 2
     for j in range(rounds):
         phase = (j & 1) ^ 1  # the free barriers' phase of round j - 1
-        _load_stage0(KV, kv_indices, page_base, lo + 2 * j * BLOCK_N, hi, stride_kvt, offs, c_ring, r_ring,
-                     loaded_e, loaded_l, free_e, free_l, phase, j > 0, LATENT, ROPE, PAGE_SIZE, copy_rows)
-        rows1 = _tile_rows(kv_indices, page_base, lo + (2 * j + 1) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        base0 = KV + rows0[:, None] * stride_kvt + offs[None, :]  # [BLOCK_N, ROPE] pointers, 4 rows a thread
         base1 = KV + rows1[:, None] * stride_kvt + offs[None, :]
+        rows0 = _tile_rows(kv_indices, page_base, lo + (2 * j + 2) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        rows1 = _tile_rows(kv_indices, page_base, lo + (2 * j + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        _load_stage0(base0, c_ring, r_ring, loaded_e, loaded_l, free_e, free_l, phase, j > 0, LATENT, ROPE)
         mbarrier.wait(free_l.index(1), phase, pred=j > 0)
         _copy_columns(c_ring.index(1), base1, 0, QUARTER, ROPE)
         async_copy.async_copy_global_to_shared(r_ring.index(1), base1 + LATENT)
@@ -87,9 +89,8 @@ def _seesaw_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c
         _copy_columns(c_ring.index(1), base1, QUARTER, QUARTER, ROPE)
         async_copy.mbarrier_arrive(loaded_e.index(1), increment_count=False)
     if num_tiles % 2:  # a last, odd tile: a round of stage 0 alone
-        _load_stage0(KV, kv_indices, page_base, lo + 2 * rounds * BLOCK_N, hi, stride_kvt, offs, c_ring, r_ring,
-                     loaded_e, loaded_l, free_e, free_l, (rounds & 1) ^ 1, rounds > 0, LATENT, ROPE, PAGE_SIZE,
-                     copy_rows)
+        _load_stage0(KV + rows0[:, None] * stride_kvt + offs[None, :], c_ring, r_ring, loaded_e, loaded_l, free_e,
+                     free_l, (rounds & 1) ^ 1, rounds > 0, LATENT, ROPE)
 
 
 @gluon.jit

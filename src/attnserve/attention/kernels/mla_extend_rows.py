@@ -17,18 +17,27 @@ Custom masks stay on mla_extend.py's kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from attnserve.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
+from attnserve.attention.kernels.mla_decode import MLADecodeConfig, default_mla_decode_config, mla_decode_attention
 from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits_array
 from attnserve.transfers import to_device
 
 MAX_ROWS = 65535  # the Gluon kernel's grid puts tokens on CUDA's second grid dimension
-# the Gluon kernel's only tile, with one wave of splits (one CTA per SM) for the few-token steps that split
+# the Gluon kernels' only tile, with one wave of splits (one CTA per SM) for the few-token steps that split
 GLUON_ROWS_CONFIG = MLADecodeConfig(64, 64, 8, 2, split_waves=1.0, kernel="gluon_ws")
+
+
+def gluon_rows_config(device: torch.device, page_size: int, asked: MLADecodeConfig | None = None) -> MLADecodeConfig:
+    """The decode-row tile on the Gluon kernel: the schedule asked for (a Gluon `mla_decode_config`), else the one
+    the decode table picks where the Gluon kernels race, 128 heads (every row CTA is 64 full rows, as there)."""
+    schedule = (asked if asked is not None and asked.kernel != "triton"
+                else default_mla_decode_config(device, None, 128, page_size)).kernel
+    return dataclasses.replace(GLUON_ROWS_CONFIG, kernel=schedule) if schedule != "triton" else GLUON_ROWS_CONFIG
 
 
 @dataclass
