@@ -25,11 +25,11 @@ SHAPES = {w.name: (w.mla.num_heads, w.page_size) for w in MLA_WORKLOADS if w.kin
 
 
 def test_h200_tiles_follow_the_shape():
-    """What the fifth H200 sweep measured (sweep-triton-mla-h200-5.json): 128 heads on the warp-specialised Gluon
-    kernel (half a wave of splits over 64-token pages, one wave over single tokens), 16 heads in 16-head groups
-    of the Triton kernel on 8 warps at one wave."""
+    """What the seventh H200 sweep measured (sweep-triton-mla-h200-7.json): 128 heads on the Gluon seesaw kernel
+    (half a wave of splits over 64-token pages, one wave over single tokens), 16 heads in 16-head groups of the
+    Triton kernel on 8 warps at one wave."""
     h200 = GpuTarget.of((9, 0))
-    ws = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_ws")
+    ws = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw")
     assert default_mla_decode_config("cuda", h200, 128, 64) == dataclasses.replace(ws, split_waves=0.5)
     assert default_mla_decode_config("cuda", h200, 128, 1) == dataclasses.replace(ws, split_waves=1)
     assert default_mla_decode_config("cuda", h200, 16, 64) == MLADecodeConfig(16, 64, 8, 2, split_waves=1)
