@@ -79,19 +79,17 @@ def extend_report(block_m, block_n, warps, stages, defer_pv, page_size=1) -> dic
         HAS_CUSTOM_MASK=False, DEFER_PV=bool(defer_pv), DOT_F32=False), warps, stages)
 
 
-def gluon_report(page_size, heads=128, schedule="gluon_ws") -> dict:
-    """A warp-specialised Gluon decode kernel at its register budgets (fewer heads: the extend rows' token
+def gluon_report(page_size, heads=128) -> dict:
+    """The warp-specialised Gluon decode kernel at its register budgets (fewer heads: the extend rows' token
     groups, mla_decode_gluon.tokens_per_cta)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attnserve.attention.kernels import mla_decode_gluon as g
-    from attnserve.attention.kernels import mla_decode_seesaw
 
     constexprs = {"NUM_HEADS": heads, "LATENT": 512, "ROPE": 64, "PAGE_SIZE": page_size, "WRITE_FINAL": False,
-                  "CONSUMER_REGS": g.PINGPONG_CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
-    kernel = mla_decode_seesaw._mla_decode_seesaw_kernel if schedule == "gluon_seesaw" else g._mla_decode_pingpong_kernel
-    return compile_sm90(kernel, constexprs, 4, 1, source=GluonASTSource,
-                        maxnreg=g.PINGPONG_MAXNREG)
+                  "CONSUMER_REGS": g.CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
+    return compile_sm90(g._mla_decode_seesaw_kernel, constexprs, 4, 1, source=GluonASTSource,
+                        maxnreg=g.MAXNREG)
 
 
 DECODE = [(64, 64, 8, 2, 0, 64), (32, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 64), (64, 32, 8, 2, 1, 64),
@@ -105,14 +103,12 @@ def main() -> int:
     p.add_argument("--extend", action="append", help="block_m,block_n,warps,stages,defer_pv")
     p.add_argument("--gluon", action="append", type=int, metavar="PAGE_SIZE", help="the Gluon decode kernel")
     p.add_argument("--gluon-heads", type=int, default=128, help="with --gluon: query heads (16: 4-token rows)")
-    p.add_argument("--schedule", default="gluon_ws", choices=("gluon_ws", "gluon_seesaw"),
-                   help="with --gluon: the ping-pong (mla_decode_gluon.py) or the seesaw (mla_decode_seesaw.py)")
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:
         for page in args.gluon:
-            report = {"kernel": args.schedule, "page_size": page, "heads": args.gluon_heads,
-                      **gluon_report(page, args.gluon_heads, args.schedule)}
+            report = {"kernel": "gluon_seesaw", "page_size": page, "heads": args.gluon_heads,
+                      **gluon_report(page, args.gluon_heads)}
             print(json.dumps(report) if args.json else report, flush=True)
         return 0
     decode = [tuple(map(int, s.split(","))) for s in args.decode or []]

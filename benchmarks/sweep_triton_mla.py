@@ -32,13 +32,12 @@ from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
 # (block_h, block_n, num_warps, num_stages, defer_pv, split_waves, kernel); a workload's time share may end the
-# list, so the Gluon kernels come first (mla_decode_seesaw.py's two tiles a round, mla_decode_gluon.py's ping-pong;
-# each at one and half a wave of splits), then the Triton tiles the fourth H200 sweep kept (sweep-triton-mla-h200-4.json: 64/64/8w/2s at 128
-# heads, 16/64/8w/2s at 16 heads, one wave each) and the 16-head tile on 4 warps. (Sweep 5 also raced a lockstep
-# Gluon kernel, "gluon", since removed: slower on every workload.)
+# list, so the Gluon kernel comes first (mla_decode_seesaw.py, at one and half a wave of splits), then the Triton
+# tiles the fourth H200 sweep kept (sweep-triton-mla-h200-4.json: 64/64/8w/2s at 128 heads, 16/64/8w/2s at 16
+# heads, one wave each) and the 16-head tile on 4 warps. (Sweep 5 also raced a lockstep Gluon kernel, "gluon", and
+# sweeps 5-7 the ping-pong Gluon kernel, "gluon_ws", since removed: slower on every workload.)
 DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v, k) for h, n, w, s, d, v, k in (
     (64, 64, 8, 2, False, 1, "gluon_seesaw"), (64, 64, 8, 2, False, 0.5, "gluon_seesaw"),
-    (64, 64, 8, 2, False, 1, "gluon_ws"), (64, 64, 8, 2, False, 0.5, "gluon_ws"),
     (64, 64, 8, 2, False, 1, "triton"), (16, 64, 8, 2, False, 1, "triton"), (16, 64, 4, 2, False, 1, "triton"))]
 # (Sweep 6 also raced a keys-major Triton kernel at 16 heads, keys as the MMA's rows and heads as its columns:
 # 231-294 us against 174; removed, kept in history at b9b0bec.)

@@ -19,16 +19,12 @@ from attention_helpers import rel_err
 from test_triton_mla import poison_unused_latent
 
 from attnserve.attention.kernels.mla_decode import mla_decode_attention
-from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, rules_from_sweep, tiles_for
-from attnserve.attention.kernels.mla_extend_rows import GLUON_ROWS_CONFIG, gluon_rows_config
+from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, rules_from_sweep
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
 
-GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_ws")
-SEESAW = dataclasses.replace(GLUON, kernel="gluon_seesaw")
-# per schedule: wgmmas in the PTX (m64n64k16 score steps: 36 a call site; m64n256k16 PV steps: 4 a call site)
-WGMMAS = {"gluon_ws": {"m64n64k16": 72, "m64n256k16": 16}, "gluon_seesaw": {"m64n64k16": 108, "m64n256k16": 24}}
+GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw")
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -53,23 +49,15 @@ def run(sb, splits, write_final, config):
 
 def test_gluon_tile_is_fixed_and_recorded_by_sweeps():
     with pytest.raises(ValueError, match="tile is fixed"):
-        MLADecodeConfig(32, 64, 8, 2, kernel="gluon_ws")
-    with pytest.raises(ValueError, match="'triton', 'gluon_ws', 'gluon_seesaw'"):
+        MLADecodeConfig(32, 64, 8, 2, kernel="gluon_seesaw")
+    with pytest.raises(ValueError, match="'triton', 'gluon_seesaw'"):
         MLADecodeConfig(kernel="cuda")
     assert GLUON.for_heads(16) == GLUON  # one 64-row wgmma; the kernel masks heads past 16
     rows = [{"workload": "w", **dataclasses.asdict(GLUON), "us": 10.0},
             {"workload": "w", **dataclasses.asdict(MLADecodeConfig(64, 64, 8, 2)), "us": 20.0}]
     (rule,) = rules_from_sweep(rows, {"w": (128, 1)})
-    assert rule["config"]["kernel"] == "gluon_ws"
+    assert rule["config"]["kernel"] == "gluon_seesaw"
     assert MLADecodeConfig(**rule["config"]) == GLUON
-
-
-def test_decode_rows_take_the_gluon_schedule_asked_for():
-    assert gluon_rows_config(torch.device("cpu"), 64, SEESAW) == dataclasses.replace(GLUON_ROWS_CONFIG,
-                                                                                     kernel="gluon_seesaw")
-    # a Triton tile asked for (or none) leaves the decode table's Gluon schedule (the interpreter's table: none)
-    assert gluon_rows_config(torch.device("cpu"), 1, MLADecodeConfig(16, 16, 4, 1)) == GLUON_ROWS_CONFIG
-    assert gluon_rows_config(torch.device("cpu"), 1).split_waves == 1.0
 
 
 def test_gluon_asked_for_where_it_cannot_run_says_why():
@@ -78,47 +66,45 @@ def test_gluon_asked_for_where_it_cannot_run_says_why():
         run(sb, [1], True, GLUON)
 
 
-@pytest.mark.parametrize("schedule", sorted(WGMMAS))
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_gluon_mla_decode_compiles_for_sm90(page_size, schedule):
+def test_gluon_mla_decode_compiles_for_sm90(page_size):
     """Compiled offline with Triton's ptxas, in a fresh process (the interpreter's jitted helpers cannot compile):
     a shared-memory overflow, a changed MMA split or a jump in spills shows here before any GPU run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_mla_sm90.py"), "--gluon", str(page_size),
-                           "--schedule", schedule, "--json"], check=False, capture_output=True, text=True, env=env, timeout=300)
+                           "--json"], check=False, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["smem_kib"] <= 227  # one CTA per SM on Hopper
-    # each warpgroup: its tiles' whole score (512 + 64 wide, k16 steps; the ping-pong has two call sites in the two
-    # partitions, the seesaw three: warpgroup 0's odd last tile) and 256 output columns; warps_per_cta [4, 1]:
-    # nothing computed twice
-    assert report["wgmma"] == WGMMAS[schedule]
+    # each warpgroup: its tiles' whole score (512 + 64 wide, k16 steps: 36 a call site; three sites, warpgroup 0's
+    # round, its odd last tile and warpgroup 1's round) and 256 output columns (4 steps a site, six sites);
+    # warps_per_cta [4, 1]: nothing computed twice
+    assert report["wgmma"] == {"m64n64k16": 108, "m64n256k16": 24}
     assert report["mma"] == [["4, 1", "16, 64, 16"], ["4, 1", "16, 256, 16"]]
-    # the consumers hold a 64 x 256 float32 output (128 registers) at a 232-register budget: the spills measured
-    # with the race's numbers (260 B) are allowed, a doubling is not
+    # the consumers hold a 64 x 256 float32 output (128 registers) at a 232-register budget, the producer its next
+    # round's page indices in 40-odd: the spills measured with the race's numbers (308-356 B) are allowed, more
+    # than 512 B is not
     assert report["spill_bytes"][0] <= 512, report
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; its CPU coverage is above")
-@pytest.mark.parametrize("config", [GLUON, SEESAW], ids=lambda c: c.kernel)
 @pytest.mark.parametrize("page_size", [1, 64, 16])
-def test_gluon_mla_decode_matches_oracle(page_size, config):
+def test_gluon_mla_decode_matches_oracle(page_size):
     """Ragged lengths (partial last tiles, odd and even tile counts, a 1-token request), splits forced on and
     off, 128 and 16 heads."""
     for heads in (128, 16):
         sb = deepseek_batch([70, 1, 300, 129, 64], page_size, heads, "cuda", seed=page_size + heads)
         ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
         for splits, final in (([1] * 5, True), ([1] * 5, False), ([2, 1, 5, 3, 1], False), ([7] * 5, False)):
-            out = run(sb, splits, final, config)
+            out = run(sb, splits, final, GLUON)
             assert not out.isnan().any(), (heads, splits, final)
             assert rel_err(out, ref) < 1e-2, (heads, splits, final, rel_err(out, ref))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the decode-row plan's CPU coverage is "
                                        "test_triton_mla.py's")
-@pytest.mark.parametrize("schedule", [None, "gluon_seesaw"])
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size, schedule):
+def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size):
     """The backend's absorbed extend runs as Gluon decode rows at 128 heads (a token a CTA) and at 32 and 16 (2
     and 4 tokens a CTA, each row masked to its own horizon), and matches the oracle: a fresh prompt, chunks over
     prefixes, short tails over long prefixes; the few-token batch is split."""
@@ -133,11 +119,10 @@ def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size, schedule):
             sb = make_batch(prefix, ext, num_heads=heads, mla=(512, 64), page_size=page_size, dtype=torch.bfloat16,
                             device="cuda", score_scale=2.0, mode=ForwardMode.EXTEND, seed=heads + len(prefix))
             poison_unused_latent(sb)
-            backend = TritonBackend(sb.pool, **({"mla_decode_config": SEESAW} if schedule else {}))
+            backend = TritonBackend(sb.pool)
             out = run_layer(sb, backend)
-            kernel = gluon_rows_config(sb.pool.device, page_size, backend.mla_decode_config).kernel
-            assert kernel == (schedule or tiles_for("sm90", 128, page_size).kernel)
-            assert backend.extend_path == f"mla decode rows ({kernel}, {tokens} token{'s' * (tokens > 1)} a CTA)"
+            path = f"mla decode rows (gluon_seesaw, {tokens} token{'s' * (tokens > 1)} a CTA)"
+            assert backend.extend_path == path
             assert backend._extend.mla_rows[0].max_splits > 1 or not split, (heads, prefix)
             assert not out.isnan().any(), (heads, prefix)
             err = rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32))

@@ -344,7 +344,7 @@ class TritonBackend(AttentionBackend):
             gluon_mla_decode_unsupported,
             head_groups,
         )
-        from attnserve.attention.kernels.mla_extend_rows import MAX_ROWS, gluon_rows_config, plan_extend_rows
+        from attnserve.attention.kernels.mla_extend_rows import GLUON_ROWS_CONFIG, MAX_ROWS, plan_extend_rows
 
         if plan.mla_rows is not None:
             return plan.mla_rows
@@ -370,8 +370,7 @@ class TritonBackend(AttentionBackend):
         if gluon_blocker is None:
             from attnserve.attention.kernels.mla_decode_gluon import head_groups_per_cta_row, tokens_per_cta
 
-            cfg = gluon_rows_config(pool.device, pool.page_size, self.mla_decode_config)
-            tokens = tokens_per_cta(layer.num_heads)
+            cfg, tokens = GLUON_ROWS_CONFIG, tokens_per_cta(layer.num_heads)
             programs = head_groups_per_cta_row(layer.num_heads, tokens)
         else:
             cfg = self.mla_decode_config or default_mla_decode_config(pool.device, None, layer.num_heads,

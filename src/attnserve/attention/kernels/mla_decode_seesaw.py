@@ -1,25 +1,28 @@
-"""MLA decode on Hopper in Gluon, FlashMLA's "seesaw" schedule: two key tiles per round, one per warpgroup.
+"""The Gluon MLA decode kernel (Hopper): FlashMLA's "seesaw" schedule, two key tiles a round, one per warpgroup.
 
-Why another schedule than mla_decode_gluon.py's ping-pong: there a tile's score, softmax and both halves of its
-PV run one after another (the next owner needs this tile's max before its own softmax), so the tensor cores idle
-while a softmax runs. The seesaw (FlashMLA's deep-dive, 2025-04) takes tiles in pairs, tile 2j (stage 0) owned by
-warpgroup 0 and tile 2j+1 (stage 1) by warpgroup 1, each warpgroup keeping its 256 output columns:
+A CTA owns 64 query rows of a (request, split) and three partitions: a 4-warp producer gathers latent rows by
+cp.async (any page size, page 1 included) into a two-stage ring of `[64 keys, 512]` + `[64 keys, 64]` tiles; two
+4-warp consumers, one per warpgroup, each keep 256 output columns. Tile 2j (stage 0) is warpgroup 0's, tile 2j+1
+(stage 1) warpgroup 1's (after FlashMLA's deep-dive, 2025-04):
 
     wg0: S0 = q K0^T        softmax(S0) against m       publish p0, scale0   o_L = o_L scale0 + p0 V0_L
          wait p1, scale1:   o_L = o_L scale1 + p1 V1_L
     wg1: S1 = q K1^T        wait p0, scale0:            o_R = o_R scale0 + p0 V0_R   (in flight while:)
          softmax(S1) against m_new0: publish p1, scale1   o_R = o_R scale1 + p1 V1_R
 
-Both scores are issued without waiting on anything but their tile, warpgroup 1's softmax runs under its own
-wgmma of p0 and under warpgroup 0's PV, and warpgroup 0's softmax under warpgroup 1's score. The two row sums
-are each warpgroup's own tiles' at the running max, added at the end.
+Why this schedule: the ping-pong it replaced (a tile's score, softmax and both halves of its PV one after another,
+the next owner waiting for this tile's max) left the tensor cores idle while a softmax ran. Here both scores are
+issued without waiting on anything but their tile, warpgroup 1's softmax runs under its own wgmma of p0 and under
+warpgroup 0's PV, and warpgroup 0's softmax under warpgroup 1's score. The two row sums are each warpgroup's own
+tiles' at the running max, added at the end. (H200: 330 against 366 us at 128 x 4096, 307 against 353 over
+64-token pages; benchmarks/NOTES.md.)
 
-Shared memory is the ping-pong's without its probability buffer: q 72 KB + 2 x 72 KB of latent = 216 KB. A
-tile's probabilities go to its stage's rope slot, free once the score has read it. The stages are refilled in
-two column groups so that neither waits for a whole tile: a stage's "early" group is its owner's 256 output
-columns (free once the owner's own PV is done), its "late" group the other half and the rope slot (free once the
-other warpgroup has multiplied the probabilities held there); each score reads its groups in the producer's
-order. The split plan, partial layout and LSE merge are mla_decode.py's, as for the ping-pong.
+Shared memory: q 72 KB + 2 x 72 KB of latent = 216 KB, one CTA per SM. A tile's probabilities go to its stage's
+rope slot, free once the score has read it. The stages are refilled in two column groups so that neither waits
+for a whole tile: a stage's "early" group is its owner's 256 output columns (free once the owner's own PV is
+done), its "late" group the other half and the rope slot (free once the other warpgroup has multiplied the
+probabilities held there); each score reads its groups in the producer's order, and the producer loads the next
+round's page indices while this round's copies wait for their stages.
 """
 
 from __future__ import annotations
@@ -34,14 +37,33 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attnserve.attention.kernels.mla_decode_gluon import _row_token_head, _tile_rows
+
+@gluon.jit
+def _tile_rows(kv_indices, page_base, n0, hi, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+               layout: gl.constexpr):
+    """Pool rows `[BLOCK_N]` of the key tile at n0; keys past hi repeat the last key (a valid row, never NaN)."""
+    offs_n = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=layout), hi - 1)
+    page = gl.load(kv_indices + page_base + offs_n // PAGE_SIZE)
+    return page.to(gl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
 
 
 @gluon.jit
-def _copy_columns(c_dst, base, FIRST_CHUNK: gl.constexpr, CHUNKS: gl.constexpr, CHUNK: gl.constexpr):
-    """cp.async of latent columns [FIRST_CHUNK * CHUNK, (FIRST_CHUNK + CHUNKS) * CHUNK) of a tile."""
+def _row_token_head(tok0, ntok, hg, NUM_HEADS: gl.constexpr, TOKENS: gl.constexpr, BLOCK_H: gl.constexpr,
+                    layout: gl.constexpr):
+    """Per row `[BLOCK_H]` of the CTA: its query token, its head, and whether it is a real (token, head).
+
+    A CTA's 64 rows are TOKENS consecutive tokens x 64 / TOKENS heads (decode: 1 token, 64 heads of group hg)."""
+    ROW_HEADS: gl.constexpr = BLOCK_H // TOKENS
+    r = gl.arange(0, BLOCK_H, layout=layout)
+    head = hg * ROW_HEADS + r % ROW_HEADS
+    return tok0 + r // ROW_HEADS, head, (r // ROW_HEADS < ntok) & (head < NUM_HEADS)
+
+
+@gluon.jit
+def _copy_columns(c_dst, base, FIRST_CHUNK: gl.constexpr, CHUNKS: gl.constexpr, CHUNK: gl.constexpr, mask=None):
+    """cp.async of columns [FIRST_CHUNK * CHUNK, (FIRST_CHUNK + CHUNKS) * CHUNK) of a tile."""
     for k in gl.static_range(FIRST_CHUNK, FIRST_CHUNK + CHUNKS):
-        async_copy.async_copy_global_to_shared(c_dst.slice(k * CHUNK, CHUNK, dim=1), base + k * CHUNK)
+        async_copy.async_copy_global_to_shared(c_dst.slice(k * CHUNK, CHUNK, dim=1), base + k * CHUNK, mask=mask)
 
 
 @gluon.jit
@@ -178,7 +200,7 @@ def _seesaw_consumer(
     Q, Out, PartialO, PartialLse, seq_lens, tok0, ntok, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     q_c_smem, q_r_smem, c_ring, r_ring, scale_smem, max_smem, l_smem, loaded_e, loaded_l, free_e, free_l, ready,
-    fin, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr,
+    fin, q_loaded, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr,
     TOKENS: gl.constexpr,
 ):
     BLOCK_H: gl.constexpr = 64
@@ -196,6 +218,7 @@ def _seesaw_consumer(
     if TOKENS > 1:  # rows of earlier tokens see fewer keys
         row_tok, _, row_ok = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
         hi_row = gl.minimum(gl.load(seq_lens + row_tok, mask=row_ok, other=0), hi)
+    mbarrier.wait(q_loaded, 0)  # (the scores' fence after their tiles' waits covers the query's copies too)
     m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # the running max after the last round
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)  # this warpgroup's tiles' row sums, at m_run
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns W * HALF ...
@@ -278,11 +301,13 @@ def _mla_decode_seesaw_kernel(
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr,
 ):
-    """The ping-pong kernel's arguments and grid (mla_decode_gluon._mla_decode_pingpong_kernel)."""
+    """Per-token arrays (kv_indptr's starts, seq_lens, num_splits) are indexed by query token. TOKENS > 1 (extend
+    rows, few heads): CTA g takes tokens group_first[g] ... + group_ntok[g] - 1 of one request, whose horizon
+    grows by one per token, so the last one's is the CTA's key range."""
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # the producer's copy layout
     c_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype)
     r_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
     gl.static_assert(ROPE == BLOCK_N, "a tile's probabilities [64 rows, 64 keys] live in its [64 keys, 64] rope slot")
@@ -310,12 +335,16 @@ def _mla_decode_seesaw_kernel(
     tok, head, row_ok = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, gl.SliceLayout(1, q_layout))
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
     q_ptrs = Q + tok[:, None] * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]: 64 columns a time
-    q_mask = row_ok[:, None]
+    q_mask = row_ok[:, None] & (offs < ROPE)[None, :]  # rows past the heads / tokens are zeros
     q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout)
-    for k in gl.static_range(LATENT // ROPE):
-        q_c_smem.slice(k * ROPE, ROPE, dim=1).store(gl.load(q_ptrs + k * ROPE, mask=q_mask, other=0.0))
-    q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], r_smem_layout,
-                                         gl.load(q_ptrs + LATENT, mask=q_mask, other=0.0))
+    q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], r_smem_layout)
+    q_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_loaded, count=128)
+    # cp.async, all nine copies in flight at once and landing under the producer's first latent copies (these
+    # threads are the producer partition's): the consumers wait on q_loaded
+    _copy_columns(q_c_smem, q_ptrs, 0, LATENT // ROPE, ROPE, q_mask)
+    async_copy.async_copy_global_to_shared(q_r_smem, q_ptrs + LATENT, mask=q_mask)
+    async_copy.mbarrier_arrive(q_loaded, increment_count=False)
     c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
     r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)  # 16 KB: rope, then probabilities
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)  # each tile owner's factor
@@ -335,7 +364,7 @@ def _mla_decode_seesaw_kernel(
         mbarrier.init(free_l.index(i), count=1)
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(fin.index(i), count=1)
-    fence_async_shared()  # the query's stores and the barriers' init before the partitions use them
+    fence_async_shared()  # the barriers' init before the partitions use them
 
     gl.warp_specialize([
         (_seesaw_producer, (KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c_ring, r_ring, loaded_e,
@@ -343,9 +372,9 @@ def _mla_decode_seesaw_kernel(
         (_seesaw_consumer, (Q, Out, PartialO, PartialLse, seq_lens, tok0, ntok, hg, split, lo, hi, num_tiles, active,
                             qk_scale_log2, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
                             stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, scale_smem, max_smem, l_smem, loaded_e,
-                            loaded_l, free_e, free_l, ready, fin, 0, NUM_HEADS, LATENT, WRITE_FINAL, TOKENS)),
+                            loaded_l, free_e, free_l, ready, fin, q_loaded, 0, NUM_HEADS, LATENT, WRITE_FINAL, TOKENS)),
         (_seesaw_consumer, (Q, Out, PartialO, PartialLse, seq_lens, tok0, ntok, hg, split, lo, hi, num_tiles, active,
                             qk_scale_log2, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
                             stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, scale_smem, max_smem, l_smem, loaded_e,
-                            loaded_l, free_e, free_l, ready, fin, 1, NUM_HEADS, LATENT, WRITE_FINAL, TOKENS)),
+                            loaded_l, free_e, free_l, ready, fin, q_loaded, 1, NUM_HEADS, LATENT, WRITE_FINAL, TOKENS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

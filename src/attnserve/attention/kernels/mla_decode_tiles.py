@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 TABLE_FILE = "mla_decode_tiles.json"
-KERNELS = ("triton", "gluon_ws", "gluon_seesaw")
+KERNELS = ("triton", "gluon_seesaw")
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,9 @@ class MLADecodeConfig:
     # the split plan's target programs per SM for this tile (SplitPolicy.waves); 0: the backend's policy. A tile
     # that fits twice on an SM over 128 requests wants all programs in one wave (3 splits were 1.45 waves)
     split_waves: float = 0.0
-    # "triton": mla_decode.py's kernel, any tile; "gluon_ws": mla_decode_gluon.py's warp-specialised Hopper kernel
-    # (ping-pong), "gluon_seesaw": mla_decode_seesaw.py's (two tiles a round), whose tile is fixed (64 heads on two
-    # warpgroups, 64-key tiles, two stages: the fields above must say so)
+    # "triton": mla_decode.py's kernel, any tile; "gluon_seesaw": mla_decode_seesaw.py's warp-specialised Hopper
+    # kernel, whose tile is fixed (64 heads on two warpgroups, 64-key tiles, two stages: the fields above must say
+    # so). Sweeps up to the seventh also raced "gluon_ws", the ping-pong it replaced (in history at 0877da7).
     kernel: str = "triton"
 
     def __post_init__(self):

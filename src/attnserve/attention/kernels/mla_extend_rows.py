@@ -2,8 +2,8 @@
 
 Why: in the absorbed form all query heads of a token attend to the same latent rows, so the decode kernel's
 tile (a group of heads of one query token against a run of latent rows) is already an extend tile. On Hopper
-that tile is the warp-specialised Gluon kernel (mla_decode_gluon.py, FlashMLA's schedule): on the H200 0.78x
-FlashInfer's MLA fa3 at 128 heads and 0.76x at 16, against the tile kernel's 0.41x and 0.37x
+that tile is the warp-specialised Gluon kernel (mla_decode_seesaw.py, FlashMLA's schedule): on the H200 0.87x
+FlashInfer's MLA fa3 at 128 heads and 0.82x at 16, against the tile kernel's 0.41x and 0.37x
 (benchmarks/NOTES.md, MLA extend as decode rows). The tokens of one request run as neighbouring programs, so
 their shared latent rows come from L2 after the first read.
 
@@ -17,27 +17,18 @@ Custom masks stay on mla_extend.py's kernel.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from attnserve.attention.kernels.mla_decode import MLADecodeConfig, default_mla_decode_config, mla_decode_attention
+from attnserve.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
 from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits_array
 from attnserve.transfers import to_device
 
 MAX_ROWS = 65535  # the Gluon kernel's grid puts tokens on CUDA's second grid dimension
-# the Gluon kernels' only tile, with one wave of splits (one CTA per SM) for the few-token steps that split
-GLUON_ROWS_CONFIG = MLADecodeConfig(64, 64, 8, 2, split_waves=1.0, kernel="gluon_ws")
-
-
-def gluon_rows_config(device: torch.device, page_size: int, asked: MLADecodeConfig | None = None) -> MLADecodeConfig:
-    """The decode-row tile on the Gluon kernel: the schedule asked for (a Gluon `mla_decode_config`), else the one
-    the decode table picks where the Gluon kernels race, 128 heads (every row CTA is 64 full rows, as there)."""
-    schedule = (asked if asked is not None and asked.kernel != "triton"
-                else default_mla_decode_config(device, None, 128, page_size)).kernel
-    return dataclasses.replace(GLUON_ROWS_CONFIG, kernel=schedule) if schedule != "triton" else GLUON_ROWS_CONFIG
+# the Gluon kernel's only tile, with one wave of splits (one CTA per SM) for the few-token steps that split
+GLUON_ROWS_CONFIG = MLADecodeConfig(64, 64, 8, 2, split_waves=1.0, kernel="gluon_seesaw")
 
 
 @dataclass
