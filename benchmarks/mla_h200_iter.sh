@@ -12,7 +12,7 @@
 # hangs or is wrong is not timed). RACE_OPTIONS: the triton options of step 3's race (default: the swept extend
 # tile, if any); RACE2_OPTIONS: a second race, triton alone with these options (kernels-mla-h200-race2.json).
 # FlashInfer's MLA fa3 JIT build runs in the background from the start.
-# Results under $OUT: $SWEEP_NAME (default sweep-triton-mla-h200-6.json) (with "tile_rules"), mla_decode_tiles.json (the table
+# Results under $OUT: $SWEEP_NAME (default sweep-triton-mla-h200-8.json) (with "tile_rules"), mla_decode_tiles.json (the table
 # the race ran), kernels-mla-h200.json (+ PNG), logs-mla-iter/. To keep the tiles without a GPU:
 #   python benchmarks/sweep_triton_mla.py --apply <copied sweep json>
 #
@@ -40,7 +40,7 @@ fi
 EXT="{}"
 if [ "${RUN_SWEEP:-1}" != 0 ]; then
 echo "== 2. decode + extend tile sweep ($(left) s left)"
-SWEEP="$OUT/${SWEEP_NAME:-sweep-triton-mla-h200-6.json}"
+SWEEP="$OUT/${SWEEP_NAME:-sweep-triton-mla-h200-8.json}"
 SWEEP_S=$(cap "${SWEEP_CAP:-170}")  # the sweep stops starting settings 30 s before its timeout
 timeout "$SWEEP_S" python3 benchmarks/sweep_triton_mla.py ${SWEEP_ARGS:-} --budget-s $(( SWEEP_S - 30 )) \
   --out "$SWEEP" > "$LOGS/sweep-mla.log" 2>&1

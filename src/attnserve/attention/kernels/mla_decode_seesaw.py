@@ -14,8 +14,8 @@ Why this schedule: the ping-pong it replaced (a tile's score, softmax and both h
 the next owner waiting for this tile's max) left the tensor cores idle while a softmax ran. Here both scores are
 issued without waiting on anything but their tile, warpgroup 1's softmax runs under its own wgmma of p0 and under
 warpgroup 0's PV, and warpgroup 0's softmax under warpgroup 1's score. The two row sums are each warpgroup's own
-tiles' at the running max, added at the end. (H200: 330 against 366 us at 128 x 4096, 307 against 353 over
-64-token pages; benchmarks/NOTES.md.)
+tiles' at the running max, added at the end. (H200 sweep 7, the two schedules in one run: 331 against 375 us at
+128 x 4096, 314 against 357 over 64-token pages; benchmarks/NOTES.md.)
 
 Shared memory: q 72 KB + 2 x 72 KB of latent = 216 KB, one CTA per SM. A tile's probabilities go to its stage's
 rope slot, free once the score has read it. The stages are refilled in two column groups so that neither waits
@@ -256,7 +256,8 @@ def _seesaw_consumer(
                                              TOKENS, s_layout)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             p = p.to(dtype)
-            _publish(p, alpha, m_new, r_ring.index(1), scale_smem.slice(64, 64), max_smem.slice(64, 64), ready.index(1))
+            _publish(p, alpha, m_new, r_ring.index(1), scale_smem.slice(64, 64), max_smem.slice(64, 64),
+                     ready.index(1))
             m_run = m_new
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _release(free_l.index(0))
