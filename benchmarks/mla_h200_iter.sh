@@ -10,7 +10,7 @@
 # RUN_SWEEP=0 leaves out step 2 (the race then runs the checkout's tiles). TESTS / TEST_K: the test files and a
 # pytest -k filter of step 1; STOP_ON_TEST_FAIL=1 ends the run there if they fail (a kernel under test that
 # hangs or is wrong is not timed). RACE_OPTIONS: the triton options of step 3's race (default: the swept extend
-# tile, if any); RACE2_OPTIONS: a second race, triton alone with these options (kernels-mla-h200-race2.json).
+# tile, if any).
 # FlashInfer's MLA fa3 JIT build runs in the background from the start.
 # Results under $OUT: $SWEEP_NAME (default sweep-triton-mla-h200-8.json) (with "tile_rules"), mla_decode_tiles.json (the table
 # the race ran), kernels-mla-h200.json (+ PNG), logs-mla-iter/. To keep the tiles without a GPU:
@@ -75,13 +75,6 @@ echo "== 3. MLA race with the applied tiles ($(left) s left)"
 timeout "$(cap 130)" python3 -m attnserve bench kernels --workloads mla --backends triton flashinfer-mla-fa3 \
   --triton-options "${RACE_OPTIONS:-$EXT}" --json "$OUT/kernels-mla-h200.json" > "$LOGS/bench-mla.log" 2>&1
 echo "bench mla rc=$?"; grep -A12 '^results' "$LOGS/bench-mla.log"; grep ' / ' "$LOGS/bench-mla.log"
-
-if [ -n "${RACE2_OPTIONS:-}" ]; then
-echo "== 4. triton alone with $RACE2_OPTIONS ($(left) s left)"
-timeout "$(cap 100)" python3 -m attnserve bench kernels --workloads mla --backends triton \
-  --triton-options "$RACE2_OPTIONS" --json "$OUT/kernels-mla-h200-race2.json" > "$LOGS/bench-mla-2.log" 2>&1
-echo "bench mla 2 rc=$?"; grep -A6 '^results' "$LOGS/bench-mla-2.log"
-fi
 
 kill "$WARM" 2>/dev/null
 echo "== FlashInfer build"; tail -3 "$LOGS/warm.log"

@@ -182,9 +182,10 @@ def _wg0_own_tile(q_c_smem, q_r_smem, c0, r_ring, scale_smem, max_smem, loaded_e
                   s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Warpgroup 0's tile of round j (stage 0): score, softmax against the last round's max, publish, and its
     columns 0-255 of the PV, after which those columns of the stage can be refilled."""
+    BLOCK_N: gl.constexpr = 64
     s = _score(q_c_smem, q_r_smem, c0, r_ring.index(0), loaded_e.index(0), loaded_l.index(0), j & 1, False, HALF,
                s_layout)
-    p, m_new, alpha = _probabilities(s, m_run, lo + 2 * j * 64, hi, hi_row, qk_scale_log2, TOKENS, s_layout)
+    p, m_new, alpha = _probabilities(s, m_run, lo + 2 * j * BLOCK_N, hi, hi_row, qk_scale_log2, TOKENS, s_layout)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p = p.to(c0.dtype)
     _publish(p, alpha, m_new, r_ring.index(0), scale_smem.slice(0, 64), max_smem.slice(0, 64), ready.index(0))
@@ -231,12 +232,7 @@ def _seesaw_consumer(
                                             free_e, ready, acc, l_i, m_run, j, lo, hi, hi_row, qk_scale_log2,
                                             TOKENS, HALF, s_layout, o_layout, p_layout)
             # warpgroup 1's tile: its probabilities times columns 0-255
-            mbarrier.wait(ready.index(1), j & 1)
-            fence_async_shared()
-            alpha1 = scale_smem.slice(64, 64).load(row_s)
-            m_run = max_smem.slice(64, 64).load(row_s)
-            l_i = l_i * alpha1
-            acc = acc * gl.convert_layout(alpha1, row_o)[:, None]
+            acc, l_i, m_run = _scale_to_other(scale_smem, max_smem, ready, acc, l_i, j & 1, 1, row_s, row_o)
             acc = warpgroup_mma(r_ring.index(1), c1.slice(0, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _release(free_l.index(1))
