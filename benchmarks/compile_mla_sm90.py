@@ -6,6 +6,7 @@ Hopper MMA layouts (warpsPerCTA [8, 1] on a 64-row score tile means both warpgro
     python benchmarks/compile_mla_sm90.py                   # the shipped sm90 tiles and the sweep's new ones
     python benchmarks/compile_mla_sm90.py --decode 64,32,8,2,1,64   # block_h,block_n,warps,stages,defer_pv,page
     python benchmarks/compile_mla_sm90.py --gluon 1 --json          # the Gluon decode kernel over 1-token pages
+    python benchmarks/compile_mla_sm90.py --gluon 64 --gluon-kernel gluon_narrow --gluon-heads 16 --json
 
 Pointers and strides are declared 16-divisible, as Triton's launcher specialises them at run time (576-wide
 bf16 rows): without that hint the pipeliner cannot use 16-byte async copies and compiles nothing like what runs.
@@ -79,15 +80,20 @@ def extend_report(block_m, block_n, warps, stages, defer_pv, page_size=1) -> dic
         HAS_CUSTOM_MASK=False, DEFER_PV=bool(defer_pv), DOT_F32=False), warps, stages)
 
 
-def gluon_report(page_size, heads=128) -> dict:
-    """The warp-specialised Gluon decode kernel at its register budgets (fewer heads: the extend rows' token
-    groups, mla_decode_gluon.tokens_per_cta)."""
+def gluon_report(page_size, heads=128, kernel="gluon_seesaw") -> dict:
+    """A warp-specialised Gluon decode kernel at its register budgets: the seesaw (fewer heads: the extend rows'
+    token groups, mla_decode_gluon.tokens_per_cta) or the narrow one (its CTA's heads: the fewest of 16 / 32 that
+    hold them)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attnserve.attention.kernels import mla_decode_gluon as g
 
-    constexprs = {"NUM_HEADS": heads, "LATENT": 512, "ROPE": 64, "PAGE_SIZE": page_size, "WRITE_FINAL": False,
-                  "CONSUMER_REGS": g.CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
+    common = {"NUM_HEADS": heads, "LATENT": 512, "ROPE": 64, "PAGE_SIZE": page_size, "WRITE_FINAL": False}
+    if kernel == "gluon_narrow":
+        return compile_sm90(g._mla_decode_narrow_kernel, {**common, "BLOCK_H": 16 if heads <= 16 else 32,
+                                                          "CONSUMER_REGS": g.NARROW_CONSUMER_REGS},
+                            4, 1, source=GluonASTSource, maxnreg=g.MAXNREG)
+    constexprs = {**common, "CONSUMER_REGS": g.CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
     return compile_sm90(g._mla_decode_seesaw_kernel, constexprs, 4, 1, source=GluonASTSource,
                         maxnreg=g.MAXNREG)
 
@@ -103,12 +109,13 @@ def main() -> int:
     p.add_argument("--extend", action="append", help="block_m,block_n,warps,stages,defer_pv")
     p.add_argument("--gluon", action="append", type=int, metavar="PAGE_SIZE", help="the Gluon decode kernel")
     p.add_argument("--gluon-heads", type=int, default=128, help="with --gluon: query heads (16: 4-token rows)")
+    p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_narrow"))
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:
         for page in args.gluon:
-            report = {"kernel": "gluon_seesaw", "page_size": page, "heads": args.gluon_heads,
-                      **gluon_report(page, args.gluon_heads)}
+            report = {"kernel": args.gluon_kernel, "page_size": page, "heads": args.gluon_heads,
+                      **gluon_report(page, args.gluon_heads, args.gluon_kernel)}
             print(json.dumps(report) if args.json else report, flush=True)
         return 0
     decode = [tuple(map(int, s.split(","))) for s in args.decode or []]

@@ -25,6 +25,7 @@ from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
 
 GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw")
+NARROW = MLADecodeConfig(16, 64, 8, 2, kernel="gluon_narrow")
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -53,6 +54,10 @@ def test_gluon_tile_is_fixed_and_recorded_by_sweeps():
     with pytest.raises(ValueError, match="'triton', 'gluon_seesaw'"):
         MLADecodeConfig(kernel="cuda")
     assert GLUON.for_heads(16) == GLUON  # one 64-row wgmma; the kernel masks heads past 16
+    with pytest.raises(ValueError, match="gluon_narrow MLA kernel's tile is fixed: block_h 16 or 32"):
+        MLADecodeConfig(64, 64, 8, 2, kernel="gluon_narrow")
+    wide = dataclasses.replace(NARROW, block_h=32)
+    assert wide.for_heads(16) == NARROW and wide.for_heads(8) == NARROW and wide.for_heads(128) == wide
     rows = [{"workload": "w", **dataclasses.asdict(GLUON), "us": 10.0},
             {"workload": "w", **dataclasses.asdict(MLADecodeConfig(64, 64, 8, 2)), "us": 20.0}]
     (rule,) = rules_from_sweep(rows, {"w": (128, 1)})
@@ -85,6 +90,37 @@ def test_gluon_mla_decode_compiles_for_sm90(page_size):
     # round's page indices in 40-odd: the spills measured with the race's numbers (308-356 B) are allowed, more
     # than 512 B is not
     assert report["spill_bytes"][0] <= 512, report
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_narrow_gluon_mla_decode_compiles_for_sm90(page_size):
+    """The keys-major kernel at 16 heads: 36 score steps (576 wide) and 8 x 4 PV steps of m64n16k16, nothing else,
+    no spills, two 72 KB stages within Hopper's shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_mla_sm90.py"), "--gluon", str(page_size),
+                           "--gluon-kernel", "gluon_narrow", "--gluon-heads", "16", "--json"],
+                          check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["wgmma"] == {"m64n16k16": 68}
+    assert report["mma"] == [["4, 1", "16, 16, 16"]]
+    assert report["spill_bytes"] == [0, 0], report
+    assert 144 < report["smem_kib"] <= 227
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; its CPU coverage is above")
+@pytest.mark.parametrize("page_size", [1, 64, 16])
+def test_narrow_gluon_mla_decode_matches_oracle(page_size):
+    """Heads as the wgmma's columns: 16 heads, 8 (half the columns masked), 32, and 128 as four 32-head CTAs;
+    ragged lengths, splits forced on and off."""
+    for heads, block_h in ((16, 16), (8, 16), (32, 32), (128, 32)):
+        sb = deepseek_batch([70, 1, 300, 129, 64], page_size, heads, "cuda", seed=page_size + heads)
+        ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
+        config = dataclasses.replace(NARROW, block_h=block_h)
+        for splits, final in (([1] * 5, True), ([1] * 5, False), ([2, 1, 5, 3, 1], False), ([7] * 5, False)):
+            out = run(sb, splits, final, config)
+            assert not out.isnan().any(), (heads, splits, final)
+            assert rel_err(out, ref) < 1e-2, (heads, splits, final, rel_err(out, ref))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; its CPU coverage is above")

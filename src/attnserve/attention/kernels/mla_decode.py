@@ -230,8 +230,8 @@ def mla_decode_attention(
             config = fewest_stages_dropped(config, tile_shape, target)
     elif config.kernel != "triton" and (reason := gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank)):
         raise ValueError(reason)
-    if token_groups is not None and token_groups[2] > 1 and config.kernel == "triton":
-        raise ValueError(f"CTAs of several query tokens need the Gluon MLA kernel, the tile is {config.kernel}'s")
+    if token_groups is not None and token_groups[2] > 1 and config.kernel != "gluon_seesaw":
+        raise ValueError(f"CTAs of several query tokens need the gluon_seesaw MLA kernel, the tile is {config.kernel}'s")
     if write_final is None:
         write_final = max_splits == 1
     partial_o, partial_lse = split_outputs(out, partials, max_splits, write_final)
@@ -240,7 +240,7 @@ def mla_decode_attention(
 
         launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens,
                                 num_splits, max_splits, page_size, sm_scale, write_final,
-                                partial_strides(partial_o, partial_lse), token_groups)
+                                partial_strides(partial_o, partial_lse), token_groups, config.kernel, config.block_h)
         if not write_final:
             merge_splits_tiled(out, partial_o, partial_lse, num_splits, max_splits, 1.0)
         return out

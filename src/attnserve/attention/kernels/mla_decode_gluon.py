@@ -5,11 +5,13 @@ output (128 registers a thread over two warpgroups), and Triton's Hopper layout 
 tile on both warpgroups (53 % of the FLOPs twice), waits on every wgmma and gives no producer/consumer roles
 (benchmarks/NOTES.md, MLA). Gluon makes layouts, wgmma waits, mbarriers and warp specialisation explicit.
 
-The kernel (mla_decode_seesaw.py) takes 64 query rows a CTA: 64 heads of one token in decode, or for extend as
-decode rows (mla_extend_rows.py) with fewer heads, consecutive tokens of one request x all their heads (16 heads:
-4 tokens), each row masked to its own causal horizon. Gluon has no interpreter: the CPU tests compile it for
-sm_90 (benchmarks/compile_mla_sm90.py) and the GPU tests check it against the oracle. The split plan and the LSE
-merge are mla_decode.py's, with 64-row CTAs counted as head groups.
+Two kernels. The seesaw (mla_decode_seesaw.py) takes 64 query rows a CTA: 64 heads of one token in decode, or for
+extend as decode rows (mla_extend_rows.py) with fewer heads, consecutive tokens of one request x all their heads
+(16 heads: 4 tokens), each row masked to its own causal horizon. The narrow one (mla_decode_narrow.py) takes 16 or
+32 heads of one token as the columns of keys-major wgmmas, for the memory-bound few-head decode. Gluon has no
+interpreter: the CPU tests compile both for sm_90 (benchmarks/compile_mla_sm90.py) and the GPU tests check them
+against the oracle. The split plan and the LSE merge are mla_decode.py's, with a CTA's heads counted as a head
+group.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import triton
 
 from attnserve.attention.kernels.common import LOG2E
+from attnserve.attention.kernels.mla_decode_narrow import _mla_decode_narrow_kernel
 from attnserve.attention.kernels.mla_decode_seesaw import _mla_decode_seesaw_kernel
 
 GLUON_BLOCK_H = 64  # query rows per CTA: one 64-row wgmma per warpgroup
@@ -25,6 +28,7 @@ GLUON_LATENT = 512
 GLUON_ROPE = 64
 CONSUMER_REGS = 232  # two consumer warpgroups at 232 + the producer's 40-odd: 64512 of the SM's 65536 registers
 MAXNREG = 168  # the kernel-wide figure the partitions' budgets are carved from: 168 x 384 threads
+NARROW_CONSUMER_REGS = 232  # the narrow kernel's one consumer warpgroup (O^T: 4 x heads registers) beside the producer
 
 
 def gluon_mla_decode_unsupported(q: torch.Tensor, kv_buffer: torch.Tensor, kv_lora_rank: int) -> str | None:
@@ -55,12 +59,21 @@ def head_groups_per_cta_row(num_heads: int, tokens: int = 1) -> int:
 
 def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
                             max_splits: int, page_size: int, sm_scale: float, write_final: bool,
-                            partial_strides: tuple[int, ...], token_groups=None) -> None:
+                            partial_strides: tuple[int, ...], token_groups=None, kernel: str = "gluon_seesaw",
+                            block_h: int = GLUON_BLOCK_H) -> None:
     """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials).
 
     token_groups: (group_first `[G]`, group_ntok `[G]`, tokens): CTAs of several query tokens each (extend rows,
-    mla_extend_rows.py); the per-token arrays stay per token."""
+    mla_extend_rows.py, the seesaw's alone); the per-token arrays stay per token. kernel / block_h: the config's."""
     batch, num_heads, _ = q.shape
+    if kernel == "gluon_narrow":
+        _mla_decode_narrow_kernel[(triton.cdiv(num_heads, block_h), batch, max_splits)](
+            q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, sm_scale * LOG2E,
+            q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,
+            NUM_HEADS=num_heads, BLOCK_H=block_h, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size,
+            WRITE_FINAL=write_final, CONSUMER_REGS=NARROW_CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
+        )
+        return
     first, ntok, tokens = token_groups if token_groups is not None else (seq_lens, seq_lens, 1)
     rows = first.numel() if tokens > 1 else batch
     grid = (head_groups_per_cta_row(num_heads, tokens), rows, max_splits)  # a request's head groups are neighbours

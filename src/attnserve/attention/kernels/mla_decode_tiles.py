@@ -18,7 +18,9 @@ from importlib import resources
 from pathlib import Path
 
 TABLE_FILE = "mla_decode_tiles.json"
-KERNELS = ("triton", "gluon_seesaw")
+KERNELS = ("triton", "gluon_seesaw", "gluon_narrow")
+# the Gluon kernels' fixed tiles: (heads per CTA allowed, block_n, num_warps, num_stages), no deferred PV
+GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_narrow": ((16, 32), 64, 8, 2)}
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,10 @@ class MLADecodeConfig:
     # the split plan's target programs per SM for this tile (SplitPolicy.waves); 0: the backend's policy. A tile
     # that fits twice on an SM over 128 requests wants all programs in one wave (3 splits were 1.45 waves)
     split_waves: float = 0.0
-    # "triton": mla_decode.py's kernel, any tile; "gluon_seesaw": mla_decode_seesaw.py's warp-specialised Hopper
-    # kernel, whose tile is fixed (64 heads on two warpgroups, 64-key tiles, two stages: the fields above must say
-    # so). Sweeps up to the seventh also raced "gluon_ws", the ping-pong it replaced (in history at 0877da7).
+    # "triton": mla_decode.py's kernel, any tile; the warp-specialised Hopper kernels have fixed tiles (GLUON_TILES,
+    # the fields above must say so): "gluon_seesaw" (mla_decode_seesaw.py) 64 heads on two warpgroups,
+    # "gluon_narrow" (mla_decode_narrow.py) 16 or 32 heads as the columns of keys-major wgmmas. Sweeps up to the
+    # seventh also raced "gluon_ws", the ping-pong the seesaw replaced (in history at 0877da7).
     kernel: str = "triton"
 
     def __post_init__(self):
@@ -52,17 +55,21 @@ class MLADecodeConfig:
         if self.kernel not in KERNELS:
             raise ValueError(f"MLADecodeConfig.kernel must be one of {', '.join(map(repr, KERNELS))}, got "
                              f"{self.kernel!r}")
-        if self.kernel != "triton" and (self.block_h, self.block_n, self.num_warps, self.num_stages,
-                                       self.defer_pv) != (64, 64, 8, 2, False):
-            raise ValueError("the gluon MLA kernel's tile is fixed: block_h 64, block_n 64, 8 warps, 2 stages, "
-                             "no deferred PV")
+        if self.kernel in GLUON_TILES:
+            heads, block_n, warps, stages = GLUON_TILES[self.kernel]
+            if self.block_h not in heads or (self.block_n, self.num_warps, self.num_stages, self.defer_pv) != (
+                    block_n, warps, stages, False):
+                raise ValueError(f"the {self.kernel} MLA kernel's tile is fixed: block_h {' or '.join(map(str, heads))}"
+                                 f", block_n {block_n}, {warps} warps, {stages} stages, no deferred PV")
 
     def for_heads(self, num_heads: int) -> MLADecodeConfig:
         """No wider head group than the model has heads (rounded up to a power of two, at least 16): a
         64-head group over 16 heads computes 48 masked rows for nothing."""
         fit = max(16, 1 << max(0, (num_heads - 1).bit_length()))
-        if self.block_h <= fit or self.kernel != "triton":  # gluon's 64 rows are one wgmma; it masks the rest
+        if self.block_h <= fit or self.kernel == "gluon_seesaw":  # its 64 rows are one wgmma; it masks the rest
             return self
+        if self.kernel == "gluon_narrow":  # heads are the wgmma's N: the narrowest that holds them
+            return dataclasses.replace(self, block_h=fit)
         return dataclasses.replace(self, block_h=fit, num_warps=max(4, self.num_warps * fit // self.block_h))
 
 
