@@ -25,14 +25,15 @@ SHAPES = {w.name: (w.mla.num_heads, w.page_size) for w in MLA_WORKLOADS if w.kin
 
 
 def test_h200_tiles_follow_the_shape():
-    """What the seventh H200 sweep measured (sweep-triton-mla-h200-7.json): 128 heads on the Gluon seesaw kernel
-    (half a wave of splits over 64-token pages, one wave over single tokens), 16 heads in 16-head groups of the
-    Triton kernel on 8 warps at one wave."""
+    """What the eighth H200 sweep measured (sweep-triton-mla-h200-8.json): 128 heads on the Gluon seesaw kernel
+    (half a wave of splits over 64-token pages, one wave over single tokens), 16 heads on the narrow Gluon kernel
+    at half a wave (one split a request over 128 requests)."""
     h200 = GpuTarget.of((9, 0))
     ws = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw")
     assert default_mla_decode_config("cuda", h200, 128, 64) == dataclasses.replace(ws, split_waves=0.5)
     assert default_mla_decode_config("cuda", h200, 128, 1) == dataclasses.replace(ws, split_waves=1)
-    assert default_mla_decode_config("cuda", h200, 16, 64) == MLADecodeConfig(16, 64, 8, 2, split_waves=1)
+    narrow = MLADecodeConfig(16, 64, 8, 2, split_waves=0.5, kernel="gluon_narrow")
+    assert default_mla_decode_config("cuda", h200, 16, 64) == narrow
     assert tiles_for("sm75", 128, 64) == tiles_for("default", 128, 64)  # an unknown arch takes the default rules
     assert default_mla_decode_config("cpu", None, 128, 64).block_n == 16  # the interpreter's small tiles
 
