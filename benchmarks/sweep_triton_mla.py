@@ -33,14 +33,16 @@ from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
 ROOT = Path(__file__).resolve().parents[1]
 # (block_h, block_n, num_warps, num_stages, defer_pv, split_waves, kernel); a workload's time share may end the
 # list, so the Gluon kernels come first (mla_decode_seesaw.py at 64+ heads, at one and half a wave of splits;
-# mla_decode_narrow.py at 32 heads or fewer, at half a wave: one split a request over 128 requests), then the Triton
+# mla_decode_narrow.py, 16 heads at half a wave (one split a request over 128 requests), 32-head CTAs over 128
+# heads with the PV in line and deferred), then the Triton
 # tiles the fourth H200 sweep kept (sweep-triton-mla-h200-4.json: 64/64/8w/2s at 128 heads, 16/64/8w/2s at 16
 # heads, one wave each) and the 16-head tile on 4 warps. (Sweep 5 also raced a lockstep Gluon kernel, "gluon", and
 # sweeps 5-7 the ping-pong Gluon kernel, "gluon_ws", since removed: slower on every workload.)
 DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v, k) for h, n, w, s, d, v, k in (
     (64, 64, 8, 2, False, 1, "gluon_seesaw"), (64, 64, 8, 2, False, 0.5, "gluon_seesaw"),
-    (16, 64, 8, 2, False, 0.5, "gluon_narrow"), (16, 64, 8, 2, False, 1, "gluon_narrow"),
-    (16, 64, 8, 2, False, 2, "gluon_narrow"),
+    (16, 64, 8, 2, False, 0.5, "gluon_narrow"), (16, 64, 8, 2, True, 0.5, "gluon_narrow"),
+    (16, 64, 8, 2, False, 1, "gluon_narrow"), (32, 64, 8, 2, True, 1, "gluon_narrow"),
+    (32, 64, 8, 2, False, 1, "gluon_narrow"), (32, 64, 8, 2, True, 2, "gluon_narrow"),
     (64, 64, 8, 2, False, 1, "triton"), (16, 64, 8, 2, False, 1, "triton"), (16, 64, 4, 2, False, 1, "triton"))]
 # (Sweep 6 also raced a keys-major Triton kernel at 16 heads, keys as the MMA's rows and heads as its columns:
 # 231-294 us against 174; removed, kept in history at b9b0bec.)
@@ -62,9 +64,8 @@ def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict
     configs = TINY_CONFIGS[kind] if tiny else (DECODE_CONFIGS if kind == "decode" else EXTEND_CONFIGS)
     if kind == "decode":  # 16-head groups over 64+ heads never won (sweeps 1-2): not raced there
         configs = [c for c in configs if c.for_heads(num_heads) == c and (num_heads < 64 or c.block_h >= 32)]
-        # the seesaw's 64-row tile over 16 heads ran 217-243 us against the Triton tile's 174 (sweep 5); the narrow
-        # kernel's CTA of 16 or 32 heads is for few heads
-        configs = [c for c in configs if c.kernel == "triton" or (c.kernel == "gluon_seesaw") == (num_heads >= 64)]
+        # the seesaw's 64-row tile over 16 heads ran 217-243 us against the Triton tile's 174 (sweep 5)
+        configs = [c for c in configs if c.kernel != "gluon_seesaw" or num_heads >= 64]
     out = [({key: cfg}, {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}) for cfg in configs]
     if kind == "decode":
         out += [(dict(s), dict(s)) for s in (SPLITS[:1] if tiny else SPLITS)]
