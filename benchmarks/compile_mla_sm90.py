@@ -80,7 +80,7 @@ def extend_report(block_m, block_n, warps, stages, defer_pv, page_size=1) -> dic
         HAS_CUSTOM_MASK=False, DEFER_PV=bool(defer_pv), DOT_F32=False), warps, stages)
 
 
-def gluon_report(page_size, heads=128, kernel="gluon_seesaw", defer_pv=False) -> dict:
+def gluon_report(page_size, heads=128, kernel="gluon_seesaw") -> dict:
     """A warp-specialised Gluon decode kernel at its register budgets: the seesaw (fewer heads: the extend rows'
     token groups, mla_decode_gluon.tokens_per_cta) or the narrow one (its CTA's heads: the fewest of 16 / 32 that
     hold them)."""
@@ -91,8 +91,7 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", defer_pv=False) ->
     common = {"NUM_HEADS": heads, "LATENT": 512, "ROPE": 64, "PAGE_SIZE": page_size, "WRITE_FINAL": False}
     if kernel == "gluon_narrow":
         return compile_sm90(g._mla_decode_narrow_kernel, {**common, "BLOCK_H": 16 if heads <= 16 else 32,
-                                                          "CONSUMER_REGS": g.NARROW_CONSUMER_REGS,
-                                                          "DEFER_PV": defer_pv},
+                                                          "CONSUMER_REGS": g.NARROW_CONSUMER_REGS},
                             4, 1, source=GluonASTSource, maxnreg=g.MAXNREG)
     constexprs = {**common, "CONSUMER_REGS": g.CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
     return compile_sm90(g._mla_decode_seesaw_kernel, constexprs, 4, 1, source=GluonASTSource,
@@ -111,13 +110,12 @@ def main() -> int:
     p.add_argument("--gluon", action="append", type=int, metavar="PAGE_SIZE", help="the Gluon decode kernel")
     p.add_argument("--gluon-heads", type=int, default=128, help="with --gluon: query heads (16: 4-token rows)")
     p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_narrow"))
-    p.add_argument("--defer-pv", action="store_true", help="with --gluon-kernel gluon_narrow: its deferred PV")
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:
         for page in args.gluon:
             report = {"kernel": args.gluon_kernel, "page_size": page, "heads": args.gluon_heads,
-                      **gluon_report(page, args.gluon_heads, args.gluon_kernel, args.defer_pv)}
+                      **gluon_report(page, args.gluon_heads, args.gluon_kernel)}
             print(json.dumps(report) if args.json else report, flush=True)
         return 0
     decode = [tuple(map(int, s.split(","))) for s in args.decode or []]

@@ -33,16 +33,15 @@ from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
 ROOT = Path(__file__).resolve().parents[1]
 # (block_h, block_n, num_warps, num_stages, defer_pv, split_waves, kernel); a workload's time share may end the
 # list, so the Gluon kernels come first (mla_decode_seesaw.py at 64+ heads, at one and half a wave of splits;
-# mla_decode_narrow.py, 16 heads at half a wave (one split a request over 128 requests), 32-head CTAs over 128
-# heads with the PV in line and deferred), then the Triton
-# tiles the fourth H200 sweep kept (sweep-triton-mla-h200-4.json: 64/64/8w/2s at 128 heads, 16/64/8w/2s at 16
-# heads, one wave each) and the 16-head tile on 4 warps. (Sweep 5 also raced a lockstep Gluon kernel, "gluon", and
-# sweeps 5-7 the ping-pong Gluon kernel, "gluon_ws", since removed: slower on every workload.)
+# mla_decode_narrow.py at 16 heads, at half a wave, one split a request over 128 requests, and at one), then the
+# Triton tiles the fourth H200 sweep kept (sweep-triton-mla-h200-4.json: 64/64/8w/2s at 128 heads, 16/64/8w/2s at
+# 16 heads, one wave each) and the 16-head tile on 4 warps. (Sweep 5 also raced a lockstep Gluon kernel, "gluon",
+# and sweeps 5-7 the ping-pong Gluon kernel, "gluon_ws", since removed: slower on every workload. Sweep 9 raced the
+# narrow kernel in 32-head CTAs over 128 heads, 460-465 us against the seesaw's 308-327, and with a deferred PV,
+# slower again; in history at fff51f8.)
 DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v, k) for h, n, w, s, d, v, k in (
     (64, 64, 8, 2, False, 1, "gluon_seesaw"), (64, 64, 8, 2, False, 0.5, "gluon_seesaw"),
-    (16, 64, 8, 2, False, 0.5, "gluon_narrow"), (16, 64, 8, 2, True, 0.5, "gluon_narrow"),
-    (16, 64, 8, 2, False, 1, "gluon_narrow"), (32, 64, 8, 2, True, 1, "gluon_narrow"),
-    (32, 64, 8, 2, False, 1, "gluon_narrow"), (32, 64, 8, 2, True, 2, "gluon_narrow"),
+    (16, 64, 8, 2, False, 0.5, "gluon_narrow"), (16, 64, 8, 2, False, 1, "gluon_narrow"),
     (64, 64, 8, 2, False, 1, "triton"), (16, 64, 8, 2, False, 1, "triton"), (16, 64, 4, 2, False, 1, "triton"))]
 # (Sweep 6 also raced a keys-major Triton kernel at 16 heads, keys as the MMA's rows and heads as its columns:
 # 231-294 us against 174; removed, kept in history at b9b0bec.)

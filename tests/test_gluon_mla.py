@@ -57,7 +57,7 @@ def test_gluon_tile_is_fixed_and_recorded_by_sweeps():
     with pytest.raises(ValueError, match="gluon_narrow MLA kernel's tile is fixed: block_h 16 or 32"):
         MLADecodeConfig(64, 64, 8, 2, kernel="gluon_narrow")
     with pytest.raises(ValueError, match="no deferred PV"):
-        MLADecodeConfig(64, 64, 8, 2, defer_pv=True, kernel="gluon_seesaw")
+        MLADecodeConfig(16, 64, 8, 2, defer_pv=True, kernel="gluon_narrow")
     wide = dataclasses.replace(NARROW, block_h=32)
     assert wide.for_heads(16) == NARROW and wide.for_heads(8) == NARROW and wide.for_heads(128) == wide
     rows = [{"workload": "w", **dataclasses.asdict(GLUON), "us": 10.0},
@@ -94,19 +94,18 @@ def test_gluon_mla_decode_compiles_for_sm90(page_size):
     assert report["spill_bytes"][0] <= 512, report
 
 
-@pytest.mark.parametrize("page_size, heads, defer", [(1, 16, False), (64, 16, False), (1, 128, True)])
-def test_narrow_gluon_mla_decode_compiles_for_sm90(page_size, heads, defer):
+@pytest.mark.parametrize("page_size, heads", [(1, 16), (64, 16), (1, 128)])
+def test_narrow_gluon_mla_decode_compiles_for_sm90(page_size, heads):
     """The keys-major kernel: 36 score steps (576 wide) and 8 x 4 PV steps of m64nHk16 (H: 16 heads, or 32 a CTA
-    of 128), twice as many call sites with the PV deferred (the first tile's score and the last tile's PV outside
-    the loop), no spills, two 72 KB stages within Hopper's shared memory."""
+    of 128), nothing else, no spills, two 72 KB stages within Hopper's shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_mla_sm90.py"), "--gluon", str(page_size),
-                           "--gluon-kernel", "gluon_narrow", "--gluon-heads", str(heads), "--json"]
-                          + ["--defer-pv"] * defer, check=False, capture_output=True, text=True, env=env, timeout=300)
+                           "--gluon-kernel", "gluon_narrow", "--gluon-heads", str(heads), "--json"],
+                          check=False, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     n = 16 if heads <= 16 else 32
-    assert report["wgmma"] == {f"m64n{n}k16": 68 * (1 + defer)}
+    assert report["wgmma"] == {f"m64n{n}k16": 68}
     assert report["mma"] == [["4, 1", f"16, {n}, 16"]]
     assert report["spill_bytes"] == [0, 0], report
     assert 144 < report["smem_kib"] <= 227
@@ -115,12 +114,12 @@ def test_narrow_gluon_mla_decode_compiles_for_sm90(page_size, heads, defer):
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; its CPU coverage is above")
 @pytest.mark.parametrize("page_size", [1, 64, 16])
 def test_narrow_gluon_mla_decode_matches_oracle(page_size):
-    """Heads as the wgmma's columns: 16 heads, 8 (half the columns masked), 32, and 128 as four 32-head CTAs,
-    with the PV in line and deferred; ragged lengths, splits forced on and off."""
-    for heads, block_h, defer in ((16, 16, False), (8, 16, False), (32, 32, False), (128, 32, True), (16, 16, True)):
+    """Heads as the wgmma's columns: 16 heads, 8 (half the columns masked), 32, and 128 as four 32-head CTAs;
+    ragged lengths, splits forced on and off."""
+    for heads, block_h in ((16, 16), (8, 16), (32, 32), (128, 32)):
         sb = deepseek_batch([70, 1, 300, 129, 64], page_size, heads, "cuda", seed=page_size + heads)
         ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
-        config = dataclasses.replace(NARROW, block_h=block_h, defer_pv=defer)
+        config = dataclasses.replace(NARROW, block_h=block_h)
         for splits, final in (([1] * 5, True), ([1] * 5, False), ([2, 1, 5, 3, 1], False), ([7] * 5, False)):
             out = run(sb, splits, final, config)
             assert not out.isnan().any(), (heads, splits, final)

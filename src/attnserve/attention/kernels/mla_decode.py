@@ -240,8 +240,7 @@ def mla_decode_attention(
 
         launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens,
                                 num_splits, max_splits, page_size, sm_scale, write_final,
-                                partial_strides(partial_o, partial_lse), token_groups, config.kernel, config.block_h,
-                                config.defer_pv)
+                                partial_strides(partial_o, partial_lse), token_groups, config.kernel, config.block_h)
         if not write_final:
             merge_splits_tiled(out, partial_o, partial_lse, num_splits, max_splits, 1.0)
         return out

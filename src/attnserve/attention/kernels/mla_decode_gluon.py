@@ -60,20 +60,18 @@ def head_groups_per_cta_row(num_heads: int, tokens: int = 1) -> int:
 def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
                             max_splits: int, page_size: int, sm_scale: float, write_final: bool,
                             partial_strides: tuple[int, ...], token_groups=None, kernel: str = "gluon_seesaw",
-                            block_h: int = GLUON_BLOCK_H, defer_pv: bool = False) -> None:
+                            block_h: int = GLUON_BLOCK_H) -> None:
     """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials).
 
     token_groups: (group_first `[G]`, group_ntok `[G]`, tokens): CTAs of several query tokens each (extend rows,
-    mla_extend_rows.py, the seesaw's alone); the per-token arrays stay per token. kernel / block_h / defer_pv: the
-    config's."""
+    mla_extend_rows.py, the seesaw's alone); the per-token arrays stay per token. kernel / block_h: the config's."""
     batch, num_heads, _ = q.shape
     if kernel == "gluon_narrow":
         _mla_decode_narrow_kernel[(triton.cdiv(num_heads, block_h), batch, max_splits)](
             q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, sm_scale * LOG2E,
             q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,
             NUM_HEADS=num_heads, BLOCK_H=block_h, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size,
-            WRITE_FINAL=write_final, CONSUMER_REGS=NARROW_CONSUMER_REGS, DEFER_PV=defer_pv, num_warps=4,
-            maxnreg=MAXNREG,
+            WRITE_FINAL=write_final, CONSUMER_REGS=NARROW_CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
         )
         return
     first, ntok, tokens = token_groups if token_groups is not None else (seq_lens, seq_lens, 1)

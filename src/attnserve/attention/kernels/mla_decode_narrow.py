@@ -50,42 +50,11 @@ def _narrow_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c
 
 
 @gluon.jit
-def _tile_scores(c_ring, r_ring, q_c_smem, q_r_smem, loaded, i, s_zero, STAGES: gl.constexpr):
-    """S^T `[64 keys, H]` of tile i, issued once its stage has landed (not waited for)."""
-    s = i % STAGES
-    mbarrier.wait(loaded.index(s), (i // STAGES) & 1)
-    fence_async_shared()  # cp.async's writes (and the query's, the first time) before the wgmmas read them
-    st = warpgroup_mma(c_ring.index(s), q_c_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    return warpgroup_mma(r_ring.index(s), q_r_smem.permute((1, 0)), st, is_async=True)
-
-
-@gluon.jit
-def _tile_probabilities(st, m_run, l_i, n0, hi, qk_scale_log2, per_row: gl.constexpr):
-    """(P^T `[64 keys, H]` at the new max, its rescale factor, the new max and row sums) of the tile at n0."""
-    offs_n = n0 + gl.arange(0, 64, layout=per_row)
-    st = gl.where((offs_n < hi)[:, None], st * qk_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_run, gl.max(st, axis=0))
-    alpha = gl.exp2(m_run - m_new)
-    p = gl.exp2(st - m_new[None, :])  # keys past hi: 0 (their rows repeat a valid key)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=0)
-
-
-@gluon.jit
-def _store_probabilities(p, p_smem):
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()  # P^T's stores before the wgmma reads them
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _narrow_consumer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
                      stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                      q_c_smem, q_r_smem, c_ring, r_ring, p_smem, loaded, free, q_loaded,
                      NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, LATENT: gl.constexpr,
-                     STAGES: gl.constexpr, WRITE_FINAL: gl.constexpr, DEFER_PV: gl.constexpr):
-    """DEFER_PV: tile i's score is issued before tile i - 1's PV, and its softmax runs while that PV does (the
-    tensor cores busy through the softmax, for many heads); the stage of tile i - 1 is then held a softmax
-    longer, which a memory-bound few-head decode pays for in copies not in flight."""
+                     STAGES: gl.constexpr, WRITE_FINAL: gl.constexpr):
     BLOCK_N: gl.constexpr = 64
     dtype: gl.constexpr = q_c_smem.dtype
     # one layout for S^T [64, H] and O^T [512, H]: a head's column sits on the same lanes in both
@@ -98,36 +67,28 @@ def _narrow_consumer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles,
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=per_head)
     acc = gl.zeros([LATENT, BLOCK_H], gl.float32, layout=mma)  # O^T
     s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
-    if DEFER_PV:
-        if num_tiles > 0:
-            st = _tile_scores(c_ring, r_ring, q_c_smem, q_r_smem, loaded, 0, s_zero, STAGES)
-            st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
-            p, alpha, m_run, l_i = _tile_probabilities(st, m_run, l_i, lo, hi, qk_scale_log2, per_row)
-            _store_probabilities(p, p_smem)
-            for i in range(1, num_tiles):
-                st = _tile_scores(c_ring, r_ring, q_c_smem, q_r_smem, loaded, i, s_zero, STAGES)
-                acc = warpgroup_mma(c_ring.index((i - 1) % STAGES).permute((1, 0)), p_smem, acc, is_async=True)
-                st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))  # the score; tile i - 1's PV runs on
-                p, alpha, m_run, l_i = _tile_probabilities(st, m_run, l_i, lo + i * BLOCK_N, hi, qk_scale_log2,
-                                                           per_row)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                _release(free.index((i - 1) % STAGES))
-                acc = acc * alpha[None, :]
-                _store_probabilities(p, p_smem)
-            acc = warpgroup_mma(c_ring.index((num_tiles - 1) % STAGES).permute((1, 0)), p_smem, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(free.index((num_tiles - 1) % STAGES))
-    else:
-        for i in range(num_tiles):
-            st = _tile_scores(c_ring, r_ring, q_c_smem, q_r_smem, loaded, i, s_zero, STAGES)
-            st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
-            p, alpha, m_run, l_i = _tile_probabilities(st, m_run, l_i, lo + i * BLOCK_N, hi, qk_scale_log2,
-                                                       per_row)
-            acc = acc * alpha[None, :]
-            _store_probabilities(p, p_smem)
-            acc = warpgroup_mma(c_ring.index(i % STAGES).permute((1, 0)), p_smem, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(free.index(i % STAGES))
+    for i in range(num_tiles):
+        s = i % STAGES
+        c_tile = c_ring.index(s)
+        mbarrier.wait(loaded.index(s), (i // STAGES) & 1)
+        fence_async_shared()  # cp.async's writes (and the query's, the first time) before the wgmmas read them
+        st = warpgroup_mma(c_tile, q_c_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma(r_ring.index(s), q_r_smem.permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
+        offs_n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=per_row)
+        st = gl.where((offs_n < hi)[:, None], st * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_run, gl.max(st, axis=0))
+        alpha = gl.exp2(m_run - m_new)
+        p = gl.exp2(st - m_new[None, :])  # [64 keys, H]; keys past hi: 0 (their rows repeat a valid key)
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_run = m_new
+        acc = acc * alpha[None, :]
+        p_smem.store(p.to(dtype))
+        fence_async_shared()  # P^T's stores before the wgmma reads them
+        gl.thread_barrier()
+        acc = warpgroup_mma(c_tile.permute((1, 0)), p_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _release(free.index(s))
 
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[None, :]  # [LATENT, H]
@@ -148,7 +109,7 @@ def _mla_decode_narrow_kernel(
     Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, qk_scale_log2,
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER_PV: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 64
     STAGES: gl.constexpr = 2
@@ -200,5 +161,5 @@ def _mla_decode_narrow_kernel(
         (_narrow_consumer, (Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2,
                             stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                             q_c_smem, q_r_smem, c_ring, r_ring, p_smem, loaded, free, q_loaded,
-                            NUM_HEADS, BLOCK_H, LATENT, STAGES, WRITE_FINAL, DEFER_PV)),
+                            NUM_HEADS, BLOCK_H, LATENT, STAGES, WRITE_FINAL)),
     ], [4], [CONSUMER_REGS])

@@ -19,8 +19,8 @@ from pathlib import Path
 
 TABLE_FILE = "mla_decode_tiles.json"
 KERNELS = ("triton", "gluon_seesaw", "gluon_narrow")
-# the Gluon kernels' fixed tiles: (heads per CTA allowed, block_n, num_warps, num_stages, deferred PV allowed)
-GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2, (False,)), "gluon_narrow": ((16, 32), 64, 8, 2, (False, True))}
+# the Gluon kernels' fixed tiles: (heads per CTA allowed, block_n, num_warps, num_stages), no deferred PV
+GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_narrow": ((16, 32), 64, 8, 2)}
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,11 @@ class MLADecodeConfig:
             raise ValueError(f"MLADecodeConfig.kernel must be one of {', '.join(map(repr, KERNELS))}, got "
                              f"{self.kernel!r}")
         if self.kernel in GLUON_TILES:
-            heads, block_n, warps, stages, defer = GLUON_TILES[self.kernel]
-            if self.block_h not in heads or (self.block_n, self.num_warps, self.num_stages) != (
-                    block_n, warps, stages) or self.defer_pv not in defer:
+            heads, block_n, warps, stages = GLUON_TILES[self.kernel]
+            if self.block_h not in heads or (self.block_n, self.num_warps, self.num_stages, self.defer_pv) != (
+                    block_n, warps, stages, False):
                 raise ValueError(f"the {self.kernel} MLA kernel's tile is fixed: block_h {' or '.join(map(str, heads))}"
-                                 f", block_n {block_n}, {warps} warps, {stages} stages"
-                                 f"{'' if True in defer else ', no deferred PV'}")
+                                 f", block_n {block_n}, {warps} warps, {stages} stages, no deferred PV")
 
     def for_heads(self, num_heads: int) -> MLADecodeConfig:
         """No wider head group than the model has heads (rounded up to a power of two, at least 16): a
