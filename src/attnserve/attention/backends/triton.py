@@ -373,8 +373,10 @@ class TritonBackend(AttentionBackend):
             cfg, tokens = GLUON_ROWS_CONFIG, tokens_per_cta(layer.num_heads)
             programs = head_groups_per_cta_row(layer.num_heads, tokens)
         else:
-            cfg = self.mla_decode_config or default_mla_decode_config(pool.device, None, layer.num_heads,
-                                                                      pool.page_size)
+            cfg = self.mla_decode_config
+            if cfg is None:  # the default tile, in Triton where it names a Gluon kernel (gluon_blocker says why)
+                cfg = default_mla_decode_config(pool.device, None, layer.num_heads, pool.page_size)
+                cfg = dataclasses.replace(cfg, kernel="triton")
             tokens, programs = 1, head_groups(layer.num_heads, cfg)
         policy = self.split_policy
         if cfg.split_waves and not self._split_waves_given:
