@@ -26,7 +26,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attnserve.attention.kernels.mla_decode_seesaw import _copy_columns, _release, _tile_rows
+from attnserve.attention.kernels.mla_gluon_parts import (
+    _copy_columns,
+    _copy_query,
+    _release,
+    _split_range,
+    _tile_rows,
+)
 
 
 @gluon.jit
@@ -124,13 +130,7 @@ def _mla_decode_narrow_kernel(
     hg = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
-    n_splits = gl.load(num_splits + b)
-    active = split < n_splits
-    seq = gl.load(seq_lens + b)
-    chunk = gl.cdiv(gl.cdiv(seq, n_splits), BLOCK_N) * BLOCK_N  # mla_decode.split_bounds
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, seq)
-    num_tiles = gl.where(active, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), 0)
+    lo, hi, num_tiles, active = _split_range(gl.load(seq_lens + b), gl.load(num_splits + b), split, BLOCK_N)
     page_base = gl.load(kv_indptr + b)
 
     # the query by cp.async from these (the producer's) threads, waited for by the consumer: q_c [H, 512], q_pe [H, 64]
@@ -142,9 +142,7 @@ def _mla_decode_narrow_kernel(
     q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qr_smem_layout)
     q_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_loaded, count=128)
-    _copy_columns(q_c_smem, q_ptrs, 0, LATENT // ROPE, ROPE, q_mask)
-    async_copy.async_copy_global_to_shared(q_r_smem, q_ptrs + LATENT, mask=q_mask)
-    async_copy.mbarrier_arrive(q_loaded, increment_count=False)
+    _copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)
     c_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
     r_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], r_smem_layout)  # 16 KB
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], p_smem_layout)  # P^T, the PV's B

@@ -37,14 +37,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-
-@gluon.jit
-def _tile_rows(kv_indices, page_base, n0, hi, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-               layout: gl.constexpr):
-    """Pool rows `[BLOCK_N]` of the key tile at n0; keys past hi repeat the last key (a valid row, never NaN)."""
-    offs_n = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=layout), hi - 1)
-    page = gl.load(kv_indices + page_base + offs_n // PAGE_SIZE)
-    return page.to(gl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+from attnserve.attention.kernels.mla_gluon_parts import (
+    _copy_columns,
+    _copy_query,
+    _release,
+    _split_range,
+    _tile_rows,
+)
 
 
 @gluon.jit
@@ -57,13 +56,6 @@ def _row_token_head(tok0, ntok, hg, NUM_HEADS: gl.constexpr, TOKENS: gl.constexp
     r = gl.arange(0, BLOCK_H, layout=layout)
     head = hg * ROW_HEADS + r % ROW_HEADS
     return tok0 + r // ROW_HEADS, head, (r // ROW_HEADS < ntok) & (head < NUM_HEADS)
-
-
-@gluon.jit
-def _copy_columns(c_dst, base, FIRST_CHUNK: gl.constexpr, CHUNKS: gl.constexpr, CHUNK: gl.constexpr, mask=None):
-    """cp.async of columns [FIRST_CHUNK * CHUNK, (FIRST_CHUNK + CHUNKS) * CHUNK) of a tile."""
-    for k in gl.static_range(FIRST_CHUNK, FIRST_CHUNK + CHUNKS):
-        async_copy.async_copy_global_to_shared(c_dst.slice(k * CHUNK, CHUNK, dim=1), base + k * CHUNK, mask=mask)
 
 
 @gluon.jit
@@ -157,12 +149,6 @@ def _publish(p, alpha, m_new, p_dst, scale_dst, max_dst, ready_bar):
     fence_async_shared()  # the other warpgroup's wgmma reads p_dst
     gl.thread_barrier()
     mbarrier.arrive(ready_bar, count=1)
-
-
-@gluon.jit
-def _release(bar):
-    gl.thread_barrier()  # every warp's wgmmas on the group are done
-    mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
@@ -319,13 +305,8 @@ def _mla_decode_seesaw_kernel(
     else:
         tok0 = g
         ntok = 1
-    n_splits = gl.load(num_splits + tok0)
-    active = split < n_splits
-    seq = gl.load(seq_lens + tok0 + ntok - 1)
-    chunk = gl.cdiv(gl.cdiv(seq, n_splits), BLOCK_N) * BLOCK_N  # mla_decode.split_bounds
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, seq)
-    num_tiles = gl.where(active, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), 0)
+    lo, hi, num_tiles, active = _split_range(gl.load(seq_lens + tok0 + ntok - 1), gl.load(num_splits + tok0), split,
+                                             BLOCK_N)
     page_base = gl.load(kv_indptr + tok0)
 
     # the query in shared memory, both scores' A: q_c [64, 512] (64 KB) and q_pe [64, 64] (8 KB)
@@ -337,11 +318,7 @@ def _mla_decode_seesaw_kernel(
     q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], r_smem_layout)
     q_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_loaded, count=128)
-    # cp.async, all nine copies in flight at once and landing under the producer's first latent copies (these
-    # threads are the producer partition's): the consumers wait on q_loaded
-    _copy_columns(q_c_smem, q_ptrs, 0, LATENT // ROPE, ROPE, q_mask)
-    async_copy.async_copy_global_to_shared(q_r_smem, q_ptrs + LATENT, mask=q_mask)
-    async_copy.mbarrier_arrive(q_loaded, increment_count=False)
+    _copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # the consumers wait on q_loaded
     c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
     r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)  # 16 KB: rope, then probabilities
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)  # each tile owner's factor
