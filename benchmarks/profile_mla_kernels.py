@@ -43,6 +43,16 @@ def kernel_times(fn, calls: int, cuda: bool) -> dict[str, float]:
     return {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v > 0}
 
 
+def versions() -> dict[str, str]:
+    out = {"torch": torch.__version__}
+    for name in ("triton", "flashinfer"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=["mla decode"])
@@ -69,7 +79,7 @@ def main() -> int:
         rb.keep.clear()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            json.dump({"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "versions": versions(),
                        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "rows": rows}, f,
                       indent=1)
     return 0
