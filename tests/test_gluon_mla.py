@@ -73,15 +73,21 @@ def test_gluon_asked_for_where_it_cannot_run_says_why():
         run(sb, [1], True, GLUON)
 
 
+def compile_offline(*args: str) -> dict:
+    """benchmarks/compile_mla_sm90.py's JSON report, from a fresh process (the interpreter's jitted helpers cannot
+    compile)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_mla_sm90.py"), *args, "--json"],
+                          check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_gluon_mla_decode_compiles_for_sm90(page_size):
-    """Compiled offline with Triton's ptxas, in a fresh process (the interpreter's jitted helpers cannot compile):
-    a shared-memory overflow, a changed MMA split or a jump in spills shows here before any GPU run."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_mla_sm90.py"), "--gluon", str(page_size),
-                           "--json"], check=False, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    """Compiled offline with Triton's ptxas: a shared-memory overflow, a changed MMA split or a jump in spills
+    shows here before any GPU run."""
+    report = compile_offline("--gluon", str(page_size))
     assert report["smem_kib"] <= 227  # one CTA per SM on Hopper
     # each warpgroup: its tiles' whole score (512 + 64 wide, k16 steps: 36 a call site; three sites, warpgroup 0's
     # round, its odd last tile and warpgroup 1's round) and 256 output columns (4 steps a site, six sites);
@@ -98,12 +104,7 @@ def test_gluon_mla_decode_compiles_for_sm90(page_size):
 def test_narrow_gluon_mla_decode_compiles_for_sm90(page_size, heads):
     """The keys-major kernel: 36 score steps (576 wide) and 8 x 4 PV steps of m64nHk16 (H: 16 heads, or 32 a CTA
     of 128), nothing else, no spills, two 72 KB stages within Hopper's shared memory."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_mla_sm90.py"), "--gluon", str(page_size),
-                           "--gluon-kernel", "gluon_narrow", "--gluon-heads", str(heads), "--json"],
-                          check=False, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = compile_offline("--gluon", str(page_size), "--gluon-kernel", "gluon_narrow", "--gluon-heads", str(heads))
     n = 16 if heads <= 16 else 32
     assert report["wgmma"] == {f"m64n{n}k16": 68}
     assert report["mma"] == [["4, 1", f"16, {n}, 16"]]

@@ -340,9 +340,9 @@ class TritonBackend(AttentionBackend):
         (None, None, why not). By default where the Gluon kernel runs (any head count: with fewer than 64 heads a
         CTA takes several tokens); forced (mla_extend_rows=True) elsewhere on the decode tile, a token a CTA."""
         from attnserve.attention.kernels.mla_decode import (
-            default_mla_decode_config,
             gluon_mla_decode_unsupported,
             head_groups,
+            runnable_mla_decode_config,
         )
         from attnserve.attention.kernels.mla_extend_rows import GLUON_ROWS_CONFIG, MAX_ROWS, plan_extend_rows
 
@@ -373,10 +373,8 @@ class TritonBackend(AttentionBackend):
             cfg, tokens = GLUON_ROWS_CONFIG, tokens_per_cta(layer.num_heads)
             programs = head_groups_per_cta_row(layer.num_heads, tokens)
         else:
-            cfg = self.mla_decode_config
-            if cfg is None:  # the default tile, in Triton where it names a Gluon kernel (gluon_blocker says why)
-                cfg = default_mla_decode_config(pool.device, None, layer.num_heads, pool.page_size)
-                cfg = dataclasses.replace(cfg, kernel="triton")
+            cfg = self.mla_decode_config or runnable_mla_decode_config(
+                q, pool.get_key_buffer(layer.layer_id), pool.kv_lora_rank, pool.page_size)
             tokens, programs = 1, head_groups(layer.num_heads, cfg)
         policy = self.split_policy
         if cfg.split_waves and not self._split_waves_given:

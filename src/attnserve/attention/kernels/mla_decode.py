@@ -14,6 +14,7 @@ latents carry one per-tensor scale, folded into the softmax scale and the output
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -65,6 +66,27 @@ def gluon_mla_decode_unsupported(q: torch.Tensor, kv_buffer: torch.Tensor, kv_lo
     from attnserve.attention.kernels.mla_decode_gluon import gluon_mla_decode_unsupported as why_not
 
     return why_not(q, kv_buffer, kv_lora_rank)
+
+
+def _tile_shape(c: MLADecodeConfig, width: int, kv_lora_rank: int, itemsize: int) -> TileShape:
+    """A Triton tile's shared memory: a deferred PV buffers the previous tile's latent too."""
+    return TileShape(c.block_h, width, c.block_n, width + kv_lora_rank * c.defer_pv, c.num_stages, itemsize)
+
+
+def runnable_mla_decode_config(q: torch.Tensor, kv_buffer: torch.Tensor, kv_lora_rank: int, page_size: int,
+                               target: GpuTarget | None = None) -> MLADecodeConfig:
+    """The default tile as this call can run it: the architecture's for the heads and page size, the same tile in
+    Triton where the Gluon kernel it names cannot take the call (e.g. an FP8 latent), a Triton tile with the
+    stages dropped that would not fit the GPU's shared memory."""
+    target = target or target_for(q.device)
+    config = default_mla_decode_config(q.device, target, q.shape[1], page_size)
+    if config.kernel != "triton" and gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank):
+        config = dataclasses.replace(config, kernel="triton")
+    if config.kernel == "triton":
+        shape = functools.partial(_tile_shape, width=q.shape[-1], kv_lora_rank=kv_lora_rank,
+                                  itemsize=q.element_size())
+        config = fewest_stages_dropped(config, shape, target)
+    return config
 
 
 def check_mla_shapes(q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, kv_lora_rank: int) -> int:
@@ -217,17 +239,8 @@ def mla_decode_attention(
     if batch == 0:
         return out
     target = target or target_for(q.device)
-
-    def tile_shape(c: MLADecodeConfig) -> TileShape:  # a deferred PV buffers the previous tile's latent too
-        return TileShape(c.block_h, width, c.block_n, width + kv_lora_rank * c.defer_pv, c.num_stages,
-                         q.element_size())
-
     if config is None:
-        config = default_mla_decode_config(q.device, target, num_heads, page_size)
-        if config.kernel != "triton" and gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank):
-            config = dataclasses.replace(config, kernel="triton")  # e.g. an FP8 latent: the same tile in Triton
-        if config.kernel == "triton":
-            config = fewest_stages_dropped(config, tile_shape, target)
+        config = runnable_mla_decode_config(q, kv_buffer, kv_lora_rank, page_size, target)
     elif config.kernel != "triton" and (reason := gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank)):
         raise ValueError(reason)
     if token_groups is not None and token_groups[2] > 1 and config.kernel != "gluon_seesaw":
@@ -244,7 +257,7 @@ def mla_decode_attention(
         if not write_final:
             merge_splits_tiled(out, partial_o, partial_lse, num_splits, max_splits, 1.0)
         return out
-    check_shared_memory("MLA decode", tile_shape(config), target)
+    check_shared_memory("MLA decode", _tile_shape(config, width, kv_lora_rank, q.element_size()), target)
     grid = (batch, head_groups(num_heads, config), max_splits)
     _mla_decode_split_kernel[grid](
         q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
