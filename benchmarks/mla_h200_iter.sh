@@ -7,7 +7,8 @@
 #      checkout's tile table (mla_decode_tiles.json) before the race
 #   3. the MLA race with those tiles and the fastest extend tile: triton vs FlashInfer MLA fa3, each checked
 #      against the oracle first
-# RUN_SWEEP=0 leaves out step 2 (the race then runs the checkout's tiles). TESTS / TEST_K: the test files and a
+# RUN_SWEEP=0 leaves out step 2 (the race then runs the checkout's tiles). SPLIT_COST_ARGS (e.g. "--splits 64"):
+# also time benchmarks/mla_split_cost.py with those arguments before the race. TESTS / TEST_K: the test files and a
 # pytest -k filter of step 1; STOP_ON_TEST_FAIL=1 ends the run there if they fail (a kernel under test that
 # hangs or is wrong is not timed). RACE_OPTIONS: the triton options of step 3's race (default: the swept extend
 # tile, if any).
@@ -69,6 +70,13 @@ print(json.dumps({"mla_extend_config": {k: min(rows, key=lambda r: r["us"])[k] f
 PY
 )
 echo "extend tile raced: $EXT"
+fi
+
+if [ -n "${SPLIT_COST_ARGS:-}" ]; then
+echo "== 2b. a split's cost apart from its tiles, 1 long request (benchmarks/mla_split_cost.py $SPLIT_COST_ARGS)"
+timeout "$(cap 150)" python3 benchmarks/mla_split_cost.py $SPLIT_COST_ARGS --json "$OUT/mla-split-cost-h200.json" \
+  > "$LOGS/split-cost.log" 2>&1
+echo "split cost rc=$?"; grep -v '^{' "$LOGS/split-cost.log" | tail -20
 fi
 
 echo "== 3. MLA race with the applied tiles ($(left) s left)"

@@ -185,19 +185,21 @@ def test_gpu_mla_expanded_prefill_at_deepseek_widths():
         start += n
 
 
-def test_tiled_merge_weights_splits_by_their_lse_over_several_tiles():
-    """More splits than one tile holds (130 > 64), a request with fewer, an empty split (LSE -inf), and a width
-    that is not a multiple of the column tile: the exact LSE-weighted mean of the first num_splits partials."""
+@pytest.mark.parametrize("max_splits", [130, 40])
+def test_tiled_merge_weights_splits_by_their_lse(max_splits):
+    """More splits than one tile holds (130 > 64) or all in one (40), a request with fewer, an empty split (LSE
+    -inf), and a width that is not a multiple of the column tile: the exact LSE-weighted mean of the first
+    num_splits partials."""
     from attnserve.attention.kernels.merge_tiled import merge_splits_tiled
 
     gen = torch.Generator().manual_seed(0)
-    partial_o = torch.randn(2, 3, 130, 80, generator=gen)  # [B, H, S, Dv]
-    partial_lse = torch.randn(2, 3, 130, generator=gen) * 4  # [B, H, S], base 2
+    partial_o = torch.randn(2, 3, max_splits, 80, generator=gen)  # [B, H, S, Dv]
+    partial_lse = torch.randn(2, 3, max_splits, generator=gen) * 4  # [B, H, S], base 2
     partial_lse[0, 1, 7] = float("-inf")
     partial_o[1, :, 5:] = float("nan")  # request 1 has 5 splits: the rest is never read
-    num_splits = torch.tensor([130, 5], dtype=torch.int32)
+    num_splits = torch.tensor([max_splits, 5], dtype=torch.int32)
     out = torch.empty(2, 3, 80, device=DEVICE)
-    merge_splits_tiled(out, partial_o.to(DEVICE), partial_lse.to(DEVICE), num_splits.to(DEVICE), 130, 0.5)
+    merge_splits_tiled(out, partial_o.to(DEVICE), partial_lse.to(DEVICE), num_splits.to(DEVICE), max_splits, 0.5)
     out = out.cpu()
     for b, n in enumerate(num_splits.tolist()):
         w = torch.softmax(partial_lse[b, :, :n].double() * torch.log(torch.tensor(2.0)), dim=-1)  # [H, n]

@@ -23,7 +23,7 @@ MERGE_SPLITS = 64  # splits loaded per tile
 def _merge_tiled_kernel(
     Out, PartialO, PartialLse, num_splits, v_scale,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -32,19 +32,28 @@ def _merge_tiled_kernel(
     n = tl.load(num_splits + b)
     offs_s = tl.arange(0, BLOCK_S)
     lse_base = PartialLse + b * stride_lb + h * stride_lh
-    m = tl.full([], -1.0e30, dtype=tl.float32)
-    for s0 in range(0, n, BLOCK_S):
-        lse = tl.load(lse_base + s0 + offs_s, mask=s0 + offs_s < n, other=float("-inf"))  # [BLOCK_S], base 2
-        m = tl.maximum(m, tl.max(lse, 0))
-    total = tl.full([], 0.0, dtype=tl.float32)
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s0 in range(0, n, BLOCK_S):
-        s_mask = s0 + offs_s < n
-        w = tl.exp2(tl.load(lse_base + s0 + offs_s, mask=s_mask, other=float("-inf")) - m)  # [BLOCK_S]
-        o = tl.load(PartialO + b * stride_pb + h * stride_ph + (s0 + offs_s)[:, None] * stride_ps + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_DV]
-        acc += tl.sum(w[:, None] * o, 0)
-        total += tl.sum(w, 0)
+    if ONE_TILE:  # every split in one tile: the LSEs and the partials are loaded together, one latency
+        s_mask = offs_s < n
+        lse = tl.load(lse_base + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S], base 2
+        o = tl.load(PartialO + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_DV]
+        w = tl.exp2(lse - tl.maximum(tl.max(lse, 0), -1.0e30))
+        acc = tl.sum(w[:, None] * o, 0)
+        total = tl.sum(w, 0)
+    else:
+        m = tl.full([], -1.0e30, dtype=tl.float32)
+        for s0 in range(0, n, BLOCK_S):
+            lse = tl.load(lse_base + s0 + offs_s, mask=s0 + offs_s < n, other=float("-inf"))  # [BLOCK_S], base 2
+            m = tl.maximum(m, tl.max(lse, 0))
+        total = tl.full([], 0.0, dtype=tl.float32)
+        acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+        for s0 in range(0, n, BLOCK_S):
+            s_mask = s0 + offs_s < n
+            w = tl.exp2(tl.load(lse_base + s0 + offs_s, mask=s_mask, other=float("-inf")) - m)  # [BLOCK_S]
+            o = tl.load(PartialO + b * stride_pb + h * stride_ph + (s0 + offs_s)[:, None] * stride_ps
+                        + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w[:, None] * o, 0)
+            total += tl.sum(w, 0)
     total = tl.where(total > 0.0, total, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, (acc / total * v_scale).to(Out.dtype.element_ty),
              mask=d_mask)
@@ -61,5 +70,5 @@ def merge_splits_tiled(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: 
         out, partial_o, partial_lse, num_splits, v_scale,
         out.stride(0), out.stride(1), partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s, num_warps=4,
+        V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s, ONE_TILE=max_splits <= block_s, num_warps=4,
     )

@@ -261,19 +261,40 @@ def _seesaw_consumer(
     l_tot = l_i + l_smem.slice((1 - W) * BLOCK_H, BLOCK_H).load(row_s)
     l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
     o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    tok_o, head_o, ok_o = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_o)
-    offs_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    o_mask = (ok_o & active)[:, None]
+    _store_output(o, c_ring.index(W), Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh, stride_pb,
+                  stride_ph, stride_ps, W * HALF, NUM_HEADS, TOKENS, BLOCK_H, HALF, WRITE_FINAL)
+    if not WRITE_FINAL and W == 0:
+        tok_l, head_l, ok_l = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
+        lse = gl.where(l_tot > 0.0, m_run + gl.log2(l_safe), float("-inf"))
+        gl.store(PartialLse + tok_l * stride_lb + head_l * stride_lh + split, lse, mask=ok_l & active)
+
+
+@gluon.jit
+def _store_output(o, stage, Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh, stride_pb, stride_ph,
+                  stride_ps, col0, NUM_HEADS: gl.constexpr, TOKENS: gl.constexpr, BLOCK_H: gl.constexpr,
+                  HALF: gl.constexpr, WRITE_FINAL: gl.constexpr):
+    """This warpgroup's output columns (o `[64, HALF]` float32, the wgmma's layout) to global memory, through its
+    own stage (free once both warpgroups passed `fin`: every copy consumed, every wgmma waited on).
+
+    Why through shared memory: in the wgmma layout a warp's store covers 8 rows x 32 bytes; the H200 race at
+    1 x 32768 (64 splits, 128 KB of float32 partials a CTA) spent 4-7 us of its 31 in those stores
+    (benchmarks/mla_split_cost.py). Read back a row segment a warp (512 contiguous bytes), they coalesce."""
+    # [64, HALF] float32 over the stage's [64, 2 * HALF] 16-bit bytes; 32-byte chunks XOR-swizzled over 4 rows, so
+    # a warp's 8 rows x 32 bytes land in different banks (two wavefronts, the minimum for 256 bytes)
+    staging = stage._reinterpret(gl.float32, [BLOCK_H, HALF], gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0]))
+    staging.store(o)
+    gl.thread_barrier()
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])  # a warp: 128 columns of a row
+    o = staging.load(rows_layout)
+    tok, head, ok = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, gl.SliceLayout(1, rows_layout))
+    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
+    mask = (ok & active)[:, None]
     if WRITE_FINAL:
-        gl.store(Out + tok_o[:, None] * stride_ob + head_o[:, None] * stride_oh + offs_o[None, :], o.to(dtype),
-                 mask=o_mask)
+        gl.store(Out + tok[:, None] * stride_ob + head[:, None] * stride_oh + cols[None, :],
+                 o.to(Out.dtype.element_ty), mask=mask)
     else:
-        gl.store(PartialO + tok_o[:, None] * stride_pb + head_o[:, None] * stride_ph + split * stride_ps
-                 + offs_o[None, :], o, mask=o_mask)
-        if W == 0:
-            tok_l, head_l, ok_l = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
-            lse = gl.where(l_tot > 0.0, m_run + gl.log2(l_safe), float("-inf"))
-            gl.store(PartialLse + tok_l * stride_lb + head_l * stride_lh + split, lse, mask=ok_l & active)
+        gl.store(PartialO + tok[:, None] * stride_pb + head[:, None] * stride_ph + split * stride_ps + cols[None, :],
+                 o.to(PartialO.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
