@@ -15,6 +15,7 @@ bf16 rows): without that hint the pipeliner cannot use 16-byte async copies and 
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import json
 import os
@@ -58,6 +59,7 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
             "spill_bytes": tuple(map(int, spills.groups())) if spills else None,
             "smem_kib": round(kernel.metadata.shared / 1024, 1),
             "async_copies": ttgir.count("async_copy_global_to_local"),
+            "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),
             "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir),
             "wgmma": {m: kernel.asm["ptx"].count(m) for m in sorted(set(re.findall(r"wgmma\.mma_async\S*?(m64n\d+k\d+)",
                                                                                  kernel.asm["ptx"])))}}

@@ -98,6 +98,9 @@ def test_gluon_mla_decode_compiles_for_sm90(page_size):
     # round's page indices in 40-odd: the spills measured with the race's numbers (308-356 B) are allowed, more
     # than 512 B is not
     assert report["spill_bytes"][0] <= 512, report
+    # the output leaves through shared memory, 16 contiguous bytes a thread (each warpgroup's 64 x 256 float32
+    # partials: 32 stores a thread), not in the wgmma layout's 8-byte pieces; the LSE is one float a row
+    assert report["global_stores"] == {"st.global.v4.b32": 64, "st.global.b32": 2}, report
 
 
 @pytest.mark.parametrize("page_size, heads", [(1, 16), (64, 16), (1, 128)])

@@ -276,9 +276,11 @@ def _store_output(o, stage, Out, PartialO, tok0, ntok, hg, split, active, stride
     """This warpgroup's output columns (o `[64, HALF]` float32, the wgmma's layout) to global memory, through its
     own stage (free once both warpgroups passed `fin`: every copy consumed, every wgmma waited on).
 
-    Why through shared memory: in the wgmma layout a warp's store covers 8 rows x 32 bytes; the H200 race at
-    1 x 32768 (64 splits, 128 KB of float32 partials a CTA) spent 4-7 us of its 31 in those stores
-    (benchmarks/mla_split_cost.py). Read back a row segment a warp (512 contiguous bytes), they coalesce."""
+    Why through shared memory: in the wgmma layout a warp's store covers 8 rows x 32 bytes, and of a 16-bit
+    output 8 rows x 16 bytes (half sectors). Read back a row segment a warp (512 contiguous bytes), the stores
+    coalesce: on the H200 the bf16 output of 128 x 4096 went 327.7 -> 319 us, the extend rows 10.16 -> 9.76 ms.
+    Float32 partials (1 x 32768: 128 KB a CTA, 4-7 us of its 31) are bound by their bytes and cost the same
+    either way (benchmarks/mla_split_cost.py, benchmarks/NOTES.md)."""
     # [64, HALF] float32 over the stage's [64, 2 * HALF] 16-bit bytes; 32-byte chunks XOR-swizzled over 4 rows, so
     # a warp's 8 rows x 32 bytes land in different banks (two wavefronts, the minimum for 256 bytes)
     staging = stage._reinterpret(gl.float32, [BLOCK_H, HALF], gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0]))
