@@ -208,6 +208,50 @@ def test_measured_order_per_gpu_model_attention_type_and_side(monkeypatch):
         measured.measured_order(h200, "verify")
 
 
+def test_measured_order_per_head_count_takes_the_nearest_raced(monkeypatch):
+    """An MLA race over 16 and 128 heads ships an order for each; a model takes the count nearest its heads per
+    rank (by ratio, the larger on a tie), and without heads, or for MHA, the order over all workloads."""
+    by_heads = {"16": {"decode": ["triton", "flashinfer"], "prefill": ["flashinfer", "triton"],
+                       "scores": {"decode": {"triton": 1.0, "flashinfer": 1.04}}},
+                "128": {"decode": ["flashinfer", "triton"], "prefill": ["flashinfer", "triton"],
+                        "scores": {"decode": {"flashinfer": 1.0, "triton": 1.2}}}}
+    shipped = {"h200": {"MLA": {"source": "y.json", "date": "d", "decode": ["flashinfer", "triton"],
+                                "prefill": ["flashinfer", "triton"], "by_heads": by_heads},
+                        "MHA": {"source": "x.json", "date": "d", "decode": ["triton"], "prefill": ["flashinfer"]}}}
+    monkeypatch.setattr(measured, "_shipped", lambda: shipped)
+    h200 = PRESET_HARDWARE["h200"]
+    order = lambda heads, attention="MLA": measured.measured_order(h200, "decode", attention, heads)  # noqa: E731
+    assert order(16)[0] == ("triton", "flashinfer") and order(16)[1]["heads"] == 16
+    assert measured.describe_order(order(16)[1], "decode") == "triton 1.00x, flashinfer 1.04x"
+    assert order(128)[0] == ("flashinfer", "triton") and order(128)[1]["heads"] == 128
+    assert order(32)[1]["heads"] == 16 and order(64)[1]["heads"] == 128 and order(8)[1]["heads"] == 16
+    assert order(None)[0] == ("flashinfer", "triton") and "heads" not in order(None)[1]
+    assert order(16, "MHA")[0] == ("triton",)
+    sel = select_backends(replace(h200, installed=frozenset({"torch", "triton", "flashinfer"})), MODELS["dsv2lite"])
+    assert (sel.prefill_backend, sel.decode_backend) == ("flashinfer", "triton")
+    assert any(e.side == "decode" and "MLA at 16 query heads:" in e.reason for e in sel.trace)
+    sel = select_backends(replace(h200, installed=frozenset({"torch", "triton", "flashinfer"})), MODELS["dsv3"])
+    assert sel.decode_backend == "flashinfer"
+    assert any(e.side == "decode" and "MLA at 128 query heads:" in e.reason for e in sel.trace)
+
+
+def test_a_race_over_several_head_counts_is_also_ranked_per_head_count():
+    records = [
+        {"workload": "mla decode 128x4096 h128 p1", "backend": "triton", "us": 320.0},
+        {"workload": "mla decode 128x4096 h128 p1", "backend": "flashinfer-mla-fa3", "us": 265.0},
+        {"workload": "mla decode 128x4096 h16 p64", "backend": "triton", "us": 143.0},
+        {"workload": "mla decode 128x4096 h16 p64", "backend": "flashinfer-mla-fa3", "us": 149.0},
+        {"workload": "decode 64x4096 p1", "backend": "triton", "us": 100.0},
+    ]
+    entries = measured.order_entry({"gpu": "NVIDIA H200", "date": "d", "records": records}, "r.json")
+    mla = entries["MLA"]
+    assert mla["decode"] == ["flashinfer", "triton"]  # over both head counts
+    assert sorted(mla["by_heads"]) == ["128", "16"]
+    assert mla["by_heads"]["16"]["decode"] == ["triton", "flashinfer"]
+    assert mla["by_heads"]["128"]["scores"]["decode"] == {"flashinfer": 1.0, "triton": round(320 / 265, 2)}
+    assert "by_heads" not in entries["MHA"]  # one shape raced: nothing to split
+
+
 def test_mla_and_mha_records_are_ranked_apart():
     """'mla decode ...' workloads are MLA's race: they must not move the MHA order, nor the other way."""
     records = [

@@ -11,6 +11,7 @@ from attnserve.models.config import ModelConfig
 
 H200 = replace(PRESET_HARDWARE["h200"], installed=frozenset({"torch", "triton", "flashinfer"}))
 DSV2_LITE = ModelConfig.load("deepseek-v2-lite").attention_shape("deepseek-v2-lite")
+DSV3 = ModelConfig.load("deepseek-v3").attention_shape("deepseek-v3")
 
 
 @pytest.fixture
@@ -40,18 +41,22 @@ def test_only_triton_installed_serves_deepseek_with_triton():
     assert (sel.prefill_backend, sel.decode_backend) == ("triton", "triton")
 
 
-def test_the_measured_mla_race_puts_deepseek_on_flashinfer_both_sides():
-    """The committed H200 MLA race (FlashInfer MLA fa3 ahead of our MLA kernels on both sides: 1.26x decode, 1.30x
-    extend in mean time) decides MLA models, not the MHA race, where our Triton decode wins; the trace cites the
-    measured ratio and its source."""
-    sel = select_backends(H200, DSV2_LITE)
-    assert (sel.prefill_backend, sel.decode_backend) == ("flashinfer", "flashinfer"), sel.describe()
-    for side in ("prefill", "decode"):
-        order, entry = measured.measured_order(H200, side, "MLA")
-        assert order[:2] == ("flashinfer", "triton") and entry["source"].endswith("kernels-mla-h200.json")
-        assert entry["scores"][side]["triton"] > 1.0  # what the race measured: triton slower on both sides
-        cited = [e.reason for e in sel.trace if e.side == side and "measured on this GPU model for MLA" in e.reason]
-        assert cited and f"triton {entry['scores'][side]['triton']:.2f}x" in cited[0], sel.describe()
+def test_the_measured_mla_race_decides_deepseek_per_head_count():
+    """The committed H200 MLA race decides MLA models, not the MHA race: at DeepSeek-V2-Lite's 16 heads our decode
+    is ahead of FlashInfer MLA fa3 (the narrow Gluon kernel) and FlashInfer's prefill ahead of ours; at V3's 128
+    heads FlashInfer is ahead on both sides. The trace cites the head count, the measured ratio and the source."""
+    for model, heads, expected in ((DSV2_LITE, 16, ("flashinfer", "triton")),
+                                   (DSV3, 128, ("flashinfer", "flashinfer"))):
+        sel = select_backends(H200, model)
+        assert model.num_q_heads == heads and (sel.prefill_backend, sel.decode_backend) == expected, sel.describe()
+        for side, backend in zip(("prefill", "decode"), expected):
+            order, entry = measured.measured_order(H200, side, "MLA", heads)
+            assert order[0] == backend and entry["heads"] == heads and entry["source"].endswith("kernels-mla-h200.json")
+            other = "triton" if backend == "flashinfer" else "flashinfer"
+            assert entry["scores"][side][other] > 1.0  # what the race measured: the other one slower there
+            cited = [e.reason for e in sel.trace
+                     if e.side == side and f"measured on this GPU model for MLA at {heads} query heads" in e.reason]
+            assert cited and f"{other} {entry['scores'][side][other]:.2f}x" in cited[0], sel.describe()
     # the MHA order is a different race: a Llama model still decodes on triton there
     assert measured.measured_order(H200, "decode", "MHA")[0][0] == "triton"
 

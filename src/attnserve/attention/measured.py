@@ -5,7 +5,10 @@ attention type ('MHA' for MHA/GQA, 'MLA'), the implemented backends fastest firs
 each one's score (its mean time relative to the fastest backend of each workload, `ranking.rank`),
 from a committed `attnserve bench kernels` run (`source` names it). MHA and MLA are ranked apart:
 they are different kernels (FlashInfer's MLA wrapper is 3-7x our Triton MLA on the H200 while our
-Triton MHA decode beats FlashInfer's), so an MLA model must not inherit the MHA order.
+Triton MHA decode beats FlashInfer's), so an MLA model must not inherit the MHA order. A race over
+several head counts also ships an order per head count (`by_heads`), and a model takes the one raced
+nearest its query heads per rank: on the H200 FlashInfer's MLA decode wins at 128 heads and ours at
+16 (DeepSeek-V2-Lite, or V3 at tensor parallel 8), which one order over both would hide.
 
 Regenerate after a new race (each file fills the attention types it raced):
 `python benchmarks/ship_measured_order.py benchmarks/results/kernels-h200.json benchmarks/results/kernels-mla-h200.json`;
@@ -16,9 +19,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from importlib import resources
 
-from attnserve.attention.ranking import ATTENTION_TYPES, attention_of, rank
+from attnserve.attention.ranking import ATTENTION_TYPES, attention_of, heads_of, rank
 from attnserve.hardware import Hardware
 
 DATA_FILE = "measured_order.json"
@@ -31,18 +35,28 @@ def gpu_key(name: str) -> str:
     return words[0] if words else ""
 
 
+def _orders(records: list[dict], attention: str) -> dict:
+    """The order per side and each backend's score per side (1.0 = fastest on every workload)."""
+    ranked = {side: rank(records, side, attention=attention) for side in SIDES}
+    return {**{side: [r.backend for r in ranked[side]] for side in SIDES},
+            "scores": {side: {r.backend: round(r.score, 2) for r in ranked[side]} for side in SIDES}}
+
+
 def order_entry(result: dict, source: str) -> dict[str, dict]:
     """What the package ships for one race result, per attention type it raced: its date and GPU, the
-    order per side, and each backend's score per side (1.0 = fastest on every workload)."""
+    orders over all its workloads and, where it raced two or more head counts, per head count."""
     records = result.get("records", [])
     out = {}
     for attention in ATTENTION_TYPES:
-        if not any(attention_of(r) == attention for r in records):
+        mine = [r for r in records if attention_of(r) == attention]
+        if not mine:
             continue
-        ranked = {side: rank(records, side, attention=attention) for side in SIDES}
         out[attention] = {"gpu": result.get("gpu"), "date": result.get("date"), "source": source,
-                          **{side: [r.backend for r in ranked[side]] for side in SIDES},
-                          "scores": {side: {r.backend: round(r.score, 2) for r in ranked[side]} for side in SIDES}}
+                          **_orders(mine, attention)}
+        heads = sorted({h for r in mine if (h := heads_of(r)) is not None})
+        if len(heads) > 1:
+            out[attention]["by_heads"] = {str(h): _orders([r for r in mine if heads_of(r) == h], attention)
+                                          for h in heads}
     return out
 
 
@@ -57,9 +71,12 @@ def attention_key(attention_type: str) -> str:
     return "MLA" if attention_type == "MLA" else "MHA"
 
 
-def measured_order(hw: Hardware, side: str, attention: str = "MHA") -> tuple[tuple[str, ...], dict] | None:
+def measured_order(hw: Hardware, side: str, attention: str = "MHA",
+                   heads: int | None = None) -> tuple[tuple[str, ...], dict] | None:
     """(backends fastest first on `side` for `attention` models, the entry they came from) for this GPU
-    model; None off CUDA, or for a GPU or attention type no race was shipped for."""
+    model; None off CUDA, or for a GPU or attention type no race was shipped for. `heads`: the model's
+    query heads per rank; where the race has orders per head count, the nearest raced count's (by
+    ratio; the entry then names it under "heads")."""
     if side not in SIDES:
         raise ValueError(f"side must be one of {', '.join(SIDES)}, got {side!r}")
     if hw.device != "cuda" or not hw.name:
@@ -67,6 +84,12 @@ def measured_order(hw: Hardware, side: str, attention: str = "MHA") -> tuple[tup
     entry = _shipped().get(gpu_key(hw.name), {}).get(attention_key(attention))
     if not entry or not entry.get(side):
         return None
+    by_heads = entry.get("by_heads") or {}
+    if heads and by_heads:
+        nearest = min(by_heads, key=lambda h: (abs(math.log2(int(h) / heads)), -int(h)))
+        if by_heads[nearest].get(side):
+            entry = {**{k: v for k, v in entry.items() if k != "by_heads"}, **by_heads[nearest],
+                     "heads": int(nearest)}
     return tuple(entry[side]), entry
 
 

@@ -40,6 +40,17 @@ def attention_of(record: dict) -> str:
     return "MLA" if words and words[0] == "mla" else "MHA"
 
 
+def heads_of(record: dict) -> int | None:
+    """The query heads a record raced: its `num_heads`, else a workload name's 'h<N>' ('mla decode 128x4096 h16
+    p64' -> 16); None when it names none (the MHA race's shapes are fixed)."""
+    if isinstance(record.get("num_heads"), int):
+        return record["num_heads"]
+    for word in str(record.get("workload", "")).split():
+        if len(word) > 1 and word[0] == "h" and word[1:].isdigit():
+            return int(word[1:])
+    return None
+
+
 @dataclass(frozen=True)
 class Ranked:
     backend: str
@@ -76,4 +87,4 @@ def rank(records: list[dict], side: str | None = None, complete_only: bool = Fal
     return sorted(ranked, key=lambda x: (x.score, x.backend))
 
 
-__all__ = ["ATTENTION_TYPES", "Ranked", "attention_of", "backend_family", "rank", "side_of"]
+__all__ = ["ATTENTION_TYPES", "Ranked", "attention_of", "backend_family", "heads_of", "rank", "side_of"]

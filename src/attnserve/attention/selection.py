@@ -349,9 +349,9 @@ def runnable_backends(hw: Hardware, model: AttentionShape, serving: ServingFeatu
 
 # ---- the decision ---------------------------------------------------------------------------------------
 def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry], side: str,
-                    tuned: TunedChoice | None = None, attention: str = "MHA") -> list[str]:
+                    tuned: TunedChoice | None = None, attention: str = "MHA", heads: int | None = None) -> list[str]:
     """The tuned winner for this side (if any), the policy's choice, the shipped measured order for this
-    attention type ('MHA' or 'MLA'), the static one."""
+    attention type ('MHA' or 'MLA') and query heads per rank, the static one."""
     order = []
     winner = tuned.winners.get(side) if tuned else None
     if winner is not None:
@@ -362,10 +362,13 @@ def candidate_order(hw: Hardware, row: PolicyRow, trace: list[TraceEntry], side:
         order.append(winner.backend)
     if row.choose not in order:
         order.append(row.choose)
-    shipped = measured_order(hw, side, attention)
+    shipped = measured_order(hw, side, attention, heads)
     measured = shipped[0] if shipped else ()
     if shipped:
-        trace.append(TraceEntry("input", f"fallback order measured on this GPU model for {attention}: "
+        raced = shipped[1].get("heads")
+        at = "" if raced is None else f" at {raced} query heads" + (
+            "" if raced == heads else f" (the raced head count nearest {heads})")
+        trace.append(TraceEntry("input", f"fallback order measured on this GPU model for {attention}{at}: "
                                 f"{describe_order(shipped[1], side)} (mean time relative to each workload's "
                                 f"fastest; {shipped[1].get('source')}, {shipped[1].get('date')})", side=side))
     for name in (*measured, *FALLBACK_ORDER.get(hw.device, ("torch_native",))):
@@ -441,7 +444,8 @@ def select_backends(
                 )
             trace.append(TraceEntry("explicit", f"requested for {side}; passes every check", name, side))
         else:
-            candidates = candidate_order(hw, row, trace, side, tuned, attention_key(model.attention_type))
+            candidates = candidate_order(hw, row, trace, side, tuned, attention_key(model.attention_type),
+                                         model.num_q_heads)
             name, ps = _first_passing(candidates, hw, model, serving, side, fixed_page, sglang, trace)
         chosen[side] = name
         if fixed_page is None and (name in PREFERRED_PAGE_SIZE or _fixed_page_sizes(name, sglang)):
