@@ -227,10 +227,11 @@ def test_measured_order_per_head_count_takes_the_nearest_raced(monkeypatch):
     assert order(32)[1]["heads"] == 16 and order(64)[1]["heads"] == 128 and order(8)[1]["heads"] == 16
     assert order(None)[0] == ("flashinfer", "triton") and "heads" not in order(None)[1]
     assert order(16, "MHA")[0] == ("triton",)
-    sel = select_backends(replace(h200, installed=frozenset({"torch", "triton", "flashinfer"})), MODELS["dsv2lite"])
+    installed = replace(h200, installed=frozenset({"torch", "triton", "flashinfer"}))
+    sel = select_backends(installed, MODELS["dsv2lite"])
     assert (sel.prefill_backend, sel.decode_backend) == ("flashinfer", "triton")
     assert any(e.side == "decode" and "MLA at 16 query heads:" in e.reason for e in sel.trace)
-    sel = select_backends(replace(h200, installed=frozenset({"torch", "triton", "flashinfer"})), MODELS["dsv3"])
+    sel = select_backends(installed, MODELS["dsv3"])
     assert sel.decode_backend == "flashinfer"
     assert any(e.side == "decode" and "MLA at 128 query heads:" in e.reason for e in sel.trace)
 

@@ -41,10 +41,8 @@ def attention_of(record: dict) -> str:
 
 
 def heads_of(record: dict) -> int | None:
-    """The query heads a record raced: its `num_heads`, else a workload name's 'h<N>' ('mla decode 128x4096 h16
-    p64' -> 16); None when it names none (the MHA race's shapes are fixed)."""
-    if isinstance(record.get("num_heads"), int):
-        return record["num_heads"]
+    """The query heads a record raced, from its workload name's 'h<N>' ('mla decode 128x4096 h16 p64' -> 16);
+    None when it names none (the MHA race's shapes are fixed)."""
     for word in str(record.get("workload", "")).split():
         if len(word) > 1 and word[0] == "h" and word[1:].isdigit():
             return int(word[1:])
