@@ -4,8 +4,7 @@ Timing only, CUDA graphs, no oracle (the kernel tests check results). At a fixed
 of CTAs, one wave) the context is set to `k` 64-key tiles per split for several k: the kernel's time is then
 F + k t, F a CTA's cost apart from its tiles (launch, the query and first tiles' latency, the epilogue) and t a
 tile. The same is timed with the partial stores left out (a runtime-false mask: the math still runs), with
-bfloat16 partials, over 64-token pages, the merge alone or after the kernel ("early": a programmatic dependent
-launch; "untriggered": the kernel's consumers not signalling it); `--variants` picks them. Where the latent bytes come
+bfloat16 partials, over 64-token pages, and the merge alone; `--variants` picks them. Where the latent bytes come
 from: "l2-hot" draws every page from a 4 MB window (the tiles then read L2, not HBM); "h64-pairs-shared" and
 "h64-own-pages" run twice the requests at 64 heads (the same CTAs and tiles), two requests reading the same pages as
 a 128-head request's head groups do, or each its own (twice the HBM bytes). `--requests 128 --splits 1 --tiles 64`
@@ -35,7 +34,6 @@ HEADS, WIDTH, LATENT = 128, 576, 512
 HOT_TOKENS = 4096  # 4.7 MB of latent: the "hot" pages' window
 SEESAW = pathlib.Path(gluon_host.__file__).with_name("mla_decode_seesaw.py")
 PARTIAL_STORE = "o.to(PartialO.dtype.element_ty), mask=mask)"
-TRIGGER = "    _launch_dependents()  # every tile is done: the merge may start launching under the epilogue\n"
 
 
 def patched_seesaw(name: str, old: str, new: str):
@@ -91,7 +89,7 @@ def time_variant(kernel, requests: int, heads: int, seq: int, page: int, splits:
             gluon_host.launch_mla_decode_gluon(q, kv, out, po, pl, kv_indptr, kv_indices, seq_lens, num_splits,
                                                splits, page, WIDTH ** -0.5, False, strides)
         if merge:
-            merge_splits_tiled(out, po, pl, num_splits, splits, 1.0, early_launch=merge == "early")
+            merge_splits_tiled(out, po, pl, num_splits, splits, 1.0)
 
     original = gluon_host._mla_decode_seesaw_kernel
     gluon_host._mla_decode_seesaw_kernel = kernel or original
@@ -111,8 +109,6 @@ def main() -> int:
     p.add_argument("--json")
     args = p.parse_args()
     kernels = {"full": gluon_host._mla_decode_seesaw_kernel}
-    if "untriggered+early-merge" in args.variants:
-        kernels["untriggered"] = patched_seesaw("untriggered", TRIGGER, "")
     if "no-partial-store" in args.variants:
         kernels["no-partial-store"] = seesaw_without_partial_stores()
     full = kernels["full"]
@@ -125,8 +121,6 @@ def main() -> int:
         "merge-bf16": (None, 1, torch.bfloat16, True, HEADS, "own"),
         "full+merge": (full, 1, torch.float32, True, HEADS, "own"),
         "bf16+merge": (full, 1, torch.bfloat16, True, HEADS, "own"),
-        "full+early-merge": (full, 1, torch.float32, "early", HEADS, "own"),
-        "untriggered+early-merge": (kernels.get("untriggered"), 1, torch.float32, "early", HEADS, "own"),
         # where the latent bytes come from: the same CTAs and tiles, twice the requests at 64 heads
         "l2-hot": (full, 1, torch.float32, False, HEADS, "hot"),
         "h64-pairs-shared": (full, 1, torch.float32, False, 64, "pair"),

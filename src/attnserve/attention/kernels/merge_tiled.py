@@ -28,10 +28,7 @@ def _merge_tiled_kernel(
     Out, PartialO, PartialLse, num_splits, v_scale,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, ONE_TILE: tl.constexpr,
-    AFTER_PRIOR: tl.constexpr,
 ):
-    if AFTER_PRIOR:  # launched early (programmatic dependent launch): the partials' writer must have finished
-        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -67,12 +64,9 @@ def _merge_tiled_kernel(
 
 
 def merge_splits_tiled(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: torch.Tensor,
-                       num_splits: torch.Tensor, max_splits: int, v_scale: float, early_launch: bool = False) -> None:
+                       num_splits: torch.Tensor, max_splits: int, v_scale: float) -> None:
     """Stage 2 as decode.merge_splits (no sinks): out `[B, H, Dv]` from partial_o `[B, H, S, Dv]` (normalised)
-    and partial_lse `[B, H, S]` (base 2), the first num_splits[b] splits of request b.
-
-    early_launch (Hopper and later): launched as a programmatic dependent of the kernel before it on the stream,
-    so its launch overlaps that kernel's tail; its programs wait for that kernel before reading."""
+    and partial_lse `[B, H, S]` (base 2), the first num_splits[b] splits of request b."""
     batch, num_heads, v_dim = out.shape
     block_dv = min(MERGE_COLUMNS, next_pow2(v_dim))
     block_s = max(2, min(MERGE_SPLITS, next_pow2(max_splits)))
@@ -81,6 +75,5 @@ def merge_splits_tiled(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: 
         out, partial_o, partial_lse, num_splits, v_scale,
         out.stride(0), out.stride(1), partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s, ONE_TILE=one_tile, AFTER_PRIOR=early_launch,
-        num_warps=1 if one_tile else 4, launch_pdl=early_launch,
+        V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s, ONE_TILE=one_tile, num_warps=1 if one_tile else 4,
     )

@@ -40,7 +40,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attnserve.attention.kernels.mla_gluon_parts import (
     _copy_columns,
     _copy_query,
-    _launch_dependents,
     _release,
     _split_range,
     _tile_rows,
@@ -106,7 +105,6 @@ def _seesaw_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c
     if num_tiles % 2:  # a last, odd tile: a round of stage 0 alone
         _load_stage0(KV + rows0[:, None] * stride_kvt + offs[None, :], c_ring, r_ring, loaded_e, loaded_l, free_e,
                      free_l, (rounds & 1) ^ 1, rounds > 0, LATENT, ROPE)
-    _launch_dependents()
 
 
 @gluon.jit
@@ -255,7 +253,6 @@ def _seesaw_consumer(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _release(free_l.index(0))
 
-    _launch_dependents()  # every tile is done: the merge may start launching under the epilogue
     # the row sum is the two warpgroups' (each kept at the final max, m_run in both)
     l_smem.slice(W * BLOCK_H, BLOCK_H).store(l_i)
     gl.thread_barrier()

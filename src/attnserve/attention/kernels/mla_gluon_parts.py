@@ -1,6 +1,5 @@
 """Pieces both Gluon MLA decode kernels share (mla_decode_seesaw.py, mla_decode_narrow.py): a split's key range,
-a key tile's pool rows, the cp.async copies of 64-column chunks, the query's copy, a stage's release, the early
-launch of the merge."""
+a key tile's pool rows, the cp.async copies of 64-column chunks, the query's copy, a stage's release."""
 
 from __future__ import annotations
 
@@ -51,11 +50,3 @@ def _copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT: gl.constex
 def _release(bar):
     gl.thread_barrier()  # every warp's wgmmas on the group are done
     mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
-def _launch_dependents():
-    """Let the next kernel on the stream (the merge, launched as a programmatic dependent) start launching: its
-    programs wait for this kernel to finish before they read, so only its launch overlaps this one's tail."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
