@@ -50,13 +50,17 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-        info = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True).stderr
+        proc = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True)
+    info = proc.stdout + proc.stderr
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    if proc.returncode != 0 or regs is None or spills is None:
+        raise RuntimeError(f"ptxas ({ptxas}) exited {proc.returncode} without a register and spill report:\n"
+                           f"{info[-2000:]}")
     ttgir = kernel.asm["ttgir"]
-    return {"registers": int(regs.group(1)) if regs else None,
-            "spill_bytes": tuple(map(int, spills.groups())) if spills else None,
+    return {"registers": int(regs.group(1)),
+            "spill_bytes": tuple(map(int, spills.groups())),
             "smem_kib": round(kernel.metadata.shared / 1024, 1),
             "async_copies": ttgir.count("async_copy_global_to_local"),
             "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),
