@@ -1,4 +1,5 @@
-"""What a split costs the Gluon seesaw MLA decode kernel apart from its tiles: one long request at 128 heads.
+"""What a split costs the Gluon seesaw MLA decode kernel apart from its tiles: one long request at 128 heads (and,
+with --requests, many).
 
 Timing only, CUDA graphs, no oracle (the kernel tests check results). At a fixed split count (so a fixed number
 of CTAs, one wave) the context is set to `k` 64-key tiles per split for several k: the kernel's time is then
@@ -60,14 +61,16 @@ def inputs(requests: int, heads: int, seq: int, page: int, splits: int, partial_
     128-head request's two head groups do), "hot" (every request's pages drawn from a 4 MB window that stays in L2)."""
     per_request = seq // page
     pool_pages = per_request * (requests if pages_of == "own" else max(requests // 2, 1))
+    hot_pages = max(HOT_TOKENS // page, 1)
+    if pages_of == "hot":
+        pool_pages = max(pool_pages, hot_pages)
     q = torch.randn(requests, heads, WIDTH, device="cuda", dtype=torch.bfloat16)  # [R, H, 512 + 64]
     kv = torch.randn(pool_pages * page, 1, WIDTH, device="cuda", dtype=torch.bfloat16)  # the latent pool
     kv_indices = torch.randperm(pool_pages, device="cuda", dtype=torch.int32)  # scattered pages
     if pages_of == "pair":
         kv_indices = kv_indices.view(-1, 1, per_request).expand(-1, 2, -1).reshape(-1)[: requests * per_request]
     elif pages_of == "hot":
-        kv_indices = torch.randint(0, max(HOT_TOKENS // page, 1), (requests * per_request,), device="cuda",
-                                   dtype=torch.int32)
+        kv_indices = torch.randint(0, hot_pages, (requests * per_request,), device="cuda", dtype=torch.int32)
     kv_indices = kv_indices.contiguous()
     kv_indptr = torch.arange(0, requests + 1, device="cuda", dtype=torch.int32) * per_request
     seq_lens = torch.full((requests,), seq, device="cuda", dtype=torch.int32)
