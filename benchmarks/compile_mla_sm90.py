@@ -60,6 +60,8 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
                            f"{info[-2000:]}")
     ttgir = kernel.asm["ttgir"]
     return {"registers": int(regs.group(1)),
+            # ptxas's C7512: it waits on every wgmma when the accumulators in flight do not fit the registers
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in info,
             "spill_bytes": tuple(map(int, spills.groups())),
             "smem_kib": round(kernel.metadata.shared / 1024, 1),
             "async_copies": ttgir.count("async_copy_global_to_local"),
@@ -100,6 +102,9 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw") -> dict:
                                                           "CONSUMER_REGS": g.NARROW_CONSUMER_REGS},
                             4, 1, source=GluonASTSource, maxnreg=g.MAXNREG)
     constexprs = {**common, "CONSUMER_REGS": g.CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
+    if kernel == "gluon_colsplit":
+        return compile_sm90(g._mla_decode_colsplit_kernel, {**constexprs, "CONSUMER_REGS": g.COLSPLIT_REGS,
+                                                            "TOKENS": 1}, 4, 1, source=GluonASTSource)
     return compile_sm90(g._mla_decode_seesaw_kernel, constexprs, 4, 1, source=GluonASTSource,
                         maxnreg=g.MAXNREG)
 
@@ -115,7 +120,7 @@ def main() -> int:
     p.add_argument("--extend", action="append", help="block_m,block_n,warps,stages,defer_pv")
     p.add_argument("--gluon", action="append", type=int, metavar="PAGE_SIZE", help="the Gluon decode kernel")
     p.add_argument("--gluon-heads", type=int, default=128, help="with --gluon: query heads (16: 4-token rows)")
-    p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_narrow"))
+    p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_colsplit", "gluon_narrow"))
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:

@@ -25,11 +25,11 @@ SHAPES = {w.name: (w.mla.num_heads, w.page_size) for w in MLA_WORKLOADS if w.kin
 
 
 def test_h200_tiles_follow_the_shape():
-    """What the eighth H200 sweep measured (sweep-triton-mla-h200-8.json): 128 heads on the Gluon seesaw kernel
-    (half a wave of splits over 64-token pages, one wave over single tokens), 16 heads on the narrow Gluon kernel
-    at half a wave (one split a request over 128 requests)."""
+    """What the tenth H200 sweep measured (sweep-triton-mla-h200-10.json): 128 heads on the column-split Gluon
+    kernel (half a wave of splits over 64-token pages, one wave over single tokens), 16 heads on the narrow Gluon
+    kernel at half a wave (one split a request over 128 requests)."""
     h200 = GpuTarget.of((9, 0))
-    ws = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw")
+    ws = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit")
     assert default_mla_decode_config("cuda", h200, 128, 64) == dataclasses.replace(ws, split_waves=0.5)
     assert default_mla_decode_config("cuda", h200, 128, 1) == dataclasses.replace(ws, split_waves=1)
     narrow = MLADecodeConfig(16, 64, 8, 2, split_waves=0.5, kernel="gluon_narrow")

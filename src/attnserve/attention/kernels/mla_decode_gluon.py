@@ -20,6 +20,7 @@ import torch
 import triton
 
 from attnserve.attention.kernels.common import LOG2E
+from attnserve.attention.kernels.mla_decode_colsplit import _mla_decode_colsplit_kernel
 from attnserve.attention.kernels.mla_decode_narrow import _mla_decode_narrow_kernel
 from attnserve.attention.kernels.mla_decode_seesaw import _mla_decode_seesaw_kernel
 
@@ -28,6 +29,7 @@ GLUON_LATENT = 512
 GLUON_ROPE = 64
 CONSUMER_REGS = 232  # two consumer warpgroups at 232 + the producer's 40-odd: 64512 of the SM's 65536 registers
 MAXNREG = 168  # the kernel-wide figure the partitions' budgets are carved from: 168 x 384 threads
+COLSPLIT_REGS = 240  # the colsplit kernel's two warpgroups (no producer): what setmaxnreg gives the second
 NARROW_CONSUMER_REGS = 232  # the narrow kernel's one consumer warpgroup (O^T: 4 x heads registers) beside the producer
 
 
@@ -77,10 +79,12 @@ def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr
     first, ntok, tokens = token_groups if token_groups is not None else (seq_lens, seq_lens, 1)
     rows = first.numel() if tokens > 1 else batch
     grid = (head_groups_per_cta_row(num_heads, tokens), rows, max_splits)  # a request's head groups are neighbours
-    _mla_decode_seesaw_kernel[grid](
-        q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, first, ntok,
-        sm_scale * LOG2E,
-        q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1), *partial_strides,
-        NUM_HEADS=num_heads, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size, WRITE_FINAL=write_final,
-        CONSUMER_REGS=CONSUMER_REGS, TOKENS=tokens, num_warps=4, maxnreg=MAXNREG,
-    )
+    args = (q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, first, ntok,
+            sm_scale * LOG2E, q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1),
+            *partial_strides)
+    common = dict(NUM_HEADS=num_heads, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size,
+                  WRITE_FINAL=write_final, CONSUMER_REGS=CONSUMER_REGS, TOKENS=tokens, num_warps=4)
+    if kernel == "gluon_colsplit":
+        _mla_decode_colsplit_kernel[grid](*args, **{**common, "CONSUMER_REGS": COLSPLIT_REGS})
+    else:
+        _mla_decode_seesaw_kernel[grid](*args, **common, maxnreg=MAXNREG)

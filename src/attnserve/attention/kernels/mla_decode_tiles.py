@@ -18,9 +18,9 @@ from importlib import resources
 from pathlib import Path
 
 TABLE_FILE = "mla_decode_tiles.json"
-KERNELS = ("triton", "gluon_seesaw", "gluon_narrow")
+KERNELS = ("triton", "gluon_seesaw", "gluon_colsplit", "gluon_narrow")
 # the Gluon kernels' fixed tiles: (heads per CTA allowed, block_n, num_warps, num_stages), no deferred PV
-GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_narrow": ((16, 32), 64, 8, 2)}
+GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_colsplit": ((64,), 64, 8, 2), "gluon_narrow": ((16, 32), 64, 8, 2)}
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class MLADecodeConfig:
         """No wider head group than the model has heads (rounded up to a power of two, at least 16): a
         64-head group over 16 heads computes 48 masked rows for nothing."""
         fit = max(16, 1 << max(0, (num_heads - 1).bit_length()))
-        if self.block_h <= fit or self.kernel == "gluon_seesaw":  # its 64 rows are one wgmma; it masks the rest
+        if self.block_h <= fit or self.kernel in ("gluon_seesaw", "gluon_colsplit"):  # 64 rows a wgmma, rest masked
             return self
         if self.kernel == "gluon_narrow":  # heads are the wgmma's N: the narrowest that holds them
             return dataclasses.replace(self, block_h=fit)

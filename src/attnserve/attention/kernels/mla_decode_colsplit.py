@@ -1,0 +1,222 @@
+"""The Gluon MLA decode kernel (Hopper) with the latent's columns split between the warpgroups: both work on one
+key tile at a time, so one stage of the two-stage ring is always being refilled.
+
+A CTA owns 64 query rows of a (request, split), as the seesaw kernel does (mla_decode_seesaw.py), and the same
+three partitions: a 4-warp producer gathering latent rows by cp.async (any page size) and two 4-warp consumers.
+Warpgroup 0 owns latent columns 0-255, warpgroup 1 columns 256-511 and the rope, for the score and for the output
+alike:
+
+    wg0: S_L = q_L K_L^T                 wait S_R:  S = S_L + S_R, softmax   publish P, alpha   o_L = o_L alpha + P V_L
+    wg1: S_R = q_R K_R^T + q_pe K_pe^T   publish S_R     (then tile t-1's:   wait P, alpha      o_R = o_R alpha + P V_R)
+
+Why: the seesaw gives each warpgroup its own tile of a round and refills a stage only once its tile is consumed,
+so the next tile's copies start a PV before they are needed. On the H200 (ncu, 1 x 32768 and 128 x 4096 at 128
+heads) its warpgroup 1 waited on its tile's copies and warpgroup 0 on warpgroup 1's probabilities: the tensor
+pipe was busy 28 % and 48 % of the time. Here a tile's copies have a whole tile's math to land in.
+
+The partial scores cross through shared memory (64 x 64 float32), warpgroup 1 moves on to its next score while
+warpgroup 0 runs the softmax, and the probabilities go to the tile's rope slot (free once warpgroup 1's score has
+read it) for warpgroup 1's PV. Shared memory: q_c 64 KB + 2 x 72 KB of latent + the 16 KB exchange = 224 KB; the
+query's rope part lives in warpgroup 1's registers (it first lands in the exchange buffer).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from attnserve.attention.kernels.mla_decode_seesaw import _probabilities, _row_token_head, _store_output
+from attnserve.attention.kernels.mla_gluon_parts import (
+    _copy_columns,
+    _copy_query,
+    _release,
+    _split_range,
+    _tile_rows,
+)
+
+
+@gluon.jit
+def _copy_half(KV, rows, stride_kvt, c_ring, r_ring, t, num_tiles, W: gl.constexpr, LATENT: gl.constexpr,
+               ROPE: gl.constexpr, copy_layout: gl.constexpr):
+    """Tile t's latent columns of warpgroup W (0: 0-255; 1: 256-511 and the rope) into stage t % 2 by cp.async,
+    rows `[64]` its pool rows, as one commit group (empty past the last tile)."""
+    QUARTER: gl.constexpr = LATENT // 2 // ROPE  # 4 chunks of 64 columns: one warpgroup's half
+    if t < num_tiles:
+        offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
+        base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [64, ROPE] pointers, 4 rows a thread
+        _copy_columns(c_ring.index(t % 2), base, W * QUARTER, QUARTER, ROPE)
+        if W == 1:
+            async_copy.async_copy_global_to_shared(r_ring.index(t % 2), base + LATENT)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _colsplit_warpgroup(
+    Q, KV, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active,
+    page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh, q_c_smem, q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, x_ready, x_free, p_ready,
+    fin, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr,
+):
+    """One warpgroup: its half of the query and of every tile, copied by itself (a stage's half is its own to
+    refill once its PV is done), its half of each score, and its 256 output columns. Warpgroup 0 also adds the
+    halves, runs the softmax and publishes the probabilities; warpgroup 1 multiplies them by its columns."""
+    BLOCK_H: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = 64
+    HALF: gl.constexpr = LATENT // 2
+    dtype: gl.constexpr = q_c_smem.dtype
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 128 B of a row per 8 threads
+    copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    # this warpgroup's query columns (and, for warpgroup 1, the rope part into the exchange buffer), then tiles 0
+    # and 1: two commit groups, the query in the first
+    tok, head, row_ok = _row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, copy_rows)
+    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
+    q_ptrs = Q + tok[:, None] * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]
+    q_mask = row_ok[:, None] & (offs < ROPE)[None, :]  # rows past the heads / tokens are zeros
+    _copy_columns(q_c_smem, q_ptrs, W * (HALF // ROPE), HALF // ROPE, ROPE, q_mask)
+    if W == 1:
+        async_copy.async_copy_global_to_shared(q_r_view, q_ptrs + LATENT, mask=q_mask)
+    rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [64] pool rows
+    _copy_half(KV, rows, stride_kvt, c_ring, r_ring, 0, num_tiles, W, LATENT, ROPE, copy_layout)
+    rows = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+    _copy_half(KV, rows, stride_kvt, c_ring, r_ring, 1, num_tiles, W, LATENT, ROPE, copy_layout)
+    rows = _tile_rows(kv_indices, page_base, lo + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns W * 256 ...
+    m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # warpgroup 0's running base-2 max
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
+    if W == 1:
+        async_copy.wait_group(1)  # the query
+        gl.thread_barrier()
+        q_pe = q_r_view.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))  # [64, 64]
+        gl.thread_barrier()  # every thread holds its rope before the buffer takes scores
+    for t in range(num_tiles):
+        st = t % 2
+        async_copy.wait_group(1)  # tile t's copies (tile t + 1's may still fly)
+        gl.thread_barrier()
+        fence_async_shared()  # cp.async's writes before the wgmmas read them
+        c_half = c_ring.index(st).slice(W * HALF, HALF, dim=1)
+        s = warpgroup_mma(q_c_smem.slice(W * HALF, HALF, dim=1), c_half.permute((1, 0)),
+                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+        if W == 0:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.wait(x_ready, t & 1)
+            s = s + x_smem.load(s_layout)  # + warpgroup 1's columns and rope
+            _release(x_free)
+            p, m_new, alpha = _probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_run = m_new
+            p = p.to(dtype)
+            r_ring.index(st).store(p)  # the rope slot: warpgroup 1's score read it before publishing its half
+            alpha_smem.store(alpha)
+            fence_async_shared()  # warpgroup 1's wgmma reads p
+            _release(p_ready)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p, p_layout), c_half, acc, is_async=True)
+        else:
+            s = warpgroup_mma(q_pe, r_ring.index(st).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.wait(x_free, (t & 1) ^ 1, pred=t > 0)  # warpgroup 0 has read the last one
+            x_smem.store(s)
+            _release(x_ready)
+            mbarrier.wait(p_ready, t & 1)
+            fence_async_shared()
+            alpha = alpha_smem.load(row_s)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(r_ring.index(st), c_half, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()  # every warp's PV has read the stage's half: refill it with tile t + 2
+        _copy_half(KV, rows, stride_kvt, c_ring, r_ring, t + 2, num_tiles, W, LATENT, ROPE, copy_layout)
+        rows = _tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+
+    # the output through this warpgroup's own stage, once the other warpgroup is done with it
+    if W == 0:
+        l_smem.store(l_i)
+        _release(fin.index(0))
+        mbarrier.wait(fin.index(1), 0)
+        l_o = gl.convert_layout(l_i, row_o)
+        if not WRITE_FINAL:
+            tok_l, head_l, ok_l = _row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, row_s)
+            lse = gl.where(l_i > 0.0, m_run + gl.log2(gl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+            gl.store(PartialLse + tok_l * stride_lb + head_l * stride_lh + split, lse, mask=ok_l & active)
+    else:
+        _release(fin.index(1))
+        mbarrier.wait(fin.index(0), 0)
+        l_o = l_smem.load(row_o)
+    inv_l = 1.0 / gl.where(l_o > 0.0, l_o, 1.0)  # a reciprocal a row, not a division an element
+    _store_output(acc * inv_l[:, None], c_ring.index(W), Out, PartialO, b, 1, hg, split, active, stride_ob,
+                  stride_oh, stride_pb, stride_ph, stride_ps, W * HALF, NUM_HEADS, 1, BLOCK_H, HALF, WRITE_FINAL)
+
+
+@gluon.jit
+def _mla_decode_colsplit_kernel(
+    Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, group_first, group_ntok,
+    qk_scale_log2,
+    stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr,
+):
+    """The seesaw kernel's arguments and grid (mla_decode_gluon.launch_mla_decode_gluon), two warpgroups; decode
+    only (TOKENS 1: the extend rows' token groups stay on the seesaw kernel, faster there)."""
+    BLOCK_H: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = 64
+    dtype: gl.constexpr = Q.dtype.element_ty
+    c_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype)
+    r_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
+    gl.static_assert(ROPE == BLOCK_N, "a tile's probabilities [64 rows, 64 keys] live in its [64 keys, 64] rope slot")
+    gl.static_assert(TOKENS == 1, "one query token a CTA")
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    # [64, 64] float32 in the wgmma's layout: 32-byte chunks XOR-swizzled over 4 rows, as _store_output's staging
+    x_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0])
+
+    hg = gl.program_id(0)
+    g = gl.program_id(1)
+    split = gl.program_id(2)
+    lo, hi, num_tiles, active = _split_range(gl.load(seq_lens + g), gl.load(num_splits + g), split, BLOCK_N)
+    page_base = gl.load(kv_indptr + g)
+
+    q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout)  # 64 KB
+    x_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], x_layout)  # 16 KB: warpgroup 1's scores
+    q_r_view = x_smem._reinterpret(dtype, [2, BLOCK_H, ROPE], r_smem_layout).index(0)  # q_pe, until wg1 holds it
+    c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
+    r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)  # 16 KB: rope, then probabilities
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)  # the tile's rescale factor
+    l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)  # the final row sums
+    # one arrival each; x_ready, x_free and p_ready complete one phase a tile, fin one in all
+    fin = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    x_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(fin.index(i), count=1)
+    mbarrier.init(x_ready, count=1)
+    mbarrier.init(x_free, count=1)
+    mbarrier.init(p_ready, count=1)
+    fence_async_shared()  # the barriers' init before the partitions use them
+
+    gl.warp_specialize([
+        (_colsplit_warpgroup, (Q, KV, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi,
+                               num_tiles, active, page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt,
+                               stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
+                               q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, x_ready, x_free, p_ready, fin, 0,
+                               NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL)),
+        (_colsplit_warpgroup, (Q, KV, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi,
+                               num_tiles, active, page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt,
+                               stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
+                               q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, x_ready, x_free, p_ready, fin, 1,
+                               NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL)),
+    ], [4], [CONSUMER_REGS])
