@@ -18,7 +18,8 @@ def main() -> int:
     p.add_argument("csv")
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
-    rows = list(csv.reader(open(args.csv)))
+    with open(args.csv, newline="") as f:
+        rows = list(csv.reader(f))
     header, data = rows[1], rows[2:]  # rows[0] names the kernel
     col = {h: i for i, h in enumerate(header)}
     samples = col["Warp Stall Sampling (All Samples)"]

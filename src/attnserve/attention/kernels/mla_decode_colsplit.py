@@ -1,23 +1,32 @@
-"""The Gluon MLA decode kernel (Hopper) with the latent's columns split between the warpgroups: both work on one
-key tile at a time, so one stage of the two-stage ring is always being refilled.
+"""The Gluon MLA decode kernel (Hopper) at 64+ heads: the latent's columns split between the two warpgroups, both
+on one key tile at a time, each copying its own half of every tile.
 
-A CTA owns 64 query rows of a (request, split), as the seesaw kernel does (mla_decode_seesaw.py), and the same
-three partitions: a 4-warp producer gathering latent rows by cp.async (any page size) and two 4-warp consumers.
-Warpgroup 0 owns latent columns 0-255, warpgroup 1 columns 256-511 and the rope, for the score and for the output
-alike:
+A CTA owns 64 heads of one (request, split), as the seesaw kernel does (mla_decode_seesaw.py), and has two
+warpgroups and no producer. Warpgroup 0 owns latent columns 0-255, warpgroup 1 columns 256-511 and the rope, for
+the copies, the score and the output alike:
 
     wg0: S_L = q_L K_L^T                 wait S_R:  S = S_L + S_R, softmax   publish P, alpha   o_L = o_L alpha + P V_L
-    wg1: S_R = q_R K_R^T + q_pe K_pe^T   publish S_R     (then tile t-1's:   wait P, alpha      o_R = o_R alpha + P V_R)
+    wg1: S_R = q_R K_R^T + q_pe K_pe^T   publish S_R                         wait P, alpha      o_R = o_R alpha + P V_R
+    each, once its PV is done: copy its half of tile t + 2 into the stage tile t leaves (cp.async, any page size)
 
 Why: the seesaw gives each warpgroup its own tile of a round and refills a stage only once its tile is consumed,
-so the next tile's copies start a PV before they are needed. On the H200 (ncu, 1 x 32768 and 128 x 4096 at 128
-heads) its warpgroup 1 waited on its tile's copies and warpgroup 0 on warpgroup 1's probabilities: the tensor
-pipe was busy 28 % and 48 % of the time. Here a tile's copies have a whole tile's math to land in.
+so the next tile's copies start a PV before they are needed. Nsight Compute on the H200 (1 x 32768 and
+128 x 4096, 128 heads; benchmarks/ncu_mla_decode.sh) had its warpgroup 1 waiting on its tile's copies and
+warpgroup 0 on warpgroup 1's probabilities, the tensor pipe busy 28 % and 48 % of the time. Here a tile's copies
+are issued a whole tile ahead: the copy waits fell from the largest stall to about 0.5 % of the samples.
 
-The partial scores cross through shared memory (64 x 64 float32), warpgroup 1 moves on to its next score while
-warpgroup 0 runs the softmax, and the probabilities go to the tile's rope slot (free once warpgroup 1's score has
-read it) for warpgroup 1's PV. Shared memory: q_c 64 KB + 2 x 72 KB of latent + the 16 KB exchange = 224 KB; the
-query's rope part lives in warpgroup 1's registers (it first lands in the exchange buffer).
+Why no producer: with a third, copying warpgroup the kernel runs 384 threads at 168 registers, and ptxas then
+waits on every wgmma (its C7512: a warpgroup's 64 x 256 float32 output, a score in flight and the rope operand do
+not fit); with two warpgroups each gets 255 and the wgmmas stay asynchronous.
+
+The partial scores cross through shared memory (64 x 64 float32), the probabilities go to the tile's rope slot
+(free once warpgroup 1's score has read it) for warpgroup 1's PV. Shared memory: q_c 64 KB + 2 x 72 KB of latent
++ the 16 KB exchange = 225 KB; the query's rope part lives in warpgroup 1's registers (it lands in the exchange
+buffer first). H200 sweep 10 (same run as the seesaw): 314.6 against 318.3 us at 128 x 4096, 298.6 against 304.5
+over 64-token pages, 32.3 against 35.4 at 1 x 32768. What is left, by the same profile: each warpgroup waits on
+the other (warpgroup 0 on the second half of the score, warpgroup 1 on the softmax), the tensor pipe idle under
+the softmax; hiding it needs the next tile's score issued before the softmax, which with two stages would have
+to wait for that tile's copies again (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -33,13 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from attnserve.attention.kernels.mla_decode_seesaw import _probabilities, _row_token_head, _store_output
-from attnserve.attention.kernels.mla_gluon_parts import (
-    _copy_columns,
-    _copy_query,
-    _release,
-    _split_range,
-    _tile_rows,
-)
+from attnserve.attention.kernels.mla_gluon_parts import _copy_columns, _release, _split_range, _tile_rows
 
 
 @gluon.jit

@@ -5,11 +5,13 @@ output (128 registers a thread over two warpgroups), and Triton's Hopper layout 
 tile on both warpgroups (53 % of the FLOPs twice), waits on every wgmma and gives no producer/consumer roles
 (benchmarks/NOTES.md, MLA). Gluon makes layouts, wgmma waits, mbarriers and warp specialisation explicit.
 
-Two kernels. The seesaw (mla_decode_seesaw.py) takes 64 query rows a CTA: 64 heads of one token in decode, or for
-extend as decode rows (mla_extend_rows.py) with fewer heads, consecutive tokens of one request x all their heads
-(16 heads: 4 tokens), each row masked to its own causal horizon. The narrow one (mla_decode_narrow.py) takes 16 or
-32 heads of one token as the columns of keys-major wgmmas, for the memory-bound few-head decode. Gluon has no
-interpreter: the CPU tests compile both for sm_90 (benchmarks/compile_mla_sm90.py) and the GPU tests check them
+Three kernels, all 64 query rows or fewer a CTA. The column-split one (mla_decode_colsplit.py) decodes 64 heads
+of one token a CTA, its two warpgroups on one key tile; the tile table puts 128-head models on it. The seesaw
+(mla_decode_seesaw.py) takes 64 rows too, each warpgroup its own tile of a round; it runs extend as decode rows
+(mla_extend_rows.py), where with fewer heads a CTA takes consecutive tokens of one request x all their heads
+(16 heads: 4 tokens), each row masked to its own causal horizon. The narrow one (mla_decode_narrow.py) takes 16
+or 32 heads of one token as the columns of keys-major wgmmas, for the memory-bound few-head decode. Gluon has no
+interpreter: the CPU tests compile them for sm_90 (benchmarks/compile_mla_sm90.py) and the GPU tests check them
 against the oracle. The split plan and the LSE merge are mla_decode.py's, with a CTA's heads counted as a head
 group.
 """
@@ -29,7 +31,7 @@ GLUON_LATENT = 512
 GLUON_ROPE = 64
 CONSUMER_REGS = 232  # two consumer warpgroups at 232 + the producer's 40-odd: 64512 of the SM's 65536 registers
 MAXNREG = 168  # the kernel-wide figure the partitions' budgets are carved from: 168 x 384 threads
-COLSPLIT_REGS = 240  # the colsplit kernel's two warpgroups (no producer): what setmaxnreg gives the second
+COLSPLIT_REGS = 240  # the colsplit kernel's second warpgroup (setmaxnreg; no producer, ptxas allocates 255)
 NARROW_CONSUMER_REGS = 232  # the narrow kernel's one consumer warpgroup (O^T: 4 x heads registers) beside the producer
 
 
@@ -82,9 +84,9 @@ def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr
     args = (q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits, first, ntok,
             sm_scale * LOG2E, q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1),
             *partial_strides)
-    common = dict(NUM_HEADS=num_heads, LATENT=GLUON_LATENT, ROPE=GLUON_ROPE, PAGE_SIZE=page_size,
-                  WRITE_FINAL=write_final, CONSUMER_REGS=CONSUMER_REGS, TOKENS=tokens, num_warps=4)
-    if kernel == "gluon_colsplit":
-        _mla_decode_colsplit_kernel[grid](*args, **{**common, "CONSUMER_REGS": COLSPLIT_REGS})
+    common = {"NUM_HEADS": num_heads, "LATENT": GLUON_LATENT, "ROPE": GLUON_ROPE, "PAGE_SIZE": page_size,
+              "WRITE_FINAL": write_final, "TOKENS": tokens, "num_warps": 4}
+    if kernel == "gluon_colsplit":  # two warpgroups, 256 threads: no kernel-wide register cap to carve from
+        _mla_decode_colsplit_kernel[grid](*args, **common, CONSUMER_REGS=COLSPLIT_REGS)
     else:
-        _mla_decode_seesaw_kernel[grid](*args, **common, maxnreg=MAXNREG)
+        _mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG)

@@ -20,7 +20,8 @@ from pathlib import Path
 TABLE_FILE = "mla_decode_tiles.json"
 KERNELS = ("triton", "gluon_seesaw", "gluon_colsplit", "gluon_narrow")
 # the Gluon kernels' fixed tiles: (heads per CTA allowed, block_n, num_warps, num_stages), no deferred PV
-GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_colsplit": ((64,), 64, 8, 2), "gluon_narrow": ((16, 32), 64, 8, 2)}
+GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_colsplit": ((64,), 64, 8, 2),
+               "gluon_narrow": ((16, 32), 64, 8, 2)}
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,10 @@ class MLADecodeConfig:
     # that fits twice on an SM over 128 requests wants all programs in one wave (3 splits were 1.45 waves)
     split_waves: float = 0.0
     # "triton": mla_decode.py's kernel, any tile; the warp-specialised Hopper kernels have fixed tiles (GLUON_TILES,
-    # the fields above must say so): "gluon_seesaw" (mla_decode_seesaw.py) 64 heads on two warpgroups,
-    # "gluon_narrow" (mla_decode_narrow.py) 16 or 32 heads as the columns of keys-major wgmmas. Sweeps up to the
-    # seventh also raced "gluon_ws", the ping-pong the seesaw replaced (in history at 0877da7).
+    # the fields above must say so): "gluon_colsplit" (mla_decode_colsplit.py) 64 heads, two warpgroups on one tile,
+    # each its half of the latent's columns; "gluon_seesaw" (mla_decode_seesaw.py) 64 heads, each warpgroup its own
+    # tile of a round; "gluon_narrow" (mla_decode_narrow.py) 16 or 32 heads as the columns of keys-major wgmmas.
+    # Sweeps up to the seventh also raced "gluon_ws", the ping-pong the seesaw replaced (in history at 0877da7).
     kernel: str = "triton"
 
     def __post_init__(self):
