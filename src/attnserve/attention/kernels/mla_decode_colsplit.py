@@ -147,6 +147,7 @@ def _colsplit_warpgroup(
         rows = _tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
 
     # the output through this warpgroup's own stage, once the other warpgroup is done with it
+    async_copy.wait_group(0)  # no copy outlives the CTA (a split with no tiles never waited for its query)
     if W == 0:
         l_smem.store(l_i)
         _release(fin.index(0))
