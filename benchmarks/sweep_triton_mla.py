@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
-from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, rules_from_sweep, write_rules
+from attnserve.attention.kernels.mla_decode_tiles import (
+    ROWS_64_KERNELS,
+    MLADecodeConfig,
+    rules_from_sweep,
+    write_rules,
+)
 from attnserve.attention.kernels.mla_extend import MLAExtendConfig
 from attnserve.attention.kernels.tiles import GpuTarget
 from attnserve.attention.reference import reference_for_batch
@@ -31,15 +36,14 @@ from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
-# (block_h, block_n, num_warps, num_stages, defer_pv, split_waves, kernel); a workload's time share may end the
-# list, so the Gluon kernels come first (mla_decode_colsplit.py and mla_decode_seesaw.py at 64+ heads, at one and
-# half a wave of splits;
-# mla_decode_narrow.py at 16 heads, at half a wave, one split a request over 128 requests, and at one), then the
-# Triton tiles the fourth H200 sweep kept (sweep-triton-mla-h200-4.json: 64/64/8w/2s at 128 heads, 16/64/8w/2s at
-# 16 heads, one wave each) and the 16-head tile on 4 warps. (Sweep 5 also raced a lockstep Gluon kernel, "gluon",
-# and sweeps 5-7 the ping-pong Gluon kernel, "gluon_ws", since removed: slower on every workload. Sweep 9 raced the
-# narrow kernel in 32-head CTAs over 128 heads, 460-465 us against the seesaw's 308-327, and with a deferred PV,
-# slower again; in history at fff51f8.)
+# (block_h, block_n, num_warps, num_stages, defer_pv, split_waves, kernel); a workload's time share may end
+# the list, so the Gluon kernels come first (mla_decode_colsplit.py and mla_decode_seesaw.py at 64+ heads, at
+# one and half a wave of splits; mla_decode_narrow.py at 16 heads, at half a wave, one split a request over
+# 128 requests, and at one), then the Triton tiles the fourth H200 sweep kept (sweep-triton-mla-h200-4.json:
+# 64/64/8w/2s at 128 heads, 16/64/8w/2s at 16 heads, one wave each) and the 16-head tile on 4 warps. (Sweep 5
+# also raced a lockstep Gluon kernel, "gluon", and sweeps 5-7 the ping-pong Gluon kernel, "gluon_ws", since
+# removed: slower on every workload. Sweep 9 raced the narrow kernel in 32-head CTAs over 128 heads, 460-465
+# us against the seesaw's 308-327, and with a deferred PV, slower again; in history at fff51f8.)
 DECODE_CONFIGS = [MLADecodeConfig(h, n, w, s, d, v, k) for h, n, w, s, d, v, k in (
     (64, 64, 8, 2, False, 1, "gluon_colsplit"), (64, 64, 8, 2, False, 0.5, "gluon_colsplit"),
     (64, 64, 8, 2, False, 1, "gluon_seesaw"), (64, 64, 8, 2, False, 0.5, "gluon_seesaw"),
@@ -66,7 +70,7 @@ def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict
     if kind == "decode":  # 16-head groups over 64+ heads never won (sweeps 1-2): not raced there
         configs = [c for c in configs if c.for_heads(num_heads) == c and (num_heads < 64 or c.block_h >= 32)]
         # the seesaw's 64-row tile over 16 heads ran 217-243 us against the Triton tile's 174 (sweep 5)
-        configs = [c for c in configs if c.kernel not in ("gluon_seesaw", "gluon_colsplit") or num_heads >= 64]
+        configs = [c for c in configs if c.kernel not in ROWS_64_KERNELS or num_heads >= 64]
     out = [({key: cfg}, {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}) for cfg in configs]
     if kind == "decode":
         out += [(dict(s), dict(s)) for s in (SPLITS[:1] if tiny else SPLITS)]

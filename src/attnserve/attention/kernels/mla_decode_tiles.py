@@ -22,6 +22,8 @@ KERNELS = ("triton", "gluon_seesaw", "gluon_colsplit", "gluon_narrow")
 # the Gluon kernels' fixed tiles: (heads per CTA allowed, block_n, num_warps, num_stages), no deferred PV
 GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_colsplit": ((64,), 64, 8, 2),
                "gluon_narrow": ((16, 32), 64, 8, 2)}
+# the kernels whose CTA is 64 query rows, one wgmma's M: fewer heads than that are masked rows
+ROWS_64_KERNELS = tuple(k for k, (heads, *_) in GLUON_TILES.items() if heads == (64,))
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class MLADecodeConfig:
         """No wider head group than the model has heads (rounded up to a power of two, at least 16): a
         64-head group over 16 heads computes 48 masked rows for nothing."""
         fit = max(16, 1 << max(0, (num_heads - 1).bit_length()))
-        if self.block_h <= fit or self.kernel in ("gluon_seesaw", "gluon_colsplit"):  # 64 rows a wgmma, rest masked
+        if self.block_h <= fit or self.kernel in ROWS_64_KERNELS:
             return self
         if self.kernel == "gluon_narrow":  # heads are the wgmma's N: the narrowest that holds them
             return dataclasses.replace(self, block_h=fit)
