@@ -26,6 +26,8 @@ from attnserve.attention.synthetic import make_batch
 
 GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw")
 COLSPLIT = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit")
+COLSPLIT_ENDINGS = [dataclasses.replace(COLSPLIT, partials="float16"), dataclasses.replace(COLSPLIT, fused_merge=True),
+                    dataclasses.replace(COLSPLIT, partials="float16", fused_merge=True)]
 NARROW = MLADecodeConfig(16, 64, 8, 2, kernel="gluon_narrow")
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -119,6 +121,20 @@ def test_colsplit_gluon_mla_decode_compiles_for_sm90(page_size):
     assert report["global_stores"] == {"st.global.v4.b32": 64, "st.global.b32": 2}, report
 
 
+@pytest.mark.parametrize("flags", [["--scaled"], ["--fused-merge"], ["--scaled", "--fused-merge"]])
+def test_colsplit_split_endings_compile_for_sm90(flags):
+    """float16 partials (each row's power of two beside it) and the merge after a grid barrier: the same wgmmas,
+    still asynchronous, nothing spilled; the fused merge adds the grid barrier's gpu-scope atomics."""
+    report = compile_offline("--gluon", "1", "--gluon-kernel", "gluon_colsplit", *flags)
+    assert report["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, report
+    assert not report["wgmma_serialized"], report
+    assert report["spill_bytes"] == [0, 0], report
+    assert report["smem_kib"] <= 227, report
+    assert ("atom.global.gpu.acq_rel.add.u32" in report["atomics"]) == ("--fused-merge" in flags), report
+    if "--scaled" in flags:  # 8-byte stores of float16 halves, and the scale exponent a row
+        assert "st.global.b16" in report["global_stores"], report
+
+
 @pytest.mark.parametrize("page_size, heads", [(1, 16), (64, 16), (1, 128)])
 def test_narrow_gluon_mla_decode_compiles_for_sm90(page_size, heads):
     """The keys-major kernel: 36 score steps (576 wide) and 8 x 4 PV steps of m64nHk16 (H: 16 heads, or 32 a CTA
@@ -159,6 +175,38 @@ def test_gluon_mla_decode_matches_oracle(page_size, config):
             out = run(sb, splits, final, config)
             assert not out.isnan().any(), (heads, splits, final)
             assert rel_err(out, ref) < 1e-2, (heads, splits, final, rel_err(out, ref))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the scaled merge's CPU coverage is "
+                                       "test_merge_tiled.py's, the compile's above")
+@pytest.mark.parametrize("config", COLSPLIT_ENDINGS, ids=lambda c: f"{c.partials}-fused{int(c.fused_merge)}")
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_colsplit_split_endings_match_oracle(page_size, config):
+    """float16 partials and/or the in-kernel merge: ragged lengths, splits forced on (one wave: 5 x 7 x 2 CTAs),
+    empty splits, 128 and 16 heads; the same launch twice (the barrier pair is left ready for the next)."""
+    for heads in (128, 16):
+        sb = deepseek_batch([70, 1, 300, 129, 64], page_size, heads, "cuda", seed=page_size + heads)
+        ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
+        for splits in ([2, 1, 5, 3, 1], [7] * 5, [2, 1, 5, 3, 1]):
+            out = run(sb, splits, False, config)
+            assert not out.isnan().any(), (heads, splits)
+            assert rel_err(out, ref) < 1e-2, (heads, splits, rel_err(out, ref))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the scaled merge's CPU coverage is "
+                                       "test_merge_tiled.py's")
+@pytest.mark.parametrize("magnitude", [1e6, 1e-6])
+def test_colsplit_float16_partials_hold_any_bf16_range(magnitude):
+    """Latent values far past float16's range (or far below its normal range) still merge to the oracle: each
+    partial row is stored scaled by its own power of two."""
+    sb = deepseek_batch([700, 1, 3000], 1, 128, "cuda", seed=3)
+    sb.pool.kv_buffer[0][..., :512] *= magnitude  # the values; the scores see q . latent, so q shrinks with it
+    sb.q[..., :512] /= magnitude
+    ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
+    for config in COLSPLIT_ENDINGS:
+        out = run(sb, [6, 1, 9], False, config)
+        assert out.isfinite().all(), config
+        assert rel_err(out, ref) < 1e-2, (config, rel_err(out, ref))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the decode-row plan's CPU coverage is "

@@ -207,6 +207,31 @@ def test_tiled_merge_weights_splits_by_their_lse(max_splits):
         assert torch.allclose(out[b].double(), ref, atol=1e-5), b
 
 
+@pytest.mark.parametrize("max_splits", [130, 40])
+def test_tiled_merge_unscales_float16_partials(max_splits):
+    """The column-split kernel's float16 partials: each row stored as partial x 2^k with k in its column Dv
+    (rows of Dv + 8), here k from -20 to 20 over values far outside float16's own range; the merge undoes it."""
+    from attnserve.attention.kernels.merge_tiled import merge_splits_tiled
+
+    gen = torch.Generator().manual_seed(1)
+    partial_o = torch.randn(2, 3, max_splits, 80, generator=gen, dtype=torch.float64)  # [B, H, S, Dv]
+    k = torch.randint(-20, 21, (2, 3, max_splits), generator=gen).double()  # [B, H, S]
+    partial_o = partial_o * torch.exp2(-k)[..., None]  # 2^-20 .. 2^20 a row: stored, each is back near 1
+    partial_lse = torch.randn(2, 3, max_splits, generator=gen) * 4  # [B, H, S], base 2
+    stored = torch.zeros(2, 3, max_splits, 88, dtype=torch.float16)
+    stored[..., :80] = (partial_o * torch.exp2(k)[..., None]).half()
+    stored[..., 80] = k.half()
+    num_splits = torch.tensor([max_splits, 5], dtype=torch.int32)
+    out = torch.empty(2, 3, 80, device=DEVICE)
+    merge_splits_tiled(out, stored.to(DEVICE), partial_lse.to(DEVICE), num_splits.to(DEVICE), max_splits, 1.0)
+    out = out.cpu()
+    for b, n in enumerate(num_splits.tolist()):
+        w = torch.softmax(partial_lse[b, :, :n].double() * torch.log(torch.tensor(2.0)), dim=-1)  # [H, n]
+        ref = torch.einsum("hs,hsd->hd", w, partial_o[b, :, :n])
+        scale = torch.einsum("hs,hsd->hd", w, partial_o[b, :, :n].abs())  # float16's error is relative to these
+        assert ((out[b].double() - ref).abs() <= 2e-3 * scale + 1e-30).all(), b
+
+
 # ---- extend as decode rows (one decode row per new token) -------------------------------------------
 def test_extend_rows_plan_points_every_token_at_its_requests_pages():
     """Each token's row starts at its request's kv_indptr entry and sees its causal horizon; the split plan is

@@ -28,6 +28,7 @@ def _merge_tiled_kernel(
     Out, PartialO, PartialLse, num_splits, v_scale,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, ONE_TILE: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -42,8 +43,11 @@ def _merge_tiled_kernel(
         o = tl.load(PartialO + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
                     mask=s_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_DV]
         w = tl.exp2(lse - tl.maximum(tl.max(lse, 0), -1.0e30))
-        acc = tl.sum(w[:, None] * o, 0)
         total = tl.sum(w, 0)
+        if SCALED:  # float16 rows stored as partial x 2^k, k in column V_DIM
+            k = tl.load(PartialO + b * stride_pb + h * stride_ph + offs_s * stride_ps + V_DIM, mask=s_mask, other=0.0)
+            w = w * tl.exp2(-k.to(tl.float32))
+        acc = tl.sum(w[:, None] * o, 0)
     else:
         m = tl.full([], -1.0e30, dtype=tl.float32)
         for s0 in range(0, n, BLOCK_S):
@@ -54,10 +58,14 @@ def _merge_tiled_kernel(
         for s0 in range(0, n, BLOCK_S):
             s_mask = s0 + offs_s < n
             w = tl.exp2(tl.load(lse_base + s0 + offs_s, mask=s_mask, other=float("-inf")) - m)  # [BLOCK_S]
+            total += tl.sum(w, 0)
+            if SCALED:
+                k = tl.load(PartialO + b * stride_pb + h * stride_ph + (s0 + offs_s) * stride_ps + V_DIM, mask=s_mask,
+                            other=0.0)
+                w = w * tl.exp2(-k.to(tl.float32))
             o = tl.load(PartialO + b * stride_pb + h * stride_ph + (s0 + offs_s)[:, None] * stride_ps
                         + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(w[:, None] * o, 0)
-            total += tl.sum(w, 0)
     total = tl.where(total > 0.0, total, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, (acc / total * v_scale).to(Out.dtype.element_ty),
              mask=d_mask)
@@ -66,7 +74,8 @@ def _merge_tiled_kernel(
 def merge_splits_tiled(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: torch.Tensor,
                        num_splits: torch.Tensor, max_splits: int, v_scale: float) -> None:
     """Stage 2 as decode.merge_splits (no sinks): out `[B, H, Dv]` from partial_o `[B, H, S, Dv]` (normalised)
-    and partial_lse `[B, H, S]` (base 2), the first num_splits[b] splits of request b."""
+    and partial_lse `[B, H, S]` (base 2), the first num_splits[b] splits of request b. A float16 partial_o is
+    `[B, H, S, Dv + 8]`, each row scaled by a power of two 2^k held in its column Dv (mla_decode.py says why)."""
     batch, num_heads, v_dim = out.shape
     block_dv = min(MERGE_COLUMNS, next_pow2(v_dim))
     block_s = max(2, min(MERGE_SPLITS, next_pow2(max_splits)))
@@ -75,5 +84,6 @@ def merge_splits_tiled(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: 
         out, partial_o, partial_lse, num_splits, v_scale,
         out.stride(0), out.stride(1), partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s, ONE_TILE=one_tile, num_warps=1 if one_tile else 4,
+        V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s, ONE_TILE=one_tile, SCALED=partial_o.dtype == torch.float16,
+        num_warps=1 if one_tile else 4,
     )

@@ -249,12 +249,16 @@ def mla_decode_attention(
         write_final = max_splits == 1
     partial_o, partial_lse = split_outputs(out, partials, max_splits, write_final)
     if config.kernel != "triton":
-        from attnserve.attention.kernels.mla_decode_gluon import launch_mla_decode_gluon
+        from attnserve.attention.kernels.mla_decode_gluon import fused_merge_fits, launch_mla_decode_gluon
 
+        if config.partials == "float16" and not write_final:  # the float32 rows' bytes, half of each used
+            partial_o = partial_o.view(torch.float16)[..., : kv_lora_rank + 8]  # [B, H, S, 512 + 8]
+        fused = config.fused_merge and fused_merge_fits(q, max_splits, config.kernel, write_final)
         launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens,
                                 num_splits, max_splits, page_size, sm_scale, write_final,
-                                partial_strides(partial_o, partial_lse), token_groups, config.kernel, config.block_h)
-        if not write_final:
+                                partial_strides(partial_o, partial_lse), token_groups, config.kernel, config.block_h,
+                                fused)
+        if not write_final and not fused:
             merge_splits_tiled(out, partial_o, partial_lse, num_splits, max_splits, 1.0)
         return out
     check_shared_memory("MLA decode", _tile_shape(config, width, kv_lora_rank, q.element_size()), target)

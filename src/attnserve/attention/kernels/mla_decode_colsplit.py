@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from attnserve.attention.kernels.mla_decode_seesaw import _probabilities, _row_token_head, _store_output
 from attnserve.attention.kernels.mla_gluon_parts import _copy_columns, _release, _split_range, _tile_rows
+from attnserve.attention.kernels.mla_grid_merge import _grid_barrier, _merge_rows
 
 
 @gluon.jit
@@ -64,9 +65,10 @@ def _copy_half(KV, rows, stride_kvt, c_ring, r_ring, t, num_tiles, W: gl.constex
 def _colsplit_warpgroup(
     Q, KV, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active,
     page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh, q_c_smem, q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, x_ready, x_free, p_ready,
-    fin, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr,
+    stride_lb, stride_lh, q_c_smem, q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
+    p_ready, fin, num_splits, Sync, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr,
+    ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
+    FUSED_MERGE: gl.constexpr, MERGE_S: gl.constexpr, MERGE_CHUNKS: gl.constexpr,
 ):
     """One warpgroup: its half of the query and of every tile, copied by itself (a stage's half is its own to
     refill once its PV is done), its half of each score, and its 256 output columns. Warpgroup 0 also adds the
@@ -148,6 +150,8 @@ def _colsplit_warpgroup(
 
     # the output through this warpgroup's own stage, once the other warpgroup is done with it
     async_copy.wait_group(0)  # no copy outlives the CTA (a split with no tiles never waited for its query)
+    if SCALED:
+        amax_smem.slice(W * BLOCK_H, BLOCK_H).store(gl.max(gl.abs(acc), axis=1))  # [64] this half's largest magnitude a row
     if W == 0:
         l_smem.store(l_i)
         _release(fin.index(0))
@@ -162,8 +166,30 @@ def _colsplit_warpgroup(
         mbarrier.wait(fin.index(0), 0)
         l_o = l_smem.load(row_o)
     inv_l = 1.0 / gl.where(l_o > 0.0, l_o, 1.0)  # a reciprocal a row, not a division an element
+    if SCALED:  # float16 partials: each row scaled by 2^k so that its largest value lands in [2^14, 2^15)
+        row_max = gl.maximum(amax_smem.slice(0, BLOCK_H).load(row_o), amax_smem.slice(BLOCK_H, BLOCK_H).load(row_o)) * inv_l
+        k = gl.where(row_max > 0.0, 14.0 - gl.floor(gl.log2(gl.where(row_max > 0.0, row_max, 1.0))), 0.0)
+        k = gl.minimum(gl.maximum(k, -100.0), 100.0)
+        inv_l = inv_l * gl.exp2(k)
+        if W == 0:
+            tok_k, head_k, ok_k = _row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, row_o)
+            gl.store(PartialO + tok_k * stride_pb + head_k * stride_ph + split * stride_ps + LATENT,
+                     k.to(PartialO.dtype.element_ty), mask=ok_k & active)
     _store_output(acc * inv_l[:, None], c_ring.index(W), Out, PartialO, b, 1, hg, split, active, stride_ob,
                   stride_oh, stride_pb, stride_ph, stride_ps, W * HALF, NUM_HEADS, 1, BLOCK_H, HALF, WRITE_FINAL)
+    if FUSED_MERGE:  # every CTA's partials stored: warpgroup 0 meets the grid, then both merge their columns
+        if W == 0:
+            mbarrier.wait(fin.index(1), 1)  # warpgroup 1's stores are issued
+            _grid_barrier(Sync, gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2))
+            _release(fin.index(0))
+        else:
+            _release(fin.index(1))
+            mbarrier.wait(fin.index(0), 1)
+        cta = hg + gl.num_programs(0) * (b + gl.num_programs(1) * split)
+        _merge_rows(Out, PartialO, PartialLse, num_splits, cta,
+                    gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2), gl.num_programs(1) * NUM_HEADS,
+                    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, W * HALF,
+                    NUM_HEADS, HALF, LATENT, MERGE_S, MERGE_CHUNKS, SCALED)
 
 
 @gluon.jit
@@ -171,8 +197,9 @@ def _mla_decode_colsplit_kernel(
     Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, group_first, group_ntok,
     qk_scale_log2,
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr,
+    Sync, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
+    FUSED_MERGE: gl.constexpr, MERGE_S: gl.constexpr, MERGE_CHUNKS: gl.constexpr,
 ):
     """The seesaw kernel's arguments and grid (mla_decode_gluon.launch_mla_decode_gluon), two warpgroups; decode
     only (TOKENS 1: the extend rows' token groups stay on the seesaw kernel, faster there)."""
@@ -200,6 +227,7 @@ def _mla_decode_colsplit_kernel(
     r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)  # 16 KB: rope, then probabilities
     alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)  # the tile's rescale factor
     l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)  # the final row sums
+    amax_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)  # each half's row maxima
     # one arrival each; x_ready, x_free and p_ready complete one phase a tile, fin one in all
     fin = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -216,11 +244,13 @@ def _mla_decode_colsplit_kernel(
         (_colsplit_warpgroup, (Q, KV, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi,
                                num_tiles, active, page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt,
                                stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
-                               q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, x_ready, x_free, p_ready, fin, 0,
-                               NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL)),
+                               q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
+                               p_ready, fin, num_splits, Sync, 0, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL,
+                               SCALED, FUSED_MERGE, MERGE_S, MERGE_CHUNKS)),
         (_colsplit_warpgroup, (Q, KV, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi,
                                num_tiles, active, page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt,
                                stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
-                               q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, x_ready, x_free, p_ready, fin, 1,
-                               NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL)),
+                               q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
+                               p_ready, fin, num_splits, Sync, 1, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL,
+                               SCALED, FUSED_MERGE, MERGE_S, MERGE_CHUNKS)),
     ], [4], [CONSUMER_REGS])
