@@ -106,7 +106,7 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False, fuse
                             4, 1, source=GluonASTSource, maxnreg=g.MAXNREG)
     constexprs = {**common, "CONSUMER_REGS": g.CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
     if kernel == "gluon_colsplit":
-        merge_s, chunks = g.merge_tile(64)
+        merge_s, chunks = g.merge_tile(64, scaled)
         return compile_sm90(g._mla_decode_colsplit_kernel, {**constexprs, "CONSUMER_REGS": g.COLSPLIT_REGS,
                                                             "TOKENS": 1, "SCALED": scaled, "FUSED_MERGE": fused_merge,
                                                             "MERGE_S": merge_s, "MERGE_CHUNKS": chunks},
