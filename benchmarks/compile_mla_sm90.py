@@ -33,7 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 POINTERS = {"Q": "*bf16", "KV": "*bf16", "Out": "*bf16", "PartialO": "*fp32", "PartialLse": "*fp32",
             "kv_indptr": "*i32", "kv_indices": "*i32", "seq_lens": "*i32", "num_splits": "*i32",
             "tile_req": "*i32", "tile_m0": "*i32", "qo_indptr": "*i32", "Mask": "*u8", "mask_indptr": "*i64",
-            "group_first": "*i32", "group_ntok": "*i32", "Sync": "*i32"}
+            "group_first": "*i32", "group_ntok": "*i32"}
 FLOATS = {"qk_scale_log2", "v_scale"}
 
 
@@ -67,7 +67,6 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
             "spill_bytes": tuple(map(int, spills.groups())),
             "smem_kib": round(kernel.metadata.shared / 1024, 1),
             "async_copies": ttgir.count("async_copy_global_to_local"),
-            "atomics": sorted(set(re.findall(r"atom\.[\w.]+", kernel.asm["ptx"]))),
             "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),
             "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir),
             "wgmma": {m: kernel.asm["ptx"].count(m) for m in sorted(set(re.findall(r"wgmma\.mma_async\S*?(m64n\d+k\d+)",
@@ -91,10 +90,10 @@ def extend_report(block_m, block_n, warps, stages, defer_pv, page_size=1) -> dic
         HAS_CUSTOM_MASK=False, DEFER_PV=bool(defer_pv), DOT_F32=False), warps, stages)
 
 
-def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False, fused_merge=False) -> dict:
+def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> dict:
     """A warp-specialised Gluon decode kernel at its register budgets: the seesaw (fewer heads: the extend rows'
     token groups, mla_decode_gluon.tokens_per_cta) or the narrow one (its CTA's heads: the fewest of 16 / 32 that
-    hold them). The column-split one: scaled (float16 partials) and fused_merge (the merge after a grid barrier)."""
+    hold them). The column-split one: scaled (its float16 partials)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attnserve.attention.kernels import mla_decode_gluon as g
@@ -106,10 +105,8 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False, fuse
                             4, 1, source=GluonASTSource, maxnreg=g.MAXNREG)
     constexprs = {**common, "CONSUMER_REGS": g.CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
     if kernel == "gluon_colsplit":
-        merge_s, chunks = g.merge_tile(64, scaled)
         return compile_sm90(g._mla_decode_colsplit_kernel, {**constexprs, "CONSUMER_REGS": g.COLSPLIT_REGS,
-                                                            "TOKENS": 1, "SCALED": scaled, "FUSED_MERGE": fused_merge,
-                                                            "MERGE_S": merge_s, "MERGE_CHUNKS": chunks},
+                                                            "TOKENS": 1, "SCALED": scaled},
                             4, 1, source=GluonASTSource, pointers={"PartialO": "*fp16"} if scaled else {})
     return compile_sm90(g._mla_decode_seesaw_kernel, constexprs, 4, 1, source=GluonASTSource,
                         maxnreg=g.MAXNREG)
@@ -128,14 +125,12 @@ def main() -> int:
     p.add_argument("--gluon-heads", type=int, default=128, help="with --gluon: query heads (16: 4-token rows)")
     p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_colsplit", "gluon_narrow"))
     p.add_argument("--scaled", action="store_true", help="gluon_colsplit: float16 partials")
-    p.add_argument("--fused-merge", action="store_true", help="gluon_colsplit: the merge after a grid barrier")
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:
         for page in args.gluon:
             report = {"kernel": args.gluon_kernel, "page_size": page, "heads": args.gluon_heads,
-                      "scaled": args.scaled, "fused_merge": args.fused_merge,
-                      **gluon_report(page, args.gluon_heads, args.gluon_kernel, args.scaled, args.fused_merge)}
+                      "scaled": args.scaled, **gluon_report(page, args.gluon_heads, args.gluon_kernel, args.scaled)}
             print(json.dumps(report) if args.json else report, flush=True)
         return 0
     decode = [tuple(map(int, s.split(","))) for s in args.decode or []]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One H200 run for the column-split kernel's split endings (float16 partials, the in-kernel merge):
-#   1. their timing against the float32 + merge-kernel ending (benchmarks/mla_merge_variants.py, CUDA graphs)
+# One H200 run for the column-split kernel's split partials, float32 against float16:
+#   1. their timing (benchmarks/mla_merge_variants.py, CUDA graphs)
 #   2. the race of 1 x 32768 against FlashInfer MLA fa3 with RACE_CONFIG (a mla_decode_config JSON), if set
 #   3. the Gluon MLA tests on CUDA (TEST_K: a pytest -k filter)
 # Run from the repo root with the FlashInfer wheels in .whl/:  OUT=<results folder> bash benchmarks/mla_h200_endings.sh

@@ -52,7 +52,7 @@ d = json.load(open(sys.argv[1]))
 for r in d["rows"]:
     tiled = "block_h" in r or "block_m" in r
     tile = "/".join(str(r[k]) for k in ("block_h", "block_m", "block_n", "num_warps", "num_stages", "defer_pv",
-                                        "split_waves") if k in r and tiled)
+                                        "split_waves", "kernel", "partials") if k in r and tiled)
     split = {k: r[k] for k in ("split_waves", "max_kv_splits") if k in r and not tiled}
     print(f"{r['workload'][11:]:18s} {tile:22s} {json.dumps(split) if split else '':40s} "
           f"{r.get('us', r.get('error', '?'))}")

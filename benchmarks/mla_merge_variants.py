@@ -1,9 +1,8 @@
-"""The column-split MLA decode's ways of ending a split decode, timed against each other in one run.
+"""The column-split MLA decode's float32 and float16 (row-scaled) partials, timed against each other in one run.
 
-One long request at 128 heads (page 1) cut into `--splits` splits: float32 or float16 (row-scaled) partials,
-merged by the merge kernel or inside the decode kernel after a grid barrier (`fused_merge`). CUDA graphs, as
-the race; each variant's output is also compared with the float32 + merge-kernel one (max |diff|), and the
-timing method is printed (a cooperative launch that a graph could not capture would be timed eagerly).
+One long request at 128 heads (page 1) cut into `--splits` splits, the decode kernel and the merge kernel,
+CUDA graphs as the race; each variant's output is also compared with the float32 one (max |diff|). Until
+67d53d0 this also timed a merge inside the decode kernel after a grid barrier (slower: benchmarks/NOTES.md).
 
     PYTHONPATH=src python3 benchmarks/mla_merge_variants.py [--seq 32768] [--splits 64] [--json out.json]
 """
@@ -28,8 +27,6 @@ BASE = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit")
 VARIANTS = {
     "float32 + merge kernel": BASE,
     "float16 + merge kernel": dataclasses.replace(BASE, partials="float16"),
-    "float32, fused merge": dataclasses.replace(BASE, fused_merge=True),
-    "float16, fused merge": dataclasses.replace(BASE, partials="float16", fused_merge=True),
 }
 
 
@@ -63,7 +60,7 @@ def main() -> int:
             result = out.float().clone()
             baseline = result if baseline is None else baseline
             us, method = time_call(call, use_graph=True)
-            call()  # after the graph's replays: the barrier pair must still be consistent
+            call()  # after the graph's replays: the same result
             torch.cuda.synchronize()
             rows.append({"seq": seq, "requests": r, "splits": args.splits, "variant": name, "us": round(us, 2),
                          "method": method, "max_abs_diff_vs_float32": float((result - baseline).abs().max()),

@@ -26,8 +26,7 @@ from attnserve.attention.synthetic import make_batch
 
 GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw")
 COLSPLIT = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit")
-COLSPLIT_ENDINGS = [dataclasses.replace(COLSPLIT, partials="float16"), dataclasses.replace(COLSPLIT, fused_merge=True),
-                    dataclasses.replace(COLSPLIT, partials="float16", fused_merge=True)]
+COLSPLIT_FP16 = dataclasses.replace(COLSPLIT, partials="float16")
 NARROW = MLADecodeConfig(16, 64, 8, 2, kernel="gluon_narrow")
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -121,18 +120,15 @@ def test_colsplit_gluon_mla_decode_compiles_for_sm90(page_size):
     assert report["global_stores"] == {"st.global.v4.b32": 64, "st.global.b32": 2}, report
 
 
-@pytest.mark.parametrize("flags", [["--scaled"], ["--fused-merge"], ["--scaled", "--fused-merge"]])
-def test_colsplit_split_endings_compile_for_sm90(flags):
-    """float16 partials (each row's power of two beside it) and the merge after a grid barrier: the same wgmmas,
-    still asynchronous, nothing spilled; the fused merge adds the grid barrier's gpu-scope atomics."""
-    report = compile_offline("--gluon", "1", "--gluon-kernel", "gluon_colsplit", *flags)
+def test_colsplit_float16_partials_compile_for_sm90():
+    """float16 partials, each row's power of two beside it: the same wgmmas, still asynchronous, nothing
+    spilled; 8-byte stores of the float16 halves (32 a thread) and 2-byte ones of the scale."""
+    report = compile_offline("--gluon", "1", "--gluon-kernel", "gluon_colsplit", "--scaled")
     assert report["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, report
     assert not report["wgmma_serialized"], report
     assert report["spill_bytes"] == [0, 0], report
     assert report["smem_kib"] <= 227, report
-    assert ("atom.global.gpu.acq_rel.add.u32" in report["atomics"]) == ("--fused-merge" in flags), report
-    if "--scaled" in flags:  # 8-byte stores of float16 halves, and the scale exponent a row
-        assert "st.global.b16" in report["global_stores"], report
+    assert report["global_stores"] == {"st.global.v2.b32": 64, "st.global.b16": 2, "st.global.b32": 2}, report
 
 
 @pytest.mark.parametrize("page_size, heads", [(1, 16), (64, 16), (1, 128)])
@@ -178,23 +174,21 @@ def test_gluon_mla_decode_matches_oracle(page_size, config):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the scaled merge's CPU coverage is "
-                                       "test_merge_tiled.py's, the compile's above")
-@pytest.mark.parametrize("config", COLSPLIT_ENDINGS, ids=lambda c: f"{c.partials}-fused{int(c.fused_merge)}")
+                                       "test_triton_mla.py's, the compile's above")
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_colsplit_split_endings_match_oracle(page_size, config):
-    """float16 partials and/or the in-kernel merge: ragged lengths, splits forced on (one wave: 5 x 7 x 2 CTAs),
-    empty splits, 128 and 16 heads; the same launch twice (the barrier pair is left ready for the next)."""
+def test_colsplit_float16_partials_match_oracle(page_size):
+    """Ragged lengths, splits forced on, empty splits, 128 and 16 heads, through the merge kernel."""
     for heads in (128, 16):
         sb = deepseek_batch([70, 1, 300, 129, 64], page_size, heads, "cuda", seed=page_size + heads)
         ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
-        for splits in ([2, 1, 5, 3, 1], [7] * 5, [2, 1, 5, 3, 1]):
-            out = run(sb, splits, False, config)
+        for splits in ([2, 1, 5, 3, 1], [7] * 5):
+            out = run(sb, splits, False, COLSPLIT_FP16)
             assert not out.isnan().any(), (heads, splits)
             assert rel_err(out, ref) < 1e-2, (heads, splits, rel_err(out, ref))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the scaled merge's CPU coverage is "
-                                       "test_merge_tiled.py's")
+                                       "test_triton_mla.py's")
 @pytest.mark.parametrize("magnitude", [1e6, 1e-6])
 def test_colsplit_float16_partials_hold_any_bf16_range(magnitude):
     """Latent values far past float16's range (or far below its normal range) still merge to the oracle: each
@@ -203,10 +197,9 @@ def test_colsplit_float16_partials_hold_any_bf16_range(magnitude):
     sb.pool.kv_buffer[0][..., :512] *= magnitude  # the values; the scores see q . latent, so q shrinks with it
     sb.q[..., :512] /= magnitude
     ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
-    for config in COLSPLIT_ENDINGS:
-        out = run(sb, [6, 1, 9], False, config)
-        assert out.isfinite().all(), config
-        assert rel_err(out, ref) < 1e-2, (config, rel_err(out, ref))
+    out = run(sb, [6, 1, 9], False, COLSPLIT_FP16)
+    assert out.isfinite().all()
+    assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the decode-row plan's CPU coverage is "

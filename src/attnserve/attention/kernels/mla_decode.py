@@ -9,6 +9,14 @@ read once per head group, and the two dots of the score share one online softmax
 Split-KV is decode.py's (same partial layout, same split plan), merged a tile of splits x columns at a time
 (merge_tiled.py: one long request cut into many splits is MLA's common case); FP8 (e4m3)
 latents carry one per-tensor scale, folded into the softmax scale and the output.
+
+Float16 partials (the column-split Gluon kernel's, `MLADecodeConfig.partials`): one long request at 128 heads
+ends its wave by writing 64 splits x 128 heads x 512 normalised partial columns, which the merge kernel reads
+back, 16.8 MB in float32; float16 halves that (H200, 1 x 32768: 29.7 against 31.2 us with the merge,
+benchmarks/NOTES.md). bfloat16 would carry 8 significant bits into the sum; float16 carries 11, three more than
+the bf16 output, but not bf16's range, so each partial row is stored times a power of two 2^k that puts its
+largest value in [2^14, 2^15), k in the row's column 512 (rows of 512 + 8 halves in the float32 buffers' bytes):
+every value within 2^29 of its row's largest keeps the 11 bits, whatever the latent's magnitude.
 """
 
 from __future__ import annotations
@@ -249,16 +257,14 @@ def mla_decode_attention(
         write_final = max_splits == 1
     partial_o, partial_lse = split_outputs(out, partials, max_splits, write_final)
     if config.kernel != "triton":
-        from attnserve.attention.kernels.mla_decode_gluon import fused_merge_fits, launch_mla_decode_gluon
+        from attnserve.attention.kernels.mla_decode_gluon import launch_mla_decode_gluon
 
         if config.partials == "float16" and not write_final:  # the float32 rows' bytes, half of each used
             partial_o = partial_o.view(torch.float16)[..., : kv_lora_rank + 8]  # [B, H, S, 512 + 8]
-        fused = config.fused_merge and fused_merge_fits(q, max_splits, config.kernel, write_final)
         launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens,
                                 num_splits, max_splits, page_size, sm_scale, write_final,
-                                partial_strides(partial_o, partial_lse), token_groups, config.kernel, config.block_h,
-                                fused)
-        if not write_final and not fused:
+                                partial_strides(partial_o, partial_lse), token_groups, config.kernel, config.block_h)
+        if not write_final:
             merge_splits_tiled(out, partial_o, partial_lse, num_splits, max_splits, 1.0)
         return out
     check_shared_memory("MLA decode", _tile_shape(config, width, kv_lora_rank, q.element_size()), target)

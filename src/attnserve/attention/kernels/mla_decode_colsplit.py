@@ -27,6 +27,12 @@ over 64-token pages, 32.3 against 35.4 at 1 x 32768. What is left, by the same p
 the other (warpgroup 0 on the second half of the score, warpgroup 1 on the softmax), the tensor pipe idle under
 the softmax; hiding it needs the next tile's score issued before the softmax, which with two stages would have
 to wait for that tile's copies again (benchmarks/NOTES.md).
+
+A split decode may store float16 partials (SCALED; mla_decode.py says why): the warpgroups swap their halves' row
+maxima with the row sums, and each row is scaled by the power of two that brings its largest value to [2^14,
+2^15), the exponent stored in column 512 by warpgroup 0. (A merge inside this kernel after a grid barrier, its
+CTAs launched cooperatively, was slower than the merge kernel: 30.0 against 28.6-29.0 us at 1 x 32768, the
+barrier alone 1.6 us; benchmarks/NOTES.md, in history at 67d53d0.)
 """
 
 from __future__ import annotations
@@ -43,7 +49,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from attnserve.attention.kernels.mla_decode_seesaw import _probabilities, _row_token_head, _store_output
 from attnserve.attention.kernels.mla_gluon_parts import _copy_columns, _release, _split_range, _tile_rows
-from attnserve.attention.kernels.mla_grid_merge import _grid_barrier, _merge_rows
 
 
 @gluon.jit
@@ -66,9 +71,8 @@ def _colsplit_warpgroup(
     Q, KV, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active,
     page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh, q_c_smem, q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
-    p_ready, fin, num_splits, Sync, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr,
-    ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
-    FUSED_MERGE: gl.constexpr, MERGE_S: gl.constexpr, MERGE_CHUNKS: gl.constexpr,
+    p_ready, fin, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
 ):
     """One warpgroup: its half of the query and of every tile, copied by itself (a stage's half is its own to
     refill once its PV is done), its half of each score, and its 256 output columns. Warpgroup 0 also adds the
@@ -150,8 +154,8 @@ def _colsplit_warpgroup(
 
     # the output through this warpgroup's own stage, once the other warpgroup is done with it
     async_copy.wait_group(0)  # no copy outlives the CTA (a split with no tiles never waited for its query)
-    if SCALED:
-        amax_smem.slice(W * BLOCK_H, BLOCK_H).store(gl.max(gl.abs(acc), axis=1))  # [64] this half's largest magnitude a row
+    if SCALED:  # [64] this half's largest magnitude a row, for both warpgroups
+        amax_smem.slice(W * BLOCK_H, BLOCK_H).store(gl.max(gl.abs(acc), axis=1))
     if W == 0:
         l_smem.store(l_i)
         _release(fin.index(0))
@@ -167,7 +171,8 @@ def _colsplit_warpgroup(
         l_o = l_smem.load(row_o)
     inv_l = 1.0 / gl.where(l_o > 0.0, l_o, 1.0)  # a reciprocal a row, not a division an element
     if SCALED:  # float16 partials: each row scaled by 2^k so that its largest value lands in [2^14, 2^15)
-        row_max = gl.maximum(amax_smem.slice(0, BLOCK_H).load(row_o), amax_smem.slice(BLOCK_H, BLOCK_H).load(row_o)) * inv_l
+        row_max = gl.maximum(amax_smem.slice(0, BLOCK_H).load(row_o),
+                             amax_smem.slice(BLOCK_H, BLOCK_H).load(row_o)) * inv_l
         k = gl.where(row_max > 0.0, 14.0 - gl.floor(gl.log2(gl.where(row_max > 0.0, row_max, 1.0))), 0.0)
         k = gl.minimum(gl.maximum(k, -100.0), 100.0)
         inv_l = inv_l * gl.exp2(k)
@@ -177,19 +182,6 @@ def _colsplit_warpgroup(
                      k.to(PartialO.dtype.element_ty), mask=ok_k & active)
     _store_output(acc * inv_l[:, None], c_ring.index(W), Out, PartialO, b, 1, hg, split, active, stride_ob,
                   stride_oh, stride_pb, stride_ph, stride_ps, W * HALF, NUM_HEADS, 1, BLOCK_H, HALF, WRITE_FINAL)
-    if FUSED_MERGE:  # every CTA's partials stored: warpgroup 0 meets the grid, then both merge their columns
-        if W == 0:
-            mbarrier.wait(fin.index(1), 1)  # warpgroup 1's stores are issued
-            _grid_barrier(Sync, gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2))
-            _release(fin.index(0))
-        else:
-            _release(fin.index(1))
-            mbarrier.wait(fin.index(0), 1)
-        cta = hg + gl.num_programs(0) * (b + gl.num_programs(1) * split)
-        _merge_rows(Out, PartialO, PartialLse, num_splits, cta,
-                    gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2), gl.num_programs(1) * NUM_HEADS,
-                    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, W * HALF,
-                    NUM_HEADS, HALF, LATENT, MERGE_S, MERGE_CHUNKS, SCALED)
 
 
 @gluon.jit
@@ -197,9 +189,8 @@ def _mla_decode_colsplit_kernel(
     Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, group_first, group_ntok,
     qk_scale_log2,
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    Sync, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
-    FUSED_MERGE: gl.constexpr, MERGE_S: gl.constexpr, MERGE_CHUNKS: gl.constexpr,
 ):
     """The seesaw kernel's arguments and grid (mla_decode_gluon.launch_mla_decode_gluon), two warpgroups; decode
     only (TOKENS 1: the extend rows' token groups stay on the seesaw kernel, faster there)."""
@@ -245,12 +236,10 @@ def _mla_decode_colsplit_kernel(
                                num_tiles, active, page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt,
                                stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
                                q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
-                               p_ready, fin, num_splits, Sync, 0, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL,
-                               SCALED, FUSED_MERGE, MERGE_S, MERGE_CHUNKS)),
+                               p_ready, fin, 0, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL, SCALED)),
         (_colsplit_warpgroup, (Q, KV, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi,
                                num_tiles, active, page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt,
                                stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
                                q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
-                               p_ready, fin, num_splits, Sync, 1, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL,
-                               SCALED, FUSED_MERGE, MERGE_S, MERGE_CHUNKS)),
+                               p_ready, fin, 1, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL, SCALED)),
     ], [4], [CONSUMER_REGS])

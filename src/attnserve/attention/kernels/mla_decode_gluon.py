@@ -61,41 +61,15 @@ def head_groups_per_cta_row(num_heads: int, tokens: int = 1) -> int:
     return triton.cdiv(num_heads * tokens, GLUON_BLOCK_H)
 
 
-def merge_tile(max_splits: int) -> tuple[int, int]:
-    """(splits a load, loads) of the in-kernel merge (mla_grid_merge.py): 32 x 256 float32 columns a warpgroup
-    (64 registers a thread), in as many loads as the splits need."""
-    block_s = min(32, max(2, triton.next_power_of_2(max_splits)))
-    return block_s, triton.cdiv(max_splits, block_s)
-
-
-_GRID_SYNC: dict[torch.device, torch.Tensor] = {}
-
-
-def grid_sync(device: torch.device) -> torch.Tensor:
-    """The in-kernel merge's barrier pair (mla_grid_merge.py), one a device; launches on one stream take turns."""
-    if device not in _GRID_SYNC:
-        _GRID_SYNC[device] = torch.zeros(2, dtype=torch.int32, device=device)  # [counter, generation]
-    return _GRID_SYNC[device]
-
-
-def fused_merge_fits(q: torch.Tensor, max_splits: int, kernel: str, write_final: bool) -> bool:
-    """Whether the column-split kernel can merge its own splits: a split decode, one CTA an SM for every CTA."""
-    if kernel != "gluon_colsplit" or write_final or max_splits > 128:
-        return False
-    ctas = head_groups_per_cta_row(q.shape[1]) * q.shape[0] * max_splits
-    return ctas <= torch.cuda.get_device_properties(q.device).multi_processor_count
-
-
 def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
                             max_splits: int, page_size: int, sm_scale: float, write_final: bool,
                             partial_strides: tuple[int, ...], token_groups=None, kernel: str = "gluon_seesaw",
-                            block_h: int = GLUON_BLOCK_H, fused_merge: bool = False) -> None:
+                            block_h: int = GLUON_BLOCK_H) -> None:
     """Stage 1 of the split decode (mla_decode.mla_decode_attention merges the partials).
 
     token_groups: (group_first `[G]`, group_ntok `[G]`, tokens): CTAs of several query tokens each (extend rows,
     mla_extend_rows.py, the seesaw's alone); the per-token arrays stay per token. kernel / block_h: the config's.
-    fused_merge (fused_merge_fits): the column-split kernel merges into out itself, launched cooperatively. A
-    float16 partial_o is the scaled format (its rows `[Dv + 8]`, mla_grid_merge.py)."""
+    A float16 partial_o (the column-split kernel's alone) holds scaled rows `[Dv + 8]` (mla_decode.py says why)."""
     batch, num_heads, _ = q.shape
     if kernel == "gluon_narrow":
         _mla_decode_narrow_kernel[(triton.cdiv(num_heads, block_h), batch, max_splits)](
@@ -114,10 +88,7 @@ def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr
     common = {"NUM_HEADS": num_heads, "LATENT": GLUON_LATENT, "ROPE": GLUON_ROPE, "PAGE_SIZE": page_size,
               "WRITE_FINAL": write_final, "TOKENS": tokens, "num_warps": 4}
     if kernel == "gluon_colsplit":  # two warpgroups, 256 threads: no kernel-wide register cap to carve from
-        merge_s, chunks = merge_tile(max_splits)
-        _mla_decode_colsplit_kernel[grid](*args, grid_sync(q.device), **common, CONSUMER_REGS=COLSPLIT_REGS,
-                                          SCALED=partial_o.dtype == torch.float16 and not write_final,
-                                          FUSED_MERGE=fused_merge, MERGE_S=merge_s, MERGE_CHUNKS=chunks,
-                                          launch_cooperative_grid=fused_merge)
+        _mla_decode_colsplit_kernel[grid](*args, **common, CONSUMER_REGS=COLSPLIT_REGS,
+                                          SCALED=partial_o.dtype == torch.float16 and not write_final)
     else:
         _mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG)

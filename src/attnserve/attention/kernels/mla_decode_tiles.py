@@ -44,11 +44,9 @@ class MLADecodeConfig:
     # tile of a round; "gluon_narrow" (mla_decode_narrow.py) 16 or 32 heads as the columns of keys-major wgmmas.
     # Sweeps up to the seventh also raced "gluon_ws", the ping-pong the seesaw replaced (in history at 0877da7).
     kernel: str = "triton"
-    # the column-split kernel's split decode alone (mla_decode.py says why): "float16" partials, each row scaled
-    # by a power of two, or "float32"; and the merge inside the kernel after a grid barrier, where every CTA is
-    # resident at once (a cooperative launch; otherwise the merge kernel runs)
+    # the column-split kernel's split partials (mla_decode.py says why): "float16", each row scaled by a power of
+    # two, or "float32"
     partials: str = "float32"
-    fused_merge: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -66,9 +64,8 @@ class MLADecodeConfig:
                              f"{self.kernel!r}")
         if self.partials not in ("float32", "float16"):
             raise ValueError(f"MLADecodeConfig.partials must be 'float32' or 'float16', got {self.partials!r}")
-        if (self.partials != "float32" or self.fused_merge) and self.kernel != "gluon_colsplit":
-            raise ValueError("float16 partials and the fused merge are the gluon_colsplit MLA kernel's, the tile is "
-                             f"{self.kernel}'s")
+        if self.partials != "float32" and self.kernel != "gluon_colsplit":
+            raise ValueError(f"float16 partials are the gluon_colsplit MLA kernel's, the tile is {self.kernel}'s")
         if self.kernel in GLUON_TILES:
             heads, block_n, warps, stages = GLUON_TILES[self.kernel]
             if self.block_h not in heads or (self.block_n, self.num_warps, self.num_stages, self.defer_pv) != (
@@ -129,10 +126,8 @@ def tiles_for(arch: str, num_heads: int, page_size: int,
 
 
 # ---- from a sweep to the table -------------------------------------------------------------------------
-CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "defer_pv", "split_waves", "kernel", "partials",
-               "fused_merge")
-CONFIG_DEFAULTS = {"defer_pv": False, "split_waves": 0.0, "kernel": "triton", "partials": "float32",
-                   "fused_merge": False}  # what a sweep row made before a key existed ran with
+CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "defer_pv", "split_waves", "kernel", "partials")
+CONFIG_DEFAULTS = {"defer_pv": False, "split_waves": 0.0, "kernel": "triton", "partials": "float32"}  # what a sweep row made before a key existed ran with
 
 
 def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> list[dict]:
