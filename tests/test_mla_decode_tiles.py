@@ -25,13 +25,14 @@ SHAPES = {w.name: (w.mla.num_heads, w.page_size) for w in MLA_WORKLOADS if w.kin
 
 
 def test_h200_tiles_follow_the_shape():
-    """What the tenth H200 sweep measured (sweep-triton-mla-h200-10.json): 128 heads on the column-split Gluon
-    kernel (half a wave of splits over 64-token pages, one wave over single tokens), 16 heads on the narrow Gluon
-    kernel at half a wave (one split a request over 128 requests)."""
+    """What the eleventh H200 sweep measured (sweep-triton-mla-h200-11.json): 128 heads over single tokens on the
+    column-split Gluon kernel with float16 partials at one wave of splits, over 64-token pages on the seesaw at
+    half a wave, 16 heads on the narrow Gluon kernel at half a wave (one split a request over 128 requests)."""
     h200 = GpuTarget.of((9, 0))
-    ws = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit")
-    assert default_mla_decode_config("cuda", h200, 128, 64) == dataclasses.replace(ws, split_waves=0.5)
-    assert default_mla_decode_config("cuda", h200, 128, 1) == dataclasses.replace(ws, split_waves=1)
+    colsplit = MLADecodeConfig(64, 64, 8, 2, split_waves=1, kernel="gluon_colsplit", partials="float16")
+    assert default_mla_decode_config("cuda", h200, 128, 1) == colsplit
+    seesaw = MLADecodeConfig(64, 64, 8, 2, split_waves=0.5, kernel="gluon_seesaw")
+    assert default_mla_decode_config("cuda", h200, 128, 64) == seesaw
     narrow = MLADecodeConfig(16, 64, 8, 2, split_waves=0.5, kernel="gluon_narrow")
     assert default_mla_decode_config("cuda", h200, 16, 64) == narrow
     assert tiles_for("sm75", 128, 64) == tiles_for("default", 128, 64)  # an unknown arch takes the default rules
@@ -55,6 +56,17 @@ def test_a_head_group_never_exceeds_the_heads():
         MLADecodeConfig(block_h=24)
     with pytest.raises(ValueError, match="num_warps .* got 3"):
         MLADecodeConfig(num_warps=3)
+
+
+def test_float16_partials_are_the_colsplit_kernels_alone():
+    """The scaled float16 partials are written by the column-split kernel's epilogue only: another kernel asked
+    for them, or an unknown partial type, is refused at the config, not at launch."""
+    assert MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit", partials="float16").partials == "float16"
+    with pytest.raises(ValueError, match="float16 partials are the gluon_colsplit MLA kernel's, the tile is "
+                                         "gluon_seesaw's"):
+        MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw", partials="float16")
+    with pytest.raises(ValueError, match="partials must be 'float32' or 'float16', got 'bfloat16'"):
+        MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit", partials="bfloat16")
 
 
 def test_the_shipped_sm90_rules_are_the_committed_sweep():
