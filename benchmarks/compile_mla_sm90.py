@@ -51,7 +51,9 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path  # the one whose version chose the PTX's (a CUDA toolkit's may be newer)
         proc = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(d, "k.cubin")],
                               capture_output=True, text=True)
     info = proc.stdout + proc.stderr
