@@ -1,8 +1,10 @@
 """A Gluon MLA decode kernel (Hopper): FlashMLA's "seesaw" schedule, two key tiles a round, one per warpgroup.
 
 It runs the absorbed extend as decode rows (mla_extend_rows.py), where it is faster than the column-split kernel
-(9.92 against 10.26 ms at 128 heads on the H200, equal at 16); decode at 128 heads runs on the column-split one
-(mla_decode_colsplit.py), which refills a stage a whole tile ahead. Its helpers serve both.
+(9.92 against 10.26 ms at 128 heads on the H200, equal at 16), and decode at 128 heads over 64-token pages
+(sweep 11: 307.1 against the column-split kernel's 310.7 us, within a run's spread); over single tokens decode
+runs on the column-split one (mla_decode_colsplit.py), which refills a stage a whole tile ahead. Its helpers
+serve both.
 
 A CTA owns 64 query rows of a (request, split) and three partitions: a 4-warp producer gathers latent rows by
 cp.async (any page size, page 1 included) into a two-stage ring of `[64 keys, 512]` + `[64 keys, 64]` tiles; two
