@@ -16,7 +16,7 @@ back, 16.8 MB in float32; float16 halves that (H200, 1 x 32768: 29.7 against 31.
 benchmarks/NOTES.md). bfloat16 would carry 8 significant bits into the sum; float16 carries 11, three more than
 the bf16 output, but not bf16's range, so each partial row is stored times a power of two 2^k that puts its
 largest value in [2^14, 2^15), k in the row's column 512 (rows of 512 + 8 halves in the float32 buffers' bytes):
-every value within 2^29 of its row's largest keeps the 11 bits, whatever the latent's magnitude.
+every value within 2^28 of its row's largest keeps the 11 bits, whatever the latent's magnitude.
 """
 
 from __future__ import annotations
