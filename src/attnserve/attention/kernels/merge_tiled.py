@@ -24,6 +24,16 @@ MERGE_SPLITS = 64  # splits loaded per tile
 
 
 @triton.jit
+def _numerator_weights(w, rows, s_mask, V_DIM: tl.constexpr, SCALED: tl.constexpr):
+    """The splits' weights for the partial values (rows `[BLOCK_S]`: pointers to each split's partial row): a
+    scaled float16 row holds partial x 2^k, k in its column V_DIM, so its weight is w x 2^-k."""
+    if SCALED:
+        k = tl.load(rows + V_DIM, mask=s_mask, other=0.0)
+        w = w * tl.exp2(-k.to(tl.float32))
+    return w
+
+
+@triton.jit
 def _merge_tiled_kernel(
     Out, PartialO, PartialLse, num_splits, v_scale,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -37,17 +47,16 @@ def _merge_tiled_kernel(
     n = tl.load(num_splits + b)
     offs_s = tl.arange(0, BLOCK_S)
     lse_base = PartialLse + b * stride_lb + h * stride_lh
+    o_base = PartialO + b * stride_pb + h * stride_ph
     if ONE_TILE:  # every split in one tile: the LSEs and the partials are loaded together, one latency
         s_mask = offs_s < n
+        rows = o_base + offs_s * stride_ps  # [BLOCK_S] each split's partial row
         lse = tl.load(lse_base + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S], base 2
-        o = tl.load(PartialO + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_DV]
+        o = tl.load(rows[:, None] + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_DV]
         w = tl.exp2(lse - tl.maximum(tl.max(lse, 0), -1.0e30))
         total = tl.sum(w, 0)
-        if SCALED:  # float16 rows stored as partial x 2^k, k in column V_DIM
-            k = tl.load(PartialO + b * stride_pb + h * stride_ph + offs_s * stride_ps + V_DIM, mask=s_mask, other=0.0)
-            w = w * tl.exp2(-k.to(tl.float32))
-        acc = tl.sum(w[:, None] * o, 0)
+        acc = tl.sum(_numerator_weights(w, rows, s_mask, V_DIM, SCALED)[:, None] * o, 0)
     else:
         m = tl.full([], -1.0e30, dtype=tl.float32)
         for s0 in range(0, n, BLOCK_S):
@@ -57,15 +66,12 @@ def _merge_tiled_kernel(
         acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
         for s0 in range(0, n, BLOCK_S):
             s_mask = s0 + offs_s < n
+            rows = o_base + (s0 + offs_s) * stride_ps
             w = tl.exp2(tl.load(lse_base + s0 + offs_s, mask=s_mask, other=float("-inf")) - m)  # [BLOCK_S]
             total += tl.sum(w, 0)
-            if SCALED:
-                k = tl.load(PartialO + b * stride_pb + h * stride_ph + (s0 + offs_s) * stride_ps + V_DIM, mask=s_mask,
-                            other=0.0)
-                w = w * tl.exp2(-k.to(tl.float32))
-            o = tl.load(PartialO + b * stride_pb + h * stride_ph + (s0 + offs_s)[:, None] * stride_ps
-                        + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w[:, None] * o, 0)
+            o = tl.load(rows[:, None] + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(_numerator_weights(w, rows, s_mask, V_DIM, SCALED)[:, None] * o, 0)
     total = tl.where(total > 0.0, total, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, (acc / total * v_scale).to(Out.dtype.element_ty),
              mask=d_mask)
