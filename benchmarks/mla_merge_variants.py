@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import sys
 
 import torch
+from mla_split_cost import write_json  # a sibling script: this folder is on sys.path when one of them runs
 
 from attnserve.attention.kernels.decode import allocate_partials
 from attnserve.attention.kernels.mla_decode import mla_decode_attention
@@ -67,12 +67,7 @@ def main() -> int:
                          "replay_equal": bool(torch.equal(out.float(), result))})
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        import triton
-
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "rows": rows}, f,
-                      indent=1)
+        write_json(args.json, rows)
     return 0
 
 

@@ -76,7 +76,11 @@ def inputs(requests: int, heads: int, seq: int, page: int, splits: int, partial_
     seq_lens = torch.full((requests,), seq, device="cuda", dtype=torch.int32)
     num_splits = torch.full((requests,), splits, device="cuda", dtype=torch.int32)
     out = torch.empty(requests, heads, LATENT, device="cuda", dtype=torch.bfloat16)
-    partial_o = torch.empty(requests, heads, splits, LATENT, device="cuda", dtype=partial_dtype)  # [R, H, S, 512]
+    scaled = partial_dtype == torch.float16  # the column-split kernel's scaled rows, laid out as mla_decode.py does
+    partial_o = torch.empty(requests, heads, splits, LATENT, device="cuda",
+                            dtype=torch.float32 if scaled else partial_dtype)  # [R, H, S, 512]
+    if scaled:  # [R, H, S, 512 + 8] halves in the float32 rows' bytes
+        partial_o = partial_o.view(torch.float16)[..., : LATENT + 8]
     partial_lse = torch.empty(requests, heads, splits, device="cuda", dtype=torch.float32)
     return q, kv, kv_indptr, kv_indices, seq_lens, num_splits, out, partial_o, partial_lse
 
@@ -100,6 +104,25 @@ def time_variant(kernel, requests: int, heads: int, seq: int, page: int, splits:
         return time_call(call, use_graph=True)[0]
     finally:
         gluon_host._mla_decode_seesaw_kernel = original
+
+
+def fixed_and_per_tile(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(F, t) of the least-squares line us = F + k t through (k tiles a split, us) points."""
+    n = len(points)
+    sk, su = sum(k for k, _ in points), sum(u for _, u in points)
+    skk, sku = sum(k * k for k, _ in points), sum(k * u for k, u in points)
+    t = (n * sku - sk * su) / (n * skk - sk * sk)
+    return (su - t * sk) / n, t
+
+
+def write_json(path: str, rows: list[dict], **extra) -> None:
+    """A probe's rows with the GPU, the versions and the date (also for mla_merge_variants.py, mla_colsplit_cost.py)."""
+    import triton
+
+    with open(path, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), **extra, "rows": rows},
+                  f, indent=1)
 
 
 def main() -> int:
@@ -139,23 +162,12 @@ def main() -> int:
                 rows.append({"requests": requests, "heads": heads, "splits": splits, "tiles_per_split": k,
                              "seq": splits * 64 * k, "variant": variant, "pages": pages_of, "us": round(us, 2)})
                 print(json.dumps(rows[-1]), flush=True)
-            fit = [r for r in rows if r["splits"] == splits and r["variant"] == variant]
-            if len({r["tiles_per_split"] for r in fit}) > 1:  # least squares us = F + k t
-                n = len(fit)
-                sk = sum(r["tiles_per_split"] for r in fit)
-                su = sum(r["us"] for r in fit)
-                skk = sum(r["tiles_per_split"] ** 2 for r in fit)
-                sku = sum(r["tiles_per_split"] * r["us"] for r in fit)
-                t = (n * sku - sk * su) / (n * skk - sk * sk)
-                print(f"  {variant} at {splits} splits: F = {(su - t * sk) / n:.2f} us, t = {t:.3f} us a tile",
-                      flush=True)
+            fit = [(r["tiles_per_split"], r["us"]) for r in rows if r["splits"] == splits and r["variant"] == variant]
+            if len({k for k, _ in fit}) > 1:
+                f, t = fixed_and_per_tile(fit)
+                print(f"  {variant} at {splits} splits: F = {f:.2f} us, t = {t:.3f} us a tile", flush=True)
     if args.json:
-        import triton
-
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "rows": rows}, f,
-                      indent=1)
+        write_json(args.json, rows)
     return 0
 
 
