@@ -69,6 +69,7 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
             "spill_bytes": tuple(map(int, spills.groups())),
             "smem_kib": round(kernel.metadata.shared / 1024, 1),
             "async_copies": ttgir.count("async_copy_global_to_local"),
+            "tma_loads": kernel.asm["ptx"].count("cp.async.bulk.tensor"),
             "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),
             "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir),
             "wgmma": {m: kernel.asm["ptx"].count(m) for m in sorted(set(re.findall(r"wgmma\.mma_async\S*?(m64n\d+k\d+)",
@@ -106,10 +107,17 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> d
                                                           "CONSUMER_REGS": g.NARROW_CONSUMER_REGS},
                             4, 1, source=GluonASTSource, maxnreg=g.MAXNREG)
     constexprs = {**common, "CONSUMER_REGS": g.CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
-    if kernel == "gluon_colsplit":
-        return compile_sm90(g._mla_decode_colsplit_kernel, {**constexprs, "CONSUMER_REGS": g.COLSPLIT_REGS,
-                                                            "TOKENS": 1, "SCALED": scaled},
-                            4, 1, source=GluonASTSource, pointers={"PartialO": "*fp16"} if scaled else {})
+    if kernel == "gluon_colsplit":  # over 64-token pages its tiles come by TMA: the latent's descriptor type
+        import torch
+        from triton.runtime.jit import mangle_type
+
+        pointers = {"PartialO": "*fp16"} if scaled else {}
+        constexprs = {**constexprs, "CONSUMER_REGS": g.COLSPLIT_REGS, "TOKENS": 1, "SCALED": scaled}
+        if page_size % g.GLUON_BLOCK_N == 0:
+            pointers["kv_desc"] = mangle_type(g.latent_descriptor(torch.empty(64, 1, 576, dtype=torch.bfloat16)))
+        else:
+            constexprs["kv_desc"] = None
+        return compile_sm90(g._mla_decode_colsplit_kernel, constexprs, 4, 1, source=GluonASTSource, pointers=pointers)
     return compile_sm90(g._mla_decode_seesaw_kernel, constexprs, 4, 1, source=GluonASTSource,
                         maxnreg=g.MAXNREG)
 

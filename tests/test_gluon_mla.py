@@ -111,24 +111,29 @@ def test_colsplit_gluon_mla_decode_compiles_for_sm90(page_size):
     also 4 over the rope) and 4 PV steps of 256 output columns. Two warpgroups and no producer partition leave
     255 registers a thread, so nothing spills and ptxas keeps the wgmmas asynchronous (at a 168-register budget
     beside a producer warpgroup it waited on every one: 366.7 against the seesaw's 319.3 us on the H200);
-    q_c, two 72 KB stages and the 16 KB score exchange fit Hopper's shared memory; 16-byte output stores."""
+    q_c, two 72 KB stages and the 16 KB score exchange fit Hopper's shared memory; 16-byte output stores. Over
+    64-token pages a tile is one page's rows: each warpgroup loads its four 64-column boxes (warpgroup 1 also the
+    rope's) by TMA at three sites (tiles 0 and 1, the refill), and only the query by cp.async."""
     report = compile_offline("--gluon", str(page_size), "--gluon-kernel", "gluon_colsplit")
     assert report["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, report
     assert not report["wgmma_serialized"], report
     assert report["spill_bytes"] == [0, 0], report
     assert 216 < report["smem_kib"] <= 227, report
     assert report["global_stores"] == {"st.global.v4.b32": 64, "st.global.b32": 2}, report
+    assert report["tma_loads"] == (3 * (4 + 5) if page_size == 64 else 0), report
+    assert report["async_copies"] == (9 if page_size == 64 else 36), report
 
 
 def test_colsplit_float16_partials_compile_for_sm90():
     """float16 partials, each row's power of two beside it: the same wgmmas, still asynchronous, nothing
-    spilled; 8-byte stores of the float16 halves (32 a thread) and 2-byte ones of the scale."""
+    spilled; 16-byte stores of the float16 halves (16 a thread: converted before the shared-memory staging) and
+    2-byte ones of the scale."""
     report = compile_offline("--gluon", "1", "--gluon-kernel", "gluon_colsplit", "--scaled")
     assert report["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, report
     assert not report["wgmma_serialized"], report
     assert report["spill_bytes"] == [0, 0], report
     assert report["smem_kib"] <= 227, report
-    assert report["global_stores"] == {"st.global.v2.b32": 64, "st.global.b16": 2, "st.global.b32": 2}, report
+    assert report["global_stores"] == {"st.global.v4.b32": 32, "st.global.b16": 2, "st.global.b32": 2}, report
 
 
 @pytest.mark.parametrize("page_size, heads", [(1, 16), (64, 16), (1, 128)])

@@ -28,6 +28,13 @@ the other (warpgroup 0 on the second half of the score, warpgroup 1 on the softm
 the softmax; hiding it needs the next tile's score issued before the softmax, which with two stages would have
 to wait for that tile's copies again (benchmarks/NOTES.md).
 
+Over pages of 64 tokens or more a tile is 64 consecutive rows of one page, and each warpgroup loads its half by
+TMA (four 64 x 64 boxes, warpgroup 1 also the rope's), counted on its own mbarrier per stage; over smaller pages
+by cp.async, 18 16-byte copies a thread a tile. Why: on the H200 a tile whose loop issued no copies (the last)
+took 2.0 us against 2.23 for the others (benchmarks/mla_colsplit_timeline.py at 1 x 32768); issuing cp.async is
+on the consumers' path, a TMA is one instruction. A page's rows past the split's end are loaded too and masked
+in the softmax (the pool's slots are zeroed at allocation and written only with latents, so they are finite).
+
 A split decode may store float16 partials (SCALED; mla_decode.py says why): the warpgroups swap their halves' row
 maxima with the row sums, and each row is scaled by the power of two that brings its largest value to [2^14,
 2^15), the exponent stored in column 512 by warpgroup 0. (A merge inside this kernel after a grid barrier, its
@@ -43,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -67,11 +75,32 @@ def _copy_half(KV, rows, stride_kvt, c_ring, r_ring, t, num_tiles, W: gl.constex
 
 
 @gluon.jit
+def _load_half(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t, num_tiles,
+               W: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+               copy_layout: gl.constexpr):
+    """Tile t's half of warpgroup W into stage t % 2: over pages of 64 tokens or more by TMA (a tile is 64
+    consecutive rows of one page; loaded[W, stage] counts the bytes), else by cp.async from `rows`."""
+    if PAGE_SIZE % 64 == 0:
+        if t < num_tiles:
+            n0 = lo + t * 64
+            row0 = gl.load(kv_indices + page_base + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+            bar = loaded.index(W * 2 + t % 2)
+            stage = c_ring.index(t % 2)
+            mbarrier.expect(bar, (4 + W) * 64 * ROPE * 2)  # four 64-column boxes (and the rope's) of 16-bit rows
+            for k in gl.static_range(W * 4, W * 4 + 4):
+                tma.async_copy_global_to_shared(kv_desc, [row0, k * ROPE], bar, stage.slice(k * ROPE, ROPE, dim=1))
+            if W == 1:
+                tma.async_copy_global_to_shared(kv_desc, [row0, LATENT], bar, r_ring.index(t % 2))
+    else:
+        _copy_half(KV, rows, stride_kvt, c_ring, r_ring, t, num_tiles, W, LATENT, ROPE, copy_layout)
+
+
+@gluon.jit
 def _colsplit_warpgroup(
-    Q, KV, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active,
+    Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active,
     page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh, q_c_smem, q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
-    p_ready, fin, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+    p_ready, fin, loaded, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
     PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
 ):
     """One warpgroup: its half of the query and of every tile, copied by itself (a stage's half is its own to
@@ -99,25 +128,36 @@ def _colsplit_warpgroup(
     _copy_columns(q_c_smem, q_ptrs, W * (HALF // ROPE), HALF // ROPE, ROPE, q_mask)
     if W == 1:
         async_copy.async_copy_global_to_shared(q_r_view, q_ptrs + LATENT, mask=q_mask)
-    rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [64] pool rows
-    _copy_half(KV, rows, stride_kvt, c_ring, r_ring, 0, num_tiles, W, LATENT, ROPE, copy_layout)
+    TMA: gl.constexpr = PAGE_SIZE % BLOCK_N == 0
+    rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [64] pool rows (cp.async)
+    _load_half(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 0, num_tiles, W,
+               LATENT, ROPE, PAGE_SIZE, copy_layout)
     rows = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
-    _copy_half(KV, rows, stride_kvt, c_ring, r_ring, 1, num_tiles, W, LATENT, ROPE, copy_layout)
+    _load_half(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 1, num_tiles, W,
+               LATENT, ROPE, PAGE_SIZE, copy_layout)
     rows = _tile_rows(kv_indices, page_base, lo + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
 
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns W * 256 ...
     m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # warpgroup 0's running base-2 max
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
-    if W == 1:
-        async_copy.wait_group(1)  # the query
+    if TMA:  # the query is the only cp.async group
+        async_copy.wait_group(0)
         gl.thread_barrier()
+        fence_async_shared()
+    if W == 1:
+        if not TMA:
+            async_copy.wait_group(1)  # the query
+            gl.thread_barrier()
         q_pe = q_r_view.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))  # [64, 64]
         gl.thread_barrier()  # every thread holds its rope before the buffer takes scores
     for t in range(num_tiles):
         st = t % 2
-        async_copy.wait_group(1)  # tile t's copies (tile t + 1's may still fly)
-        gl.thread_barrier()
-        fence_async_shared()  # cp.async's writes before the wgmmas read them
+        if TMA:
+            mbarrier.wait(loaded.index(W * 2 + st), (t // 2) & 1)
+        else:
+            async_copy.wait_group(1)  # tile t's copies (tile t + 1's may still fly)
+            gl.thread_barrier()
+            fence_async_shared()  # cp.async's writes before the wgmmas read them
         c_half = c_ring.index(st).slice(W * HALF, HALF, dim=1)
         s = warpgroup_mma(q_c_smem.slice(W * HALF, HALF, dim=1), c_half.permute((1, 0)),
                           gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
@@ -149,8 +189,10 @@ def _colsplit_warpgroup(
             acc = warpgroup_mma(r_ring.index(st), c_half, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp's PV has read the stage's half: refill it with tile t + 2
-        _copy_half(KV, rows, stride_kvt, c_ring, r_ring, t + 2, num_tiles, W, LATENT, ROPE, copy_layout)
-        rows = _tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        _load_half(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t + 2,
+                   num_tiles, W, LATENT, ROPE, PAGE_SIZE, copy_layout)
+        if not TMA:
+            rows = _tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
 
     # the output through this warpgroup's own stage, once the other warpgroup is done with it
     async_copy.wait_group(0)  # no copy outlives the CTA (a split with no tiles never waited for its query)
@@ -191,6 +233,7 @@ def _mla_decode_colsplit_kernel(
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
+    kv_desc=None,
 ):
     """The seesaw kernel's arguments and grid (mla_decode_gluon.launch_mla_decode_gluon), two warpgroups; decode
     only (TOKENS 1: the extend rows' token groups stay on the seesaw kernel, faster there)."""
@@ -224,22 +267,25 @@ def _mla_decode_colsplit_kernel(
     x_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     x_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    loaded = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # [W * 2 + stage]: TMA bytes
     for i in gl.static_range(2):
         mbarrier.init(fin.index(i), count=1)
+    for i in gl.static_range(4):
+        mbarrier.init(loaded.index(i), count=1)
     mbarrier.init(x_ready, count=1)
     mbarrier.init(x_free, count=1)
     mbarrier.init(p_ready, count=1)
     fence_async_shared()  # the barriers' init before the partitions use them
 
     gl.warp_specialize([
-        (_colsplit_warpgroup, (Q, KV, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi,
+        (_colsplit_warpgroup, (Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi,
                                num_tiles, active, page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt,
                                stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
                                q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
-                               p_ready, fin, 0, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL, SCALED)),
-        (_colsplit_warpgroup, (Q, KV, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi,
+                               p_ready, fin, loaded, 0, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL, SCALED)),
+        (_colsplit_warpgroup, (Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi,
                                num_tiles, active, page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt,
                                stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
                                q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
-                               p_ready, fin, 1, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL, SCALED)),
+                               p_ready, fin, loaded, 1, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL, SCALED)),
     ], [4], [CONSUMER_REGS])

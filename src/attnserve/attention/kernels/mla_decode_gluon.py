@@ -28,6 +28,7 @@ from attnserve.attention.kernels.mla_decode_narrow import _mla_decode_narrow_ker
 from attnserve.attention.kernels.mla_decode_seesaw import _mla_decode_seesaw_kernel
 
 GLUON_BLOCK_H = 64  # query rows per CTA: one 64-row wgmma per warpgroup
+GLUON_BLOCK_N = 64  # keys per tile
 GLUON_LATENT = 512
 GLUON_ROPE = 64
 CONSUMER_REGS = 232  # two consumer warpgroups at 232 + the producer's 40-odd: 64512 of the SM's 65536 registers
@@ -50,6 +51,18 @@ def gluon_mla_decode_unsupported(q: torch.Tensor, kv_buffer: torch.Tensor, kv_lo
     if kv_buffer.stride(0) % 8 or q.stride(1) % 8 or q.stride(0) % 8:
         return "the Gluon MLA kernel copies 16-byte vectors: row strides must be multiples of 8 elements"
     return None
+
+
+def latent_descriptor(kv_buffer: torch.Tensor):
+    """A TMA descriptor over the latent pool's rows `[tokens, 576]`, 64 x 64 boxes in the kernels' 128-byte swizzle:
+    the column-split kernel loads a tile of a page of 64 tokens or more this way (mla_decode_colsplit.py says why)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = gl.bfloat16 if kv_buffer.dtype == torch.bfloat16 else gl.float16
+    box = [GLUON_BLOCK_N, GLUON_ROPE]
+    return TensorDescriptor(kv_buffer, [kv_buffer.shape[0], GLUON_LATENT + GLUON_ROPE], [kv_buffer.stride(0), 1], box,
+                            gl.NVMMASharedLayout.get_default_for(box, dtype))
 
 
 def tokens_per_cta(num_heads: int) -> int:
@@ -89,7 +102,9 @@ def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr
     common = {"NUM_HEADS": num_heads, "LATENT": GLUON_LATENT, "ROPE": GLUON_ROPE, "PAGE_SIZE": page_size,
               "WRITE_FINAL": write_final, "TOKENS": tokens, "num_warps": 4}
     if kernel == "gluon_colsplit":  # two warpgroups, 256 threads: no kernel-wide register cap to carve from
+        tma = page_size % GLUON_BLOCK_N == 0  # a tile is 64 rows of one page
         _mla_decode_colsplit_kernel[grid](*args, **common, CONSUMER_REGS=COLSPLIT_REGS,
-                                          SCALED=partial_o.dtype == torch.float16 and not write_final)
+                                          SCALED=partial_o.dtype == torch.float16 and not write_final,
+                                          kv_desc=latent_descriptor(kv_buffer) if tma else None)
     else:
         _mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG)

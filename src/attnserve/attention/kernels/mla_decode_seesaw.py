@@ -285,15 +285,36 @@ def _store_output(o, stage, Out, PartialO, tok0, ntok, hg, split, active, stride
     Why through shared memory: in the wgmma layout a warp's store covers 8 rows x 32 bytes, and of a 16-bit
     output 8 rows x 16 bytes (half sectors). Read back a row segment a warp (512 contiguous bytes), the stores
     coalesce: on the H200 the bf16 output of 128 x 4096 went 327.7 -> 319 us, the extend rows 10.16 -> 9.76 ms.
-    Float32 partials (1 x 32768: 128 KB a CTA, 4-7 us of its 31) are bound by their bytes and cost the same
-    either way (benchmarks/mla_split_cost.py, benchmarks/NOTES.md)."""
-    # [64, HALF] float32 over the stage's [64, 2 * HALF] 16-bit bytes; 32-byte chunks XOR-swizzled over 4 rows, so
-    # a warp's 8 rows x 32 bytes land in different banks (two wavefronts, the minimum for 256 bytes)
-    staging = stage._reinterpret(gl.float32, [BLOCK_H, HALF], gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0]))
-    staging.store(o)
-    gl.thread_barrier()
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])  # a warp: 128 columns of a row
-    o = staging.load(rows_layout)
+    A 16-bit output is converted before it is staged: the staging's shared-memory traffic, not the stores, was
+    what the epilogue cost (1 x 32768, 128 heads: 1.7 of its 2.2 us with float32 staging;
+    benchmarks/mla_colsplit_timeline.py, benchmarks/NOTES.md)."""
+    out_ty: gl.constexpr = Out.dtype.element_ty if WRITE_FINAL else PartialO.dtype.element_ty
+    if out_ty.primitive_bitwidth == 16:
+        # [64, HALF] in the stage's own 128-byte swizzle: the wgmma layout's 8 rows x 16 bytes and a warp's row read
+        # (4 x 128 bytes) both conflict-free
+        staging = stage._reinterpret(out_ty, [BLOCK_H, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF],
+                                                                                                   out_ty))
+        staging.store(o.to(out_ty))
+        gl.thread_barrier()
+        rows16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # a warp: 256 columns of a row
+        _store_rows(staging.load(rows16), Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh,
+                    stride_pb, stride_ph, stride_ps, col0, NUM_HEADS, TOKENS, BLOCK_H, HALF, WRITE_FINAL, rows16)
+    else:
+        # [64, HALF] float32 over the stage's [64, 2 * HALF] 16-bit bytes; 32-byte chunks XOR-swizzled over 4 rows,
+        # so a warp's 8 rows x 32 bytes land in different banks (two wavefronts, the minimum for 256 bytes)
+        staging = stage._reinterpret(gl.float32, [BLOCK_H, HALF], gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0]))
+        staging.store(o)
+        gl.thread_barrier()
+        rows32: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])  # a warp: 128 columns of a row
+        _store_rows(staging.load(rows32), Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh,
+                    stride_pb, stride_ph, stride_ps, col0, NUM_HEADS, TOKENS, BLOCK_H, HALF, WRITE_FINAL, rows32)
+
+
+@gluon.jit
+def _store_rows(o, Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+                col0, NUM_HEADS: gl.constexpr, TOKENS: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr,
+                WRITE_FINAL: gl.constexpr, rows_layout: gl.constexpr):
+    """o `[64, HALF]` in rows_layout (a warp along a row) to the output or the split's partial rows."""
     tok, head, ok = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, gl.SliceLayout(1, rows_layout))
     cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
     mask = (ok & active)[:, None]
