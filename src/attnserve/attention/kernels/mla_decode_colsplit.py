@@ -32,8 +32,8 @@ Over pages of 64 tokens or more a tile is 64 consecutive rows of one page, and e
 TMA (four 64 x 64 boxes, warpgroup 1 also the rope's), counted on its own mbarrier per stage; over smaller pages
 by cp.async, 18 16-byte copies a thread a tile. Why: on the H200 a tile whose loop issued no copies (the last)
 took 2.0 us against 2.23 for the others (benchmarks/mla_colsplit_timeline.py at 1 x 32768); issuing cp.async is
-on the consumers' path, a TMA is one instruction. A page's rows past the split's end are loaded too and masked
-in the softmax (the pool's slots are zeroed at allocation and written only with latents, so they are finite).
+on the consumers' path, a TMA is one instruction. A page's rows past the request's end come with its last tile;
+each warpgroup zeroes them in its columns before that tile's wgmmas (an unused slot may hold anything).
 
 A split decode may store float16 partials (SCALED; mla_decode.py says why): the warpgroups swap their halves' row
 maxima with the row sums, and each row is scaled by the power of two that brings its largest value to [2^14,
@@ -96,6 +96,18 @@ def _load_half(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring,
 
 
 @gluon.jit
+def _zero_rows_past(c_half, n_valid, copy_layout: gl.constexpr):
+    """Zeroes rows n_valid.. of this warpgroup's half of a stage `[64 keys, 256]`: a TMA tile's rows past the
+    request's end are its page's unused slots, and whatever they hold (NaN, Inf) would reach the PV as 0 x NaN.
+    Their scores need nothing: the softmax masks them before its max."""
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, copy_layout))
+    for k in gl.static_range(c_half.shape[1] // 64):
+        chunk = c_half.slice(k * 64, 64, dim=1)
+        x = chunk.load(copy_layout)
+        chunk.store(gl.where((rows < n_valid)[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
 def _colsplit_warpgroup(
     Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active,
     page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
@@ -154,6 +166,10 @@ def _colsplit_warpgroup(
         st = t % 2
         if TMA:
             mbarrier.wait(loaded.index(W * 2 + st), (t // 2) & 1)
+            if hi - (lo + t * BLOCK_N) < BLOCK_N:  # the request's last, partial tile (once a CTA at most)
+                _zero_rows_past(c_ring.index(st).slice(W * HALF, HALF, dim=1), hi - (lo + t * BLOCK_N), copy_layout)
+                gl.thread_barrier()
+                fence_async_shared()  # the zeros before the wgmmas read the stage
         else:
             async_copy.wait_group(1)  # tile t's copies (tile t + 1's may still fly)
             gl.thread_barrier()
