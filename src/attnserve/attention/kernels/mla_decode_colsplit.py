@@ -77,10 +77,10 @@ def _copy_half(KV, rows, stride_kvt, c_ring, r_ring, t, num_tiles, W: gl.constex
 @gluon.jit
 def _load_half(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t, num_tiles,
                W: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-               copy_layout: gl.constexpr):
-    """Tile t's half of warpgroup W into stage t % 2: over pages of 64 tokens or more by TMA (a tile is 64
-    consecutive rows of one page; loaded[W, stage] counts the bytes), else by cp.async from `rows`."""
-    if PAGE_SIZE % 64 == 0:
+               TMA: gl.constexpr, copy_layout: gl.constexpr):
+    """Tile t's half of warpgroup W into stage t % 2: by TMA where a tile is 64 consecutive rows of one page
+    (loaded[W, stage] counts the bytes), else by cp.async from `rows`."""
+    if TMA:
         if t < num_tiles:
             n0 = lo + t * 64
             row0 = gl.load(kv_indices + page_base + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
@@ -143,10 +143,10 @@ def _colsplit_warpgroup(
     TMA: gl.constexpr = PAGE_SIZE % BLOCK_N == 0
     rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [64] pool rows (cp.async)
     _load_half(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 0, num_tiles, W,
-               LATENT, ROPE, PAGE_SIZE, copy_layout)
+               LATENT, ROPE, PAGE_SIZE, TMA, copy_layout)
     rows = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
     _load_half(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 1, num_tiles, W,
-               LATENT, ROPE, PAGE_SIZE, copy_layout)
+               LATENT, ROPE, PAGE_SIZE, TMA, copy_layout)
     rows = _tile_rows(kv_indices, page_base, lo + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
 
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns W * 256 ...
@@ -206,7 +206,7 @@ def _colsplit_warpgroup(
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp's PV has read the stage's half: refill it with tile t + 2
         _load_half(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t + 2,
-                   num_tiles, W, LATENT, ROPE, PAGE_SIZE, copy_layout)
+                   num_tiles, W, LATENT, ROPE, PAGE_SIZE, TMA, copy_layout)
         if not TMA:
             rows = _tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
 
