@@ -10,6 +10,10 @@ as the race times them, so one call's merge precedes the next call's decode. The
 one token a CTA, carries the stamp buffer.
 
     PYTHONPATH=src python3 benchmarks/mla_colsplit_timeline.py [--json out.json]
+    PYTHONPATH=src python3 benchmarks/mla_colsplit_timeline.py --compile-only   # no GPU: sm_90 compile reports
+
+The stamps must not change what they time: --compile-only compiles every stamped variant for sm_90 (the CPU
+tests check it keeps the shipped kernel's registers, no spills and asynchronous wgmmas).
 """
 
 from __future__ import annotations
@@ -200,12 +204,33 @@ def summarise(tl_cpu: torch.Tensor, merge_cpu: torch.Tensor) -> dict:
             "sms": len(set(st[:, :, 32].long().flatten().tolist())), "sm_ghz": round(ghz, 3)}
 
 
+def compile_reports(variants: list[str]) -> dict:
+    """{variant: compile_mla_sm90's report} of the stamped decode kernel as the race runs it (1-token pages,
+    128 heads, float16 partials), compiled for sm_90 without a GPU."""
+    from compile_mla_sm90 import compile_sm90  # a sibling script
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    constexprs = {"NUM_HEADS": HEADS, "LATENT": GLUON_LATENT, "ROPE": GLUON_ROPE, "PAGE_SIZE": 1, "WRITE_FINAL": False,
+                  "TOKENS": 1, "CONSUMER_REGS": COLSPLIT_REGS, "SCALED": True, "kv_desc": None}
+    out = {}
+    for variant in variants:
+        name = "colsplit_" + "".join(c if c.isalnum() else "_" for c in variant)
+        kernel = patched(colsplit, EDITS + VARIANTS[variant], name)._mla_decode_colsplit_kernel
+        out[variant] = compile_sm90(kernel, constexprs, 4, 1, source=GluonASTSource,
+                                    pointers={"PartialO": "*fp16", "group_ntok": "*i64"})
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--pages", nargs="+", default=["own"], help="own (scattered), hot (an L2-resident window)")
+    p.add_argument("--compile-only", action="store_true", help="print the sm_90 compile reports as JSON and stop")
     p.add_argument("--json")
     args = p.parse_args()
+    if args.compile_only:
+        print(json.dumps(compile_reports(args.variants)))
+        return 0
     report = {}
     for pages, variant in [(p, v) for v in args.variants for p in args.pages]:
         timeline = torch.zeros(SPLITS * 2 * 2 * SLOTS, device="cuda", dtype=torch.int64)

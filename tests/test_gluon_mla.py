@@ -136,6 +136,23 @@ def test_colsplit_float16_partials_compile_for_sm90():
     assert report["global_stores"] == {"st.global.v4.b32": 32, "st.global.b16": 2, "st.global.b32": 2}, report
 
 
+def test_the_timeline_probe_stamps_without_changing_the_kernel():
+    """benchmarks/mla_colsplit_timeline.py times copies of the column-split kernel with clock stamps edited into
+    its source: every edit still finds its place, and each stamped variant compiles to the shipped kernel's
+    registers, wgmmas (asynchronous) and no spills, so what it times is the shipped schedule."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/mla_colsplit_timeline.py"), "--compile-only"],
+                          check=False, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    shipped = compile_offline("--gluon", "1", "--gluon-kernel", "gluon_colsplit", "--scaled")
+    assert set(reports) == {"shipped", "no query copies", "no partial stores", "no staging, no stores"}
+    for variant, report in reports.items():
+        assert report["global_stores"].get("st.global.b64", 0) > 0, variant  # the stamps are there
+        for key in ("registers", "spill_bytes", "wgmma", "wgmma_serialized", "smem_kib"):
+            assert report[key] == shipped[key], (variant, key, report[key], shipped[key])
+
+
 @pytest.mark.parametrize("page_size, heads", [(1, 16), (64, 16), (1, 128)])
 def test_narrow_gluon_mla_decode_compiles_for_sm90(page_size, heads):
     """The keys-major kernel: 36 score steps (576 wide) and 8 x 4 PV steps of m64nHk16 (H: 16 heads, or 32 a CTA
