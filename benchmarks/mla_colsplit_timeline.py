@@ -31,7 +31,7 @@ import triton
 from mla_split_cost import HEADS, WIDTH, inputs, write_json  # a sibling script
 
 import attnserve.attention.kernels.mla_decode_colsplit as colsplit
-import attnserve.attention.kernels.merge_tiled as merge_tiled
+from attnserve.attention.kernels import merge_tiled
 from attnserve.attention.kernels.decode import partial_strides
 from attnserve.attention.kernels.mla_decode_gluon import COLSPLIT_REGS, GLUON_LATENT, GLUON_ROPE, LOG2E
 from attnserve.bench.timing import time_call
@@ -179,7 +179,7 @@ def summarise(tl_cpu: torch.Tensor, merge_cpu: torch.Tensor) -> dict:
     the first CTA's start. The SM clock is each warpgroup's clock64 ticks over its global-timer nanoseconds."""
     st = tl_cpu.view(SPLITS * 2, 2, SLOTS).double()
     ghz = ((st[:, :, 24] - st[:, :, 0]).sum() / (st[:, :, 31] - st[:, :, 30]).sum()).item()
-    us = lambda a, b: ((st[:, :, b] - st[:, :, a]) / (ghz * 1e3)).flatten().tolist()  # noqa: E731
+    us = lambda a, b: ((st[:, :, b] - st[:, :, a]) / (ghz * 1e3)).flatten().tolist()
     phases = {"start -> tile 0 landed": us(0, 1), "tile 0 (landed -> its PV done)": us(1, 2)}
     for t in range(1, 8):
         phases[f"tile {t}"] = us(1 + t, 2 + t)
@@ -194,7 +194,7 @@ def summarise(tl_cpu: torch.Tensor, merge_cpu: torch.Tensor) -> dict:
             prev = slot
     phases[f"tile {MID}: -> PV done"] = us(21, 2 + MID)
     t0 = st[:, :, 30].min()
-    g = lambda s: ((st[:, :, s] - t0) / 1e3).flatten().tolist()  # noqa: E731
+    g = lambda s: ((st[:, :, s] - t0) / 1e3).flatten().tolist()
     m = merge_cpu.view(-1, 2).double()
     span = {"decode start (global)": g(30), "decode end (global)": g(31),
             "merge start (global)": ((m[:, 0] - t0) / 1e3).tolist(),
@@ -237,7 +237,7 @@ def main() -> int:
         merge_timeline = torch.zeros(HEADS * 8 * 2, device="cuda", dtype=torch.int64)
         decode, merge = calls(timeline, merge_timeline, pages, variant)
 
-        def both():
+        def both(decode=decode, merge=merge):
             decode()
             merge()
 

@@ -7,9 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnserve.attention.kernels import mla_decode_tiles as tiles
-from attnserve.attention.kernels.mla_decode import default_mla_decode_config
+from attnserve.attention.kernels.mla_decode import default_mla_decode_config, runnable_mla_decode_config
 from attnserve.attention.kernels.mla_decode_tiles import (
     MLADecodeConfig,
     rules_from_sweep,
@@ -74,10 +75,6 @@ def test_a_gluon_tile_that_cannot_take_the_call_runs_in_triton_with_float32_part
     """The H200's 128-head tiles are the column-split kernel's with float16 partials; where it cannot run (here
     a CPU tensor, on the H200 an FP8 latent) the same tile goes to the Triton kernel, which writes float32 ones
     (a config keeping float16 was refused: the FP8 decode at 128 heads over 64-token pages failed there)."""
-    import torch
-
-    from attnserve.attention.kernels.mla_decode import runnable_mla_decode_config
-
     q = torch.zeros(1, 128, 576, dtype=torch.bfloat16)
     kv = torch.zeros(64, 1, 576, dtype=torch.bfloat16)
     config = runnable_mla_decode_config(q, kv, 512, page_size, GpuTarget.of((9, 0)))
