@@ -1,10 +1,9 @@
 """A Gluon MLA decode kernel (Hopper): FlashMLA's "seesaw" schedule, two key tiles a round, one per warpgroup.
 
 It runs the absorbed extend as decode rows (mla_extend_rows.py), where it is faster than the column-split kernel
-(9.92 against 10.26 ms at 128 heads on the H200, equal at 16), and decode at 128 heads over 64-token pages
-(sweep 11: 307.1 against the column-split kernel's 310.7 us, within a run's spread); over single tokens decode
-runs on the column-split one (mla_decode_colsplit.py), which refills a stage a whole tile ahead. Its helpers
-serve both.
+(9.92 against 10.26 ms at 128 heads on the H200, equal at 16); decode at 128 heads runs on the column-split one
+(mla_decode_colsplit.py), which refills a stage a whole tile ahead (over 64-token pages by TMA: 286.8 against
+this kernel's 306.3 us in sweep 12). Its helpers serve both.
 
 A CTA owns 64 query rows of a (request, split) and three partitions: a 4-warp producer gathers latent rows by
 cp.async (any page size, page 1 included) into a two-stage ring of `[64 keys, 512]` + `[64 keys, 64]` tiles; two
@@ -289,32 +288,19 @@ def _store_output(o, stage, Out, PartialO, tok0, ntok, hg, split, active, stride
     what the epilogue cost (1 x 32768, 128 heads: 1.7 of its 2.2 us with float32 staging;
     benchmarks/mla_colsplit_timeline.py, benchmarks/NOTES.md)."""
     out_ty: gl.constexpr = Out.dtype.element_ty if WRITE_FINAL else PartialO.dtype.element_ty
-    if out_ty.primitive_bitwidth == 16:
-        # [64, HALF] in the stage's own 128-byte swizzle: the wgmma layout's 8 rows x 16 bytes and a warp's row read
-        # (4 x 128 bytes) both conflict-free
-        staging = stage._reinterpret(out_ty, [BLOCK_H, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF],
-                                                                                                   out_ty))
-        staging.store(o.to(out_ty))
-        gl.thread_barrier()
-        rows16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # a warp: 256 columns of a row
-        _store_rows(staging.load(rows16), Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh,
-                    stride_pb, stride_ph, stride_ps, col0, NUM_HEADS, TOKENS, BLOCK_H, HALF, WRITE_FINAL, rows16)
-    else:
-        # [64, HALF] float32 over the stage's [64, 2 * HALF] 16-bit bytes; 32-byte chunks XOR-swizzled over 4 rows,
-        # so a warp's 8 rows x 32 bytes land in different banks (two wavefronts, the minimum for 256 bytes)
-        staging = stage._reinterpret(gl.float32, [BLOCK_H, HALF], gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0]))
-        staging.store(o)
-        gl.thread_barrier()
-        rows32: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])  # a warp: 128 columns of a row
-        _store_rows(staging.load(rows32), Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh,
-                    stride_pb, stride_ph, stride_ps, col0, NUM_HEADS, TOKENS, BLOCK_H, HALF, WRITE_FINAL, rows32)
-
-
-@gluon.jit
-def _store_rows(o, Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
-                col0, NUM_HEADS: gl.constexpr, TOKENS: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr,
-                WRITE_FINAL: gl.constexpr, rows_layout: gl.constexpr):
-    """o `[64, HALF]` in rows_layout (a warp along a row) to the output or the split's partial rows."""
+    STAGE_16: gl.constexpr = out_ty.primitive_bitwidth == 16
+    # 16-bit: [64, HALF] in the stage's own 128-byte swizzle (the wgmma layout's 8 rows x 16 bytes and a warp's row
+    # read, 4 x 128 bytes, both conflict-free), a warp reading 256 columns of a row. float32: over the stage's
+    # [64, 2 * HALF] 16-bit bytes, 32-byte chunks XOR-swizzled over 4 rows so a warp's 8 rows x 32 bytes land in
+    # different banks (two wavefronts, the minimum for 256 bytes), a warp reading 128 columns of a row
+    stage_ty: gl.constexpr = out_ty if STAGE_16 else gl.float32
+    staging_layout: gl.constexpr = (gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], out_ty) if STAGE_16
+                                    else gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0]))
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8 if STAGE_16 else 4], [1, 32], [4, 1], [1, 0])
+    staging = stage._reinterpret(stage_ty, [BLOCK_H, HALF], staging_layout)
+    staging.store(o.to(stage_ty))
+    gl.thread_barrier()
+    o = staging.load(rows_layout)
     tok, head, ok = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, gl.SliceLayout(1, rows_layout))
     cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
     mask = (ok & active)[:, None]
