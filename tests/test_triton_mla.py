@@ -185,34 +185,40 @@ def test_gpu_mla_expanded_prefill_at_deepseek_widths():
         start += n
 
 
+def tiled_merge(partial_o, partial_lse, num_splits, max_splits, v_scale):
+    """merge_splits_tiled over CPU-built partials `[B, H, S, Dv]` (float16: scaled rows of Dv + 8): (request, its
+    split count n, its merged `[H, Dv]` on the CPU, the float64 LSE weights `[H, n]` of its first n splits) a
+    request."""
+    from attnserve.attention.kernels.merge_tiled import merge_splits_tiled
+
+    v_dim = partial_o.shape[-1] - (8 if partial_o.dtype == torch.float16 else 0)
+    out = torch.empty(*partial_lse.shape[:2], v_dim, device=DEVICE)
+    merge_splits_tiled(out, partial_o.to(DEVICE), partial_lse.to(DEVICE), num_splits.to(DEVICE), max_splits, v_scale)
+    out = out.cpu()
+    for b, n in enumerate(num_splits.tolist()):
+        yield b, n, out[b], torch.softmax(partial_lse[b, :, :n].double() * torch.log(torch.tensor(2.0)), dim=-1)
+
+
 @pytest.mark.parametrize("max_splits", [130, 40])
 def test_tiled_merge_weights_splits_by_their_lse(max_splits):
     """More splits than one tile holds (130 > 64) or all in one (40), a request with fewer, an empty split (LSE
     -inf), and a width that is not a multiple of the column tile: the exact LSE-weighted mean of the first
     num_splits partials."""
-    from attnserve.attention.kernels.merge_tiled import merge_splits_tiled
-
     gen = torch.Generator().manual_seed(0)
     partial_o = torch.randn(2, 3, max_splits, 80, generator=gen)  # [B, H, S, Dv]
     partial_lse = torch.randn(2, 3, max_splits, generator=gen) * 4  # [B, H, S], base 2
     partial_lse[0, 1, 7] = float("-inf")
     partial_o[1, :, 5:] = float("nan")  # request 1 has 5 splits: the rest is never read
     num_splits = torch.tensor([max_splits, 5], dtype=torch.int32)
-    out = torch.empty(2, 3, 80, device=DEVICE)
-    merge_splits_tiled(out, partial_o.to(DEVICE), partial_lse.to(DEVICE), num_splits.to(DEVICE), max_splits, 0.5)
-    out = out.cpu()
-    for b, n in enumerate(num_splits.tolist()):
-        w = torch.softmax(partial_lse[b, :, :n].double() * torch.log(torch.tensor(2.0)), dim=-1)  # [H, n]
+    for b, n, out, w in tiled_merge(partial_o, partial_lse, num_splits, max_splits, 0.5):
         ref = torch.einsum("hs,hsd->hd", w, partial_o[b, :, :n].double()) * 0.5
-        assert torch.allclose(out[b].double(), ref, atol=1e-5), b
+        assert torch.allclose(out.double(), ref, atol=1e-5), b
 
 
 @pytest.mark.parametrize("max_splits", [130, 40])
 def test_tiled_merge_unscales_float16_partials(max_splits):
     """The column-split kernel's float16 partials: each row stored as partial x 2^k with k in its column Dv
     (rows of Dv + 8), here k from -20 to 20 over values far outside float16's own range; the merge undoes it."""
-    from attnserve.attention.kernels.merge_tiled import merge_splits_tiled
-
     gen = torch.Generator().manual_seed(1)
     partial_o = torch.randn(2, 3, max_splits, 80, generator=gen, dtype=torch.float64)  # [B, H, S, Dv]
     k = torch.randint(-20, 21, (2, 3, max_splits), generator=gen).double()  # [B, H, S]
@@ -222,14 +228,10 @@ def test_tiled_merge_unscales_float16_partials(max_splits):
     stored[..., :80] = (partial_o * torch.exp2(k)[..., None]).half()
     stored[..., 80] = k.half()
     num_splits = torch.tensor([max_splits, 5], dtype=torch.int32)
-    out = torch.empty(2, 3, 80, device=DEVICE)
-    merge_splits_tiled(out, stored.to(DEVICE), partial_lse.to(DEVICE), num_splits.to(DEVICE), max_splits, 1.0)
-    out = out.cpu()
-    for b, n in enumerate(num_splits.tolist()):
-        w = torch.softmax(partial_lse[b, :, :n].double() * torch.log(torch.tensor(2.0)), dim=-1)  # [H, n]
+    for b, n, out, w in tiled_merge(stored, partial_lse, num_splits, max_splits, 1.0):
         ref = torch.einsum("hs,hsd->hd", w, partial_o[b, :, :n])
         scale = torch.einsum("hs,hsd->hd", w, partial_o[b, :, :n].abs())  # float16's error is relative to these
-        assert ((out[b].double() - ref).abs() <= 2e-3 * scale + 1e-30).all(), b
+        assert ((out.double() - ref).abs() <= 2e-3 * scale + 1e-30).all(), b
 
 
 # ---- extend as decode rows (one decode row per new token) -------------------------------------------
