@@ -1,0 +1,91 @@
+"""Variants of the column-split MLA decode kernel timed in one process on the race's 128-head decode workloads,
+each through the triton backend as the race calls it (split plan, merge, CUDA graph), FlashInfer MLA fa3 beside
+them when installed. Interleaved repetitions, so that drift over the run hits every variant alike.
+
+Variants are the kernel's experiment constexprs (mla_decode_colsplit.py): X_F16 (warpgroup 1's half of the score
+crosses in float16, base-2 units: half the exchange's shared-memory traffic) and LAZY (the running max moves only
+when a row's max rose by more than 2^8, so that most tiles skip the 64 x 256 output rescale in both warpgroups).
+Every variant's output is compared with the float32 oracle first.
+
+    PYTHONPATH=src python3 benchmarks/mla_colsplit_variants.py [--reps 3] [--json out.json] [--no-peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from mla_split_cost import write_json  # a sibling script
+
+import attnserve.attention.kernels.mla_decode_gluon as gluon_host
+from attnserve.attention.reference import reference_for_batch
+from attnserve.bench.racers import attnserve_racer, build_race_batch, flashinfer_mla_racer, output_rows
+from attnserve.bench.timing import time_call
+from attnserve.bench.workloads import MLA_WORKLOADS
+
+VARIANTS = {"shipped": {}, "x_f16": {"X_F16": True}, "lazy": {"LAZY": True},
+            "x_f16+lazy": {"X_F16": True, "LAZY": True}}
+SHIPPED_KERNEL = gluon_host._mla_decode_colsplit_kernel
+
+
+class _WithConstexprs:
+    """The column-split kernel with extra constexprs on every launch (`kernel[grid](...)`)."""
+
+    def __init__(self, extra: dict):
+        self.extra = extra
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: SHIPPED_KERNEL[grid](*args, **kwargs, **self.extra)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--workloads", nargs="+", default=["1x32768 h128 p1", "128x4096 h128 p1", "64x8192 h128 p64"])
+    p.add_argument("--no-peer", action="store_true", help="leave FlashInfer MLA fa3 out")
+    p.add_argument("--json")
+    args = p.parse_args()
+    rows = []
+    for w in MLA_WORKLOADS:
+        if w.kind != "decode" or not any(w.name.endswith(x) for x in args.workloads):
+            continue
+        rb = build_race_batch(w)
+        ref = reference_for_batch(rb.q, rb.layer, rb.fb, compute_dtype=torch.float32)
+        calls = {}
+        for name in args.variants:
+            gluon_host._mla_decode_colsplit_kernel = _WithConstexprs(VARIANTS[name])
+            call = attnserve_racer("triton", rb)
+            err = rel_err(output_rows(call(), rb), ref)
+            calls[name] = call
+            print(f"{w.name} {name}: rel err {err:.2e}", flush=True)
+            rows.append({"workload": w.name, "variant": name, "rel_err": err, "us": []})
+        if not args.no_peer:
+            try:
+                calls["flashinfer-mla-fa3"] = flashinfer_mla_racer(rb, "fa3")
+                rows.append({"workload": w.name, "variant": "flashinfer-mla-fa3", "us": []})
+            except Exception as e:  # noqa: BLE001 - the peer is optional here
+                print(f"flashinfer-mla-fa3: {type(e).__name__}: {e}", flush=True)
+        by_name = {r["variant"]: r for r in rows if r["workload"] == w.name}
+        for _ in range(args.reps):
+            for name, call in calls.items():
+                if name in VARIANTS:
+                    gluon_host._mla_decode_colsplit_kernel = _WithConstexprs(VARIANTS[name])
+                by_name[name]["us"].append(round(time_call(call, use_graph=True)[0], 2))
+        gluon_host._mla_decode_colsplit_kernel = SHIPPED_KERNEL
+        for name, r in by_name.items():
+            print(f"{w.name:24s} {name:20s} {min(r['us']):8.2f} us  {r['us']}", flush=True)
+    if args.json:
+        write_json(args.json, rows)
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
