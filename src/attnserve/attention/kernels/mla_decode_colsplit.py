@@ -108,25 +108,12 @@ def _zero_rows_past(c_half, n_valid, copy_layout: gl.constexpr):
 
 
 @gluon.jit
-def _probabilities_lazy(s, m_run, n0, hi, qk_scale_log2, s_layout: gl.constexpr):
-    """_probabilities with the running max moved only when some row's max rose by more than 2^8: (p, max, factor,
-    whether the output must be rescaled), the last one scalar so that both warpgroups can skip the rescale."""
-    offs_n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
-    s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
-    m_tile = gl.maximum(m_run, gl.max(s, axis=1))
-    rescale = gl.max(m_tile - m_run, axis=0) > 8.0
-    m_new = gl.where(rescale, m_tile, m_run)
-    return gl.exp2(s - m_new[:, None]), m_new, gl.exp2(m_run - m_new), rescale
-
-
-@gluon.jit
 def _colsplit_warpgroup(
     Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active,
     page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh, q_c_smem, q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
     p_ready, fin, loaded, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr, X_F16: gl.constexpr,
-    LAZY: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
 ):
     """One warpgroup: its half of the query and of every tile, copied by itself (a stage's half is its own to
     refill once its PV is done), its half of each score, and its 256 output columns. Warpgroup 0 also adds the
@@ -193,17 +180,9 @@ def _colsplit_warpgroup(
         if W == 0:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.wait(x_ready, t & 1)
-            if X_F16:  # warpgroup 1's half came in base-2 units, as float16
-                s = s * qk_scale_log2 + x_smem.load(s_layout).to(gl.float32)
-                scale = 1.0
-            else:
-                s = s + x_smem.load(s_layout)  # + warpgroup 1's columns and rope
-                scale = qk_scale_log2
+            s = s + x_smem.load(s_layout)  # + warpgroup 1's columns and rope
             _release(x_free)
-            if LAZY:
-                p, m_new, alpha, rescale = _probabilities_lazy(s, m_run, lo + t * BLOCK_N, hi, scale, s_layout)
-            else:
-                p, m_new, alpha = _probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, scale, 1, s_layout)
+            p, m_new, alpha = _probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_run = m_new
             p = p.to(dtype)
@@ -211,29 +190,18 @@ def _colsplit_warpgroup(
             alpha_smem.store(alpha)
             fence_async_shared()  # warpgroup 1's wgmma reads p
             _release(p_ready)
-            if LAZY:
-                if rescale:
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            else:
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(gl.convert_layout(p, p_layout), c_half, acc, is_async=True)
         else:
             s = warpgroup_mma(q_pe, r_ring.index(st).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.wait(x_free, (t & 1) ^ 1, pred=t > 0)  # warpgroup 0 has read the last one
-            if X_F16:
-                x_smem.store((s * qk_scale_log2).to(gl.float16))
-            else:
-                x_smem.store(s)
+            x_smem.store(s)
             _release(x_ready)
             mbarrier.wait(p_ready, t & 1)
             fence_async_shared()
             alpha = alpha_smem.load(row_s)
-            if LAZY:
-                if gl.min(alpha, axis=0) < 1.0:
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            else:
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(r_ring.index(st), c_half, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp's PV has read the stage's half: refill it with tile t + 2
@@ -281,7 +249,7 @@ def _mla_decode_colsplit_kernel(
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
-    kv_desc=None, X_F16: gl.constexpr = False, LAZY: gl.constexpr = False,
+    kv_desc=None,
 ):
     """The seesaw kernel's arguments and grid (mla_decode_gluon.launch_mla_decode_gluon), two warpgroups; decode
     only (TOKENS 1: the extend rows' token groups stay on the seesaw kernel, faster there)."""
@@ -303,12 +271,8 @@ def _mla_decode_colsplit_kernel(
     page_base = gl.load(kv_indptr + g)
 
     q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout)  # 64 KB
-    if X_F16:
-        x_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], r_smem_layout)  # 8 KB
-        q_r_view = x_smem._reinterpret(dtype, [BLOCK_H, ROPE], r_smem_layout)
-    else:
-        x_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], x_layout)  # 16 KB: warpgroup 1's scores
-        q_r_view = x_smem._reinterpret(dtype, [2, BLOCK_H, ROPE], r_smem_layout).index(0)  # q_pe, until wg1 holds it
+    x_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], x_layout)  # 16 KB: warpgroup 1's scores
+    q_r_view = x_smem._reinterpret(dtype, [2, BLOCK_H, ROPE], r_smem_layout).index(0)  # q_pe, until wg1 holds it
     c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
     r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)  # 16 KB: rope, then probabilities
     alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)  # the tile's rescale factor
@@ -334,12 +298,10 @@ def _mla_decode_colsplit_kernel(
                                num_tiles, active, page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt,
                                stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
                                q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
-                               p_ready, fin, loaded, 0, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL, SCALED,
-                               X_F16, LAZY)),
+                               p_ready, fin, loaded, 0, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL, SCALED)),
         (_colsplit_warpgroup, (Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi,
                                num_tiles, active, page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt,
                                stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem,
                                q_r_view, c_ring, r_ring, x_smem, alpha_smem, l_smem, amax_smem, x_ready, x_free,
-                               p_ready, fin, loaded, 1, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL, SCALED,
-                               X_F16, LAZY)),
+                               p_ready, fin, loaded, 1, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL, SCALED)),
     ], [4], [CONSUMER_REGS])
