@@ -1,11 +1,10 @@
-"""Variants of the column-split MLA decode kernel timed in one process on the race's 128-head decode workloads,
-each through the triton backend as the race calls it (split plan, merge, CUDA graph), FlashInfer MLA fa3 beside
-them when installed. Interleaved repetitions, so that drift over the run hits every variant alike.
+"""Kernels in the column-split MLA decode kernel's place, timed in one process on the race's 128-head decode
+workloads, each through the triton backend as the race calls it (split plan, merge, CUDA graph), FlashInfer MLA
+fa3 beside them when installed. Interleaved repetitions, so that drift over the run hits every kernel alike.
+Every kernel's output is compared with the float32 oracle first.
 
-Variants are the kernel's experiment constexprs (mla_decode_colsplit.py): X_F16 (warpgroup 1's half of the score
-crosses in float16, base-2 units: half the exchange's shared-memory traffic) and LAZY (the running max moves only
-when a row's max rose by more than 2^8, so that most tiles skip the 64 x 256 output rescale in both warpgroups).
-Every variant's output is compared with the float32 oracle first.
+Kernels: "colsplit" (mla_decode_colsplit.py, as shipped), "scorer" (mla_decode_scorer.py: one warpgroup scores,
+the other copies, both multiply), each with the column-split kernel's arguments and grid.
 
     PYTHONPATH=src python3 benchmarks/mla_colsplit_variants.py [--reps 3] [--json out.json] [--no-peer]
 """
@@ -20,24 +19,14 @@ import torch
 from mla_split_cost import write_json  # a sibling script
 
 import attnserve.attention.kernels.mla_decode_gluon as gluon_host
+from attnserve.attention.kernels.mla_decode_scorer import _mla_decode_scorer_kernel
 from attnserve.attention.reference import reference_for_batch
 from attnserve.bench.racers import attnserve_racer, build_race_batch, flashinfer_mla_racer, output_rows
 from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLA_WORKLOADS
 
-VARIANTS = {"shipped": {}, "x_f16": {"X_F16": True}, "lazy": {"LAZY": True},
-            "x_f16+lazy": {"X_F16": True, "LAZY": True}}
 SHIPPED_KERNEL = gluon_host._mla_decode_colsplit_kernel
-
-
-class _WithConstexprs:
-    """The column-split kernel with extra constexprs on every launch (`kernel[grid](...)`)."""
-
-    def __init__(self, extra: dict):
-        self.extra = extra
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: SHIPPED_KERNEL[grid](*args, **kwargs, **self.extra)
+VARIANTS = {"colsplit": SHIPPED_KERNEL, "scorer": _mla_decode_scorer_kernel}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -60,7 +49,7 @@ def main() -> int:
         ref = reference_for_batch(rb.q, rb.layer, rb.fb, compute_dtype=torch.float32)
         calls = {}
         for name in args.variants:
-            gluon_host._mla_decode_colsplit_kernel = _WithConstexprs(VARIANTS[name])
+            gluon_host._mla_decode_colsplit_kernel = VARIANTS[name]
             call = attnserve_racer("triton", rb)
             err = rel_err(output_rows(call(), rb), ref)
             calls[name] = call
@@ -76,7 +65,7 @@ def main() -> int:
         for _ in range(args.reps):
             for name, call in calls.items():
                 if name in VARIANTS:
-                    gluon_host._mla_decode_colsplit_kernel = _WithConstexprs(VARIANTS[name])
+                    gluon_host._mla_decode_colsplit_kernel = VARIANTS[name]
                 by_name[name]["us"].append(round(time_call(call, use_graph=True)[0], 2))
         gluon_host._mla_decode_colsplit_kernel = SHIPPED_KERNEL
         for name, r in by_name.items():
