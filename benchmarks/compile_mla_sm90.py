@@ -107,7 +107,8 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> d
                                                           "CONSUMER_REGS": g.NARROW_CONSUMER_REGS},
                             4, 1, source=GluonASTSource, maxnreg=g.MAXNREG)
     constexprs = {**common, "CONSUMER_REGS": g.CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
-    if kernel == "gluon_colsplit":  # over 64-token pages its tiles come by TMA: the latent's descriptor type
+    if kernel in ("gluon_colsplit", "gluon_scorer"):  # over 64-token pages their tiles come by TMA: the latent's
+        # descriptor type
         import torch
         from triton.runtime.jit import mangle_type
 
@@ -117,7 +118,8 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> d
             pointers["kv_desc"] = mangle_type(g.latent_descriptor(torch.empty(64, 1, 576, dtype=torch.bfloat16)))
         else:
             constexprs["kv_desc"] = None
-        return compile_sm90(g._mla_decode_colsplit_kernel, constexprs, 4, 1, source=GluonASTSource, pointers=pointers)
+        fn = g._mla_decode_colsplit_kernel if kernel == "gluon_colsplit" else g._mla_decode_scorer_kernel
+        return compile_sm90(fn, constexprs, 4, 1, source=GluonASTSource, pointers=pointers)
     return compile_sm90(g._mla_decode_seesaw_kernel, constexprs, 4, 1, source=GluonASTSource,
                         maxnreg=g.MAXNREG)
 
@@ -133,8 +135,9 @@ def main() -> int:
     p.add_argument("--extend", action="append", help="block_m,block_n,warps,stages,defer_pv")
     p.add_argument("--gluon", action="append", type=int, metavar="PAGE_SIZE", help="the Gluon decode kernel")
     p.add_argument("--gluon-heads", type=int, default=128, help="with --gluon: query heads (16: 4-token rows)")
-    p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_colsplit", "gluon_narrow"))
-    p.add_argument("--scaled", action="store_true", help="gluon_colsplit: float16 partials")
+    p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_colsplit", "gluon_scorer",
+                                                                          "gluon_narrow"))
+    p.add_argument("--scaled", action="store_true", help="gluon_colsplit / gluon_scorer: float16 partials")
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:

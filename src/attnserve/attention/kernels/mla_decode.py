@@ -89,7 +89,7 @@ def runnable_mla_decode_config(q: torch.Tensor, kv_buffer: torch.Tensor, kv_lora
     target = target or target_for(q.device)
     config = default_mla_decode_config(q.device, target, q.shape[1], page_size)
     if config.kernel != "triton" and gluon_mla_decode_unsupported(q, kv_buffer, kv_lora_rank):
-        config = dataclasses.replace(config, kernel="triton", partials="float32")  # float16 rows: colsplit's alone
+        config = dataclasses.replace(config, kernel="triton", partials="float32")  # float16 rows: two Gluon kernels' alone
     if config.kernel == "triton":
         shape = functools.partial(_tile_shape, width=q.shape[-1], kv_lora_rank=kv_lora_rank,
                                   itemsize=q.element_size())

@@ -25,6 +25,7 @@ import triton
 from attnserve.attention.kernels.common import LOG2E
 from attnserve.attention.kernels.mla_decode_colsplit import _mla_decode_colsplit_kernel
 from attnserve.attention.kernels.mla_decode_narrow import _mla_decode_narrow_kernel
+from attnserve.attention.kernels.mla_decode_scorer import _mla_decode_scorer_kernel
 from attnserve.attention.kernels.mla_decode_seesaw import _mla_decode_seesaw_kernel
 
 GLUON_BLOCK_H = 64  # query rows per CTA: one 64-row wgmma per warpgroup
@@ -101,10 +102,10 @@ def launch_mla_decode_gluon(q, kv_buffer, out, partial_o, partial_lse, kv_indptr
             *partial_strides)
     common = {"NUM_HEADS": num_heads, "LATENT": GLUON_LATENT, "ROPE": GLUON_ROPE, "PAGE_SIZE": page_size,
               "WRITE_FINAL": write_final, "TOKENS": tokens, "num_warps": 4}
-    if kernel == "gluon_colsplit":  # two warpgroups, 256 threads: no kernel-wide register cap to carve from
+    if kernel in ("gluon_colsplit", "gluon_scorer"):  # two warpgroups, 256 threads: no kernel-wide register cap
         tma = page_size % GLUON_BLOCK_N == 0  # a tile is 64 rows of one page
-        _mla_decode_colsplit_kernel[grid](*args, **common, CONSUMER_REGS=COLSPLIT_REGS,
-                                          SCALED=partial_o.dtype == torch.float16 and not write_final,
-                                          kv_desc=latent_descriptor(kv_buffer) if tma else None)
+        fn = _mla_decode_colsplit_kernel if kernel == "gluon_colsplit" else _mla_decode_scorer_kernel
+        fn[grid](*args, **common, CONSUMER_REGS=COLSPLIT_REGS, SCALED=partial_o.dtype == torch.float16 and not write_final,
+                 kv_desc=latent_descriptor(kv_buffer) if tma else None)
     else:
         _mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG)

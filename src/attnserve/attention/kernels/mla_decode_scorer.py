@@ -22,25 +22,38 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
+from attnserve.attention.kernels.mla_decode_colsplit import _zero_rows_past
 from attnserve.attention.kernels.mla_decode_seesaw import _probabilities, _row_token_head, _store_output
 from attnserve.attention.kernels.mla_gluon_parts import _copy_columns, _copy_query, _release, _split_range, _tile_rows
 
 
 @gluon.jit
-def _copy_tile(KV, rows, stride_kvt, c_ring, r_ring, loaded, t, num_tiles, LATENT: gl.constexpr, ROPE: gl.constexpr,
-               copy_layout: gl.constexpr):
-    """Tile t `[64 keys, 576]` (rows: its pool rows) into stage t % 2 by cp.async; loaded[t % 2] counts this
-    thread's arrival once its copies land. Nothing past the last tile."""
+def _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t, num_tiles,
+               LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, copy_layout: gl.constexpr):
+    """Tile t `[64 keys, 576]` into stage t % 2. Over pages of 64 tokens or more a tile is 64 rows of one page:
+    nine TMA boxes, loaded[t % 2] counting their bytes. Else by cp.async from `rows` (its pool rows), loaded[t % 2]
+    counting this thread's arrival once its copies land. Nothing past the last tile."""
     if t < num_tiles:
-        offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
-        base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [64, ROPE] pointers, 4 rows a thread
-        _copy_columns(c_ring.index(t % 2), base, 0, LATENT // ROPE, ROPE)
-        async_copy.async_copy_global_to_shared(r_ring.index(t % 2), base + LATENT)
-        async_copy.mbarrier_arrive(loaded.index(t % 2), increment_count=False)
+        if PAGE_SIZE % 64 == 0:
+            n0 = lo + t * 64
+            row0 = gl.load(kv_indices + page_base + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+            bar = loaded.index(t % 2)
+            stage = c_ring.index(t % 2)
+            mbarrier.expect(bar, (LATENT + ROPE) * 64 * 2)  # nine 64 x 64 boxes of 16-bit rows
+            for k in gl.static_range(LATENT // ROPE):
+                tma.async_copy_global_to_shared(kv_desc, [row0, k * ROPE], bar, stage.slice(k * ROPE, ROPE, dim=1))
+            tma.async_copy_global_to_shared(kv_desc, [row0, LATENT], bar, r_ring.index(t % 2))
+        else:
+            offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
+            base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [64, ROPE] pointers, 4 rows a thread
+            _copy_columns(c_ring.index(t % 2), base, 0, LATENT // ROPE, ROPE)
+            async_copy.async_copy_global_to_shared(r_ring.index(t % 2), base + LATENT)
+            async_copy.mbarrier_arrive(loaded.index(t % 2), increment_count=False)
 
 
 @gluon.jit
@@ -85,8 +98,9 @@ def _finish(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, Part
 @gluon.jit
 def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob, stride_oh,
             stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem,
-            l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS: gl.constexpr,
-            LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr):
+            l_smem, amax_smem, q_loaded, loaded, p_ready, a_ready, pv_done, fin, NUM_HEADS: gl.constexpr,
+            LATENT: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
+            EARLY_ALPHA: gl.constexpr):
     """Warpgroup 0: each tile's whole score, its softmax, the probabilities for the loader, output columns 0-255."""
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
@@ -98,6 +112,7 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 0-255
     m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
@@ -110,18 +125,38 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
                           gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
         s = warpgroup_mma(q_r_smem, r_ring.index(st).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        p, m_new, alpha = _probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
+        if PAGE_SIZE % BLOCK_N == 0:
+            if hi - (lo + t * BLOCK_N) < BLOCK_N:  # a TMA tile's rows past the request's end: zeros for the PVs
+                _zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), zero_layout)
+                gl.thread_barrier()
+                fence_async_shared()  # the zeros before either PV reads the stage
+        if EARLY_ALPHA:
+            offs_n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_run, gl.max(s, axis=1))
+            alpha = gl.exp2(m_run - m_new)
+            if st == 0:  # by stage: the loader may read tile t's while the scorer writes tile t + 1's
+                alpha_smem.slice(0, BLOCK_H).store(alpha)
+            else:
+                alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
+            _release(a_ready.index(st))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.exp2(s - m_new[:, None])
+        else:
+            p, m_new, alpha = _probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_run = m_new
         p = p.to(dtype)
         r_ring.index(st).store(p)  # the rope slot, read by this tile's score already
-        if st == 0:  # by stage: the loader may read tile t's while the scorer writes tile t + 1's
-            alpha_smem.slice(0, BLOCK_H).store(alpha)
-        else:
-            alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
+        if not EARLY_ALPHA:
+            if st == 0:  # by stage: the loader may read tile t's while the scorer writes tile t + 1's
+                alpha_smem.slice(0, BLOCK_H).store(alpha)
+            else:
+                alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
         fence_async_shared()  # the loader's wgmma reads p
         _release(p_ready.index(st))
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        if not EARLY_ALPHA:
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         acc = warpgroup_mma(gl.convert_layout(p, p_layout), c_ring.index(st).slice(0, HALF, dim=1), acc,
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -132,11 +167,11 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
 
 
 @gluon.jit
-def _loader(Q, KV, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active, page_base,
+def _loader(Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active, page_base,
             stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
             stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready,
-            pv_done, fin, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
-            PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr):
+            a_ready, pv_done, fin, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+            PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr, EARLY_ALPHA: gl.constexpr):
     """Warpgroup 1: the query and every tile's copies, output columns 256-511."""
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
@@ -153,29 +188,37 @@ def _loader(Q, KV, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, 
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
     q_ptrs = Q + tok[:, None] * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]
     q_mask = row_ok[:, None] & (offs < ROPE)[None, :]  # rows past the heads are zeros
-    _copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)
     rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [64] pool rows
-    _copy_tile(KV, rows, stride_kvt, c_ring, r_ring, loaded, 0, num_tiles, LATENT, ROPE, copy_layout)
-    rows = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
-    _copy_tile(KV, rows, stride_kvt, c_ring, r_ring, loaded, 1, num_tiles, LATENT, ROPE, copy_layout)
+    rows1 = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+    _copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # while the page indices come
+    _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 0, num_tiles,
+               LATENT, ROPE, PAGE_SIZE, copy_layout)
+    _copy_tile(KV, kv_desc, rows1, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 1, num_tiles,
+               LATENT, ROPE, PAGE_SIZE, copy_layout)
     rows = _tile_rows(kv_indices, page_base, lo + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
 
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 256-511
     for t in range(num_tiles):
         st = t % 2
-        mbarrier.wait(p_ready.index(st), (t // 2) & 1)
-        fence_async_shared()  # the scorer's stores of p before this wgmma reads them
+        if EARLY_ALPHA:
+            mbarrier.wait(a_ready.index(st), (t // 2) & 1)
+        else:
+            mbarrier.wait(p_ready.index(st), (t // 2) & 1)
         if st == 0:
             alpha = alpha_smem.slice(0, BLOCK_H).load(row_o)
         else:
             alpha = alpha_smem.slice(BLOCK_H, BLOCK_H).load(row_o)
         acc = acc * alpha[:, None]
+        if EARLY_ALPHA:
+            mbarrier.wait(p_ready.index(st), (t // 2) & 1)
+        fence_async_shared()  # the scorer's stores of p before this wgmma reads them
         acc = warpgroup_mma(r_ring.index(st), c_ring.index(st).slice(HALF, HALF, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp's PV has read the stage
         if t + 2 < num_tiles:
             mbarrier.wait(pv_done.index(st), (t // 2) & 1)  # and the scorer's
-            _copy_tile(KV, rows, stride_kvt, c_ring, r_ring, loaded, t + 2, num_tiles, LATENT, ROPE, copy_layout)
+            _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t + 2,
+                       num_tiles, LATENT, ROPE, PAGE_SIZE, copy_layout)
             rows = _tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
     async_copy.wait_group(0)  # no copy outlives the CTA (a split with no tiles never waited for its query)
     _finish(acc, gl.zeros([BLOCK_H], gl.float32, layout=row_s), gl.zeros([BLOCK_H], gl.float32, layout=row_s),
@@ -191,9 +234,10 @@ def _mla_decode_scorer_kernel(
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
-    kv_desc=None,
+    kv_desc=None, EARLY_ALPHA: gl.constexpr = False,
 ):
-    """The column-split kernel's arguments and grid (kv_desc unused: every page size by cp.async)."""
+    """The column-split kernel's arguments and grid (kv_desc: the latent pool's TMA descriptor over 64-token
+    pages)."""
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -220,23 +264,25 @@ def _mla_decode_scorer_kernel(
     loaded = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # 128 arrivals a fill
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a tile's p and alpha
     pv_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # the scorer's PV, by stage
+    a_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a tile's alpha, by stage
     fin = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_loaded, count=128)
     for i in gl.static_range(2):
-        mbarrier.init(loaded.index(i), count=128)
+        mbarrier.init(loaded.index(i), count=1 if PAGE_SIZE % BLOCK_N == 0 else 128)  # TMA bytes / cp.async
         mbarrier.init(pv_done.index(i), count=1)
         mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(fin.index(i), count=1)
     fence_async_shared()  # the barriers' init before the partitions use them
 
     gl.warp_specialize([
         (_scorer, (Out, PartialO, PartialLse, g, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob,
                    stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring,
-                   r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS,
-                   LATENT, WRITE_FINAL, SCALED)),
-        (_loader, (Q, KV, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi, num_tiles, active, page_base,
+                   r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready, a_ready, pv_done, fin,
+                   NUM_HEADS, LATENT, PAGE_SIZE, WRITE_FINAL, SCALED, EARLY_ALPHA)),
+        (_loader, (Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi, num_tiles, active, page_base,
                    stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
                    stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem, l_smem, amax_smem,
-                   q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS, LATENT, ROPE, PAGE_SIZE, WRITE_FINAL,
-                   SCALED)),
+                   q_loaded, loaded, p_ready, a_ready, pv_done, fin, NUM_HEADS, LATENT, ROPE, PAGE_SIZE,
+                   WRITE_FINAL, SCALED, EARLY_ALPHA)),
     ], [4], [CONSUMER_REGS])

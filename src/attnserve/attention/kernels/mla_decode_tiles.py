@@ -18,10 +18,12 @@ from importlib import resources
 from pathlib import Path
 
 TABLE_FILE = "mla_decode_tiles.json"
-KERNELS = ("triton", "gluon_seesaw", "gluon_colsplit", "gluon_narrow")
+KERNELS = ("triton", "gluon_seesaw", "gluon_colsplit", "gluon_scorer", "gluon_narrow")
 # the Gluon kernels' fixed tiles: (heads per CTA allowed, block_n, num_warps, num_stages), no deferred PV
-GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_colsplit": ((64,), 64, 8, 2),
+GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_colsplit": ((64,), 64, 8, 2), "gluon_scorer": ((64,), 64, 8, 2),
                "gluon_narrow": ((16, 32), 64, 8, 2)}
+# the kernels that store float16 partials (each row scaled by a power of two: mla_decode.py)
+SCALED_PARTIAL_KERNELS = ("gluon_colsplit", "gluon_scorer")
 # the kernels whose CTA is 64 query rows, one wgmma's M: fewer heads than that are masked rows
 ROWS_64_KERNELS = tuple(k for k, (heads, *_) in GLUON_TILES.items() if heads == (64,))
 
@@ -40,11 +42,12 @@ class MLADecodeConfig:
     split_waves: float = 0.0
     # "triton": mla_decode.py's kernel, any tile; the warp-specialised Hopper kernels have fixed tiles (GLUON_TILES,
     # the fields above must say so): "gluon_colsplit" (mla_decode_colsplit.py) 64 heads, two warpgroups on one tile,
-    # each its half of the latent's columns; "gluon_seesaw" (mla_decode_seesaw.py) 64 heads, each warpgroup its own
+    # each its half of the latent's columns; "gluon_scorer" (mla_decode_scorer.py) 64 heads, one warpgroup scoring
+    # and the other copying, both multiplying; "gluon_seesaw" (mla_decode_seesaw.py) 64 heads, each warpgroup its own
     # tile of a round; "gluon_narrow" (mla_decode_narrow.py) 16 or 32 heads as the columns of keys-major wgmmas.
     # Sweeps up to the seventh also raced "gluon_ws", the ping-pong the seesaw replaced (in history at 0877da7).
     kernel: str = "triton"
-    # the column-split kernel's split partials (mla_decode.py says why): "float16", each row scaled by a power of
+    # the column-split and scorer kernels' split partials (mla_decode.py says why): "float16", each row scaled by a power of
     # two, or "float32"
     partials: str = "float32"
 
@@ -64,8 +67,9 @@ class MLADecodeConfig:
                              f"{self.kernel!r}")
         if self.partials not in ("float32", "float16"):
             raise ValueError(f"MLADecodeConfig.partials must be 'float32' or 'float16', got {self.partials!r}")
-        if self.partials != "float32" and self.kernel != "gluon_colsplit":
-            raise ValueError(f"float16 partials are the gluon_colsplit MLA kernel's, the tile is {self.kernel}'s")
+        if self.partials != "float32" and self.kernel not in SCALED_PARTIAL_KERNELS:
+            raise ValueError(f"float16 partials are the {' and '.join(SCALED_PARTIAL_KERNELS)} MLA kernels', the tile "
+                             f"is {self.kernel}'s")
         if self.kernel in GLUON_TILES:
             heads, block_n, warps, stages = GLUON_TILES[self.kernel]
             if self.block_h not in heads or (self.block_n, self.num_warps, self.num_stages, self.defer_pv) != (
