@@ -39,7 +39,11 @@ FLOATS = {"qk_scale_log2", "v_scale"}
 
 def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=ASTSource, pointers=None,
                  **options) -> dict:
-    names = list(inspect.signature(fn.fn).parameters)
+    params = inspect.signature(fn.fn).parameters
+    names = list(params)
+    constexprs = {**{n: q.default for n, q in params.items()  # constexprs left at their defaults
+                     if "constexpr" in str(q.annotation) and q.default is not inspect.Parameter.empty},
+                  **constexprs}
     types = {**POINTERS, **(pointers or {})}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "fp32" if n in FLOATS else "i32")
                  for n in names}

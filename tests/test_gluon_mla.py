@@ -27,6 +27,8 @@ from attnserve.attention.synthetic import make_batch
 GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw")
 COLSPLIT = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit")
 COLSPLIT_FP16 = dataclasses.replace(COLSPLIT, partials="float16")
+SCORER = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_scorer")
+SCORER_FP16 = dataclasses.replace(SCORER, partials="float16")
 NARROW = MLADecodeConfig(16, 64, 8, 2, kernel="gluon_narrow")
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -124,11 +126,28 @@ def test_colsplit_gluon_mla_decode_compiles_for_sm90(page_size):
     assert report["async_copies"] == (9 if page_size == 64 else 36), report
 
 
-def test_colsplit_float16_partials_compile_for_sm90():
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_scorer_gluon_mla_decode_compiles_for_sm90(page_size):
+    """Warpgroup 0 scores a whole tile (36 steps, 512 + 64 wide) and multiplies its 256 output columns (4 steps),
+    warpgroup 1 copies every tile and multiplies the other 256: one call site each, nothing spilled, the wgmmas
+    asynchronous. Over 64-token pages a tile is nine TMA boxes (three sites: tiles 0 and 1, the refill), over
+    single tokens 36 cp.async a thread (the query's 9 either way); q, q_pe and two 72 KB stages fit."""
+    report = compile_offline("--gluon", str(page_size), "--gluon-kernel", "gluon_scorer")
+    assert report["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, report
+    assert not report["wgmma_serialized"], report
+    assert report["spill_bytes"] == [0, 0], report
+    assert 216 < report["smem_kib"] <= 227, report
+    assert report["global_stores"] == {"st.global.v4.b32": 64, "st.global.b32": 2}, report
+    assert report["tma_loads"] == (3 * 9 if page_size == 64 else 0), report
+    assert report["async_copies"] == (9 if page_size == 64 else 36), report
+
+
+@pytest.mark.parametrize("kernel", ["gluon_colsplit", "gluon_scorer"])
+def test_float16_partials_compile_for_sm90(kernel):
     """float16 partials, each row's power of two beside it: the same wgmmas, still asynchronous, nothing
     spilled; 16-byte stores of the float16 halves (16 a thread: converted before the shared-memory staging) and
     2-byte ones of the scale."""
-    report = compile_offline("--gluon", "1", "--gluon-kernel", "gluon_colsplit", "--scaled")
+    report = compile_offline("--gluon", "1", "--gluon-kernel", kernel, "--scaled")
     assert report["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, report
     assert not report["wgmma_serialized"], report
     assert report["spill_bytes"] == [0, 0], report
@@ -181,7 +200,7 @@ def test_narrow_gluon_mla_decode_matches_oracle(page_size):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; its CPU coverage is above")
-@pytest.mark.parametrize("config", [GLUON, COLSPLIT], ids=lambda c: c.kernel)
+@pytest.mark.parametrize("config", [GLUON, COLSPLIT, SCORER], ids=lambda c: c.kernel)
 @pytest.mark.parametrize("page_size", [1, 64, 16])
 def test_gluon_mla_decode_matches_oracle(page_size, config):
     """Ragged lengths (partial last tiles, odd and even tile counts, a 1-token request), splits forced on and
@@ -197,29 +216,31 @@ def test_gluon_mla_decode_matches_oracle(page_size, config):
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the scaled merge's CPU coverage is "
                                        "test_triton_mla.py's, the compile's above")
+@pytest.mark.parametrize("config", [COLSPLIT_FP16, SCORER_FP16], ids=lambda c: c.kernel)
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_colsplit_float16_partials_match_oracle(page_size):
+def test_float16_partials_match_oracle(page_size, config):
     """Ragged lengths, splits forced on, empty splits, 128 and 16 heads, through the merge kernel."""
     for heads in (128, 16):
         sb = deepseek_batch([70, 1, 300, 129, 64], page_size, heads, "cuda", seed=page_size + heads)
         ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
         for splits in ([2, 1, 5, 3, 1], [7] * 5):
-            out = run(sb, splits, False, COLSPLIT_FP16)
+            out = run(sb, splits, False, config)
             assert not out.isnan().any(), (heads, splits)
             assert rel_err(out, ref) < 1e-2, (heads, splits, rel_err(out, ref))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the scaled merge's CPU coverage is "
                                        "test_triton_mla.py's")
+@pytest.mark.parametrize("config", [COLSPLIT_FP16, SCORER_FP16], ids=lambda c: c.kernel)
 @pytest.mark.parametrize("magnitude", [1e6, 1e-6])
-def test_colsplit_float16_partials_hold_any_bf16_range(magnitude):
+def test_float16_partials_hold_any_bf16_range(magnitude, config):
     """Latent values far past float16's range (or far below its normal range) still merge to the oracle: each
     partial row is stored scaled by its own power of two."""
     sb = deepseek_batch([700, 1, 3000], 1, 128, "cuda", seed=3)
     sb.pool.kv_buffer[0][..., :512] *= magnitude  # the values; the scores see q . latent, so q shrinks with it
     sb.q[..., :512] /= magnitude
     ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
-    out = run(sb, [6, 1, 9], False, COLSPLIT_FP16)
+    out = run(sb, [6, 1, 9], False, config)
     assert out.isfinite().all()
     assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
 
