@@ -44,8 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # also raced a lockstep Gluon kernel, "gluon", and sweeps 5-7 the ping-pong Gluon kernel, "gluon_ws", since
 # removed: slower on every workload. Sweep 9 raced the narrow kernel in 32-head CTAs over 128 heads, 460-465
 # us against the seesaw's 308-327, and with a deferred PV, slower again; in history at fff51f8.)
-# The column-split kernel runs with float32 and with float16 partials (each row scaled by a power of two).
-DECODE_CONFIGS = [MLADecodeConfig(64, 64, 8, 2, False, v, "gluon_colsplit", partials="float16") for v in (1, 0.5)] + [
+# The column-split kernel runs with float32 and with float16 partials (each row scaled by a power of two); the
+# scorer kernel (mla_decode_scorer.py) with float16 partials, first.
+DECODE_CONFIGS = [MLADecodeConfig(64, 64, 8, 2, False, v, k, partials="float16") for k in ("gluon_scorer", "gluon_colsplit")
+                  for v in (1, 0.5)] + [
     MLADecodeConfig(h, n, w, s, d, v, k) for h, n, w, s, d, v, k in (
     (64, 64, 8, 2, False, 1, "gluon_colsplit"), (64, 64, 8, 2, False, 0.5, "gluon_colsplit"),
     (64, 64, 8, 2, False, 1, "gluon_seesaw"), (64, 64, 8, 2, False, 0.5, "gluon_seesaw"),

@@ -98,9 +98,8 @@ def _finish(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, Part
 @gluon.jit
 def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob, stride_oh,
             stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem,
-            l_smem, amax_smem, q_loaded, loaded, p_ready, a_ready, pv_done, fin, NUM_HEADS: gl.constexpr,
-            LATENT: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
-            EARLY_ALPHA: gl.constexpr):
+            l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS: gl.constexpr,
+            LATENT: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr):
     """Warpgroup 0: each tile's whole score, its softmax, the probabilities for the loader, output columns 0-255."""
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
@@ -130,33 +129,18 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
                 _zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), zero_layout)
                 gl.thread_barrier()
                 fence_async_shared()  # the zeros before either PV reads the stage
-        if EARLY_ALPHA:
-            offs_n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_run, gl.max(s, axis=1))
-            alpha = gl.exp2(m_run - m_new)
-            if st == 0:  # by stage: the loader may read tile t's while the scorer writes tile t + 1's
-                alpha_smem.slice(0, BLOCK_H).store(alpha)
-            else:
-                alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
-            _release(a_ready.index(st))
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p = gl.exp2(s - m_new[:, None])
-        else:
-            p, m_new, alpha = _probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
+        p, m_new, alpha = _probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_run = m_new
         p = p.to(dtype)
         r_ring.index(st).store(p)  # the rope slot, read by this tile's score already
-        if not EARLY_ALPHA:
-            if st == 0:  # by stage: the loader may read tile t's while the scorer writes tile t + 1's
-                alpha_smem.slice(0, BLOCK_H).store(alpha)
-            else:
-                alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
+        if st == 0:  # by stage: the loader may read tile t's while the scorer writes tile t + 1's
+            alpha_smem.slice(0, BLOCK_H).store(alpha)
+        else:
+            alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
         fence_async_shared()  # the loader's wgmma reads p
         _release(p_ready.index(st))
-        if not EARLY_ALPHA:
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         acc = warpgroup_mma(gl.convert_layout(p, p_layout), c_ring.index(st).slice(0, HALF, dim=1), acc,
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -170,8 +154,8 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
 def _loader(Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active, page_base,
             stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
             stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready,
-            a_ready, pv_done, fin, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
-            PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr, EARLY_ALPHA: gl.constexpr):
+            pv_done, fin, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+            PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr):
     """Warpgroup 1: the query and every tile's copies, output columns 256-511."""
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
@@ -200,18 +184,13 @@ def _loader(Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split,
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 256-511
     for t in range(num_tiles):
         st = t % 2
-        if EARLY_ALPHA:
-            mbarrier.wait(a_ready.index(st), (t // 2) & 1)
-        else:
-            mbarrier.wait(p_ready.index(st), (t // 2) & 1)
+        mbarrier.wait(p_ready.index(st), (t // 2) & 1)
+        fence_async_shared()  # the scorer's stores of p before this wgmma reads them
         if st == 0:
             alpha = alpha_smem.slice(0, BLOCK_H).load(row_o)
         else:
             alpha = alpha_smem.slice(BLOCK_H, BLOCK_H).load(row_o)
         acc = acc * alpha[:, None]
-        if EARLY_ALPHA:
-            mbarrier.wait(p_ready.index(st), (t // 2) & 1)
-        fence_async_shared()  # the scorer's stores of p before this wgmma reads them
         acc = warpgroup_mma(r_ring.index(st), c_ring.index(st).slice(HALF, HALF, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp's PV has read the stage
@@ -234,7 +213,7 @@ def _mla_decode_scorer_kernel(
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
-    kv_desc=None, EARLY_ALPHA: gl.constexpr = False,
+    kv_desc=None,
 ):
     """The column-split kernel's arguments and grid (kv_desc: the latent pool's TMA descriptor over 64-token
     pages)."""
@@ -264,25 +243,23 @@ def _mla_decode_scorer_kernel(
     loaded = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # 128 arrivals a fill
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a tile's p and alpha
     pv_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # the scorer's PV, by stage
-    a_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a tile's alpha, by stage
     fin = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_loaded, count=128)
     for i in gl.static_range(2):
         mbarrier.init(loaded.index(i), count=1 if PAGE_SIZE % BLOCK_N == 0 else 128)  # TMA bytes / cp.async
         mbarrier.init(pv_done.index(i), count=1)
         mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(fin.index(i), count=1)
     fence_async_shared()  # the barriers' init before the partitions use them
 
     gl.warp_specialize([
         (_scorer, (Out, PartialO, PartialLse, g, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob,
                    stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring,
-                   r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready, a_ready, pv_done, fin,
-                   NUM_HEADS, LATENT, PAGE_SIZE, WRITE_FINAL, SCALED, EARLY_ALPHA)),
+                   r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin,
+                   NUM_HEADS, LATENT, PAGE_SIZE, WRITE_FINAL, SCALED)),
         (_loader, (Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi, num_tiles, active, page_base,
                    stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
                    stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem, l_smem, amax_smem,
-                   q_loaded, loaded, p_ready, a_ready, pv_done, fin, NUM_HEADS, LATENT, ROPE, PAGE_SIZE,
-                   WRITE_FINAL, SCALED, EARLY_ALPHA)),
+                   q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS, LATENT, ROPE, PAGE_SIZE,
+                   WRITE_FINAL, SCALED)),
     ], [4], [CONSUMER_REGS])
