@@ -29,6 +29,19 @@ SHIPPED_KERNEL = gluon_host._mla_decode_colsplit_kernel
 VARIANTS = {"colsplit": SHIPPED_KERNEL, "scorer": _mla_decode_scorer_kernel}
 
 
+class _WithConstexprs:
+    """A kernel with extra constexprs on every launch (`kernel[grid](...)`)."""
+
+    def __init__(self, kernel, **extra):
+        self.kernel, self.extra = kernel, extra
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, **kwargs, **self.extra)
+
+
+VARIANTS["scorer-masked"] = _WithConstexprs(_mla_decode_scorer_kernel, MASK_ALL=True)
+
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
