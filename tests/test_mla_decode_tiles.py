@@ -26,14 +26,14 @@ SHAPES = {w.name: (w.mla.num_heads, w.page_size) for w in MLA_WORKLOADS if w.kin
 
 
 def test_h200_tiles_follow_the_shape():
-    """What the twelfth H200 sweep measured (sweep-triton-mla-h200-12.json): 128 heads on the column-split Gluon
+    """What the thirteenth H200 sweep measured (sweep-triton-mla-h200-13.json): 128 heads on the scorer Gluon
     kernel with float16 partials, at one wave of splits over single tokens and at half a wave over 64-token pages
     (its tiles there by TMA), 16 heads on the narrow Gluon kernel at half a wave (one split a request over 128
     requests)."""
     h200 = GpuTarget.of((9, 0))
-    colsplit = MLADecodeConfig(64, 64, 8, 2, split_waves=1, kernel="gluon_colsplit", partials="float16")
-    assert default_mla_decode_config("cuda", h200, 128, 1) == colsplit
-    assert default_mla_decode_config("cuda", h200, 128, 64) == dataclasses.replace(colsplit, split_waves=0.5)
+    scorer = MLADecodeConfig(64, 64, 8, 2, split_waves=1, kernel="gluon_scorer", partials="float16")
+    assert default_mla_decode_config("cuda", h200, 128, 1) == scorer
+    assert default_mla_decode_config("cuda", h200, 128, 64) == dataclasses.replace(scorer, split_waves=0.5)
     narrow = MLADecodeConfig(16, 64, 8, 2, split_waves=0.5, kernel="gluon_narrow")
     assert default_mla_decode_config("cuda", h200, 16, 64) == narrow
     assert tiles_for("sm75", 128, 64) == tiles_for("default", 128, 64)  # an unknown arch takes the default rules
@@ -59,12 +59,13 @@ def test_a_head_group_never_exceeds_the_heads():
         MLADecodeConfig(num_warps=3)
 
 
-def test_float16_partials_are_the_colsplit_kernels_alone():
-    """The scaled float16 partials are written by the column-split kernel's epilogue only: another kernel asked
-    for them, or an unknown partial type, is refused at the config, not at launch."""
-    assert MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit", partials="float16").partials == "float16"
-    with pytest.raises(ValueError, match="float16 partials are the gluon_colsplit MLA kernel's, the tile is "
-                                         "gluon_seesaw's"):
+def test_float16_partials_are_the_two_column_halved_kernels_alone():
+    """The scaled float16 partials are written by the column-split and scorer kernels' epilogue only: another
+    kernel asked for them, or an unknown partial type, is refused at the config, not at launch."""
+    for kernel in ("gluon_colsplit", "gluon_scorer"):
+        assert MLADecodeConfig(64, 64, 8, 2, kernel=kernel, partials="float16").partials == "float16"
+    with pytest.raises(ValueError, match="float16 partials are the gluon_colsplit and gluon_scorer MLA kernels', "
+                                         "the tile is gluon_seesaw's"):
         MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw", partials="float16")
     with pytest.raises(ValueError, match="partials must be 'float32' or 'float16', got 'bfloat16'"):
         MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit", partials="bfloat16")
@@ -72,7 +73,7 @@ def test_float16_partials_are_the_colsplit_kernels_alone():
 
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_a_gluon_tile_that_cannot_take_the_call_runs_in_triton_with_float32_partials(page_size):
-    """The H200's 128-head tiles are the column-split kernel's with float16 partials; where it cannot run (here
+    """The H200's 128-head tiles are the scorer kernel's with float16 partials; where it cannot run (here
     a CPU tensor, on the H200 an FP8 latent) the same tile goes to the Triton kernel, which writes float32 ones
     (a config keeping float16 was refused: the FP8 decode at 128 heads over 64-token pages failed there)."""
     q = torch.zeros(1, 128, 576, dtype=torch.bfloat16)

@@ -1,6 +1,9 @@
 """The Gluon MLA decode kernel (Hopper) at 64+ heads: the latent's columns split between the two warpgroups, both
 on one key tile at a time, each copying its own half of every tile.
 
+(Sweep 13 moved 128 heads to the scorer kernel, mla_decode_scorer.py, which divides the same CTA by role: 27.7
+against 29.1 us at 1 x 32768, 258.7 against 296.7 over 64-token pages; the sweep still races this one.)
+
 A CTA owns 64 heads of one (request, split), as the seesaw kernel does (mla_decode_seesaw.py), and has two
 warpgroups and no producer. Warpgroup 0 owns latent columns 0-255, warpgroup 1 columns 256-511 and the rope, for
 the copies, the score and the output alike:

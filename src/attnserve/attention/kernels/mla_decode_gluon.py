@@ -5,9 +5,10 @@ output (128 registers a thread over two warpgroups), and Triton's Hopper layout 
 tile on both warpgroups (53 % of the FLOPs twice), waits on every wgmma and gives no producer/consumer roles
 (benchmarks/NOTES.md, MLA). Gluon makes layouts, wgmma waits, mbarriers and warp specialisation explicit.
 
-Three kernels, all 64 query rows or fewer a CTA. The column-split one (mla_decode_colsplit.py) decodes 64 heads
-of one token a CTA, its two warpgroups on one key tile; the tile table puts 128 heads on it (over 64-token pages
-its tiles come by TMA: 286.8 against the seesaw's 306.3 us at 64 x 8192 in the twelfth sweep). The seesaw
+Four kernels, all 64 query rows or fewer a CTA. The scorer (mla_decode_scorer.py) decodes 64 heads of one token
+a CTA, one warpgroup scoring each key tile whole and the other copying the next ones; the tile table puts 128
+heads on it (sweep 13: 27.7 against the column split's 29.1 us at 1 x 32768). The column-split one
+(mla_decode_colsplit.py) takes the same CTA with the latent's columns halved between its warpgroups. The seesaw
 (mla_decode_seesaw.py) takes 64 rows too, each warpgroup its own tile of a round; it runs extend as decode rows
 (mla_extend_rows.py), where with fewer heads a CTA takes consecutive tokens of one request x all their heads
 (16 heads: 4 tokens), each row masked to its own causal horizon. The narrow one (mla_decode_narrow.py) takes 16
@@ -34,7 +35,7 @@ GLUON_LATENT = 512
 GLUON_ROPE = 64
 CONSUMER_REGS = 232  # two consumer warpgroups at 232 + the producer's 40-odd: 64512 of the SM's 65536 registers
 MAXNREG = 168  # the kernel-wide figure the partitions' budgets are carved from: 168 x 384 threads
-COLSPLIT_REGS = 240  # the colsplit kernel's second warpgroup (setmaxnreg; no producer, ptxas allocates 255)
+COLSPLIT_REGS = 240  # the colsplit and scorer kernels' second warpgroup (setmaxnreg; no producer; ptxas: 255)
 NARROW_CONSUMER_REGS = 232  # the narrow kernel's one consumer warpgroup (O^T: 4 x heads registers) beside the producer
 
 

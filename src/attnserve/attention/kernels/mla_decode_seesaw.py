@@ -1,9 +1,8 @@
 """A Gluon MLA decode kernel (Hopper): FlashMLA's "seesaw" schedule, two key tiles a round, one per warpgroup.
 
 It runs the absorbed extend as decode rows (mla_extend_rows.py), where it is faster than the column-split kernel
-(9.92 against 10.26 ms at 128 heads on the H200, equal at 16); decode at 128 heads runs on the column-split one
-(mla_decode_colsplit.py), which refills a stage a whole tile ahead (over 64-token pages by TMA: 286.8 against
-this kernel's 306.3 us in sweep 12). Its helpers serve both.
+(9.92 against 10.26 ms at 128 heads on the H200, equal at 16); decode at 128 heads runs on the scorer kernel
+(mla_decode_scorer.py; sweep 13: 27.7 against this kernel's 35.6 us at 1 x 32768). Its helpers serve all three.
 
 A CTA owns 64 query rows of a (request, split) and three partitions: a 4-warp producer gathers latent rows by
 cp.async (any page size, page 1 included) into a two-stage ring of `[64 keys, 512]` + `[64 keys, 64]` tiles; two

@@ -1,7 +1,7 @@
 """The Triton MLA decode tiles per GPU architecture, head count and page size: data, not code.
 
-What is fastest depends on the shape, and moved with every kernel: on the H200 (twelfth sweep,
-benchmarks/results/sweep-triton-mla-h200-12.json) 128 heads run on the column-split Gluon kernel with float16
+What is fastest depends on the shape, and moved with every kernel: on the H200 (thirteenth sweep,
+benchmarks/results/sweep-triton-mla-h200-13.json) 128 heads run on the scorer Gluon kernel with float16
 partials, with one wave of splits over single tokens and half a wave over 64-token pages (its tiles by TMA
 there), and 16 heads (memory-bound) on the narrow Gluon kernel with one split a request over 128 requests. So
 the defaults are rules, first match wins, kept in `mla_decode_tiles.json` (package data) that a GPU sweep
