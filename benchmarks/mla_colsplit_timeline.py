@@ -92,6 +92,8 @@ EDITS = [  # (old, new): each old must occur exactly as many times as counted
      "        if t < 16:\n            _stamp(TL, b, hg, split, W, 2 + t)\n", 1),
     ("    async_copy.wait_group(0)  # no copy outlives the CTA",
      "    async_copy.wait_group(0)\n    _stamp(TL, b, hg, split, W, 22)  # no copy outlives the CTA", 1),
+    ("def _finish(acc,", "def _finish(TL, acc,", 1),  # the epilogue (the scorer kernel's too) gets the buffer
+    ("    _finish(acc, l_i,", "    _finish(TL, acc, l_i,", 1),
     ("    inv_l = 1.0 / gl.where(l_o > 0.0, l_o, 1.0)",
      "    _stamp(TL, b, hg, split, W, 23)\n    inv_l = 1.0 / gl.where(l_o > 0.0, l_o, 1.0)", 1),
     ("W * HALF, NUM_HEADS, 1, BLOCK_H, HALF, WRITE_FINAL)\n",

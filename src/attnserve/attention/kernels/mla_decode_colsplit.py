@@ -111,6 +111,45 @@ def _zero_rows_past(c_half, n_valid, copy_layout: gl.constexpr):
 
 
 @gluon.jit
+def _finish(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg, split, active,
+            stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, W: gl.constexpr,
+            NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
+            row_s: gl.constexpr, row_o: gl.constexpr):
+    """Both warpgroups' epilogue: warpgroup 0 holds the row sums and the max, and writes the LSE; each normalises
+    and stores its 256 columns through its own stage (float16 partials scaled a row, as the module says)."""
+    BLOCK_H: gl.constexpr = 64
+    HALF: gl.constexpr = LATENT // 2
+    if SCALED:  # [64] this half's largest magnitude a row, for both warpgroups
+        amax_smem.slice(W * BLOCK_H, BLOCK_H).store(gl.max(gl.abs(acc), axis=1))
+    if W == 0:
+        l_smem.store(l_i)
+        _release(fin.index(0))
+        mbarrier.wait(fin.index(1), 0)
+        l_o = gl.convert_layout(l_i, row_o)
+        if not WRITE_FINAL:
+            tok_l, head_l, ok_l = _row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, row_s)
+            lse = gl.where(l_i > 0.0, m_run + gl.log2(gl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+            gl.store(PartialLse + tok_l * stride_lb + head_l * stride_lh + split, lse, mask=ok_l & active)
+    else:
+        _release(fin.index(1))
+        mbarrier.wait(fin.index(0), 0)
+        l_o = l_smem.load(row_o)
+    inv_l = 1.0 / gl.where(l_o > 0.0, l_o, 1.0)  # a reciprocal a row, not a division an element
+    if SCALED:  # float16 partials: each row scaled by 2^k so that its largest value lands in [2^14, 2^15)
+        row_max = gl.maximum(amax_smem.slice(0, BLOCK_H).load(row_o),
+                             amax_smem.slice(BLOCK_H, BLOCK_H).load(row_o)) * inv_l
+        k = gl.where(row_max > 0.0, 14.0 - gl.floor(gl.log2(gl.where(row_max > 0.0, row_max, 1.0))), 0.0)
+        k = gl.minimum(gl.maximum(k, -100.0), 100.0)
+        inv_l = inv_l * gl.exp2(k)
+        if W == 0:
+            tok_k, head_k, ok_k = _row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, row_o)
+            gl.store(PartialO + tok_k * stride_pb + head_k * stride_ph + split * stride_ps + LATENT,
+                     k.to(PartialO.dtype.element_ty), mask=ok_k & active)
+    _store_output(acc * inv_l[:, None], c_ring.index(W), Out, PartialO, b, 1, hg, split, active, stride_ob,
+                  stride_oh, stride_pb, stride_ph, stride_ps, W * HALF, NUM_HEADS, 1, BLOCK_H, HALF, WRITE_FINAL)
+
+
+@gluon.jit
 def _colsplit_warpgroup(
     Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active,
     page_base, qk_scale_log2, stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
@@ -215,34 +254,9 @@ def _colsplit_warpgroup(
 
     # the output through this warpgroup's own stage, once the other warpgroup is done with it
     async_copy.wait_group(0)  # no copy outlives the CTA (a split with no tiles never waited for its query)
-    if SCALED:  # [64] this half's largest magnitude a row, for both warpgroups
-        amax_smem.slice(W * BLOCK_H, BLOCK_H).store(gl.max(gl.abs(acc), axis=1))
-    if W == 0:
-        l_smem.store(l_i)
-        _release(fin.index(0))
-        mbarrier.wait(fin.index(1), 0)
-        l_o = gl.convert_layout(l_i, row_o)
-        if not WRITE_FINAL:
-            tok_l, head_l, ok_l = _row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, row_s)
-            lse = gl.where(l_i > 0.0, m_run + gl.log2(gl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-            gl.store(PartialLse + tok_l * stride_lb + head_l * stride_lh + split, lse, mask=ok_l & active)
-    else:
-        _release(fin.index(1))
-        mbarrier.wait(fin.index(0), 0)
-        l_o = l_smem.load(row_o)
-    inv_l = 1.0 / gl.where(l_o > 0.0, l_o, 1.0)  # a reciprocal a row, not a division an element
-    if SCALED:  # float16 partials: each row scaled by 2^k so that its largest value lands in [2^14, 2^15)
-        row_max = gl.maximum(amax_smem.slice(0, BLOCK_H).load(row_o),
-                             amax_smem.slice(BLOCK_H, BLOCK_H).load(row_o)) * inv_l
-        k = gl.where(row_max > 0.0, 14.0 - gl.floor(gl.log2(gl.where(row_max > 0.0, row_max, 1.0))), 0.0)
-        k = gl.minimum(gl.maximum(k, -100.0), 100.0)
-        inv_l = inv_l * gl.exp2(k)
-        if W == 0:
-            tok_k, head_k, ok_k = _row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, row_o)
-            gl.store(PartialO + tok_k * stride_pb + head_k * stride_ph + split * stride_ps + LATENT,
-                     k.to(PartialO.dtype.element_ty), mask=ok_k & active)
-    _store_output(acc * inv_l[:, None], c_ring.index(W), Out, PartialO, b, 1, hg, split, active, stride_ob,
-                  stride_oh, stride_pb, stride_ph, stride_ps, W * HALF, NUM_HEADS, 1, BLOCK_H, HALF, WRITE_FINAL)
+    _finish(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg, split, active,
+            stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, W, NUM_HEADS, LATENT,
+            WRITE_FINAL, SCALED, row_s, row_o)
 
 
 @gluon.jit

@@ -34,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attnserve.attention.kernels.mla_decode_colsplit import _zero_rows_past
-from attnserve.attention.kernels.mla_decode_seesaw import _probabilities, _row_token_head, _store_output
+from attnserve.attention.kernels.mla_decode_colsplit import _finish, _zero_rows_past
+from attnserve.attention.kernels.mla_decode_seesaw import _probabilities, _row_token_head
 from attnserve.attention.kernels.mla_gluon_parts import _copy_columns, _copy_query, _release, _split_range, _tile_rows
 
 
@@ -61,45 +61,6 @@ def _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring,
             _copy_columns(c_ring.index(t % 2), base, 0, LATENT // ROPE, ROPE)
             async_copy.async_copy_global_to_shared(r_ring.index(t % 2), base + LATENT)
             async_copy.mbarrier_arrive(loaded.index(t % 2), increment_count=False)
-
-
-@gluon.jit
-def _finish(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg, split, active,
-            stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, W: gl.constexpr,
-            NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
-            row_s: gl.constexpr, row_o: gl.constexpr):
-    """Both warpgroups' epilogue: warpgroup 0 holds the row sums and the max, and writes the LSE; each normalises
-    and stores its 256 columns through its own stage (float16 partials scaled a row, mla_decode_colsplit.py)."""
-    BLOCK_H: gl.constexpr = 64
-    HALF: gl.constexpr = LATENT // 2
-    if SCALED:  # [64] this half's largest magnitude a row, for both warpgroups
-        amax_smem.slice(W * BLOCK_H, BLOCK_H).store(gl.max(gl.abs(acc), axis=1))
-    if W == 0:
-        l_smem.store(l_i)
-        _release(fin.index(0))
-        mbarrier.wait(fin.index(1), 0)
-        l_o = gl.convert_layout(l_i, row_o)
-        if not WRITE_FINAL:
-            tok_l, head_l, ok_l = _row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, row_s)
-            lse = gl.where(l_i > 0.0, m_run + gl.log2(gl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-            gl.store(PartialLse + tok_l * stride_lb + head_l * stride_lh + split, lse, mask=ok_l & active)
-    else:
-        _release(fin.index(1))
-        mbarrier.wait(fin.index(0), 0)
-        l_o = l_smem.load(row_o)
-    inv_l = 1.0 / gl.where(l_o > 0.0, l_o, 1.0)
-    if SCALED:
-        row_max = gl.maximum(amax_smem.slice(0, BLOCK_H).load(row_o),
-                             amax_smem.slice(BLOCK_H, BLOCK_H).load(row_o)) * inv_l
-        k = gl.where(row_max > 0.0, 14.0 - gl.floor(gl.log2(gl.where(row_max > 0.0, row_max, 1.0))), 0.0)
-        k = gl.minimum(gl.maximum(k, -100.0), 100.0)
-        inv_l = inv_l * gl.exp2(k)
-        if W == 0:
-            tok_k, head_k, ok_k = _row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, row_o)
-            gl.store(PartialO + tok_k * stride_pb + head_k * stride_ph + split * stride_ps + LATENT,
-                     k.to(PartialO.dtype.element_ty), mask=ok_k & active)
-    _store_output(acc * inv_l[:, None], c_ring.index(W), Out, PartialO, b, 1, hg, split, active, stride_ob,
-                  stride_oh, stride_pb, stride_ph, stride_ps, W * HALF, NUM_HEADS, 1, BLOCK_H, HALF, WRITE_FINAL)
 
 
 @gluon.jit
