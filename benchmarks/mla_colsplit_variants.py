@@ -25,22 +25,8 @@ from attnserve.bench.racers import attnserve_racer, build_race_batch, flashinfer
 from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLA_WORKLOADS
 
-SHIPPED_KERNEL = gluon_host._mla_decode_colsplit_kernel
-VARIANTS = {"colsplit": SHIPPED_KERNEL, "scorer": _mla_decode_scorer_kernel}
-
-
-class _WithConstexprs:
-    """A kernel with extra constexprs on every launch (`kernel[grid](...)`)."""
-
-    def __init__(self, kernel, **extra):
-        self.kernel, self.extra = kernel, extra
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kernel[grid](*args, **kwargs, **self.extra)
-
-
-VARIANTS["scorer-masked"] = _WithConstexprs(_mla_decode_scorer_kernel, MASK_ALL=True)
-
+COLSPLIT_KERNEL = gluon_host._mla_decode_colsplit_kernel
+VARIANTS = {"colsplit": COLSPLIT_KERNEL, "scorer": _mla_decode_scorer_kernel}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -81,7 +67,7 @@ def main() -> int:
                 if name in VARIANTS:
                     gluon_host._mla_decode_colsplit_kernel = VARIANTS[name]
                 by_name[name]["us"].append(round(time_call(call, use_graph=True)[0], 2))
-        gluon_host._mla_decode_colsplit_kernel = SHIPPED_KERNEL
+        gluon_host._mla_decode_colsplit_kernel = COLSPLIT_KERNEL
         for name, r in by_name.items():
             print(f"{w.name:24s} {name:20s} {min(r['us']):8.2f} us  {r['us']}", flush=True)
     if args.json:

@@ -67,8 +67,7 @@ def _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring,
 def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob, stride_oh,
             stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem,
             l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS: gl.constexpr,
-            LATENT: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
-            MASK_ALL: gl.constexpr):
+            LATENT: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr):
     """Warpgroup 0: each tile's whole score, its softmax, the probabilities for the loader, output columns 0-255."""
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
@@ -98,7 +97,7 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
                 _zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), zero_layout)
                 gl.thread_barrier()
                 fence_async_shared()  # the zeros before either PV reads the stage
-        if (hi - (lo + t * BLOCK_N) >= BLOCK_N) and not MASK_ALL:  # a whole tile: no key to mask
+        if hi - (lo + t * BLOCK_N) >= BLOCK_N:  # a whole tile: no key to mask
             s = s * qk_scale_log2
             m_new = gl.maximum(m_run, gl.max(s, axis=1))
             p = gl.exp2(s - m_new[:, None])
@@ -188,7 +187,7 @@ def _mla_decode_scorer_kernel(
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
-    kv_desc=None, MASK_ALL: gl.constexpr = False,
+    kv_desc=None,
 ):
     """The column-split kernel's arguments and grid (kv_desc: the latent pool's TMA descriptor over 64-token
     pages)."""
@@ -231,7 +230,7 @@ def _mla_decode_scorer_kernel(
         (_scorer, (Out, PartialO, PartialLse, g, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob,
                    stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring,
                    r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin,
-                   NUM_HEADS, LATENT, PAGE_SIZE, WRITE_FINAL, SCALED, MASK_ALL)),
+                   NUM_HEADS, LATENT, PAGE_SIZE, WRITE_FINAL, SCALED)),
         (_loader, (Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi, num_tiles, active, page_base,
                    stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
                    stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem, l_smem, amax_smem,
