@@ -15,22 +15,17 @@ import argparse
 import json
 import sys
 
-import torch
 from mla_split_cost import write_json  # a sibling script
 
 import attnserve.attention.kernels.mla_decode_gluon as gluon_host
 from attnserve.attention.kernels.mla_decode_scorer import _mla_decode_scorer_kernel
-from attnserve.attention.reference import reference_for_batch
+from attnserve.bench.kernels import _oracle, _rel_err
 from attnserve.bench.racers import attnserve_racer, build_race_batch, flashinfer_mla_racer, output_rows
 from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLA_WORKLOADS
 
 COLSPLIT_KERNEL = gluon_host._mla_decode_colsplit_kernel
 VARIANTS = {"colsplit": COLSPLIT_KERNEL, "scorer": _mla_decode_scorer_kernel}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def main() -> int:
@@ -46,12 +41,12 @@ def main() -> int:
         if w.kind != "decode" or not any(w.name.endswith(x) for x in args.workloads):
             continue
         rb = build_race_batch(w)
-        ref = reference_for_batch(rb.q, rb.layer, rb.fb, compute_dtype=torch.float32)
+        ref = _oracle(rb)  # float32
         calls = {}
         for name in args.variants:
             gluon_host._mla_decode_colsplit_kernel = VARIANTS[name]
             call = attnserve_racer("triton", rb)
-            err = rel_err(output_rows(call(), rb), ref)
+            err = _rel_err(output_rows(call(), rb), ref)
             calls[name] = call
             print(f"{w.name} {name}: rel err {err:.2e}", flush=True)
             rows.append({"workload": w.name, "variant": name, "rel_err": err, "us": []})

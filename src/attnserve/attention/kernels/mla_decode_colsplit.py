@@ -78,22 +78,35 @@ def _copy_half(KV, rows, stride_kvt, c_ring, r_ring, t, num_tiles, W: gl.constex
 
 
 @gluon.jit
+def _tma_tile(kv_desc, kv_indices, page_base, n0, loaded, bar_index, c_ring, r_ring, slot, FIRST: gl.constexpr,
+              CHUNKS: gl.constexpr, WITH_ROPE: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+              PAGE_SIZE: gl.constexpr):
+    """Columns FIRST * 64 .. (FIRST + CHUNKS) * 64 of the tile at key n0 (64 rows of one page) into stage `slot`,
+    one TMA box of 64 x 64 each, and with WITH_ROPE the rope's; loaded[bar_index] counts their bytes. (The page
+    index is loaded before the barrier and stage addresses are computed.)"""
+    row0 = gl.load(kv_indices + page_base + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+    bar = loaded.index(bar_index)
+    stage = c_ring.index(slot)
+    if WITH_ROPE:
+        mbarrier.expect(bar, (CHUNKS + 1) * 64 * ROPE * 2)  # 16-bit rows
+    else:
+        mbarrier.expect(bar, CHUNKS * 64 * ROPE * 2)
+    for k in gl.static_range(FIRST, FIRST + CHUNKS):
+        tma.async_copy_global_to_shared(kv_desc, [row0, k * ROPE], bar, stage.slice(k * ROPE, ROPE, dim=1))
+    if WITH_ROPE:
+        tma.async_copy_global_to_shared(kv_desc, [row0, LATENT], bar, r_ring.index(slot))
+
+
+@gluon.jit
 def _load_half(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t, num_tiles,
                W: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
                TMA: gl.constexpr, copy_layout: gl.constexpr):
     """Tile t's half of warpgroup W into stage t % 2: by TMA where a tile is 64 consecutive rows of one page
     (loaded[W, stage] counts the bytes), else by cp.async from `rows`."""
     if TMA:
-        if t < num_tiles:
-            n0 = lo + t * 64
-            row0 = gl.load(kv_indices + page_base + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
-            bar = loaded.index(W * 2 + t % 2)
-            stage = c_ring.index(t % 2)
-            mbarrier.expect(bar, (4 + W) * 64 * ROPE * 2)  # four 64-column boxes (and the rope's) of 16-bit rows
-            for k in gl.static_range(W * 4, W * 4 + 4):
-                tma.async_copy_global_to_shared(kv_desc, [row0, k * ROPE], bar, stage.slice(k * ROPE, ROPE, dim=1))
-            if W == 1:
-                tma.async_copy_global_to_shared(kv_desc, [row0, LATENT], bar, r_ring.index(t % 2))
+        if t < num_tiles:  # four 64-column boxes (warpgroup 1: and the rope's)
+            _tma_tile(kv_desc, kv_indices, page_base, lo + t * 64, loaded, W * 2 + t % 2, c_ring, r_ring, t % 2,
+                      W * 4, 4, W == 1, LATENT, ROPE, PAGE_SIZE)
     else:
         _copy_half(KV, rows, stride_kvt, c_ring, r_ring, t, num_tiles, W, LATENT, ROPE, copy_layout)
 

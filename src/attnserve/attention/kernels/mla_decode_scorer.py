@@ -29,12 +29,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from attnserve.attention.kernels.mla_decode_colsplit import _finish, _zero_rows_past
+from attnserve.attention.kernels.mla_decode_colsplit import _finish, _tma_tile, _zero_rows_past
 from attnserve.attention.kernels.mla_decode_seesaw import _probabilities, _row_token_head
 from attnserve.attention.kernels.mla_gluon_parts import _copy_columns, _copy_query, _release, _split_range, _tile_rows
 
@@ -47,14 +46,8 @@ def _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring,
     counting this thread's arrival once its copies land. Nothing past the last tile."""
     if t < num_tiles:
         if PAGE_SIZE % 64 == 0:
-            n0 = lo + t * 64
-            row0 = gl.load(kv_indices + page_base + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
-            bar = loaded.index(t % 2)
-            stage = c_ring.index(t % 2)
-            mbarrier.expect(bar, (LATENT + ROPE) * 64 * 2)  # nine 64 x 64 boxes of 16-bit rows
-            for k in gl.static_range(LATENT // ROPE):
-                tma.async_copy_global_to_shared(kv_desc, [row0, k * ROPE], bar, stage.slice(k * ROPE, ROPE, dim=1))
-            tma.async_copy_global_to_shared(kv_desc, [row0, LATENT], bar, r_ring.index(t % 2))
+            _tma_tile(kv_desc, kv_indices, page_base, lo + t * 64, loaded, t % 2, c_ring, r_ring, t % 2, 0,
+                      LATENT // ROPE, True, LATENT, ROPE, PAGE_SIZE)
         else:
             offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
             base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [64, ROPE] pointers, 4 rows a thread
