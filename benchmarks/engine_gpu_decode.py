@@ -14,7 +14,7 @@ decode steps (torch's sync debug mode, during the warm-up); and a hash of every 
 greedy tokens with overlap on and off can be compared.
 
     PYTHONPATH=src python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256,1x1024x256 \
-        --configs triton-graphs,triton-graphs-no-overlap --out benchmarks/results/engine_gpu_overlap.json
+        --configs triton-graphs,triton-graphs-no-overlap --out out/engine_gpu_decode.json
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ CONFIGS = {
     "triton-graphs-unfused": {"attention_backend": "triton", "disable_fused_ops": True},
     "triton-eager": {"attention_backend": "triton", "disable_cuda_graph": True},
     # tp 1 through the tensor-parallel path: a torch.distributed world of one rank (NCCL), each step broadcast,
-    # every all-reduce / all-gather run (benchmarks/tp_gpu.sh compares it with triton-graphs)
+    # every all-reduce / all-gather run (`benchmarks/h200.sh tp` compares it with triton-graphs)
     "triton-graphs-tp1-world": {"attention_backend": "triton", "dist_init_addr": "auto"},
     "flashinfer-decode": {"prefill_attention_backend": "triton", "decode_attention_backend": "flashinfer"},
     "flashinfer": {"attention_backend": "flashinfer"},

