@@ -16,7 +16,8 @@
 #               oracle first -> kernels-h200.json + .png (MHA_BACKENDS, default triton flashinfer
 #               flashinfer-fa3; MHA_WORKLOADS, default all; TRITON_OPTIONS for --triton-options)
 #   mla         `attnserve bench kernels --workloads mla` -> kernels-mla-h200.json + .png (MLA_BACKENDS,
-#               default triton flashinfer-mla-fa3; add flashinfer-mla-fa2 to race FlashInfer's fa2 too)
+#               default triton flashinfer-mla-fa3; add flashinfer-mla-fa2 to race FlashInfer's fa2 too);
+#               BENCH_ARGS adds flags to both races (--tiny for a smoke run on a CPU)
 #   engine      engine_gpu_decode.py, Llama-3-8B shape, 64 x 1024/256 and 1 x 1024/256: overlap on/off, fused
 #               ops off, FlashInfer decode -> engine_gpu_decode.json; then the step profile ->
 #               engine_gpu_profile.json
@@ -41,11 +42,11 @@ while [ $# -gt 0 ]; do
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
     tests|mha|mla|engine|engine-mla|moe|serve|tune|tp) STEPS+=("$1"); shift ;;
-    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     *) echo "unknown step: $1 (see: bash benchmarks/h200.sh --help)" >&2; exit 2 ;;
   esac
 done
-[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,35p' "$0"; exit 2; }
+[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,36p' "$0"; exit 2; }
 has() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-out}
@@ -146,7 +147,7 @@ step_mha() {
   echo "== MHA kernel race ($(left) s left)"
   # shellcheck disable=SC2086
   timeout "$(cap 150)" python3 -m attnserve bench kernels ${MHA_WORKLOADS:+--workloads $MHA_WORKLOADS} \
-    --backends $MHA_BACKENDS ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} \
+    --backends $MHA_BACKENDS ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} ${BENCH_ARGS:-} \
     --json "$OUT/kernels-h200.json" --png "$OUT/kernels-h200.png" > "$LOGS/bench-mha.log" 2>&1
   echo "bench mha rc=$?"; grep -A12 '^results' "$LOGS/bench-mha.log"; grep ' / ' "$LOGS/bench-mha.log"
 }
@@ -156,7 +157,7 @@ step_mla() {
   echo "== MLA kernel race ($(left) s left)"
   # shellcheck disable=SC2086
   timeout "$(cap 150)" python3 -m attnserve bench kernels --workloads mla --backends $MLA_BACKENDS \
-    ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} \
+    ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} ${BENCH_ARGS:-} \
     --json "$OUT/kernels-mla-h200.json" --png "$OUT/kernels-mla-h200.png" > "$LOGS/bench-mla.log" 2>&1
   echo "bench mla rc=$?"; grep -A12 '^results' "$LOGS/bench-mla.log"; grep ' / ' "$LOGS/bench-mla.log"
 }
