@@ -200,7 +200,7 @@ def test_mla_decode_and_extend(kernel, decode, page_size):
         pytest.skip("FlashInfer's fa3 MLA kernel is SM90 only")
     sb = _mla_batch(40 + page_size, decode, page_size)
     backend = _backend(sb, mla_kernel=kernel)
-    assert backend.prefill_kernel == kernel
+    assert backend.kernel == kernel
     _check(sb, backend)
 
 

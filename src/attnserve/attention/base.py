@@ -105,7 +105,7 @@ class ForwardBatch:
         pool: KVPool,
         **kwargs,
     ) -> ForwardBatch:
-        """Build a batch whose slots are already written in req_to_token (tests, benchmarks, the runner)."""
+        """Build a batch whose slots are already written in req_to_token (tests, kernel races, the runner)."""
         device = req_to_token.device
         seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
         rows = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)

@@ -31,7 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backends.flashinfer.common import FEATURES, allocate_workspace, default_q_dtype, flashinfer_module
+from attnserve.attention.backends.flashinfer.common import (
+    FEATURES,
+    allocate_workspace,
+    default_q_dtype,
+    flashinfer_module,
+)
 from attnserve.attention.backends.flashinfer.csr import HostCSR, graph_step_metadata, host_csr
 from attnserve.attention.base import AttentionBackend, ForwardBatch
 from attnserve.attention.metadata import (
