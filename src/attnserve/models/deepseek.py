@@ -1,9 +1,8 @@
 """DeepSeek-V2/V3 with multi-head latent attention (MLA) over the latent KV pool.
 
 The pool keeps one row per token: the compressed KV latent c (kv_lora_rank,
-normalised) followed by the RoPE'd shared key k_pe (qk_rope_head_dim). Attention
-runs in the absorbed form for prefill and decode alike, so there is one code
-path and nothing but the latent is ever stored:
+normalised) followed by the RoPE'd shared key k_pe (qk_rope_head_dim), and nothing
+but the latent is ever stored. Attention runs in the absorbed form:
 
     score = q_nope . (W_UK c) + q_pe . k_pe = (W_UK^T q_nope) . c + q_pe . k_pe
     out   = W_UV (sum_j p_j c_j)
@@ -12,6 +11,11 @@ i.e. each query head is folded through its key up-projection into latent space,
 attention is plain MQA against the 576-wide latent (one shared KV head, V = the
 first kv_lora_rank columns), and the value up-projection is applied once to the
 attended latent. (DeepSeek-V2 paper, section 2.1.2.)
+
+Fresh prompts may instead run expanded, when the step's backend declares
+`expanded_mla_prefill` and says the step fits (`AttentionLayer.expanded_prefill_applies`):
+the latent is expanded to per-head keys and values, attention runs at the per-head
+widths, and the latent row still goes to the pool for the steps that follow.
 """
 
 from __future__ import annotations
