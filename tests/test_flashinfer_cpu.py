@@ -14,13 +14,17 @@ import types
 import pytest
 import torch
 
+import attnserve.attention.backends.flashinfer.csr as fi_csr
+import attnserve.attention.backends.flashinfer.mha as fi_backend
 from attnserve.attention.backends.flashinfer import (
     FlashInferBackend,
     FlashInferMHABackend,
     FlashInferMLABackend,
     host_csr,
 )
+from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import ForwardBatch, ForwardMode
+from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.attention.metadata import build_paged_metadata
 from attnserve.attention.registry import create_backend, get_spec
 from attnserve.attention.reference import attend, reference_for_batch
@@ -370,8 +374,6 @@ def test_graph_page_buffer_is_fixed_after_capture(fake_flashinfer):
 
 def test_replay_plans_only_the_graph_metadata(fake_flashinfer, monkeypatch):
     """plan_for_replay builds page ids once, into the fixed buffer, and no eager metadata besides."""
-    import attnserve.attention.backends.flashinfer.csr as fi_csr
-    import attnserve.attention.backends.flashinfer.mha as fi_backend
 
     sb = make_batch([20, 3], [1, 1], page_size=4)
     backend = _backend(sb.pool)
@@ -482,8 +484,6 @@ def test_mla_decode_graph_buffers_follow_replays(fake_flashinfer):
                     "with CUDA, test_flashinfer_backend.py runs the real pair")
 def test_mla_hybrid_flashinfer_prefill_triton_decode(fake_flashinfer):
     """What selection picks for DeepSeek on an H200 (prefill flashinfer, decode triton) on one latent pool."""
-    from attnserve.attention.backends.triton import TritonBackend
-    from attnserve.attention.hybrid import HybridAttentionBackend
 
     sb = make_batch([9, 0, 21], [4, 11, 1], num_heads=4, mla=(32, 16), page_size=4, score_scale=8.0,
                     dtype=torch.bfloat16)
