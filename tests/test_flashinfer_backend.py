@@ -6,12 +6,17 @@ so the JIT builds can run in separate processes at once.
 
 import random
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from attnserve._lazy import is_installed
+from attnserve.attention.backends.flashinfer import FlashInferBackend
+from attnserve.attention.backends.flex import FlexAttentionBackend
+from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, ForwardBatch, ForwardMode, unsupported
+from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.registry import get_spec
 from attnserve.attention.synthetic import make_batch
@@ -30,7 +35,6 @@ def test_features_are_read_without_importing_flashinfer():
 
 
 def test_missing_flashinfer_names_the_install_command(monkeypatch):
-    from attnserve.attention.backends.flashinfer import FlashInferBackend
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # importing it now fails, installed or not
 
@@ -66,7 +70,6 @@ def _batch(seed, decode, page_size, **kw):
 
 
 def _backend(sb, **kw):
-    from attnserve.attention.backends.flashinfer import FlashInferBackend
 
     return FlashInferBackend(sb.pool, workspace_mb=64, **kw)
 
@@ -105,8 +108,6 @@ def test_base_verify_custom_mask(page_size):
 @pytest.mark.gpu
 @needs_flashinfer
 def test_base_hybrid_with_flex_decode():
-    from attnserve.attention.backends.flex import FlexAttentionBackend
-    from attnserve.attention.hybrid import HybridAttentionBackend
 
     sb = _batch(21, False, 16)
     hybrid = HybridAttentionBackend(_backend(sb, prefill_kernel="fa2"), FlexAttentionBackend(sb.pool, compile=False))
@@ -145,7 +146,6 @@ def test_base_decode_cuda_graph(page_size):
 
 
 def _rebind(sb, fb, q):
-    from dataclasses import replace
 
     return replace(sb, fb=fb, q=q, k=None, v=None)
 
@@ -200,7 +200,7 @@ def test_mla_decode_and_extend(kernel, decode, page_size):
         pytest.skip("FlashInfer's fa3 MLA kernel is SM90 only")
     sb = _mla_batch(40 + page_size, decode, page_size)
     backend = _backend(sb, mla_kernel=kernel)
-    assert backend.prefill_kernel == kernel
+    assert backend.kernel == kernel
     _check(sb, backend)
 
 
@@ -245,8 +245,6 @@ def test_mla_fp8_latent_on_hopper(decode):
 @needs_flashinfer
 def test_mla_hybrid_with_triton_decode():
     """DeepSeek's pick on an H200: FlashInfer MLA prefill, triton MLA decode, over one latent pool."""
-    from attnserve.attention.backends.triton import TritonBackend
-    from attnserve.attention.hybrid import HybridAttentionBackend
 
     sb = _mla_batch(11, False, 64)
     hybrid = HybridAttentionBackend(_backend(sb), TritonBackend(sb.pool))

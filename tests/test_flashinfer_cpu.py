@@ -14,10 +14,22 @@ import types
 import pytest
 import torch
 
+import attnserve.attention.backends.flashinfer.csr as fi_csr
+import attnserve.attention.backends.flashinfer.mha as fi_backend
+from attnserve.attention.backends.flashinfer import (
+    FlashInferBackend,
+    FlashInferMHABackend,
+    FlashInferMLABackend,
+    host_csr,
+)
+from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import ForwardBatch, ForwardMode
+from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.attention.metadata import build_paged_metadata
+from attnserve.attention.registry import create_backend, get_spec
 from attnserve.attention.reference import attend, reference_for_batch
 from attnserve.attention.synthetic import make_batch
+from attnserve.hardware import PRESET_HARDWARE
 
 LOG2E = 1 / math.log(2)
 
@@ -219,8 +231,6 @@ def fake_flashinfer(monkeypatch):
 
 
 def _backend(pool, **kw):
-    from attnserve.attention.backends.flashinfer import FlashInferBackend
-
     return FlashInferBackend(pool, workspace_mb=1, **kw)
 
 
@@ -307,8 +317,6 @@ def test_bad_options(fake_flashinfer):
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_host_csr_matches_device_metadata(page_size):
     """The host arrays handed to plan() equal what the device builder computes, empty prefixes included."""
-    from attnserve.attention.backends.flashinfer import host_csr
-
     seq, ext = [1, 17, 16, 33, 4, 64], [1, 5, 16, 2, 4, 1]
     for lens in (seq, [s - e for s, e in zip(seq, ext)]):  # whole sequences, then prefixes (some empty)
         width = max(seq)
@@ -366,8 +374,6 @@ def test_graph_page_buffer_is_fixed_after_capture(fake_flashinfer):
 
 def test_replay_plans_only_the_graph_metadata(fake_flashinfer, monkeypatch):
     """plan_for_replay builds page ids once, into the fixed buffer, and no eager metadata besides."""
-    import attnserve.attention.backends.flashinfer as fi_backend
-    import attnserve.attention.backends.flashinfer_csr as fi_csr
 
     sb = make_batch([20, 3], [1, 1], page_size=4)
     backend = _backend(sb.pool)
@@ -391,6 +397,30 @@ def test_replay_plans_only_the_graph_metadata(fake_flashinfer, monkeypatch):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
+# ---- one name, one class per pool kind ----------------------------------------------------------------
+def test_the_flashinfer_name_resolves_to_the_class_that_fits_the_pool(fake_flashinfer):
+    mha = make_batch([3], [1]).pool
+    mla = make_batch([3], [1], mla=(32, 16)).pool
+    spec = get_spec("flashinfer")
+    assert spec.load_class(mha) is FlashInferMHABackend and spec.load_class(mla) is FlashInferMLABackend
+    h100 = PRESET_HARDWARE["h100"]  # every package counts as installed; the pools stay on the CPU
+    assert type(create_backend("flashinfer", mha, hw=h100, workspace_mb=1)) is FlashInferMHABackend
+    assert type(create_backend("flashinfer", mla, hw=h100, workspace_mb=1)) is FlashInferMLABackend
+    assert type(_backend(mla)) is FlashInferMLABackend and type(_backend(mha)) is FlashInferMHABackend
+    with pytest.raises(ValueError, match="MLA pool takes FlashInferMLABackend"):
+        FlashInferMHABackend(mla, workspace_mb=1)
+    with pytest.raises(ValueError, match="MHA/GQA pool takes FlashInferMHABackend"):
+        FlashInferMLABackend(mha, workspace_mb=1)
+
+
+def test_each_class_declares_what_it_serves_and_the_name_both():
+    assert FlashInferMHABackend.features.attention_types == {"MHA", "GQA"}
+    assert FlashInferMLABackend.features.attention_types == {"MLA"}
+    assert not FlashInferMLABackend.features.custom_mask and "fp8_e5m2" not in FlashInferMLABackend.features.kv_dtypes
+    assert get_spec("flashinfer").features.attention_types == {"MHA", "GQA", "MLA"}
+    assert not get_spec("flashinfer").features.expanded_mla_prefill
+
+
 # ---- MLA (BatchMLAPagedAttentionWrapper) ----------------------------------------------------------------
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("decode", [True, False])
@@ -399,8 +429,9 @@ def test_mla_matches_oracle(fake_flashinfer, page_size, decode):
     sb = make_batch(prefix, ext, num_heads=6, mla=(32, 16), page_size=page_size, score_scale=8.0)
     backend = _backend(sb.pool)
     _check(sb, backend)
-    assert (backend.prefill_kernel, backend._mla.kernel) == ("fa2", "fa2") and "cpu" in backend.prefill_kernel_reason
-    (wrapper,) = backend._mla._wrappers.values()
+    assert isinstance(backend, FlashInferMLABackend)
+    assert backend.kernel == "fa2" and "cpu" in backend.kernel_reason
+    (wrapper,) = backend._wrappers.values()
     assert wrapper.backend == "fa2" and wrapper.causal == (not decode)
 
 
@@ -409,7 +440,7 @@ def test_mla_fp8_latent_with_its_scale(fake_flashinfer):
                     dtype=torch.bfloat16, score_scale=8.0)
     assert sb.pool.k_scale[0] != 1.0
     backend = _backend(sb.pool)
-    assert backend._mla.q_dtype == torch.bfloat16  # FlashInfer's FP8 MLA takes bf16 queries
+    assert backend.q_dtype == torch.bfloat16  # FlashInfer's FP8 MLA takes bf16 queries
     _check(sb, backend, tol=1e-2)
 
 
@@ -417,8 +448,8 @@ def test_mla_kernel_named_like_the_mha_wrapper(fake_flashinfer):
     sb = make_batch([9, 30], [1, 1], num_heads=4, mla=(32, 16))
     backend = _backend(sb.pool, mla_kernel="fa3")
     _check(sb, backend)
-    assert next(iter(backend._mla._wrappers.values())).backend == "fa3"
-    assert backend.prefill_kernel_reason == "requested explicitly"
+    assert next(iter(backend._wrappers.values())).backend == "fa3"
+    assert backend.kernel_reason == "requested explicitly"
 
 
 def test_mla_refuses_a_custom_mask(fake_flashinfer):
@@ -435,7 +466,7 @@ def test_mla_decode_graph_buffers_follow_replays(fake_flashinfer):
         backend.plan_for_capture(sb.fb)
     _check(sb, backend)
     backend.plan_for_capture(sb.fb)
-    (captured,) = backend._mla._graph_wrappers.values()
+    (captured,) = backend._graph_wrappers.values()
     for lens in ([31, 13, 6, 3], [2, 21, 42, 10]):
         fb = ForwardBatch.from_lengths(ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in lens], [1] * 4,
                                        sb.fb.req_to_token, sb.pool)
@@ -443,8 +474,8 @@ def test_mla_decode_graph_buffers_follow_replays(fake_flashinfer):
         out = backend.forward(sb.q, None, None, sb.layer, fb)
         ref = reference_for_batch(sb.q, sb.layer, fb)
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
-    assert list(backend._mla._graph_wrappers.values()) == [captured]  # one wrapper for batch size 4, planned again
-    assert captured.table[2] is backend._mla._graph.kv_indices and captured.plans == 3
+    assert list(backend._graph_wrappers.values()) == [captured]  # one wrapper for batch size 4, planned again
+    assert captured.table[2] is backend._graph.kv_indices and captured.plans == 3
     with pytest.raises(ValueError, match="decode only"):
         backend.plan_for_replay(make_batch([3], [2], num_heads=4, mla=(32, 16)).fb)
 
@@ -453,8 +484,6 @@ def test_mla_decode_graph_buffers_follow_replays(fake_flashinfer):
                     "with CUDA, test_flashinfer_backend.py runs the real pair")
 def test_mla_hybrid_flashinfer_prefill_triton_decode(fake_flashinfer):
     """What selection picks for DeepSeek on an H200 (prefill flashinfer, decode triton) on one latent pool."""
-    from attnserve.attention.backends.triton import TritonBackend
-    from attnserve.attention.hybrid import HybridAttentionBackend
 
     sb = make_batch([9, 0, 21], [4, 11, 1], num_heads=4, mla=(32, 16), page_size=4, score_scale=8.0,
                     dtype=torch.bfloat16)

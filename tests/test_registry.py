@@ -8,12 +8,13 @@ from attnserve.attention.registry import (
     REGISTRY,
     availability,
     create_backend,
+    family_features,
     get_spec,
     hardware_problems,
     resolve_name,
 )
 from attnserve.hardware import PRESET_HARDWARE, Hardware
-from attnserve.kvcache.pool import MHAKVPool
+from attnserve.kvcache.pool import MHAKVPool, MLAKVPool
 
 # SGLang's --attention-backend choices (v0.5.22 code: 25 names incl. 2 aliases), plus the two its docs
 # still list after PR 32114 deleted them
@@ -62,7 +63,7 @@ def test_known_but_unimplemented_backends_say_so():
     spec = get_spec("fa3")
     assert not spec.implemented and not spec.features.implemented
     with pytest.raises(ValueError, match="not implemented"):
-        spec.load_class()
+        spec.load_class(None)
     assert availability("fa3", PRESET_HARDWARE["h100"]) == ["not implemented in attnserve (known from SGLang)"]
     assert any("removed from SGLang" in r for r in availability("cutlass_mla", PRESET_HARDWARE["b200"]))
 
@@ -112,3 +113,34 @@ def test_create_backend_builds_the_cpu_default():
     backend = create_backend("torch_native", pool, hw=PRESET_HARDWARE["cpu"])
     assert backend.pool is pool
     assert type(backend).features is get_spec("torch_native").features
+
+
+# the features each implemented name declared before its MHA and MLA classes were split apart
+FLASHINFER_FEATURES = BackendFeatures(
+    kv_dtypes=frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}), attention_types=frozenset({"MHA", "GQA", "MLA"}),
+    head_dims=(64, 128, 256), sliding_window=True, logit_softcap=True, custom_mask=True, spec_topk1=True,
+    spec_topk_gt1=True, spec_topk_gt1_paged=True, cuda_graph=True, devices=frozenset({"cuda"}),
+    min_compute_capability=(8, 0), required_packages=("flashinfer",))
+
+
+def test_a_name_with_two_classes_keeps_its_features():
+    assert get_spec("flashinfer").features == FLASHINFER_FEATURES
+    assert "MLA" in get_spec("triton").features.attention_types
+
+
+def test_family_features_union_the_two_classes():
+    mha = BackendFeatures(attention_types=frozenset({"MHA", "GQA"}), page_sizes=(1, 16), custom_mask=True,
+                          min_compute_capability=(8, 0), required_packages=("a",))
+    mla = BackendFeatures(attention_types=frozenset({"MLA"}), page_sizes=(16, 64), expanded_mla_prefill=True,
+                          min_compute_capability=(9, 0), required_packages=("a", "b"))
+    both = family_features(mha, mla)
+    assert both.attention_types == {"MHA", "GQA", "MLA"} and both.page_sizes == (1, 16, 64)
+    assert both.custom_mask and both.expanded_mla_prefill
+    assert both.min_compute_capability == (8, 0) and both.required_packages == ("a", "b")
+    assert family_features(mha, BackendFeatures(page_sizes=None)).page_sizes is None  # None: any page size
+    assert family_features(BackendFeatures(), BackendFeatures()) == BackendFeatures()
+
+
+def test_load_class_picks_by_pool():
+    spec = get_spec("torch_native")
+    assert spec.load_class(MHAKVPool(4, 1, 1, 1, 8)) is spec.load_class(MLAKVPool(4, 1, 1, 8, 4))

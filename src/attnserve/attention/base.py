@@ -105,7 +105,7 @@ class ForwardBatch:
         pool: KVPool,
         **kwargs,
     ) -> ForwardBatch:
-        """Build a batch whose slots are already written in req_to_token (tests, benchmarks, the runner)."""
+        """Build a batch whose slots are already written in req_to_token (tests, kernel races, the runner)."""
         device = req_to_token.device
         seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
         rows = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
@@ -153,6 +153,7 @@ class BackendFeatures:
     prefill: bool = True
     decode: bool = True
     deterministic: bool = False
+    expanded_mla_prefill: bool = False  # fresh MLA prompts over K/V expanded per head (forward_expanded_prefill)
     devices: frozenset[str] = frozenset({"cuda"})  # cpu, cuda, rocm, mps, xpu, npu
     compute_capabilities: tuple[int, ...] | None = None  # allowed major versions (9 = Hopper); None: any
     min_compute_capability: tuple[int, int] | None = None
@@ -314,6 +315,25 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerParams, fb: ForwardBatch) -> torch.Tensor:
         """One query token per request against its whole KV."""
+
+    # ---- expanded MLA prefill (declared by `features.expanded_mla_prefill`) ---------------------
+    def expanded_prefill_applies(self, fb: ForwardBatch) -> bool:
+        """Whether this planned step may run MLA attention over K/V expanded per head.
+
+        Only a backend that declares `features.expanded_mla_prefill` is asked (`AttentionLayer` checks
+        the flag first); it answers for the step `plan(fb)` described (typically: fresh prompts only).
+        """
+        return False
+
+    def forward_expanded_prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerParams, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """MLA prefill with the latent expanded per head: q, k `[T, H, nope + rope]`, v `[T, H, v]` -> `[T, H, v]`.
+
+        The latent rows are already in the pool for the steps that follow; this attends over this
+        step's expanded K/V, causally within each request.
+        """
+        raise NotImplementedError(f"backend {self.name} has no expanded MLA prefill")
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:

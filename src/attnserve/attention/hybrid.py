@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch, ForwardMode
+from attnserve.attention.registry import create_backend
 
 SPECULATIVE_ATTENTION_MODES = ("prefill", "decode")
 
@@ -23,9 +24,9 @@ SPECULATIVE_ATTENTION_MODES = ("prefill", "decode")
 # ---- what the pair can do -------------------------------------------------------------------------
 # Every layer runs on both sides (prefill steps on one, decode steps on the other), so a feature the model
 # needs must hold on both: flags are and-ed, sets and allowed lists intersected (None means any), the
-# strictest minimum wins and the packages of both are needed. Four features belong to the steps of
+# strictest minimum wins and the packages of both are needed. Five features belong to the steps of
 # one side only (the engine captures CUDA graphs for decode steps; custom masks serve speculative
-# verify); `hybrid_features` takes those from that side.
+# verify; expanded MLA prefill runs fresh prompts); `hybrid_features` takes those from that side.
 def _both(a: bool, b: bool) -> bool:
     return a and b
 
@@ -56,7 +57,8 @@ COMBINE_BOTH_SIDES = {
     "min_compute_capability": _strictest_minimum,
     "required_packages": _all_packages,
 }
-ONE_SIDE = {"prefill": "prefill", "decode": "decode", "cuda_graph": "decode", "custom_mask": "verify"}
+ONE_SIDE = {"prefill": "prefill", "decode": "decode", "cuda_graph": "decode", "custom_mask": "verify",
+            "expanded_mla_prefill": "prefill"}
 
 
 def hybrid_features(prefill: BackendFeatures, decode: BackendFeatures, verify: BackendFeatures) -> BackendFeatures:
@@ -118,6 +120,14 @@ class HybridAttentionBackend(AttentionBackend):
     def forward_decode(self, q, layer, fb: ForwardBatch):
         return self.backend_for(fb.mode).forward_decode(q, layer, fb)
 
+    # ---- expanded MLA prefill: asked of, and run by, the side that serves the step (prefill for fresh prompts) ----
+    def expanded_prefill_applies(self, fb: ForwardBatch) -> bool:
+        side = self.backend_for(fb.mode)
+        return side.features.expanded_mla_prefill and side.expanded_prefill_applies(fb)
+
+    def forward_expanded_prefill(self, q, k, v, layer, fb: ForwardBatch):
+        return self.backend_for(fb.mode).forward_expanded_prefill(q, k, v, layer, fb)
+
     # ---- CUDA graphs: decode graphs belong to the decode backend; verify graphs to whichever serves verify ----
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
         self.graph_max_bs = max_bs
@@ -140,8 +150,6 @@ HybridBackend = HybridAttentionBackend  # the shorter name the engine uses
 
 def build_backend(selection, pool, hw=None, speculative_attention_mode: str = "prefill", **options) -> AttentionBackend:
     """Instantiate what a Selection names: one backend, or a hybrid when prefill and decode differ."""
-    from attnserve.attention.registry import create_backend
-
     if not selection.is_hybrid:
         return create_backend(selection.prefill_backend, pool, hw, **options)
     prefill = create_backend(selection.prefill_backend, pool, hw, **options)

@@ -3,6 +3,10 @@
 Models hold one per transformer layer and call it with projected q/k/v; the
 layer writes this step's K/V into the pool and hands the rest to whichever
 backend the step was planned with (`fb.attn_backend`).
+
+MLA models may also ask whether the step runs expanded prefill
+(`expanded_prefill_applies`) and, when it does, call `forward_expanded`: the
+layer hands that only to a backend that declares `features.expanded_mla_prefill`.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnserve.attention.base import ForwardBatch
+from attnserve.attention.base import AttentionBackend, ForwardBatch
 
 
 class AttentionLayer(nn.Module):
@@ -59,6 +63,12 @@ class AttentionLayer(nn.Module):
     def gqa_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @staticmethod
+    def _backend(fb: ForwardBatch) -> AttentionBackend:
+        if fb.attn_backend is None:
+            raise ValueError("ForwardBatch has no attn_backend; plan the step with a backend first")
+        return fb.attn_backend
+
     def forward(
         self,
         q: torch.Tensor,
@@ -73,9 +83,7 @@ class AttentionLayer(nn.Module):
         rope: the model's RopeStep when q and k still need rotating; the backend then rotates and
         stores in one call (fused into one kernel where the model and pool allow).
         """
-        backend = fb.attn_backend
-        if backend is None:
-            raise ValueError("ForwardBatch has no attn_backend; plan the step with a backend first")
+        backend = self._backend(fb)
         tokens = q.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         if k is not None:
@@ -90,3 +98,31 @@ class AttentionLayer(nn.Module):
             backend.store_kv(self, fb, k, v)
         o = backend.forward(q, k, v, self, fb)  # [T, H, v_head_dim]
         return o.reshape(tokens, self.num_heads * self.v_head_dim)
+
+    # ---- expanded MLA prefill -------------------------------------------------------------------------
+    def expanded_prefill_applies(self, fb: ForwardBatch) -> bool:
+        """Whether this MLA layer's step runs over K/V expanded per head (`forward_expanded`) rather than
+        the absorbed latent: the step's backend declares `features.expanded_mla_prefill` and says the
+        planned step fits (e.g. fresh prompts only)."""
+        if not self.is_mla:
+            return False
+        backend = self._backend(fb)
+        return backend.features.expanded_mla_prefill and backend.expanded_prefill_applies(fb)
+
+    def forward_expanded(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, latent_row: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """MLA prefill over the latent expanded per head -> o `[T, H * v]`.
+
+        q, k `[T, H, nope + rope]`, v `[T, H, v]`; latent_row `[T, 1, kv_lora_rank + rope]` is what the
+        pool stores, written here for the steps that follow (which read it in the absorbed form).
+        """
+        backend = self._backend(fb)
+        if not self.is_mla:
+            raise ValueError(f"layer {self.layer_id} is not MLA; expanded prefill is an MLA path")
+        if not backend.features.expanded_mla_prefill:
+            raise ValueError(f"backend {backend.name} does not declare expanded MLA prefill")
+        tokens = q.shape[0]
+        backend.store_kv(self, fb, latent_row, None)
+        o = backend.forward_expanded_prefill(q, k, v, self, fb)  # [T, H, v]
+        return o.reshape(tokens, self.num_heads * v.shape[-1])

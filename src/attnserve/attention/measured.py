@@ -1,18 +1,17 @@
 """The fallback order measured per GPU model and attention type, shipped inside the package.
 
-`measured_order.json` (package data, so an installed wheel has it) holds, per GPU key ('h200') and
+`measured_order.json` (package data, so an installed wheel has it) holds, per GPU key (e.g. 'h100') and
 attention type ('MHA' for MHA/GQA, 'MLA'), the implemented backends fastest first on each side and
 each one's score (its mean time relative to the fastest backend of each workload, `ranking.rank`),
 from a committed `attnserve bench kernels` run (`source` names it). MHA and MLA are ranked apart:
-they are different kernels (FlashInfer's MLA wrapper is 3-7x our Triton MLA on the H200 while our
-Triton MHA decode beats FlashInfer's), so an MLA model must not inherit the MHA order. A race over
-several head counts also ships an order per head count (`by_heads`), and a model takes the one raced
-nearest its query heads per rank: on the H200 FlashInfer's MLA decode wins at 128 heads and ours at
-16 (DeepSeek-V2-Lite, or V3 at tensor parallel 8), which one order over both would hide.
+a backend's MLA kernels are different kernels from its MHA ones, so an MLA model must not inherit
+the MHA order. A race over several head counts also ships an order per head count (`by_heads`),
+and a model takes the one raced nearest its query heads per rank, since the fastest MLA decode
+kernel can differ between many heads (one GPU) and few (tensor parallel).
 
-Regenerate after a new race (each file fills the attention types it raced):
-`python benchmarks/ship_measured_order.py benchmarks/results/kernels-h200.json benchmarks/results/kernels-mla-h200.json`;
-a test checks the shipped order still matches the committed races.
+The package-data builder (`tools/ship_measured_order.py`, given the race result files) regenerates
+the file after a new race, each result filling the attention types it raced; a test checks the
+shipped order still matches the committed races.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ SIDES = ("prefill", "decode")
 
 
 def gpu_key(name: str) -> str:
-    """'NVIDIA H200' -> 'h200': the first word after the vendor (the file names of races use it)."""
+    """'NVIDIA H100 80GB HBM3' -> 'h100': the first word after the vendor (the file names of races use it)."""
     words = name.lower().replace("nvidia", "").split()
     return words[0] if words else ""
 

@@ -2,17 +2,21 @@
 
 Backends implemented here are listed as "module:Class"; their features are read from
 the class (backend modules import heavy packages only inside methods, so reading
-features is cheap). SGLang backends attnserve does not implement keep their
-features here as data, so selection and validation can still reason about them.
+features is cheap). Where a name has one class for MHA/GQA pools and another for MLA
+latent pools, the spec names both: `load_class(pool)` picks the one that fits the pool,
+and the name's features are what the two together support (`family_features`). SGLang
+backends attnserve does not implement keep their features here as data, so selection
+and validation can still reason about them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 
 from attnserve.attention.base import ALL_KV_DTYPES, AttentionBackend, BackendFeatures
-from attnserve.hardware import Hardware
+from attnserve.hardware import Hardware, detect_hardware
 
 _MHA = frozenset({"MHA", "GQA"})
 _MLA = frozenset({"MLA"})
@@ -21,30 +25,75 @@ _FP8 = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_e5m2"})
 _NOFP8 = frozenset({"bf16", "fp16"})
 
 
+# ---- one name, two classes: what the name supports is what either class supports ----------------------
+def _either(a: bool, b: bool) -> bool:
+    return a or b
+
+
+def _union(a, b):
+    """Allowed values of either class; None allows anything."""
+    if a is None or b is None:
+        return None
+    if isinstance(a, frozenset):
+        return a | b
+    return tuple(dict.fromkeys((*a, *b)))
+
+
+def _weakest_minimum(a, b):
+    return None if a is None or b is None else min(a, b)
+
+
+COMBINE_FAMILY = {
+    "page_sizes": _union, "kv_dtypes": _union, "attention_types": _union, "head_dims": _union,
+    "devices": _union, "compute_capabilities": _union, "required_packages": _union,
+    "min_compute_capability": _weakest_minimum,
+    "implemented": lambda a, b: a and b,
+}
+
+
+def family_features(mha: BackendFeatures, mla: BackendFeatures) -> BackendFeatures:
+    """The features of a name whose MHA/GQA pools and MLA pools are served by different classes."""
+    values = {}
+    for f in dataclasses.fields(BackendFeatures):
+        combine = COMBINE_FAMILY.get(f.name)
+        if combine is None and f.type not in ("bool", bool):
+            raise TypeError(f"BackendFeatures.{f.name} has no rule for combining a name's two classes")
+        values[f.name] = (combine or _either)(getattr(mha, f.name), getattr(mla, f.name))
+    return BackendFeatures(**values)
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     name: str
     summary: str
-    factory: str | None = None  # "module:Class" when attnserve implements it
+    factory: str | None = None  # "module:Class" when attnserve implements it (the class for every pool, or MHA/GQA)
     data_features: BackendFeatures | None = None  # for backends without an implementation here
     removed: str | None = None  # SGLang removed it; why / when
+    mla_factory: str | None = None  # "module:Class" for MLA latent pools, when another class serves them
 
     @property
     def implemented(self) -> bool:
         return self.factory is not None
 
-    def load_class(self) -> type[AttentionBackend]:
+    def load_class(self, pool) -> type[AttentionBackend]:
+        """The class that serves `pool` (MLA latent pools take `mla_factory` where the name has one)."""
         if self.factory is None:
             raise ValueError(f"attention backend {self.name!r} is known (SGLang) but not implemented in attnserve")
-        module, cls = self.factory.split(":")
-        return getattr(importlib.import_module(module), cls)
+        return _import(self.mla_factory if self.mla_factory is not None and pool.is_mla else self.factory)
 
     @property
     def features(self) -> BackendFeatures:
-        if self.factory is not None:
-            return self.load_class().features
-        assert self.data_features is not None
-        return self.data_features
+        if self.factory is None:
+            assert self.data_features is not None
+            return self.data_features
+        if self.mla_factory is None:
+            return _import(self.factory).features
+        return family_features(_import(self.factory).features, _import(self.mla_factory).features)
+
+
+def _import(target: str) -> type[AttentionBackend]:
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def _f(**kw) -> BackendFeatures:
@@ -52,10 +101,16 @@ def _f(**kw) -> BackendFeatures:
 
 
 _PKG = "attnserve.attention.backends"
+# The triton name's classes: (MHA/GQA pools or every pool, MLA pools or None). With the triton package split
+# into MHA and MLA classes, the line below becomes:
+# _TRITON = (f"{_PKG}.triton:TritonMHABackend", f"{_PKG}.triton:TritonMLABackend")
+_TRITON = (f"{_PKG}.triton:TritonBackend", None)  # TritonBackend serves both pool kinds
 _SPECS = [
     BackendSpec("torch_native", "PyTorch reference over the paged pool; CPU default", f"{_PKG}.torch_native:TorchNativeBackend"),
-    BackendSpec("triton", "attnserve's Triton kernels: split-KV decode, paged-prefix extend", f"{_PKG}.triton:TritonBackend"),
-    BackendSpec("flashinfer", "FlashInfer paged decode/prefill; SGLang's general NVIDIA default", f"{_PKG}.flashinfer:FlashInferBackend"),
+    BackendSpec("triton", "attnserve's Triton kernels: split-KV decode, paged-prefix extend", _TRITON[0],
+                mla_factory=_TRITON[1]),
+    BackendSpec("flashinfer", "FlashInfer paged decode/prefill; SGLang's general NVIDIA default",
+                f"{_PKG}.flashinfer:FlashInferMHABackend", mla_factory=f"{_PKG}.flashinfer:FlashInferMLABackend"),
     BackendSpec("flex_attention", "PyTorch FlexAttention with a block mask from the page table", f"{_PKG}.flex:FlexAttentionBackend"),
     BackendSpec("fa3", "FlashAttention 3 (SGLang sgl-kernel); the Hopper default", data_features=_f(
         kv_dtypes=frozenset({"bf16", "fp16", "fp8_e4m3"}), attention_types=_ANY, sliding_window=True,
@@ -175,15 +230,14 @@ def availability(name: str, hw: Hardware) -> list[str]:
 
 
 def create_backend(name: str, pool, hw: Hardware | None = None, **options) -> AttentionBackend:
-    """Instantiate a backend, or raise ValueError with every reason it can't run here."""
-    from attnserve.hardware import detect_hardware
-
+    """Instantiate the backend class of `name` that fits the pool, or raise ValueError with every reason
+    it can't run here."""
     spec = get_spec(name)
     problems = availability(spec.name, hw or detect_hardware())
     if problems:
         raise ValueError(f"attention backend {spec.name!r} cannot run here: {'; '.join(problems)}")
-    return spec.load_class()(pool, **options)
+    return spec.load_class(pool)(pool, **options)
 
 
-__all__ = ["ALIASES", "ALL_KV_DTYPES", "REGISTRY", "BackendSpec", "availability", "create_backend", "get_spec",
-           "hardware_problems", "resolve_name"]
+__all__ = ["ALIASES", "ALL_KV_DTYPES", "REGISTRY", "BackendSpec", "availability", "create_backend",
+           "family_features", "get_spec", "hardware_problems", "resolve_name"]

@@ -1,4 +1,4 @@
-"""Random paged batches with known contents: what tests and kernel benchmarks run on.
+"""Random paged batches with known contents: what tests and kernel races run on.
 
 Pages are handed out in shuffled order so that a kernel that assumes contiguous
 KV, or confuses pages with slots, gives wrong answers.

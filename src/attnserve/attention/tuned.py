@@ -5,7 +5,7 @@ writes `tune-<machine>-<shape>.json` under the cache directory ($ATTNSERVE_CACHE
 default ~/.cache/attnserve). Selection prefers its winner per side when the result was
 taken on this machine (same device name), for the same shape (heads per rank, widths,
 MLA or not, KV dtype, page size) and with the same package versions; a result from other
-versions is stale (a FlashInfer upgrade once made Hopper decode ~7x slower) and is
+versions is stale (a kernel package upgrade can change which backend is fastest) and is
 reported, not used. A file that can't be read or parsed is reported and skipped: a
 broken cache never stops the engine.
 """

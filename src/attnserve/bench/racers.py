@@ -71,7 +71,7 @@ def build_race_batch(w: Workload, num_heads: int = 32, num_kv_heads: int = 8, he
 def attnserve_racer(name: str, rb: RaceBatch, **options) -> Callable[[], torch.Tensor]:
     from attnserve.attention.registry import get_spec
 
-    backend = get_spec(name).load_class()(rb.pool, **options)
+    backend = get_spec(name).load_class(rb.pool)(rb.pool, **options)
     rb.fb.attn_backend = backend
     backend.plan(rb.fb)
     rb.keep.append(backend)

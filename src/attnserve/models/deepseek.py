@@ -1,9 +1,8 @@
 """DeepSeek-V2/V3 with multi-head latent attention (MLA) over the latent KV pool.
 
 The pool keeps one row per token: the compressed KV latent c (kv_lora_rank,
-normalised) followed by the RoPE'd shared key k_pe (qk_rope_head_dim). Attention
-runs in the absorbed form for prefill and decode alike, so there is one code
-path and nothing but the latent is ever stored:
+normalised) followed by the RoPE'd shared key k_pe (qk_rope_head_dim), and nothing
+but the latent is ever stored. Attention runs in the absorbed form:
 
     score = q_nope . (W_UK c) + q_pe . k_pe = (W_UK^T q_nope) . c + q_pe . k_pe
     out   = W_UV (sum_j p_j c_j)
@@ -12,6 +11,11 @@ i.e. each query head is folded through its key up-projection into latent space,
 attention is plain MQA against the 576-wide latent (one shared KV head, V = the
 first kv_lora_rank columns), and the value up-projection is applied once to the
 attended latent. (DeepSeek-V2 paper, section 2.1.2.)
+
+Fresh prompts may instead run expanded, when the step's backend declares
+`expanded_mla_prefill` and says the step fits (`AttentionLayer.expanded_prefill_applies`):
+the latent is expanded to per-head keys and values, attention runs at the per-head
+widths, and the latent row still goes to the pool for the steps that follow.
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ class MLAttention(nn.Module):
         # the latent row is [latent, k_pe]: RoPE stays unfused here and the layer stores the row
         q_pe, k_pe = rope.rotate(q_pe, k_pe.view(tokens, 1, self.rope_dim))
         w_uk, w_uv = self._up_projections()
-        if getattr(fb.attn_backend, "mla_expanded_applies", lambda _: False)(fb):
+        if self.attn.expanded_prefill_applies(fb):
             return self._forward_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, fb)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         q_full = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
@@ -106,20 +110,19 @@ class MLAttention(nn.Module):
         o = torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))
 
-
     def _forward_expanded(self, q_nope, q_pe, latent, k_pe, w_uk, w_uv, fb: ForwardBatch) -> torch.Tensor:
-        """Fresh prompts, where the backend offers it: the latent expanded to per-head keys (nope + rope) and
-        values, so attention is 192 / 128 wide instead of 576 / 512 (DeepSeek's widths). The pool still
-        gets the latent row, which later steps read in the absorbed form."""
+        """Fresh prompts, where the step's backend declares it: the latent expanded to per-head keys
+        (nope + rope) and values, so attention runs at the per-head widths (192 / 128 for DeepSeek-V3)
+        instead of the latent's (576 / 512). The pool still gets the latent row, which later steps read
+        in the absorbed form."""
         tokens = latent.shape[0]
-        backend = fb.attn_backend
-        backend.store_kv(self.attn, fb, torch.cat((latent[:, None, :], k_pe), dim=-1), None)
+        kv_row = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, rank + rope]: what the pool stores
         k_nope = torch.einsum("tr,hnr->thn", latent, w_uk)  # [T, H, nope]
         v = torch.einsum("tr,hvr->thv", latent, w_uv)  # [T, H, v]
         q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
         k = torch.cat((k_nope, k_pe.expand(tokens, self.num_heads, self.rope_dim)), dim=-1)  # [T, H, nope + rope]
-        o = backend.forward_mla_expanded(q, k, v, self.attn, fb)  # [T, H, v]
-        return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))
+        o = self.attn.forward_expanded(q, k, v, kv_row, fb)  # [T, H * v]
+        return self.o_proj(o)
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):

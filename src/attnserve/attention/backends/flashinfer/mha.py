@@ -1,13 +1,10 @@
-"""flashinfer: FlashInfer's paged kernels behind the attnserve contract.
+"""FlashInfer's paged MHA/GQA wrappers behind the attnserve contract.
 
 The pool's `[num_slots, kv_heads, d]` buffers are FlashInfer's NHD paged layout
 `[num_pages, page_size, kv_heads, d]` viewed without a copy, so the CSR metadata
 of metadata.py is handed over as it is.
 
-- Decode: BatchDecodeWithPagedKVCacheWrapper, tensor-core path by default; on the
-  H200 it moved 4.21-4.32 TB/s at 64-128 requests of 2-4K tokens and 3.0-3.9 TB/s
-  at 1-8 long requests or 256 short ones (GQA 4:1, d=128, CUDA graphs;
-  benchmarks/results/kernels-h200.json).
+- Decode: BatchDecodeWithPagedKVCacheWrapper, tensor-core path by default.
 - Prefill: "paged" (default) runs the paged prefill wrapper over the whole KV with
   causal masking aligned to each request's end (new K/V are already in the pool);
   "ragged" runs the new tokens through the ragged wrapper and the cached prefix
@@ -20,14 +17,12 @@ of metadata.py is handed over as it is.
   indptr and last-page lengths on the host, so they are built there from the
   batch's host lengths (a device copy would cost a sync per step); page ids stay
   on the device.
-- MLA pools (DeepSeek): BatchMLAPagedAttentionWrapper for decode and extend, in
-  flashinfer_mla.py; the rest of this module serves MHA/GQA pools.
 - CUDA graphs (decode): one wrapper per captured batch size over fixed-address
   metadata buffers, as FlashInfer fixes the batch size of a graph-mode wrapper.
   The page-id buffer holds max_bs full rows of req_to_token: a batch can list more
   pages than the pool has (a shared prefix counts once per request using it).
 
-flashinfer is imported only when a backend object is built.
+MLA latent pools have their own backend (mla.py); the registry picks by pool.
 """
 
 from __future__ import annotations
@@ -36,8 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backends.flashinfer_csr import HostCSR, graph_step_metadata, host_csr
-from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch
+from attnserve.attention.backends.flashinfer.common import (
+    FEATURES,
+    allocate_workspace,
+    default_q_dtype,
+    flashinfer_module,
+)
+from attnserve.attention.backends.flashinfer.csr import HostCSR, graph_step_metadata, host_csr
+from attnserve.attention.base import AttentionBackend, ForwardBatch
 from attnserve.attention.metadata import (
     MetadataBuffers,
     PagedKVMetadata,
@@ -65,23 +66,11 @@ class _Signature:
                    layer.logit_cap, float(layer.scaling))
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferMHABackend(AttentionBackend):
+    """FlashInfer over an MHA/GQA pool: paged decode, paged or ragged prefill."""
+
     name = "flashinfer"
-    features = BackendFeatures(
-        kv_dtypes=frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}),
-        attention_types=frozenset({"MHA", "GQA", "MLA"}),
-        head_dims=(64, 128, 256),
-        sliding_window=True,
-        logit_softcap=True,
-        custom_mask=True,
-        spec_topk1=True,
-        spec_topk_gt1=True,
-        spec_topk_gt1_paged=True,
-        cuda_graph=True,
-        devices=frozenset({"cuda"}),
-        min_compute_capability=(8, 0),
-        required_packages=("flashinfer",),
-    )
+    features = FEATURES
 
     def __init__(
         self,
@@ -91,7 +80,6 @@ class FlashInferBackend(AttentionBackend):
         prefill_kernel: str = "auto",
         prefill_path: str = "paged",
         q_dtype: torch.dtype | None = None,
-        mla_kernel: str = "auto",
         **options,
     ):
         """
@@ -99,30 +87,20 @@ class FlashInferBackend(AttentionBackend):
         prefill_path: "paged" (one paged causal pass) or "ragged" (new tokens ragged + prefix paged,
             merged by LSE; falls back to paged for sliding windows and custom masks).
         q_dtype: dtype of queries and outputs (default: the pool's, or bf16 for an FP8 pool).
-        mla_kernel: for MLA pools, BatchMLAPagedAttentionWrapper's kernel: "auto" (fa3 on Hopper), "fa2", "fa3".
         """
         super().__init__(pool, **options)
+        if pool.is_mla:
+            raise ValueError("FlashInferMHABackend serves MHA/GQA pools; an MLA pool takes FlashInferMLABackend")
         if prefill_kernel not in ("auto", "fa2", "fa3"):
             raise ValueError(f"prefill_kernel must be auto, fa2 or fa3, got {prefill_kernel!r}")
         if prefill_path not in ("paged", "ragged"):
             raise ValueError(f"prefill_path must be paged or ragged, got {prefill_path!r}")
-        from attnserve._lazy import require
-
-        self._fi = require("flashinfer", "the flashinfer attention backend")
+        self._fi = flashinfer_module()
         device = pool.device
-        self.workspace = torch.zeros(workspace_mb << 20, dtype=torch.uint8, device=device)  # [bytes]
-        self._mla = None
-        if pool.is_mla:  # the latent pool has its own wrapper; the MHA machinery below stays unused
-            from attnserve.attention.backends.flashinfer_mla import FlashInferMLA
-
-            self._mla = FlashInferMLA(self._fi, pool, self.workspace, q_dtype or (torch.bfloat16 if pool.is_fp8
-                                                                                  else pool.dtype), mla_kernel)
-            self.q_dtype = self._mla.q_dtype
-            self.prefill_kernel, self.prefill_kernel_reason = self._mla.kernel, self._mla.kernel_reason
-            return
+        self.workspace = allocate_workspace(workspace_mb, device)
         self.use_tensor_cores = use_tensor_cores
         self.prefill_path = prefill_path
-        self.q_dtype = q_dtype or (torch.bfloat16 if pool.is_fp8 else pool.dtype)
+        self.q_dtype = q_dtype or default_q_dtype(pool)
         self.prefill_kernel, self.prefill_kernel_reason = self._choose_prefill_kernel(prefill_kernel, device)
         self._signatures: list[_Signature] = []  # every layer signature seen, in order
         self._decode_wrappers: dict[_Signature, object] = {}
@@ -145,15 +123,11 @@ class FlashInferBackend(AttentionBackend):
             return "fa2", "FP8 KV with bf16/fp16 queries runs on fa2 (fa3 wants FP8 queries too)"
         if self.pool.head_dim != self.pool.v_head_dim or self.pool.head_dim not in (64, 128, 256):
             return "fa2", f"fa3 prefill is built for equal K/V widths of 64/128/256, got {self.pool.head_dim}"
-        return "fa3", ("Hopper: fa3 prefill ran 336-647 TFLOP/s vs fa2 263-383 on the H200, 1.3-1.7x per workload "
-                       "(causal, d=128; benchmarks/results/kernels-h200.json)")
+        return "fa3", "Hopper (SM90, CUDA >= 12.3), equal K/V widths and no FP8 KV: FlashInfer's fa3 prefill applies"
 
     # ---- per step -------------------------------------------------------------------------------
     def plan(self, fb: ForwardBatch) -> None:
         """CSR metadata once per step; FlashInfer plans follow per layer signature (host side)."""
-        if self._mla is not None:
-            self._mla.plan(fb)
-            return
         self._fb = fb
         self._meta: PagedKVMetadata = metadata_for_batch(fb)
         self._host = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
@@ -198,8 +172,6 @@ class FlashInferBackend(AttentionBackend):
         )
 
     def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
-        if self._mla is not None:
-            return self._mla.forward(q, layer, fb)
         sig = _Signature.of(layer)
         self._remember(sig)
         if self._graph_bs is not None:
@@ -224,8 +196,6 @@ class FlashInferBackend(AttentionBackend):
         return table[key]
 
     def forward_extend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        if self._mla is not None:
-            return self._mla.forward(q, layer, fb)
         sig = _Signature.of(layer)
         self._remember(sig)
         use_ragged = (self.prefill_path == "ragged" and k is not None and v is not None
@@ -285,15 +255,9 @@ class FlashInferBackend(AttentionBackend):
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
         """Index buffers now; the page-id buffer is sized at the first capture, from req_to_token's width."""
         self.graph_max_bs = max_bs
-        if self._mla is not None:
-            self._mla.init_graph_buffers(max_bs)
-            return
         self._graph_buffers = MetadataBuffers.allocate(max_bs, 0, self.pool.device)
 
     def _plan_graph(self, fb: ForwardBatch) -> None:
-        if self._mla is not None:
-            self._mla.plan_graph(fb)
-            return
         bs = fb.batch_size
         meta = graph_step_metadata(fb, self._graph_buffers, self.graph_max_bs, self.pool, bool(self._signatures),
                                    captured=bool(self._graph_wrappers))

@@ -1,4 +1,4 @@
-"""The MLA side of the flashinfer backend: BatchMLAPagedAttentionWrapper over the latent pool.
+"""FlashInfer's MLA backend: BatchMLAPagedAttentionWrapper over the latent pool.
 
 The MLA pool's `[num_slots, 1, kv_lora_rank + rope]` buffer viewed as `[num_pages, page_size, width]`
 and cut at kv_lora_rank gives FlashInfer's two caches (ckv and kpe) without a copy; the absorbed
@@ -6,10 +6,11 @@ query `[T, H, kv_lora_rank + rope]` is cut the same way. One wrapper serves deco
 alike (qo_indptr says how many new tokens each request has; causal masking is aligned to each
 request's end, and the new latent rows are already in the pool).
 
-The kernel is named like the MHA prefill's: fa3 on Hopper, fa2 elsewhere, or as requested.
-FP8 latents: FlashInfer 0.6.18 reads e4m3 on SM90 only, with bf16 queries and a per-tensor
-scale for each cache (the pool's one scale serves both); e5m2, FP8 elsewhere and custom masks
-are refused here (selection's limits say so before a backend is built).
+The kernel is named like the MHA prefill's: fa3 on Hopper, fa2 elsewhere, or as requested, and
+recorded in `kernel` / `kernel_reason`. FP8 latents: FlashInfer's MLA wrapper reads e4m3 on SM90
+only, with bf16 queries and a per-tensor scale for each cache (the pool's one scale serves both);
+e5m2, FP8 elsewhere and custom masks are refused here (selection's limits say so before a backend
+is built).
 
 CUDA graphs (decode): one wrapper per captured batch size over fixed index buffers, planned
 again in place before each replay, as for MHA.
@@ -21,7 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backends.flashinfer_csr import graph_step_metadata, host_csr
+from attnserve.attention.backends.flashinfer.common import (
+    MLA_FEATURES,
+    allocate_workspace,
+    default_q_dtype,
+    flashinfer_module,
+)
+from attnserve.attention.backends.flashinfer.csr import graph_step_metadata, host_csr
+from attnserve.attention.base import AttentionBackend, ForwardBatch
 from attnserve.attention.metadata import MetadataBuffers, metadata_for_batch
 
 
@@ -44,11 +52,25 @@ def choose_mla_kernel(requested: str, device: torch.device) -> tuple[str, str]:
     major, _ = torch.cuda.get_device_capability(device)
     if major != 9:
         return "fa2", f"FlashInfer's fa3 MLA kernel is built for SM90 (this is sm{major}x)"
-    return "fa3", "Hopper: fa3 MLA decode ran 1.4-2.0x faster than fa2 on the H200 (/work/shared/GPU.md)"
+    return "fa3", "Hopper (SM90): FlashInfer's fa3 MLA kernel applies"
 
 
-class FlashInferMLA:
-    def __init__(self, fi, pool, workspace: torch.Tensor, q_dtype: torch.dtype, kernel: str = "auto"):
+class FlashInferMLABackend(AttentionBackend):
+    """FlashInfer over an MLA latent pool: one absorbed MLA wrapper for decode and extend."""
+
+    name = "flashinfer"
+    features = MLA_FEATURES
+
+    def __init__(self, pool, workspace_mb: int = 256, q_dtype: torch.dtype | None = None, mla_kernel: str = "auto",
+                 **options):
+        """
+        q_dtype: dtype of queries and outputs (default: the pool's, or bf16 for an FP8 pool).
+        mla_kernel: BatchMLAPagedAttentionWrapper's kernel: "auto" (fa3 on Hopper), "fa2" or "fa3".
+        """
+        super().__init__(pool, **options)
+        if not pool.is_mla:
+            raise ValueError("FlashInferMLABackend serves MLA latent pools; an MHA/GQA pool takes FlashInferMHABackend")
+        q_dtype = q_dtype or default_q_dtype(pool)
         if pool.is_fp8:
             if pool.dtype != torch.float8_e4m3fn:
                 raise ValueError(f"FlashInfer's MLA wrapper reads FP8 e4m3 latents only, the pool is {pool.dtype}; "
@@ -57,22 +79,20 @@ class FlashInferMLA:
                 raise ValueError("FlashInfer's MLA wrapper reads FP8 latents on SM90 (Hopper) only; "
                                  "the triton backend reads them on any GPU")
             q_dtype = torch.bfloat16
-        self._fi = fi
-        self.pool = pool
-        self.workspace = workspace
+        self.kernel, self.kernel_reason = choose_mla_kernel(mla_kernel, pool.device)
+        self._fi = flashinfer_module()
+        self.workspace = allocate_workspace(workspace_mb, pool.device)
         self.q_dtype = q_dtype
-        self.kernel, self.kernel_reason = choose_mla_kernel(kernel, pool.device)
         self._wrappers: dict[MLASignature, object] = {}
         self._graph_wrappers: dict[tuple[int, MLASignature], object] = {}
         self._signatures: list[MLASignature] = []
         self._graph: MetadataBuffers | None = None
         self._graph_kv_lens: torch.Tensor | None = None  # [max_bs] int32
-        self.graph_max_bs = 0
         self._planned: set = set()
         self._graph_bs: int | None = None
 
     # ---- per step ------------------------------------------------------------------------------
-    def plan(self, fb) -> None:
+    def plan(self, fb: ForwardBatch) -> None:
         if fb.custom_mask is not None:
             raise ValueError("FlashInfer's MLA wrapper has no custom masks (speculative verify with a tree)")
         self._meta = metadata_for_batch(fb)
@@ -97,7 +117,7 @@ class FlashInferMLA:
         rows = p.get_key_buffer(layer_id).view(p.num_pages, p.page_size, p.head_dim)
         return rows[..., : p.kv_lora_rank], rows[..., p.kv_lora_rank :]
 
-    def forward(self, q: torch.Tensor, layer, fb) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, layer, fb) -> torch.Tensor:
         """q `[T, H, rank + rope]` -> `[T, H, rank]`, decode or extend."""
         sig = MLASignature(layer.num_heads, float(layer.scaling))
         if sig not in self._signatures:
@@ -121,13 +141,20 @@ class FlashInferMLA:
             scales = {"ckv_scale": scale, "kpe_scale": scale}
         return wrapper.run(q[..., :rank], q[..., rank:], ckv, kpe, **scales)  # [T, H, rank]
 
+    def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
+        return self._attend(q, layer, fb)
+
+    def forward_extend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+        return self._attend(q, layer, fb)  # the new latent rows are read from the pool
+
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
-    def init_graph_buffers(self, max_bs: int) -> None:
+    def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
+        """Index buffers now; the page-id buffer is sized at the first capture, from req_to_token's width."""
         self.graph_max_bs = max_bs
         self._graph = MetadataBuffers.allocate(max_bs, 0, self.pool.device)
         self._graph_kv_lens = torch.ones(max_bs, dtype=torch.int32, device=self.pool.device)  # [max_bs]
 
-    def plan_graph(self, fb) -> None:
+    def _plan_graph(self, fb: ForwardBatch) -> None:
         """Capture or replay: page ids into the fixed buffer, then every signature's wrapper planned in place."""
         bs = fb.batch_size
         meta = graph_step_metadata(fb, self._graph, self.graph_max_bs, self.pool, bool(self._signatures),
@@ -144,3 +171,9 @@ class FlashInferMLA:
                     backend=self.kernel)
             self._plan(self._graph_wrappers[key], host, meta.kv_indices, sig, causal=False)
         self._graph_bs = bs
+
+    def plan_for_capture(self, fb: ForwardBatch) -> None:
+        self._plan_graph(fb)
+
+    def plan_for_replay(self, fb: ForwardBatch) -> None:
+        self._plan_graph(fb)

@@ -1,6 +1,6 @@
 """Host-side page tables for FlashInfer's plan() calls, and the fixed page-id buffer of its CUDA graphs.
 
-Shared by the MHA wrappers (flashinfer.py) and the MLA wrapper (flashinfer_mla.py).
+Shared by the MHA backend (mha.py) and the MLA backend (mla.py).
 """
 
 from __future__ import annotations
