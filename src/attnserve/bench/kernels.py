@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
+from attnserve.bench.oracle import oracle_output, rates, rel_err
 from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS, WORKLOADS, Workload, select
 
 PEER_FOR_RATIO = {"decode": "flashinfer", "prefill": "flashinfer-fa3", "extend": "flashinfer-fa3",
                   "mla": "flashinfer-mla-fa3"}
 YARDSTICKS = ("sdpa-flash", "flashinfer-fa3", "flashinfer-fa2")  # peers to check against without an oracle
-ORACLE_MAX_SCORES = 2**31  # float32 dense score elements the oracle may build per request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,23 +51,9 @@ def _versions() -> dict:
     return {**package_versions(), "python": sys.version.split()[0]}
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _oracle(rb):
-    from attnserve.attention.reference import reference_for_batch
-
-    w = rb.workload
-    if w.new_tokens * w.seq_len * rb.layer.num_heads > ORACLE_MAX_SCORES:
-        return None
-    return reference_for_batch(rb.q, rb.layer, rb.fb, compute_dtype=torch.float32)
-
-
 def _check_outputs(rb, records: list[dict], outputs: dict) -> None:
     """Relative error of every output against the oracle, or against a peer where the oracle is too big."""
-    ref, ref_name = _oracle(rb), "oracle"
+    ref, ref_name = oracle_output(rb), "oracle"
     if ref is None:
         ref_name = next((n for n in YARDSTICKS if n in outputs), next(iter(outputs), None))
         ref = outputs.get(ref_name)
@@ -75,30 +61,8 @@ def _check_outputs(rb, records: list[dict], outputs: dict) -> None:
         return
     for rec in records:
         if rec["backend"] in outputs and rec["backend"] != ref_name:
-            rec["rel_err"] = _rel_err(outputs[rec["backend"]], ref)
+            rec["rel_err"] = rel_err(outputs[rec["backend"]], ref)
             rec["checked_against"] = ref_name
-
-
-def _metric(w: Workload, us: float, rb, ceilings: dict) -> dict:
-    lay = rb.layer
-    if w.mla is not None:  # decode reads the latent once and is compute-bound at 128 heads: both rates
-        rec = {"tflops": round(w.mla_flops() / us / 1e6, 1)}
-        if w.kind == "decode":
-            rec["tbps"] = round(w.mla_bytes(rb.pool.dtype.itemsize) / us / 1e6, 3)
-        if ceilings.get("matmul_tflops"):
-            rec["pct_of_ceiling"] = round(100 * rec["tflops"] / ceilings["matmul_tflops"], 1)
-        return rec
-    if w.kind == "decode":
-        tbps = w.kv_bytes(lay.num_kv_heads, lay.head_dim, rb.pool.dtype.itemsize) / us / 1e6
-        rec = {"tbps": round(tbps, 3)}
-        if ceilings.get("copy_tbps"):
-            rec["pct_of_ceiling"] = round(100 * tbps / ceilings["copy_tbps"], 1)
-        return rec
-    tflops = w.flops(lay.num_heads, lay.head_dim) / us / 1e6
-    rec = {"tflops": round(tflops, 1)}
-    if ceilings.get("matmul_tflops"):
-        rec["pct_of_ceiling"] = round(100 * tflops / ceilings["matmul_tflops"], 1)
-    return rec
 
 
 # FlashInfer last (its JIT builds take minutes), the peers the ratios use first among its kernels
@@ -156,7 +120,7 @@ def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: 
                     outputs[w.name][name] = out
                 if device == "cuda":
                     us, method = time_call(fn, use_graph=w.kind == "decode")
-                    rec.update(us=round(us, 1), timing=method, **_metric(w, us, rb, ceilings))
+                    rec.update(us=round(us, 1), timing=method, **rates(w, us, rb, ceilings))
             except Exception as exc:  # noqa: BLE001 - a contestant that cannot run here is reported, not fatal
                 rec["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 if "--debug" in sys.argv:

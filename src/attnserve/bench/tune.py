@@ -23,6 +23,7 @@ import torch
 from attnserve.attention.ranking import rank
 from attnserve.attention.selection import ServingFeatures, problems, runnable_backends
 from attnserve.attention.tuned import RESULT_KIND, SCHEMA, shape_key
+from attnserve.bench.oracle import oracle_output, rates, rel_err
 from attnserve.bench.workloads import MLAShape, Workload
 from attnserve.hardware import Hardware
 from attnserve.shape import AttentionShape
@@ -161,7 +162,6 @@ def _layer_for(model: AttentionShape, device: str):
 def race_one(w: Workload, names: list[str], model: AttentionShape, dtype: torch.dtype, device: str,
              ceilings: dict, tolerance: float, seed: int, progress=None) -> list[dict]:
     """Each backend on one workload: run, check against the oracle, then time (in that order)."""
-    from attnserve.bench.kernels import _metric, _oracle, _rel_err
     from attnserve.bench.racers import attnserve_racer, build_race_batch, output_rows
     from attnserve.bench.timing import time_call
 
@@ -169,7 +169,7 @@ def race_one(w: Workload, names: list[str], model: AttentionShape, dtype: torch.
                           seed=seed)
     if w.mla is None:  # an MLA batch's layer is already the model's: its heads over the latent
         rb.layer = _layer_for(model, device)
-    ref = _oracle(rb)
+    ref = oracle_output(rb)
     records = []
     for name in names:
         rec = {"workload": w.name, "side": side_of(w), "backend": name}
@@ -181,13 +181,13 @@ def race_one(w: Workload, names: list[str], model: AttentionShape, dtype: torch.
             if ref is None:
                 rec["checked_against"] = "nothing (the oracle's scores would not fit)"
             else:
-                rec["rel_err"] = float(f"{_rel_err(out, ref):.3g}")
+                rec["rel_err"] = float(f"{rel_err(out, ref):.3g}")
                 rec["checked_against"] = "oracle"
             if ref is not None and not rec["rel_err"] <= tolerance:
                 rec["failed_check"] = f"relative error {rec['rel_err']:.2e} > {tolerance:g}: not timed"
             else:
                 us, method = time_call(fn, use_graph=w.kind == "decode", device=device)
-                rec.update(us=round(us, 2), timing=method, **_metric(w, us, rb, ceilings))
+                rec.update(us=round(us, 2), timing=method, **rates(w, us, rb, ceilings))
         except Exception as exc:  # noqa: BLE001 - a backend that can't run this shape is reported, not fatal
             rec["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         rb.keep.clear()

@@ -7,7 +7,7 @@ import importlib
 # sub-command -> (module with add_arguments(parser) and run(args), one-line help)
 BENCHES = {
     "kernels": ("attnserve.bench.kernels", "race the attention backends on fixed decode/prefill workloads"),
-    "serve": ("attnserve.bench.serve", "load sweep against OpenAI-compatible servers: TTFT/TPOT/ITL per backend"),
+    "serve": ("attnserve.bench.serve.sweep", "load sweep against OpenAI-compatible servers: TTFT/TPOT/ITL per backend"),
     "compare": ("attnserve.bench.baseline",
                 "compare two stored runs (bench kernels or tune JSON); exit 3 if the first is slower"),
 }

@@ -42,7 +42,7 @@ def topology_of(config: EngineConfig) -> Topology:
 
 def check_before_loading(config: EngineConfig, loaded=None):
     """Refuse a tensor-parallel start that cannot work, reading no weights; returns (topology, device)."""
-    from attnserve.engine.setup import resolve_device
+    from attnserve.engine.startup import resolve_device
     from attnserve.models.loader import read_config
 
     topology = topology_of(config)
@@ -62,7 +62,7 @@ def check_before_loading(config: EngineConfig, loaded=None):
 def serve_rank(config: EngineConfig) -> None:
     """A worker rank: build the same engine parts as rank 0, then run each step rank 0 broadcasts."""
     from attnserve.engine.runner import ModelRunner
-    from attnserve.engine.setup import build_parts
+    from attnserve.engine.startup import build_parts
 
     runner = ModelRunner.from_parts(build_parts(config))
     while True:
@@ -89,7 +89,7 @@ class TensorParallelWorld:
         if config.tp_size > 1:
             topology, device = check_before_loading(config, loaded)
         else:  # a world of one rank: the model may come loaded, nothing is split
-            from attnserve.engine.setup import resolve_device
+            from attnserve.engine.startup import resolve_device
 
             topology, device = topology_of(config), resolve_device(config.device)
         addr = resolve_init_addr(topology)

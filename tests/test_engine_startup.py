@@ -13,7 +13,7 @@ from attnserve.attention import registry
 from attnserve.commands.select import model_from_args
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
-from attnserve.engine.setup import build_parts, model_shape, resolve_device
+from attnserve.engine.startup import build_parts, model_shape, resolve_device
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
 
