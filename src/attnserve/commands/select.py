@@ -12,6 +12,11 @@ import dataclasses
 import json
 import sys
 
+from attnserve.attention.selection import ServingFeatures, select_backends
+from attnserve.hardware import PRESET_HARDWARE, detect_hardware
+from attnserve.models.config import attention_shape_of
+from attnserve.shape import GENERIC_GQA
+
 # what --sliding-window / --logit-softcap without a value stand for (Mistral's window, Gemma-2's cap)
 DEFAULT_FLAG_WINDOW = 4096
 DEFAULT_FLAG_SOFTCAP = 50.0
@@ -32,7 +37,6 @@ def _positive_float(text: str) -> float:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-
     p = sub.add_parser(
         "select",
         help="show the attention backends chosen for a GPU, model and features, with the reasons",
@@ -41,7 +45,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     add_machine_arguments(p)
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=None, help="a preset name or a HF config.json (default: a generic GQA model)")
+    m.add_argument("--model", default=None,
+                   help="a preset name, a HF config.json or a .gguf file (default: a generic GQA model)")
     m.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (heads per rank)")
     m.add_argument("--attention-sinks", action="store_true", help="the model has attention sinks")
     m.add_argument("--v-head-dim", type=int, default=None, help="V head width when it differs from K's")
@@ -75,8 +80,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     """--gpu / --installed / --cuda-version: this machine, or a hypothetical one (select and backends)."""
-    from attnserve.hardware import PRESET_HARDWARE
-
     hw = parser.add_argument_group("machine")
     hw.add_argument("--gpu", choices=sorted(PRESET_HARDWARE), default=None,
                     help="a hypothetical machine (default: this one, with what is installed here)")
@@ -86,8 +89,6 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def hardware_from_args(args):
-    from attnserve.hardware import PRESET_HARDWARE, detect_hardware
-
     if args.gpu is None:
         if args.installed or args.cuda_version:
             raise ValueError("--installed and --cuda-version describe a hypothetical machine; add --gpu NAME")
@@ -106,16 +107,9 @@ def hardware_from_args(args):
 
 
 def model_from_args(args):
-    """The AttentionShape one tensor-parallel rank sees: a preset or config.json (or a generic GQA model),
+    """The AttentionShape one tensor-parallel rank sees: a preset, config.json or .gguf (or a generic GQA model),
     with the feature flags forced on."""
-    from attnserve.shape import GENERIC_GQA
-
-    if args.model is None:
-        shape = GENERIC_GQA
-    else:
-        from attnserve.models.config import ModelConfig
-
-        shape = ModelConfig.load(args.model).attention_shape(name=str(args.model)).per_rank(args.tp_size)
+    shape = GENERIC_GQA if args.model is None else attention_shape_of(args.model, args.tp_size)
     overrides = {}
     if args.attention_sinks:
         overrides["has_sinks"] = True
@@ -137,8 +131,6 @@ def _kv_dtype(name: str, hw) -> str:
 
 
 def run(args) -> int:
-    from attnserve.attention.selection import ServingFeatures, select_backends
-
     hw = hardware_from_args(args)
     model = model_from_args(args)
     serving = ServingFeatures(speculative_topk=args.speculative_topk, page_size=args.page_size,

@@ -20,9 +20,13 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, attention_backend: str | None = None, *, loaded=None,
-                 **engine_settings):
-        """engine_settings: any EngineConfig field (device, dtype, page_size, chunked_prefill_size, ...)."""
-        config = EngineConfig(model=model, attention_backend=attention_backend, **engine_settings)
+                 config: EngineConfig | None = None, **engine_settings):
+        """engine_settings: any EngineConfig field (device, dtype, page_size, chunked_prefill_size, ...);
+        or `config`, an EngineConfig already built (the command line's)."""
+        if config is None:
+            config = EngineConfig(model=model, attention_backend=attention_backend, **engine_settings)
+        elif model is not None or attention_backend is not None or engine_settings:
+            raise ValueError("give LLM a config or its settings, not both")
         self.engine = Engine(config, loaded=loaded)
 
     @property
