@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import importlib.metadata as md
 
+from attnserve import __version__
+
 # the distributions whose version changes attention speed (CUDA comes with torch)
 TIMED_PACKAGES = ("torch", "triton", "flashinfer-python", "attnserve")
 
 
 def package_versions() -> dict[str, str]:
     """{distribution: version} for each of TIMED_PACKAGES installed here, plus torch's CUDA ("cuda")."""
-    from attnserve import __version__
-
     out: dict[str, str] = {}
     for pkg in TIMED_PACKAGES:
         try:

@@ -19,8 +19,12 @@ from pathlib import Path
 
 import torch
 
+from attnserve.bench.baseline import add_guard_arguments, check_comparable, load_run, report
 from attnserve.bench.oracle import oracle_output, rates, rel_err
+from attnserve.bench.racers import build_race_batch, output_rows, racers_for
+from attnserve.bench.timing import copy_bandwidth_tbps, matmul_tflops, time_call
 from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS, WORKLOADS, Workload, select
+from attnserve.versions import package_versions
 
 PEER_FOR_RATIO = {"decode": "flashinfer", "prefill": "flashinfer-fa3", "extend": "flashinfer-fa3",
                   "mla": "flashinfer-mla-fa3"}
@@ -40,14 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scaled-down shapes (smoke test; CPU under TRITON_INTERPRET=1; Triton 3.6's interpreter needs "
                         "numpy < 2.3 for it, or the tests' conftest.py, which tests/test_triton_bench.py runs it under)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
-    from attnserve.bench.baseline import add_guard_arguments
-
     add_guard_arguments(p)
 
 
 def _versions() -> dict:
-    from attnserve.versions import package_versions
-
     return {**package_versions(), "python": sys.version.split()[0]}
 
 
@@ -75,7 +75,9 @@ def _order(name: str) -> int:
 
 
 def triton_options(text: str | None) -> dict:
-    """--triton-options JSON -> TritonBackend options (config dicts become config objects)."""
+    """--triton-options JSON -> TritonBackend options (config dicts become config objects).
+
+    The one place the race imports the Triton kernel modules, which need triton (an optional package)."""
     if not text:
         return {}
     from attnserve.attention.kernels.decode import DecodeConfig
@@ -96,9 +98,6 @@ def triton_options(text: str | None) -> dict:
 def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: dict, log=print,
          options: dict | None = None, progress=None) -> list[dict]:
     """Every contestant over every workload, contestant by contestant (all batches stay resident)."""
-    from attnserve.bench.racers import build_race_batch, output_rows, racers_for
-    from attnserve.bench.timing import time_call
-
     batches = [build_race_batch(w, device=device, seed=i) for i, w in enumerate(workloads)]
     fields = [racers_for(rb, wanted, options) for rb in batches]
     names = sorted({n for f in fields for n in f}, key=lambda n: (_order(n), n))
@@ -218,12 +217,8 @@ def _gpu_name(device: str) -> str:
 
 
 def run_bench(args) -> dict:
-    from attnserve.bench.timing import copy_bandwidth_tbps, matmul_tflops
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if getattr(args, "baseline", None) is not None:  # another GPU's baseline is refused before spending GPU time
-        from attnserve.bench.baseline import check_comparable, load_run
-
         check_comparable({"gpu": _gpu_name(device), "records": []}, load_run(args.baseline), str(args.baseline))
 
     if device == "cpu" and not args.tiny:
@@ -269,7 +264,5 @@ def run(args) -> int:
     print("\n".join(summary_lines(result["records"])))
     print(f"wrote {args.json} and {png}")
     if args.baseline is not None:
-        from attnserve.bench.baseline import load_run, report
-
         return report(result, load_run(args.baseline), str(args.baseline), args.regression_threshold)
     return 0

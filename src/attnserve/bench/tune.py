@@ -20,12 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
+from attnserve.attention.layer import AttentionLayer
 from attnserve.attention.ranking import rank
+from attnserve.attention.registry import REGISTRY, resolve_name
 from attnserve.attention.selection import ServingFeatures, problems, runnable_backends
 from attnserve.attention.tuned import RESULT_KIND, SCHEMA, shape_key
 from attnserve.bench.oracle import oracle_output, rates, rel_err
+from attnserve.bench.racers import attnserve_racer, build_race_batch, output_rows
+from attnserve.bench.timing import ceilings as measure_ceilings
+from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLAShape, Workload
 from attnserve.hardware import Hardware
+from attnserve.kvcache.dtypes import KV_DTYPES
 from attnserve.shape import AttentionShape
 from attnserve.versions import package_versions
 
@@ -114,8 +120,6 @@ def contestants(hw: Hardware, model: AttentionShape, serving: ServingFeatures, p
     """side -> backends to race there. Without `wanted`: every backend that passes selection's checks
     for that side. Triton on the CPU runs only through its interpreter, far too slow to time: left out
     unless asked for under TRITON_INTERPRET=1."""
-    from attnserve.attention.registry import REGISTRY, resolve_name
-
     interpreting = hw.device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     out: dict[str, list[str]] = {}
     for side in ("prefill", "decode"):
@@ -149,8 +153,6 @@ def contestants(hw: Hardware, model: AttentionShape, serving: ServingFeatures, p
 
 def _layer_for(model: AttentionShape, device: str):
     """The model's attention layer: its heads, width and the features a kernel must apply."""
-    from attnserve.attention.layer import AttentionLayer
-
     layer = AttentionLayer(0, model.num_q_heads, model.num_kv_heads, model.head_dim,
                            sliding_window=model.sliding_window, logit_cap=model.logit_softcap,
                            use_sinks=model.has_sinks).to(device)
@@ -162,9 +164,6 @@ def _layer_for(model: AttentionShape, device: str):
 def race_one(w: Workload, names: list[str], model: AttentionShape, dtype: torch.dtype, device: str,
              ceilings: dict, tolerance: float, seed: int, progress=None) -> list[dict]:
     """Each backend on one workload: run, check against the oracle, then time (in that order)."""
-    from attnserve.bench.racers import attnserve_racer, build_race_batch, output_rows
-    from attnserve.bench.timing import time_call
-
     rb = build_race_batch(w, model.num_q_heads, model.num_kv_heads, model.head_dim, dtype=dtype, device=device,
                           seed=seed)
     if w.mla is None:  # an MLA batch's layer is already the model's: its heads over the latent
@@ -233,9 +232,6 @@ def run_tune(hw: Hardware, model: AttentionShape, serving: ServingFeatures, *, m
     """Race, check and time; the result dict `attnserve tune` writes (attention/tuned.py reads it).
 
     `checkpoint(records)` is called after each workload, so a run cut short still leaves what it measured."""
-    from attnserve.bench.timing import ceilings as measure_ceilings
-    from attnserve.kvcache.dtypes import KV_DTYPES
-
     device = "cuda" if hw.device == "cuda" else "cpu"
     page_size = serving.page_size or 1
     check_raceable(model, serving.kv_cache_dtype)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attnserve.ops import reference
+from attnserve.ops import cpu, reference
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,9 @@ TORCH_OPS = OpSet("torch", reference.rmsnorm, reference.add_rmsnorm, reference.s
 
 
 def triton_ops() -> OpSet:
-    """The fused Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1 in tests)."""
+    """The fused Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1 in tests).
+
+    The one place ops meets triton, an optional package: its kernel modules import it."""
     from attnserve.ops.kernels.rmsnorm import add_rmsnorm, rmsnorm
     from attnserve.ops.kernels.rope_store import rope_store_kv
     from attnserve.ops.kernels.silu_mul import silu_mul
@@ -64,8 +66,6 @@ def select_ops(device: str | torch.device, fused: bool = True, dtype: torch.dtyp
     if fused and device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return triton_ops()
     if device.type == "cpu" and fused:
-        from attnserve.ops import cpu
-
         return replace(TORCH_OPS, name="cpu", rmsnorm=cpu.rmsnorm, add_rmsnorm=cpu.add_rmsnorm,
                        split_gate_up=dtype == torch.float32)
     if device.type == "cpu" and dtype == torch.float32:
