@@ -46,7 +46,7 @@ class EngineConfig:
         None, "--dist-init-addr", metavar="HOST:PORT",
         help="where the ranks meet: node 0's address and a free port, the same on every node "
         "(default on one node: a free local port)")
-    random_weights: bool = knob(False, "--random-weights", help="random weights of the model's shape (benchmarks)")
+    random_weights: bool = knob(False, "--random-weights", help="random weights of the model's shape (to measure speed)")
     attention_backend: str | None = knob(
         None, "--attention-backend", metavar="NAME",
         help="attention backend for prefill and decode (default: chosen for this machine and model; "

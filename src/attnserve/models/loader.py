@@ -22,7 +22,7 @@ API (what the engine and the CLI use):
     model.safetensors.index.json, tokenizer.json, tokenizer_config.json / chat_template.jinja;
   - with random_weights=True, also a preset name from attnserve.presets (e.g. "llama-3-8b",
     "qwen3-8b", "deepseek-v2-lite") or a config.json: the model is built with random weights
-    (for benchmarks; the log says so loudly).
+    (to measure speed; the log says so loudly).
 dtype "auto" means bfloat16 on a CPU with AMX or AVX512-BF16 (float32 on other CPUs) and the checkpoint's dtype (bfloat16 if unstated) on a GPU.
 """
 
@@ -90,8 +90,8 @@ def embedded_model_path() -> Path:
 
 
 def default_cpu_dtype() -> torch.dtype:
-    """bf16 where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16): measured 1.6x faster decode than
-    fp32 on such a CPU; fp32 elsewhere (emulated bf16 is slower than fp32)."""
+    """bf16 where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16), where it decodes faster than fp32;
+    fp32 elsewhere (emulated bf16 is slower than fp32)."""
     return torch.bfloat16 if cpu_weights.cpu_has_fast_bf16() else torch.float32
 
 
@@ -298,7 +298,7 @@ def _load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
 
 # ---- random weights --------------------------------------------------------------------------
 def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Normal(0, std) matrices, unit norms, zero biases: numerically tame activations for benchmarks.
+    """Normal(0, std) matrices, unit norms, zero biases: numerically tame activations for speed measurements.
 
     Drawn in float32 and then cast, so one seed gives the same model in every dtype: how torch draws
     bf16 normals directly differs between versions (2.11 and 2.13 disagree), and a bf16 model must be

@@ -22,9 +22,9 @@ class OpSet:
     """The model's non-attention ops. `rope_store` is None when RoPE and the K/V store stay separate.
 
     split_gate_up: run the MLP's gate and up projections as two GEMMs over the halves of the
-    merged weight (views, no copy) instead of one. Measured on a 2-core x86 CPU (SmolLM2 shapes,
-    one thread, min of 40 runs): in fp32 two halves are 13% faster at 1 token and 4% at 8; in
-    bf16 the merged GEMM is 8-12% faster, as on GPUs. So only fp32 CPU models split.
+    merged weight (views, no copy) instead of one. On the CPU two fp32 GEMMs over the halves are
+    faster than one over the merged weight at decode sizes, while in bf16 (as on GPUs) the merged
+    GEMM is faster: so only fp32 CPU models split.
     """
 
     name: str
