@@ -121,17 +121,17 @@ def contestants(hw: Hardware, model: AttentionShape, serving: ServingFeatures, p
     for that side. Triton on the CPU runs only through its interpreter, far too slow to time: left out
     unless asked for under TRITON_INTERPRET=1."""
     interpreting = hw.device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    wanted = [resolve_name(raw) for raw in wanted] if wanted else wanted  # each name checked once, here
     out: dict[str, list[str]] = {}
     for side in ("prefill", "decode"):
         out[side] = runnable_backends(hw, model, serving, side, page_size)
-    if hw.device == "cpu" and not (wanted and any(resolve_name(n) == "triton" for n in wanted)):
+    if hw.device == "cpu" and not (wanted and "triton" in wanted):
         notes.append("triton not raced: on the CPU it runs only under TRITON_INTERPRET=1, far too slow to "
                      "time (ask with --backends triton under TRITON_INTERPRET=1 anyway)")
     if not wanted:
         return out
     chosen: dict[str, list[str]] = {side: [] for side in out}
-    for raw in wanted:
-        name = resolve_name(raw)
+    for name in wanted:
         if not REGISTRY[name].implemented:
             raise ValueError(f"{name!r} is not implemented in attnserve; raceable here: "
                              f"{', '.join(sorted(set(out['prefill']) | set(out['decode'])))}")
