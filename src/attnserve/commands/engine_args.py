@@ -44,11 +44,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | Non
         kind = _value_type(f)
         if kind is bool:
             kwargs["action"] = "store_true"
-        elif kind is not str:
-            kwargs["type"] = kind
-        for key in ("metavar", "choices"):
-            if key in meta:
-                kwargs[key] = list(meta[key]) if key == "choices" else meta[key]
+        else:
+            kwargs["metavar"] = meta["flags"][0].lstrip("-").replace("-", "_").upper()  # as argparse names it
+            if kind is not str:
+                kwargs["type"] = kind
+        if "metavar" in meta:
+            kwargs["metavar"] = meta["metavar"]
+        if "choices" in meta:
+            kwargs["choices"] = list(meta["choices"])
+            kwargs.pop("metavar")  # argparse lists the choices instead
         kwargs.update((overrides or {}).get(f.name, {}))
         p.add_argument(*meta["flags"], **kwargs)
 

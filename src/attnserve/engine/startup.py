@@ -120,8 +120,9 @@ def load_bundle(config: EngineConfig, device: torch.device):
 
 
 def model_shape(loaded):
-    """The shape the pool is built from and selection checks: the model's parsed config, named as the log
-    names the model (so the engine and `attnserve select --model config.json` decide alike)."""
+    """The shape the pool is built from and selection checks: the model's `kv_cache_spec()` (its parsed
+    config through `models.config.attention_shape_of`, as `attnserve select --model` resolves it), named as
+    the log names the model, so the engine and `select` decide alike."""
     return replace(loaded.model.kv_cache_spec(), name=str(getattr(loaded, "source", "") or ""))
 
 
