@@ -91,3 +91,11 @@ def test_overrides_replace_one_setting_of_one_flag():
     add_engine_arguments(p, only=("page_size",), overrides={"page_size": {"default": 64}})
     assert vars(p.parse_args([])) == {"page_size": 64}
     assert p.parse_args(["--page-size", "8"]).page_size == 8
+
+
+def test_help_names_each_value_as_before():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = " ".join(sub.choices["serve"].format_help().split())
+    for shown in ("--context-length CONTEXT_LENGTH", "--model MODEL, --model-path MODEL", "--dist-init-addr HOST:PORT",
+                  "--attention-backend NAME", "--weights-dtype {auto,dequantized,int4}", "--random-weights "):
+        assert shown in text, shown
