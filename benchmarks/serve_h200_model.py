@@ -83,7 +83,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from attnserve.bench.serve_synthetic import write_tokenizer_dir
+    from attnserve.bench.serve.synthetic import write_tokenizer_dir
     from attnserve.presets import PRESETS
 
     start = time.perf_counter()

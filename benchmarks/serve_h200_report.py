@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from attnserve.bench.serve_report import write_all  # noqa: E402
+from attnserve.bench.serve.report import write_all  # noqa: E402
 
 PEER_LABEL = "transformers serve (peer)"
 OFFLINE_KEYS = "what copy_bandwidth_TBps weight_bytes_read_per_step ratios errors versions date".split()

@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from attnserve.bench.serve_datasets import (
+from attnserve.bench.serve.datasets import (
     TokenSampler,
     jsonl_requests,
     load_tokenizer,
     random_requests,
     shared_prefix_requests,
 )
-from attnserve.bench.serve_synthetic import write_tokenizer_dir
+from attnserve.bench.serve.synthetic import write_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

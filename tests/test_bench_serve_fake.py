@@ -9,10 +9,10 @@ import sys
 import pytest
 from serve_fake_server import FakeServer
 
-from attnserve.bench.serve_client import RequestSpec
-from attnserve.bench.serve_datasets import BenchRequest
-from attnserve.bench.serve_load import LoadPoint, run_point
-from attnserve.bench.serve_synthetic import write_tokenizer_dir
+from attnserve.bench.serve.client import RequestSpec
+from attnserve.bench.serve.datasets import BenchRequest
+from attnserve.bench.serve.load import LoadPoint, run_point
+from attnserve.bench.serve.synthetic import write_tokenizer_dir
 from attnserve.cli import main
 
 

@@ -2,7 +2,7 @@
 
 import json
 
-from attnserve.bench.serve_launch import LaunchedServer
+from attnserve.bench.serve.launch import LaunchedServer
 from attnserve.cli import main
 
 SMALL = "--input-len 16 --output-len 4 --concurrency 1,4 --num-prompts 4 --warmup-requests 1 --no-progress"
@@ -63,7 +63,7 @@ def test_url_sweep_against_a_running_server(tmp_path):
 def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
     """The server exits on its flags before loading a model: a small word tokenizer sizes the prompts, so
     this holds without the embedded model too."""
-    from attnserve.bench.serve_synthetic import write_tokenizer_dir
+    from attnserve.bench.serve.synthetic import write_tokenizer_dir
 
     write_tokenizer_dir(tmp_path / "tokenizer", vocab_size=500)
     out = tmp_path / "bad.json"

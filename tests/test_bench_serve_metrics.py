@@ -2,9 +2,9 @@
 
 import pytest
 
-from attnserve.bench.serve_client import RequestResult
-from attnserve.bench.serve_metrics import aggregate_seeds, distribution, summarize
-from attnserve.bench.serve_plan import load_points, server_configs
+from attnserve.bench.serve.client import RequestResult
+from attnserve.bench.serve.metrics import aggregate_seeds, distribution, summarize
+from attnserve.bench.serve.plan import load_points, server_configs
 
 
 def test_percentiles_match_hand_computed_values():
@@ -107,7 +107,7 @@ def test_configs_from_backends_compare_and_urls():
 def test_report_without_matplotlib_still_writes_json_and_markdown(tmp_path, monkeypatch):
     import sys
 
-    from attnserve.bench.serve_report import write_all
+    from attnserve.bench.serve.report import write_all
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # the [bench] extra is not installed
     report = {"title": "t", "configs": [{"label": "x", "error": "boom\nlast line", "points": []}]}

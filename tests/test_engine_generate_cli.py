@@ -4,7 +4,8 @@ import pytest
 
 from attnserve.attention.registry import REGISTRY
 from attnserve.cli import build_parser, main
-from attnserve.engine import llm as llm_module
+from attnserve.commands import generate
+from attnserve.engine.config import EngineConfig
 
 
 class _Captured(Exception):
@@ -13,14 +14,15 @@ class _Captured(Exception):
 
 @pytest.fixture
 def engine_settings(monkeypatch):
-    """The keyword arguments `generate` builds the LLM with; the run stops there."""
+    """The EngineConfig `generate` builds the LLM with, as a dict; the run stops there."""
     seen = {}
 
-    def fake_llm(**kwargs):
-        seen.update(kwargs)
+    def fake_llm(*, config):
+        assert isinstance(config, EngineConfig)
+        seen.update(vars(config))
         raise _Captured
 
-    monkeypatch.setattr(llm_module, "LLM", fake_llm)
+    monkeypatch.setattr(generate, "LLM", fake_llm)
     return seen
 
 
@@ -30,9 +32,6 @@ def test_model_path_is_an_alias_and_prefill_budget_reaches_the_engine(engine_set
               "--tp-size", "1"])
     assert engine_settings["model"] == "/models/x"
     assert engine_settings["max_prefill_tokens"] == 512
-    from attnserve.engine.config import EngineConfig
-
-    EngineConfig(**{k: v for k, v in engine_settings.items() if k != "model"})  # every name is a field
 
 
 def test_tensor_parallel_flags_reach_the_engine(engine_settings):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_helpers import VOCAB, make_engine, prompts
 
-from attnserve.engine.host_copy import HostCopy
+from attnserve.transfers import HostCopy
 from attnserve.engine.request import FinishReason
 from attnserve.engine.sampling_params import SamplingParams
 

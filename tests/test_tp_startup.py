@@ -16,6 +16,7 @@ from attnserve.distributed.shard import check_split, unit_slice
 from attnserve.distributed.state import as_rank
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
+from attnserve.engine import startup
 from attnserve.models import loader
 
 
@@ -77,7 +78,7 @@ def test_tp_not_splitting_the_heads_is_refused_before_loading(monkeypatch):
     def no_loading(*a, **k):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr(loader, "load_model", no_loading)
+    monkeypatch.setattr(startup, "load_model", no_loading)
     with pytest.raises(ValueError, match=r"--tp-size 2 cannot split .*9 query heads.*divisors of 9"):
         Engine(EngineConfig(device="cpu", tp_size=2))  # the embedded SmolLM2: 9 query / 3 KV heads
     assert not multiprocessing.active_children()

@@ -177,12 +177,12 @@ def test_the_engine_prefers_the_tuned_winner_unless_told_not_to(tuned, cache):
 
 def test_generate_and_serve_take_no_tuned():
     from attnserve.cli import build_parser
-    from attnserve.commands.engine_args import engine_settings
+    from attnserve.commands.engine_args import engine_config
 
     for cmd in (["generate", "hi"], ["serve"]):
         args = build_parser().parse_args([*cmd, "--no-tuned"])
-        assert engine_settings(args)["no_tuned"] is True
-        assert engine_settings(build_parser().parse_args(cmd))["no_tuned"] is False
+        assert engine_config(args).no_tuned is True
+        assert engine_config(build_parser().parse_args(cmd)).no_tuned is False
 
 
 def test_tune_refuses_what_it_cannot_race(tuned, capsys):

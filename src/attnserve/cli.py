@@ -1,33 +1,24 @@
 """attnserve: attention backends over a paged KV cache, and an inference engine around them.
 
 Each command lives in its own module under attnserve.commands, which defines
-`add_parser(subparsers)` (returning the parser) and `run(args) -> int`; heavy
-imports happen inside `run`.
+`add_parser(subparsers)` (returning the parser) and `run(args) -> int`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-COMMANDS = [
-    "generate",
-    "serve",
-    "bench",
-    "tune",
-    "select",
-    "kv_calc",
-    "backends",
-]
+from attnserve.commands import backends, bench, generate, kv_calc, select, serve, tune
+
+COMMANDS = [generate, serve, bench, tune, select, kv_calc, backends]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnserve", description=__doc__.splitlines()[0].removeprefix("attnserve: "))
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMANDS:
-        mod = importlib.import_module(f"attnserve.commands.{name}")
-        mod.add_parser(sub).set_defaults(_run=mod.run)
+    for command in COMMANDS:
+        command.add_parser(sub).set_defaults(_run=command.run)
     return parser
 
 

@@ -1,8 +1,8 @@
 """The package versions a measurement depends on: what a stored timing is only valid for.
 
 A tune result or kernel race taken with one torch / triton / FlashInfer / attnserve is
-not evidence about another (SGLang issue 17411: one FlashInfer upgrade made Hopper decode
-~7x slower), so results record these and selection compares them before trusting one.
+not evidence about another (one FlashInfer upgrade has made Hopper decode several times
+slower: SGLang issue 17411), so results record these and selection compares them before trusting one.
 Read from package metadata: nothing heavy is imported.
 """
 
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import importlib.metadata as md
 
+from attnserve import __version__
+
 # the distributions whose version changes attention speed (CUDA comes with torch)
 TIMED_PACKAGES = ("torch", "triton", "flashinfer-python", "attnserve")
 
 
 def package_versions() -> dict[str, str]:
     """{distribution: version} for each of TIMED_PACKAGES installed here, plus torch's CUDA ("cuda")."""
-    from attnserve import __version__
-
     out: dict[str, str] = {}
     for pkg in TIMED_PACKAGES:
         try:

@@ -1,1 +1,1 @@
-"""Benchmarks: kernel races (`attnserve bench kernels`); each writes JSON and a chart."""
+"""Measurements on this machine: the kernel race (`bench kernels`), the tune race, serving load (`bench serve`)."""

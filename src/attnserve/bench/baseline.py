@@ -14,6 +14,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 REGRESSION_EXIT = 3
 DEFAULT_THRESHOLD = 0.10
 
@@ -108,9 +111,6 @@ def compare(new: dict, old: dict, threshold: float) -> tuple[list[Row], list[Row
 
 def report(new: dict, old: dict, old_name: str, threshold: float, console=None) -> int:
     """Print the ratio table; REGRESSION_EXIT naming what slowed, else 0. ValueError when not comparable."""
-    from rich.console import Console
-    from rich.table import Table
-
     check_comparable(new, old, old_name)
     rows, slowed = compare(new, old, threshold)
     console = console or Console()

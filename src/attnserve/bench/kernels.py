@@ -19,12 +19,16 @@ from pathlib import Path
 
 import torch
 
+from attnserve.bench.baseline import add_guard_arguments, check_comparable, load_run, report
+from attnserve.bench.oracle import oracle_output, rates, rel_err
+from attnserve.bench.racers import build_race_batch, output_rows, racers_for
+from attnserve.bench.timing import copy_bandwidth_tbps, matmul_tflops, time_call
 from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS, WORKLOADS, Workload, select
+from attnserve.versions import package_versions
 
 PEER_FOR_RATIO = {"decode": "flashinfer", "prefill": "flashinfer-fa3", "extend": "flashinfer-fa3",
                   "mla": "flashinfer-mla-fa3"}
 YARDSTICKS = ("sdpa-flash", "flashinfer-fa3", "flashinfer-fa2")  # peers to check against without an oracle
-ORACLE_MAX_SCORES = 2**31  # float32 dense score elements the oracle may build per request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,34 +44,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scaled-down shapes (smoke test; CPU under TRITON_INTERPRET=1; Triton 3.6's interpreter needs "
                         "numpy < 2.3 for it, or the tests' conftest.py, which tests/test_triton_bench.py runs it under)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
-    from attnserve.bench.baseline import add_guard_arguments
-
     add_guard_arguments(p)
 
 
 def _versions() -> dict:
-    from attnserve.versions import package_versions
-
     return {**package_versions(), "python": sys.version.split()[0]}
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _oracle(rb):
-    from attnserve.attention.reference import reference_for_batch
-
-    w = rb.workload
-    if w.new_tokens * w.seq_len * rb.layer.num_heads > ORACLE_MAX_SCORES:
-        return None
-    return reference_for_batch(rb.q, rb.layer, rb.fb, compute_dtype=torch.float32)
 
 
 def _check_outputs(rb, records: list[dict], outputs: dict) -> None:
     """Relative error of every output against the oracle, or against a peer where the oracle is too big."""
-    ref, ref_name = _oracle(rb), "oracle"
+    ref, ref_name = oracle_output(rb), "oracle"
     if ref is None:
         ref_name = next((n for n in YARDSTICKS if n in outputs), next(iter(outputs), None))
         ref = outputs.get(ref_name)
@@ -75,30 +61,8 @@ def _check_outputs(rb, records: list[dict], outputs: dict) -> None:
         return
     for rec in records:
         if rec["backend"] in outputs and rec["backend"] != ref_name:
-            rec["rel_err"] = _rel_err(outputs[rec["backend"]], ref)
+            rec["rel_err"] = rel_err(outputs[rec["backend"]], ref)
             rec["checked_against"] = ref_name
-
-
-def _metric(w: Workload, us: float, rb, ceilings: dict) -> dict:
-    lay = rb.layer
-    if w.mla is not None:  # decode reads the latent once and is compute-bound at 128 heads: both rates
-        rec = {"tflops": round(w.mla_flops() / us / 1e6, 1)}
-        if w.kind == "decode":
-            rec["tbps"] = round(w.mla_bytes(rb.pool.dtype.itemsize) / us / 1e6, 3)
-        if ceilings.get("matmul_tflops"):
-            rec["pct_of_ceiling"] = round(100 * rec["tflops"] / ceilings["matmul_tflops"], 1)
-        return rec
-    if w.kind == "decode":
-        tbps = w.kv_bytes(lay.num_kv_heads, lay.head_dim, rb.pool.dtype.itemsize) / us / 1e6
-        rec = {"tbps": round(tbps, 3)}
-        if ceilings.get("copy_tbps"):
-            rec["pct_of_ceiling"] = round(100 * tbps / ceilings["copy_tbps"], 1)
-        return rec
-    tflops = w.flops(lay.num_heads, lay.head_dim) / us / 1e6
-    rec = {"tflops": round(tflops, 1)}
-    if ceilings.get("matmul_tflops"):
-        rec["pct_of_ceiling"] = round(100 * tflops / ceilings["matmul_tflops"], 1)
-    return rec
 
 
 # FlashInfer last (its JIT builds take minutes), the peers the ratios use first among its kernels
@@ -111,7 +75,9 @@ def _order(name: str) -> int:
 
 
 def triton_options(text: str | None) -> dict:
-    """--triton-options JSON -> TritonBackend options (config dicts become config objects)."""
+    """--triton-options JSON -> TritonBackend options (config dicts become config objects).
+
+    The one place the race imports the Triton kernel modules, which need triton (an optional package)."""
     if not text:
         return {}
     from attnserve.attention.kernels.decode import DecodeConfig
@@ -132,9 +98,6 @@ def triton_options(text: str | None) -> dict:
 def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: dict, log=print,
          options: dict | None = None, progress=None) -> list[dict]:
     """Every contestant over every workload, contestant by contestant (all batches stay resident)."""
-    from attnserve.bench.racers import build_race_batch, output_rows, racers_for
-    from attnserve.bench.timing import time_call
-
     batches = [build_race_batch(w, device=device, seed=i) for i, w in enumerate(workloads)]
     fields = [racers_for(rb, wanted, options) for rb in batches]
     names = sorted({n for f in fields for n in f}, key=lambda n: (_order(n), n))
@@ -156,7 +119,7 @@ def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: 
                     outputs[w.name][name] = out
                 if device == "cuda":
                     us, method = time_call(fn, use_graph=w.kind == "decode")
-                    rec.update(us=round(us, 1), timing=method, **_metric(w, us, rb, ceilings))
+                    rec.update(us=round(us, 1), timing=method, **rates(w, us, rb, ceilings))
             except Exception as exc:  # noqa: BLE001 - a contestant that cannot run here is reported, not fatal
                 rec["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 if "--debug" in sys.argv:
@@ -254,12 +217,8 @@ def _gpu_name(device: str) -> str:
 
 
 def run_bench(args) -> dict:
-    from attnserve.bench.timing import copy_bandwidth_tbps, matmul_tflops
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if getattr(args, "baseline", None) is not None:  # another GPU's baseline is refused before spending GPU time
-        from attnserve.bench.baseline import check_comparable, load_run
-
         check_comparable({"gpu": _gpu_name(device), "records": []}, load_run(args.baseline), str(args.baseline))
 
     if device == "cpu" and not args.tiny:
@@ -305,7 +264,5 @@ def run(args) -> int:
     print("\n".join(summary_lines(result["records"])))
     print(f"wrote {args.json} and {png}")
     if args.baseline is not None:
-        from attnserve.bench.baseline import load_run, report
-
         return report(result, load_run(args.baseline), str(args.baseline), args.regression_threshold)
     return 0

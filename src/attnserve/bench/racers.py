@@ -12,9 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.layer import AttentionLayer
+from attnserve.attention.metadata import metadata_for_batch
+from attnserve.attention.registry import get_spec
 from attnserve.bench.workloads import Workload
 from attnserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
 
@@ -69,8 +73,6 @@ def build_race_batch(w: Workload, num_heads: int = 32, num_kv_heads: int = 8, he
 
 # ---- attnserve backends through the contract ---------------------------------------------------------
 def attnserve_racer(name: str, rb: RaceBatch, **options) -> Callable[[], torch.Tensor]:
-    from attnserve.attention.registry import get_spec
-
     backend = get_spec(name).load_class(rb.pool)(rb.pool, **options)
     rb.fb.attn_backend = backend
     backend.plan(rb.fb)
@@ -84,6 +86,13 @@ def attnserve_racer(name: str, rb: RaceBatch, **options) -> Callable[[], torch.T
 
 
 # ---- FlashInfer, called directly -----------------------------------------------------------------
+def _flashinfer():
+    """FlashInfer, an optional package: imported only when a FlashInfer racer is built."""
+    import flashinfer
+
+    return flashinfer
+
+
 def _workspace(rb: RaceBatch) -> torch.Tensor:
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=rb.q.device)  # [256 MiB]
     rb.keep.append(ws)
@@ -97,10 +106,7 @@ def _paged_cache(rb: RaceBatch):
 
 
 def flashinfer_decode_racer(rb: RaceBatch, tensor_cores: bool) -> Callable[[], torch.Tensor]:
-    import flashinfer
-
-    from attnserve.attention.metadata import metadata_for_batch
-
+    flashinfer = _flashinfer()
     m = metadata_for_batch(rb.fb)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(rb), "NHD", use_tensor_cores=tensor_cores)
     wrapper.plan(m.kv_indptr, m.kv_indices, m.kv_last_page_len, rb.layer.num_heads, rb.layer.num_kv_heads,
@@ -113,10 +119,7 @@ def flashinfer_decode_racer(rb: RaceBatch, tensor_cores: bool) -> Callable[[], t
 
 def flashinfer_prefill_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.Tensor]:
     """Fresh prompts: the ragged wrapper over this step's q/k/v. With a prefix: the paged wrapper over the pool."""
-    import flashinfer
-
-    from attnserve.attention.metadata import metadata_for_batch
-
+    flashinfer = _flashinfer()
     m = metadata_for_batch(rb.fb)
     lay = rb.layer
     if rb.workload.prefix == 0:
@@ -136,10 +139,7 @@ def flashinfer_prefill_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.T
 
 def flashinfer_mla_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.Tensor]:
     """BatchMLAPagedAttentionWrapper over the latent pool (ckv / kpe are views of its rows)."""
-    import flashinfer
-
-    from attnserve.attention.metadata import metadata_for_batch
-
+    flashinfer = _flashinfer()
     m = metadata_for_batch(rb.fb)
     p, lay = rb.pool, rb.layer
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(rb), backend=kernel)
@@ -156,9 +156,6 @@ def flashinfer_mla_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.Tenso
 # ---- torch SDPA (fresh prompts of equal length only) ----------------------------------------------
 def sdpa_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.Tensor]:
     """`kernel` is "cudnn" or "flash". Layout changes and GQA expansion happen before timing."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     w, lay = rb.workload, rb.layer
     if w.prefix != 0:
         raise ValueError("SDPA races fresh prompts only")

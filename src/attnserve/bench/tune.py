@@ -20,11 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
+from attnserve.attention.layer import AttentionLayer
 from attnserve.attention.ranking import rank
+from attnserve.attention.registry import REGISTRY, resolve_name
 from attnserve.attention.selection import ServingFeatures, problems, runnable_backends
 from attnserve.attention.tuned import RESULT_KIND, SCHEMA, shape_key
+from attnserve.bench.oracle import oracle_output, rates, rel_err
+from attnserve.bench.racers import attnserve_racer, build_race_batch, output_rows
+from attnserve.bench.timing import ceilings as measure_ceilings
+from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLAShape, Workload
 from attnserve.hardware import Hardware
+from attnserve.kvcache.dtypes import KV_DTYPES
 from attnserve.shape import AttentionShape
 from attnserve.versions import package_versions
 
@@ -113,20 +120,18 @@ def contestants(hw: Hardware, model: AttentionShape, serving: ServingFeatures, p
     """side -> backends to race there. Without `wanted`: every backend that passes selection's checks
     for that side. Triton on the CPU runs only through its interpreter, far too slow to time: left out
     unless asked for under TRITON_INTERPRET=1."""
-    from attnserve.attention.registry import REGISTRY, resolve_name
-
     interpreting = hw.device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    wanted = [resolve_name(raw) for raw in wanted] if wanted else wanted  # each name checked once, here
     out: dict[str, list[str]] = {}
     for side in ("prefill", "decode"):
         out[side] = runnable_backends(hw, model, serving, side, page_size)
-    if hw.device == "cpu" and not (wanted and any(resolve_name(n) == "triton" for n in wanted)):
+    if hw.device == "cpu" and not (wanted and "triton" in wanted):
         notes.append("triton not raced: on the CPU it runs only under TRITON_INTERPRET=1, far too slow to "
                      "time (ask with --backends triton under TRITON_INTERPRET=1 anyway)")
     if not wanted:
         return out
     chosen: dict[str, list[str]] = {side: [] for side in out}
-    for raw in wanted:
-        name = resolve_name(raw)
+    for name in wanted:
         if not REGISTRY[name].implemented:
             raise ValueError(f"{name!r} is not implemented in attnserve; raceable here: "
                              f"{', '.join(sorted(set(out['prefill']) | set(out['decode'])))}")
@@ -148,8 +153,6 @@ def contestants(hw: Hardware, model: AttentionShape, serving: ServingFeatures, p
 
 def _layer_for(model: AttentionShape, device: str):
     """The model's attention layer: its heads, width and the features a kernel must apply."""
-    from attnserve.attention.layer import AttentionLayer
-
     layer = AttentionLayer(0, model.num_q_heads, model.num_kv_heads, model.head_dim,
                            sliding_window=model.sliding_window, logit_cap=model.logit_softcap,
                            use_sinks=model.has_sinks).to(device)
@@ -161,15 +164,11 @@ def _layer_for(model: AttentionShape, device: str):
 def race_one(w: Workload, names: list[str], model: AttentionShape, dtype: torch.dtype, device: str,
              ceilings: dict, tolerance: float, seed: int, progress=None) -> list[dict]:
     """Each backend on one workload: run, check against the oracle, then time (in that order)."""
-    from attnserve.bench.kernels import _metric, _oracle, _rel_err
-    from attnserve.bench.racers import attnserve_racer, build_race_batch, output_rows
-    from attnserve.bench.timing import time_call
-
     rb = build_race_batch(w, model.num_q_heads, model.num_kv_heads, model.head_dim, dtype=dtype, device=device,
                           seed=seed)
     if w.mla is None:  # an MLA batch's layer is already the model's: its heads over the latent
         rb.layer = _layer_for(model, device)
-    ref = _oracle(rb)
+    ref = oracle_output(rb)
     records = []
     for name in names:
         rec = {"workload": w.name, "side": side_of(w), "backend": name}
@@ -181,13 +180,13 @@ def race_one(w: Workload, names: list[str], model: AttentionShape, dtype: torch.
             if ref is None:
                 rec["checked_against"] = "nothing (the oracle's scores would not fit)"
             else:
-                rec["rel_err"] = float(f"{_rel_err(out, ref):.3g}")
+                rec["rel_err"] = float(f"{rel_err(out, ref):.3g}")
                 rec["checked_against"] = "oracle"
             if ref is not None and not rec["rel_err"] <= tolerance:
                 rec["failed_check"] = f"relative error {rec['rel_err']:.2e} > {tolerance:g}: not timed"
             else:
                 us, method = time_call(fn, use_graph=w.kind == "decode", device=device)
-                rec.update(us=round(us, 2), timing=method, **_metric(w, us, rb, ceilings))
+                rec.update(us=round(us, 2), timing=method, **rates(w, us, rb, ceilings))
         except Exception as exc:  # noqa: BLE001 - a backend that can't run this shape is reported, not fatal
             rec["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         rb.keep.clear()
@@ -233,9 +232,6 @@ def run_tune(hw: Hardware, model: AttentionShape, serving: ServingFeatures, *, m
     """Race, check and time; the result dict `attnserve tune` writes (attention/tuned.py reads it).
 
     `checkpoint(records)` is called after each workload, so a run cut short still leaves what it measured."""
-    from attnserve.bench.timing import ceilings as measure_ceilings
-    from attnserve.kvcache.dtypes import KV_DTYPES
-
     device = "cuda" if hw.device == "cuda" else "cpu"
     page_size = serving.page_size or 1
     check_raceable(model, serving.kv_cache_dtype)

@@ -7,6 +7,10 @@ import dataclasses
 import json
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from attnserve.attention.registry import ALIASES, REGISTRY, availability
 from attnserve.commands.select import add_machine_arguments, hardware_from_args
 
 _FLAG_NAMES = {
@@ -36,8 +40,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def backend_entries(hw) -> dict[str, dict[str, Any]]:
     """One entry per registry name and alias: summary, features, and why it can't run on `hw`."""
-    from attnserve.attention.registry import ALIASES, REGISTRY, availability
-
     entries: dict[str, dict[str, Any]] = {}
     for name, spec in REGISTRY.items():
         try:
@@ -93,9 +95,6 @@ def _describe(f: dict[str, Any] | None) -> str:
 
 
 def _print_table(entries: dict[str, dict[str, Any]], hw) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"attention backends on {hw.describe()}")
     table.add_column("backend", style="bold", no_wrap=True)
     table.add_column("runs here", no_wrap=True)

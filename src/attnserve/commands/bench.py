@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
+from attnserve.bench import baseline, kernels
+from attnserve.bench.serve import sweep
 
 # sub-command -> (module with add_arguments(parser) and run(args), one-line help)
 BENCHES = {
-    "kernels": ("attnserve.bench.kernels", "race the attention backends on fixed decode/prefill workloads"),
-    "serve": ("attnserve.bench.serve", "load sweep against OpenAI-compatible servers: TTFT/TPOT/ITL per backend"),
-    "compare": ("attnserve.bench.baseline",
-                "compare two stored runs (bench kernels or tune JSON); exit 3 if the first is slower"),
+    "kernels": (kernels, "race the attention backends on fixed decode/prefill workloads"),
+    "serve": (sweep, "load sweep against OpenAI-compatible servers: TTFT/TPOT/ITL per backend"),
+    "compare": (baseline, "compare two stored runs (bench kernels or tune JSON); exit 3 if the first is slower"),
 }
 
 
@@ -18,10 +18,10 @@ def add_parser(sub):
     inner = p.add_subparsers(dest="bench", required=True)
     for name, (module, summary) in BENCHES.items():
         q = inner.add_parser(name, help=summary, description=summary)
-        importlib.import_module(module).add_arguments(q)
+        module.add_arguments(q)
         q.set_defaults(_bench_module=module)
     return p
 
 
 def run(args) -> int:
-    return int(importlib.import_module(args._bench_module).run(args) or 0)
+    return int(args._bench_module.run(args) or 0)

@@ -13,7 +13,9 @@ import logging
 import sys
 import time
 
-from attnserve.commands.engine_args import add_engine_arguments, engine_settings, run_other_node
+from attnserve.commands.engine_args import add_engine_arguments, engine_config, run_other_node
+from attnserve.engine.llm import LLM
+from attnserve.engine.sampling_params import SamplingParams
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -56,9 +58,6 @@ def _read_prompts(args) -> list[str]:
 
 
 def run(args) -> int:
-    from attnserve.engine.llm import LLM
-    from attnserve.engine.sampling_params import SamplingParams
-
     if args.node_rank != 0:
         if not args.quiet:
             logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -70,7 +69,7 @@ def run(args) -> int:
     )
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    llm = LLM(**engine_settings(args))
+    llm = LLM(config=engine_config(args))
     if args.chat:
         prompts_in = [llm.apply_chat_template(p, system=args.system) for p in prompts]
     else:

@@ -5,18 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich.console import Console
+from rich.table import Table
+
+from attnserve.kvcache.calc import WEIGHT_DTYPE_BYTES, format_bytes, kv_cache_report
+from attnserve.models.config import attention_shape_of
+from attnserve.presets import PRESETS
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from attnserve.kvcache.calc import WEIGHT_DTYPE_BYTES
-    from attnserve.presets import PRESETS
-
     p = sub.add_parser(
         "kv-calc",
         help="KV-cache bytes per token, cache size, max batch, arithmetic intensity",
         description="KV-cache arithmetic for a preset or a Hugging Face config.json. Presets: "
         + ", ".join(sorted(PRESETS)),
     )
-    p.add_argument("--model", required=True, help="preset name or path to a config.json (or its directory)")
+    p.add_argument("--model", required=True, help="preset name, path to a config.json (or its directory) or a .gguf file")
     p.add_argument("--context", type=int, required=True, help="tokens per request (prompt + output)")
     p.add_argument("--batch", type=int, default=1, help="concurrent requests (default 1)")
     p.add_argument("--kv-cache-dtype", default="bf16",
@@ -33,10 +37,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from attnserve.kvcache.calc import kv_cache_report
-    from attnserve.models.config import ModelConfig
-
-    shape = ModelConfig.load(args.model).attention_shape(name=str(args.model))
+    shape = attention_shape_of(args.model)
     report = kv_cache_report(args.model, shape, args.context, args.batch, args.kv_cache_dtype,
                              args.gpu_memory_gb, args.weight_dtype, args.tp_size)
     if args.json:
@@ -47,11 +48,6 @@ def run(args) -> int:
 
 
 def _print_table(r) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from attnserve.kvcache.calc import format_bytes
-
     heads = f"{r.num_q_heads} query heads, {r.num_kv_heads} KV heads, K {r.head_dim} / V {r.v_head_dim} wide"
     if r.attention_type == "MLA":
         heads = f"{r.num_q_heads} query heads over one latent KV head ({r.head_dim} wide, V = first {r.v_head_dim})"

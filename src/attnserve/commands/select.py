@@ -12,6 +12,9 @@ import dataclasses
 import json
 import sys
 
+from attnserve.models.config import attention_shape_of
+from attnserve.shape import GENERIC_GQA
+
 # what --sliding-window / --logit-softcap without a value stand for (Mistral's window, Gemma-2's cap)
 DEFAULT_FLAG_WINDOW = 4096
 DEFAULT_FLAG_SOFTCAP = 50.0
@@ -41,7 +44,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     add_machine_arguments(p)
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=None, help="a preset name or a HF config.json (default: a generic GQA model)")
+    m.add_argument("--model", default=None,
+                   help="a preset name, a HF config.json or a .gguf file (default: a generic GQA model)")
     m.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (heads per rank)")
     m.add_argument("--attention-sinks", action="store_true", help="the model has attention sinks")
     m.add_argument("--v-head-dim", type=int, default=None, help="V head width when it differs from K's")
@@ -106,16 +110,9 @@ def hardware_from_args(args):
 
 
 def model_from_args(args):
-    """The AttentionShape one tensor-parallel rank sees: a preset or config.json (or a generic GQA model),
+    """The AttentionShape one tensor-parallel rank sees: a preset, config.json or .gguf (or a generic GQA model),
     with the feature flags forced on."""
-    from attnserve.shape import GENERIC_GQA
-
-    if args.model is None:
-        shape = GENERIC_GQA
-    else:
-        from attnserve.models.config import ModelConfig
-
-        shape = ModelConfig.load(args.model).attention_shape(name=str(args.model)).per_rank(args.tp_size)
+    shape = GENERIC_GQA if args.model is None else attention_shape_of(args.model, args.tp_size)
     overrides = {}
     if args.attention_sinks:
         overrides["has_sinks"] = True

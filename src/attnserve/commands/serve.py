@@ -13,7 +13,12 @@ import logging
 import sys
 from pathlib import Path
 
-from attnserve.commands.engine_args import add_engine_arguments, engine_settings, run_other_node
+import uvicorn
+
+from attnserve.commands.engine_args import add_engine_arguments, engine_config, run_other_node
+from attnserve.engine.llm import LLM
+from attnserve.server.app import ServerSettings, ServerState, create_app
+from attnserve.server.uvicorn_server import UvicornServer
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -45,12 +50,6 @@ def served_name(model: str | None) -> str:
 
 
 def run(args) -> int:
-    import uvicorn
-
-    from attnserve.engine.llm import LLM
-    from attnserve.server.app import ServerSettings, ServerState, create_app
-    from attnserve.server.uvicorn_server import UvicornServer
-
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests {args.max_queued_requests}: give a number >= 0")
     if args.max_request_bytes < 1024:
@@ -58,7 +57,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.node_rank != 0:
         return run_other_node(args)  # node 0 serves; this machine only runs ranks
-    llm = LLM(**engine_settings(args))  # refuses a model or backend that cannot run, before the port is bound
+    llm = LLM(config=engine_config(args))  # refuses a model or backend that cannot run, before the port is bound
     settings = ServerSettings(served_model_name=args.served_model_name or served_name(args.model),
                               api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                               max_request_bytes=args.max_request_bytes)

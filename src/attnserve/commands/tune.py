@@ -16,28 +16,39 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from attnserve.attention.selection import ServingFeatures
+from attnserve.attention.tuned import RESULT_KIND, result_path, shape_key
+from attnserve.bench.baseline import add_guard_arguments, check_comparable, load_run, report
+from attnserve.bench.tune import run_tune
+from attnserve.commands.engine_args import add_engine_arguments
+from attnserve.hardware import detect_hardware
+from attnserve.models.config import ModelConfig, attention_shape_of
+
 DEFAULT_MODEL = "smollm2-135m"  # the shape of the embedded model `generate` and `serve` run without --model
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from attnserve.bench.baseline import add_guard_arguments
-
     p = sub.add_parser(
         "tune", help="race the attention backends on a model's shapes here and remember the winner",
         description="Race every attention backend that runs on this machine on the model's own attention "
         "shapes (checked against the oracle first), print the times, and write the result to "
         "$ATTNSERVE_CACHE_DIR (default ~/.cache/attnserve/), where select/generate/serve prefer its winner.",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"a preset, a HF config.json or model directory, or a .gguf file (default: {DEFAULT_MODEL}, "
-                   "the embedded model's shape)")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size: the heads one rank sees")
+    add_engine_arguments(p, only=("model", "tp_size", "kv_cache_dtype", "page_size"), overrides={
+        "model": {"default": DEFAULT_MODEL,
+                  "help": f"a preset, a HF config.json or model directory, or a .gguf file (default: {DEFAULT_MODEL}, "
+                  "the embedded model's shape)"},
+        "tp_size": {"help": "tensor-parallel size: the heads one rank sees"},
+        "kv_cache_dtype": {"help": "auto (the engine's default: bf16 on a GPU, fp32 on a CPU), bf16, fp16, fp32"},
+        "page_size": {"help": "KV page size (default: 1, the engine's)"},
+    })
     p.add_argument("--backends", nargs="+", default=None, metavar="NAME",
                    help="race only these (default: every backend that runs here; on the CPU triton only "
                    "when named, under TRITON_INTERPRET=1)")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the engine's default: bf16 on a GPU, fp32 on a CPU), bf16, fp16, fp32")
-    p.add_argument("--page-size", type=int, default=None, help="KV page size (default: 1, the engine's)")
     p.add_argument("--quick", action="store_true", help="a smaller grid: two decode batches, one prefill")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     add_guard_arguments(p)
@@ -46,17 +57,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _shape(model: str, tp_size: int):
     """(the per-rank AttentionShape, the model's longest context)."""
-    from attnserve.models.config import ModelConfig
-
-    if str(model).endswith(".gguf"):
-        if not Path(model).is_file():
-            raise FileNotFoundError(f"--model {model}: no such GGUF file")
-        from attnserve.models.gguf_loader import GGUFFile
-
-        cfg = ModelConfig.from_hf(GGUFFile(Path(model)).hf_config(), str(model))
-    else:
-        cfg = ModelConfig.load(model)
-    return cfg.attention_shape(name=str(model)).per_rank(tp_size), cfg.max_position_embeddings
+    cfg = ModelConfig.load(model)
+    return attention_shape_of(cfg, tp_size, name=str(model)), cfg.max_position_embeddings
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -74,8 +76,6 @@ def write_atomically(path: Path, text: str) -> None:
 
 def print_table(result: dict, console) -> None:
     """One row per workload: each backend's time and % of roofline, and the fastest."""
-    from rich.table import Table
-
     recs = result["records"]
     backends = list(dict.fromkeys(r["backend"] for r in recs))
     table = Table(title=f"{result['model']} on {result['machine_detail']} ({result['shape']['kv_cache_dtype']}, "
@@ -108,15 +108,6 @@ def print_table(result: dict, console) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-    from tqdm import tqdm
-
-    from attnserve.attention.selection import ServingFeatures
-    from attnserve.attention.tuned import RESULT_KIND, result_path, shape_key
-    from attnserve.bench.baseline import check_comparable, load_run, report
-    from attnserve.bench.tune import run_tune
-    from attnserve.hardware import detect_hardware
-
     if args.tp_size < 1:
         raise ValueError(f"--tp-size must be >= 1, got {args.tp_size}")
     hw = detect_hardware()

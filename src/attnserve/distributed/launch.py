@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnserve.distributed.groups import destroy_groups, init_groups
+
 log = logging.getLogger("attnserve.distributed")
 
 
@@ -134,8 +136,6 @@ def _die_with_parent(parent_pid: int) -> None:
 def _worker_main(rank: int, world: int, init_addr: str, device: str, parent_pid: int, cpu_threads: int,
                  target: Callable, args: tuple) -> None:
     """A spawned rank: join the world, run `target(*args)` until it returns, exit 1 (logged) if it raises."""
-    from attnserve.distributed.groups import destroy_groups, init_groups
-
     _die_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

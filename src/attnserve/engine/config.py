@@ -1,48 +1,116 @@
-"""EngineConfig: every knob of the engine, with the CLI's names and defaults."""
+"""EngineConfig: every knob of the engine, each declared once with its command-line flag and help.
+
+A field whose metadata names `flags` is a command-line knob: `commands/engine_args.py` builds the
+parser from these fields (the flag names, defaults, types and help) and the config from the parsed
+flags, so `serve`, `generate` and `tune` (and `bench serve --launch`, which starts `serve`) read the
+same declaration. The flag names are SGLang's where it has them. A field without `flags` (`seed`) is
+set from Python only. `__post_init__` checks every value once, before any weights load.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from attnserve.attention.registry import resolve_name
+from attnserve.distributed.launch import Topology
+from attnserve.models.cpu_weights import WEIGHT_FORMATS
+
+
+def knob(default, *flags: str, help: str, metavar: str | None = None, choices=None):  # noqa: A002 - argparse's word
+    """A dataclass field with its command-line flags (the first is the canonical name) and help.
+
+    A bool knob is a switch (`store_true`); any other takes one value of the field's type. `help` may
+    name `{backends}`, filled with the implemented attention backends when the parser is built."""
+    cli = {"flags": flags, "help": help}
+    if metavar is not None:
+        cli["metavar"] = metavar
+    if choices is not None:
+        cli["choices"] = tuple(choices)
+    return field(default=default, metadata=cli)
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF directory, GGUF file, preset name (random weights) or None (embedded SmolLM2)
-    device: str = "auto"  # auto: cuda when present, else cpu; mps when asked for
-    dtype: str = "auto"  # auto: bf16 on a CPU with AMX/AVX512-BF16 (else fp32); GPU: the checkpoint's (bf16 if none)
-    weights_dtype: str = "auto"  # CPU projection weights: auto, dequantized, int4 (models.cpu_weights)
-    cpu_threads: int | None = None  # CPU: torch threads for this process; None: torch's default (its usable CPUs)
-    kv_cache_dtype: str = "auto"  # auto: the model dtype
-    attention_backend: str | None = None  # None: the selection policy decides
-    prefill_attention_backend: str | None = None
-    decode_attention_backend: str | None = None
-    no_tuned: bool = False  # True: ignore `attnserve tune` results when choosing the backend
-    page_size: int | None = None  # None: 1, or what the chosen backend needs
-    max_running_requests: int = 64
-    max_total_tokens: int | None = None  # KV pool size in tokens; None: from memory
-    mem_fraction_static: float = 0.85  # GPU: fraction of memory for weights + KV pool
-    max_context_len: int | None = None  # None: the model's (capped at 32768)
-    chunked_prefill_size: int | None = 2048  # None or <= 0: off
-    max_prefill_tokens: int = 16384
-    disable_radix_cache: bool = False
-    disable_cuda_graph: bool = False
-    disable_fused_ops: bool = False  # True: unfused torch ops on the GPU too (to compare outputs and speed)
-    cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 128)
-    disable_overlap_schedule: bool = False  # True: schedule step n+1 only after step n's tokens are read
-    random_weights: bool = False  # with a preset/config: random weights of the real shape (benchmarks)
-    seed: int = 0
-    tp_size: int = 1  # tensor-parallel ranks (processes, one GPU each on CUDA); the model's heads split over them
-    nnodes: int = 1  # machines the tp ranks span
-    node_rank: int = 0  # this machine's index; node 0 schedules and serves
-    dist_init_addr: str | None = None  # HOST:PORT of node 0 where the ranks meet; None on one node: a free port
+    model: str | None = knob(
+        None, "--model", "--model-path",
+        help="HF model directory, .gguf file, or (with --random-weights) a preset; default: embedded SmolLM2")
+    tp_size: int = knob(
+        1, "--tp-size", "--tensor-parallel-size",
+        help="tensor-parallel size: the model's heads and channels split over this many processes (one "
+        "GPU each on CUDA: NCCL; gloo on the CPU); default 1")
+    nnodes: int = knob(1, "--nnodes", help="machines the --tp-size ranks span (default 1)")
+    node_rank: int = knob(
+        0, "--node-rank",
+        help="this machine's index among --nnodes; node 0 schedules and serves, the others run ranks only")
+    dist_init_addr: str | None = knob(
+        None, "--dist-init-addr", metavar="HOST:PORT",
+        help="where the ranks meet: node 0's address and a free port, the same on every node "
+        "(default on one node: a free local port)")
+    random_weights: bool = knob(False, "--random-weights", help="random weights of the model's shape (to measure speed)")
+    attention_backend: str | None = knob(
+        None, "--attention-backend", metavar="NAME",
+        help="attention backend for prefill and decode (default: chosen for this machine and model; "
+        "see `attnserve select`); one of: {backends}")
+    prefill_attention_backend: str | None = knob(
+        None, "--prefill-attention-backend", metavar="NAME", help="attention backend for prefill only (same names)")
+    decode_attention_backend: str | None = knob(
+        None, "--decode-attention-backend", metavar="NAME", help="attention backend for decode only (same names)")
+    no_tuned: bool = knob(
+        False, "--no-tuned",
+        help="ignore `attnserve tune` results when choosing the backend (by default a current result "
+        "for this machine and model shape puts its measured winner first)")
+    device: str = knob("auto", "--device", help="auto (cuda when present, else cpu), cpu, cuda[:N] or mps")
+    dtype: str = knob(
+        "auto", "--dtype",
+        help="model dtype: auto (CPU: bf16 where it has AMX or AVX512-BF16, else fp32; GPU: the "
+        "checkpoint's, bf16 if unstated), bf16, fp16, fp32")
+    weights_dtype: str = knob(
+        "auto", "--weights-dtype", choices=WEIGHT_FORMATS,
+        help="CPU projection weights: auto (a bf16 model from a GGUF with Q4_0/Q4_1 weights keeps them "
+        "4-bit for the int4 kernel at 1-2 rows and runs prepacked bf16 above; else dequantized), "
+        "dequantized (dense, in --dtype), int4 (4-bit only: least memory, slow prefill)")
+    cpu_threads: int | None = knob(
+        None, "--cpu-threads",
+        help="CPU: threads for the matmuls (default: torch's, one per usable core). On a machine shared "
+        "with other busy processes, fewer threads than cores can be faster: every parallel op waits "
+        "for its slowest thread")
+    kv_cache_dtype: str = knob(
+        "auto", "--kv-cache-dtype",
+        help="KV cache dtype: auto (the model dtype), bf16, fp16, fp32, fp8_e4m3, fp8_e5m2")
+    page_size: int | None = knob(
+        None, "--page-size", help="tokens per KV page (default: 1, or what the chosen backend needs)")
+    max_running_requests: int = knob(
+        64, "--max-running-requests", help="most requests decoding at once (default: 64)")
+    max_total_tokens: int | None = knob(None, "--max-total-tokens", help="KV pool size in tokens")
+    mem_fraction_static: float = knob(
+        0.85, "--mem-fraction-static", help="GPU: fraction of device memory for weights plus the KV pool (default: 0.85)")
+    max_prefill_tokens: int = knob(
+        16384, "--max-prefill-tokens",
+        help="prefill tokens per step when chunking is off (default: 16384; one prompt may exceed it)")
+    max_context_len: int | None = knob(
+        None, "--context-length",
+        help="longest prompt + output (default: the model's, capped at 32768)")
+    chunked_prefill_size: int | None = knob(
+        2048, "--chunked-prefill-size", help="prefill tokens per chunk (default: 2048); <= 0 turns chunking off")
+    disable_radix_cache: bool = knob(False, "--disable-radix-cache", help="no prefix cache")
+    disable_cuda_graph: bool = knob(False, "--disable-cuda-graph", help="decode runs eagerly")
+    disable_overlap_schedule: bool = knob(
+        False, "--disable-overlap-schedule",
+        help="schedule each step only after the previous step's tokens reach the host "
+        "(default: the host schedules and plans step n+1 while the device runs step n)")
+    cuda_graph_max_bs: int | None = knob(
+        None, "--cuda-graph-max-bs",
+        help="largest decode batch captured in a graph (default: min(--max-running-requests, 128))")
+    disable_fused_ops: bool = knob(
+        False, "--disable-fused-ops",
+        help="run the unfused torch ops (RMSNorm, SiLU x up, RoPE, K/V store) on the GPU too")
+    seed: int = 0  # random weights' seed (with random_weights)
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        from attnserve.models.cpu_weights import WEIGHT_FORMATS
-
         if self.weights_dtype not in WEIGHT_FORMATS:
             raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights_dtype!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -53,13 +121,9 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        from attnserve.distributed.launch import Topology
-
         Topology(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)  # raises on a bad combination
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
-        from attnserve.attention.registry import resolve_name
-
         for name in (self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend):
             if name is not None:
                 resolve_name(name)  # an unknown name fails here, before any weights load

@@ -14,14 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-
-def encode(tokenizer, text: str) -> list[int]:
-    out = tokenizer.encode(text)
-    return list(getattr(out, "ids", out))
-
-
-def decode(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+from attnserve.models.tokenizer import decode
 
 
 class IncrementalDetokenizer:

@@ -29,16 +29,15 @@ from dataclasses import dataclass, field
 import torch
 
 from attnserve.engine.config import EngineConfig
-from attnserve.engine.detokenizer import encode
-from attnserve.engine.host_copy import HostCopy
 from attnserve.engine.request import FinishReason, Request
 from attnserve.engine.runner import ModelRunner
 from attnserve.engine.sampler import DeviceLogprobs, Sampler
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
-from attnserve.engine.setup import EngineParts, build_parts
+from attnserve.engine.startup import EngineParts, build_parts
 from attnserve.engine.tensor_parallel import start_world
-from attnserve.transfers import to_device
+from attnserve.models.tokenizer import encode
+from attnserve.transfers import HostCopy, to_device
 
 log = logging.getLogger("attnserve.engine")
 

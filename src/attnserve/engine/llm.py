@@ -13,15 +13,20 @@ from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
 from attnserve.engine.outputs import RequestOutput, RequestStream, StreamEvent, TokenDelta
 from attnserve.engine.sampling_params import SamplingParams
+from attnserve.models.tokenizer import chat_prompt
 
 Prompt = str | list[int]
 
 
 class LLM:
     def __init__(self, model: str | None = None, attention_backend: str | None = None, *, loaded=None,
-                 **engine_settings):
-        """engine_settings: any EngineConfig field (device, dtype, page_size, chunked_prefill_size, ...)."""
-        config = EngineConfig(model=model, attention_backend=attention_backend, **engine_settings)
+                 config: EngineConfig | None = None, **engine_settings):
+        """engine_settings: any EngineConfig field (device, dtype, page_size, chunked_prefill_size, ...);
+        or `config`, an EngineConfig already built (the command line's)."""
+        if config is None:
+            config = EngineConfig(model=model, attention_backend=attention_backend, **engine_settings)
+        elif model is not None or attention_backend is not None or engine_settings:
+            raise ValueError("give LLM a config or its settings, not both")
         self.engine = Engine(config, loaded=loaded)
 
     @property
@@ -30,20 +35,7 @@ class LLM:
 
     def apply_chat_template(self, prompt: str | list[dict], system: str | None = None) -> str:
         """Render one user message (or a message list) with the model's chat template."""
-        template = self.engine.parts.model.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise ValueError("this model has no chat template; drop --chat")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if system is not None:
-            messages.insert(0, {"role": "system", "content": system})
-        render = getattr(self.tokenizer, "apply_chat_template", None)
-        if callable(render):
-            return render(messages)
-        from attnserve.models.tokenizer import render_chat_template
-
-        # a template shipped inside a model file is untrusted code: render it sandboxed
-        return render_chat_template(template, messages, add_generation_prompt=True,
-                                    special_tokens={"bos_token": "", "eos_token": ""})
+        return chat_prompt(self.tokenizer, self.engine.parts.model.chat_template, prompt, system)
 
     def _submit(self, prompts, sampling_params) -> dict[int, RequestStream]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

@@ -73,7 +73,7 @@ class ModelRunner:
 
     @classmethod
     def from_parts(cls, parts) -> ModelRunner:
-        """The runner over what start-up built (`setup.EngineParts`)."""
+        """The runner over what start-up built (`startup.EngineParts`)."""
         return cls(parts.model.module, parts.kv.pool, parts.backend, parts.kv.req_pool, parts.model.device,
                    graph_runner=parts.graphs.runner)
 

@@ -31,6 +31,9 @@ from attnserve.distributed.launch import (
 from attnserve.distributed.shard import check_model_splits
 from attnserve.distributed.state import broadcast_object, parallel_state
 from attnserve.engine.config import EngineConfig
+from attnserve.engine.runner import ModelRunner
+from attnserve.engine.startup import build_parts, resolve_device
+from attnserve.models.loader import read_config
 from attnserve.transfers import to_device
 
 log = logging.getLogger("attnserve.engine")
@@ -42,9 +45,6 @@ def topology_of(config: EngineConfig) -> Topology:
 
 def check_before_loading(config: EngineConfig, loaded=None):
     """Refuse a tensor-parallel start that cannot work, reading no weights; returns (topology, device)."""
-    from attnserve.engine.setup import resolve_device
-    from attnserve.models.loader import read_config
-
     topology = topology_of(config)
     if loaded is not None:
         raise ValueError(f"--tp-size {config.tp_size}: each rank loads its own slice of the weights, so pass the "
@@ -61,9 +61,6 @@ def check_before_loading(config: EngineConfig, loaded=None):
 
 def serve_rank(config: EngineConfig) -> None:
     """A worker rank: build the same engine parts as rank 0, then run each step rank 0 broadcasts."""
-    from attnserve.engine.runner import ModelRunner
-    from attnserve.engine.setup import build_parts
-
     runner = ModelRunner.from_parts(build_parts(config))
     while True:
         step = broadcast_object()
@@ -89,8 +86,6 @@ class TensorParallelWorld:
         if config.tp_size > 1:
             topology, device = check_before_loading(config, loaded)
         else:  # a world of one rank: the model may come loaded, nothing is split
-            from attnserve.engine.setup import resolve_device
-
             topology, device = topology_of(config), resolve_device(config.device)
         addr = resolve_init_addr(topology)
         self.workers = Workers(topology, addr, device, serve_rank, _worker_args(config))

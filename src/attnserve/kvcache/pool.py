@@ -8,16 +8,12 @@ multiply by the layer's scale.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from attnserve.kvcache.dtypes import FP8_DTYPES, parse_kv_dtype
+from attnserve.shape import AttentionShape
 from attnserve.transfers import to_device
-
-if TYPE_CHECKING:
-    from attnserve.shape import AttentionShape
 
 
 def check_page_size(page_size: int) -> None:

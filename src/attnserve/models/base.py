@@ -13,6 +13,10 @@ import torch
 from torch import nn
 
 from attnserve.attention.base import ForwardBatch
+from attnserve.distributed.embedding import ParallelLMHead, VocabParallelEmbedding
+from attnserve.distributed.state import parallel_state
+from attnserve.models.config import attention_shape_of
+from attnserve.models.layers import RMSNorm
 from attnserve.ops import TORCH_OPS, OpSet
 from attnserve.shape import AttentionShape
 
@@ -30,12 +34,8 @@ class CausalLM(nn.Module):
 
     def _build_stack(self, cfg, rotary: nn.Module, make_layer) -> None:
         """Embeddings, `make_layer(cfg, layer_id, rotary)` per layer, final norm, LM head (tied if asked)."""
-        from attnserve.distributed.embedding import ParallelLMHead, VocabParallelEmbedding
-        from attnserve.distributed.state import tp_size
-        from attnserve.models.layers import RMSNorm
-
         self.config = cfg
-        self.tp_size = tp_size()  # the tensor-parallel ranks this model's layers were built to share the work with
+        self.tp_size = parallel_state().size  # the tensor-parallel ranks this model's layers were built to share the work with
         self.rotary = rotary
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(cfg, i, rotary) for i in range(cfg.num_layers))
@@ -47,7 +47,7 @@ class CausalLM(nn.Module):
     def kv_cache_spec(self) -> AttentionShape:
         """What the KV pool must hold and what attention sees: the parsed config's attention shape, as this
         tensor-parallel rank holds it (its query and KV heads; MLA's latent whole)."""
-        return self.config.attention_shape().per_rank(self.tp_size)
+        return attention_shape_of(self.config, self.tp_size)
 
     def forward(
         self,

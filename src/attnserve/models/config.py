@@ -4,7 +4,10 @@ HF config files spell the same facts several ways across versions (``rope_scalin
 vs ``rope_parameters``, ``n_routed_experts`` vs ``num_experts``); everything
 downstream reads this one normalised view instead: the model code its
 hyper-parameters, and through `attention_shape()` the KV calculator, the KV pool
-and backend selection their `AttentionShape`. Any transformer LM config parses
+and backend selection their `AttentionShape`. `attention_shape_of(model, tp_size)`
+is the one way from a model name (a preset, a HF config.json or model directory,
+a .gguf file) to the shape one tensor-parallel rank sees: `select`, `kv-calc`,
+`tune` and the loaded model's `kv_cache_spec()` all go through it. Any transformer LM config parses
 (the calculator sizes models attnserve cannot run); `check_supported` is what the
 model builder adds on top.
 """
@@ -15,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnserve.models.gguf_loader import GGUFFile
+from attnserve.presets import load_model_config
 from attnserve.shape import AttentionShape
 
 # architecture name (config.json "architectures"[0]) -> model family
@@ -130,9 +135,12 @@ class ModelConfig:
 
     @classmethod
     def load(cls, preset_or_path: str | Path) -> ModelConfig:
-        """A preset name, HF repo id of a preset, or a config.json (file or its directory), parsed."""
-        from attnserve.presets import load_model_config
-
+        """A preset name, HF repo id of a preset, a config.json (file or its directory) or a .gguf file, parsed."""
+        if str(preset_or_path).endswith(".gguf"):
+            path = Path(preset_or_path)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: no such GGUF file")
+            return cls.from_hf(GGUFFile(path).hf_config(), str(path))
         return cls.from_hf(load_model_config(preset_or_path), str(preset_or_path))
 
     @classmethod
@@ -299,3 +307,13 @@ def _sliding_windows(cfg: dict, arch: str, num_layers: int) -> list[int | None]:
         first_full = int(cfg.get("max_window_layers", num_layers))
         return [int(window) if i >= first_full else None for i in range(num_layers)]
     return [int(window)] * num_layers
+
+
+def attention_shape_of(model: str | Path | ModelConfig, tp_size: int = 1, name: str | None = None) -> AttentionShape:
+    """The AttentionShape one of `tp_size` tensor-parallel ranks of `model` sees: a preset, a HF config.json
+    or model directory, a .gguf file, or a config already parsed. Named `name`, by default as the model is
+    given (a parsed config: unnamed)."""
+    cfg = model if isinstance(model, ModelConfig) else ModelConfig.load(model)
+    if name is None:
+        name = "" if isinstance(model, ModelConfig) else str(model)
+    return cfg.attention_shape(name=name).per_rank(tp_size)

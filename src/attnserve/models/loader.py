@@ -22,7 +22,7 @@ API (what the engine and the CLI use):
     model.safetensors.index.json, tokenizer.json, tokenizer_config.json / chat_template.jinja;
   - with random_weights=True, also a preset name from attnserve.presets (e.g. "llama-3-8b",
     "qwen3-8b", "deepseek-v2-lite") or a config.json: the model is built with random weights
-    (for benchmarks; the log says so loudly).
+    (to measure speed; the log says so loudly).
 dtype "auto" means bfloat16 on a CPU with AMX or AVX512-BF16 (float32 on other CPUs) and the checkpoint's dtype (bfloat16 if unstated) on a GPU.
 """
 
@@ -38,9 +38,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
+from attnserve.models import cpu_weights
 from attnserve.models.config import DEEPSEEK_ARCHITECTURES, ModelConfig
+from attnserve.models.deepseek import DeepseekForCausalLM
+from attnserve.models.gguf_loader import GGUFFile
+from attnserve.models.llama import LlamaForCausalLM
 from attnserve.models.tokenizer import Tokenizer
+from attnserve.presets import load_model_config
 
 log = logging.getLogger("attnserve.models")
 
@@ -84,11 +90,9 @@ def embedded_model_path() -> Path:
 
 
 def default_cpu_dtype() -> torch.dtype:
-    """bf16 where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16): measured 1.6x faster decode than
-    fp32 on such a CPU; fp32 elsewhere (emulated bf16 is slower than fp32)."""
-    from attnserve.models.cpu_weights import cpu_has_fast_bf16
-
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    """bf16 where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16), where it decodes faster than fp32;
+    fp32 elsewhere (emulated bf16 is slower than fp32)."""
+    return torch.bfloat16 if cpu_weights.cpu_has_fast_bf16() else torch.float32
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config: dict | None = None) -> torch.dtype:
@@ -113,11 +117,7 @@ def _parse(hf_config: dict, source: str) -> ModelConfig:
 
 def model_class(cfg: ModelConfig):
     if cfg.architecture in DEEPSEEK_ARCHITECTURES:
-        from attnserve.models.deepseek import DeepseekForCausalLM
-
         return DeepseekForCausalLM
-    from attnserve.models.llama import LlamaForCausalLM
-
     return LlamaForCausalLM
 
 
@@ -162,15 +162,11 @@ def load_model(
 def read_config(path: str | Path | None = None, random_weights: bool = False) -> ModelConfig:
     """The parsed config of the model `load_model` would load, reading no weights (checks before loading)."""
     if random_weights:
-        from attnserve.presets import load_model_config
-
         if path is None:
             raise ValueError("random weights need a preset name or a config.json path (e.g. llama-3-8b)")
         return _parse(load_model_config(path), str(path))
     resolved = _resolve(path)
     if resolved.is_file():  # a .gguf
-        from attnserve.models.gguf_loader import GGUFFile
-
         return _parse(GGUFFile(resolved).hf_config(), str(resolved))
     return _parse(_read_json(resolved / "config.json"), str(resolved / "config.json"))
 
@@ -242,8 +238,6 @@ class SafetensorsSlice:
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, SafetensorsSlice]]:
     """(name, lazy tensor) for every tensor of every file; each is valid until the next one is asked for."""
-    from safetensors import SafetensorError, safe_open
-
     for f in files:
         try:
             handle = safe_open(str(f), framework="pt")
@@ -286,8 +280,6 @@ def _load_hf_dir(path: Path, dtype, device: torch.device) -> LoadedModel:
 
 # ---- GGUF ------------------------------------------------------------------------------------
 def _load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
-    from attnserve.models.gguf_loader import GGUFFile
-
     gf = GGUFFile(path)
     hf_config = gf.hf_config()
     divisors = gf.rope_divisors()
@@ -306,7 +298,7 @@ def _load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
 
 # ---- random weights --------------------------------------------------------------------------
 def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Normal(0, std) matrices, unit norms, zero biases: numerically tame activations for benchmarks.
+    """Normal(0, std) matrices, unit norms, zero biases: numerically tame activations for speed measurements.
 
     Drawn in float32 and then cast, so one seed gives the same model in every dtype: how torch draws
     bf16 normals directly differs between versions (2.11 and 2.13 disagree), and a bf16 model must be
@@ -326,8 +318,6 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02
 
 
 def _load_random(preset_or_path, dtype, device: torch.device, seed: int) -> LoadedModel:
-    from attnserve.presets import load_model_config
-
     if preset_or_path is None:
         raise ValueError("random weights need a preset name or a config.json path (e.g. llama-3-8b)")
     hf_config = load_model_config(preset_or_path)

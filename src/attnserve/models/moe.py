@@ -137,8 +137,8 @@ class Experts(nn.Module):
     # no host sync, so decode steps can be captured in a CUDA graph, and small batches read each expert's
     # weights once either way
     DENSE_MAX_PAIRS = 16384
-    # on an H200 at DeepSeek-V2-Lite's expert shapes, the grouped GEMM is 0.73-0.96x dense bmm's from 8 to 64
-    # decode tokens (2048 - 4096 pairs), 1.04x at 128 tokens and 1.59x at 256 (benchmarks/results/moe_gpu_paths.json)
+    # from this many pairs up, one grouped GEMM over the routed tokens beats a dense bmm over every expert on
+    # the GPU; below it the dense bmm reads each expert's weights once for the whole batch and is faster
     GROUPED_MIN_PAIRS = 8192
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,23 @@ Text <-> ids goes through the `tokenizers` library; chat templates are the
 model's own Jinja templates rendered in a sandbox with the helpers HF templates
 expect (raise_exception, tojson, strftime_now), so prompts are byte-identical to
 what the model was trained on.
+
+`encode`, `decode` and `chat_prompt` take any tokenizer with `encode`/`decode`
+(ours, or an HF one handed to the engine), so the engine and the server share
+one way from text to ids and back.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 # GGUF tokenizer.ggml.pre -> the split regex its merges were learned with (None: GPT-2's, inside ByteLevel)
 _LLAMA3_SPLIT = (
@@ -76,8 +86,6 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: Path, config: dict) -> Tokenizer | None:
         """tokenizer.json (+ tokenizer_config.json, chat_template.jinja); None when the directory has none."""
-        from tokenizers import Tokenizer as HFTokenizer
-
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             return None
@@ -103,8 +111,6 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, fields: dict, source: str) -> Tokenizer:
-        from tokenizers import AddedToken
-
         if fields["model"] == "gpt2":
             backend = _byte_level_backend(fields, source)
         elif fields["model"] == "llama":
@@ -128,9 +134,6 @@ class Tokenizer:
 
 def _byte_level_backend(fields: dict, source: str):
     """GPT-2 style byte-level BPE with the split regex the vocabulary's `pre` names."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
     vocab = {t: i for i, t in enumerate(fields["tokens"])}
     merges = [tuple(m.split(" ", 1)) for m in fields["merges"]]
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -159,9 +162,6 @@ def _sentencepiece_backend(fields: dict):
     starts with a space (" hi" is "▁▁hi"), as sentencepiece's dummy prefix and llama.cpp do; the
     decoder drops that one leading space again.
     """
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, normalizers
-
     tokens = fields["tokens"]
     vocab = {t: i for i, t in enumerate(tokens)}
     if fields["merges"]:
@@ -206,9 +206,6 @@ def _read_json(path: Path) -> dict:
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
                          special_tokens: dict | None = None, **extra) -> str:
     """Render an HF chat template the way HF does (sandboxed Jinja, trim_blocks, lstrip_blocks)."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
@@ -222,3 +219,31 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}
     variables.update(extra)
     return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Text -> ids with any tokenizer (ours returns a list, an HF `tokenizers.Tokenizer` an Encoding)."""
+    out = tokenizer.encode(text)
+    return list(getattr(out, "ids", out))
+
+
+def decode(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def chat_prompt(tokenizer, template: str | None, prompt: str | list[dict], system: str | None = None) -> str:
+    """One user message (or a message list) rendered with the model's chat template.
+
+    `template` is the model's own (from its files); a tokenizer with `apply_chat_template` renders it
+    itself. A template shipped inside a model file is untrusted code: it is rendered sandboxed."""
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("this model has no chat template; drop --chat")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    render = getattr(tokenizer, "apply_chat_template", None)
+    if callable(render):
+        return render(messages)
+    return render_chat_template(template, messages, add_generation_prompt=True,
+                                special_tokens={"bos_token": "", "eos_token": ""})

@@ -1,9 +1,9 @@
 """The CPU's op set: RMSNorm in one or two kernels instead of the reference's five.
 
-At decode sizes a CPU op costs its launch more than its arithmetic, and SmolLM2 runs 61 norms a
-step. float32: `F.rms_norm`, the reference's bits (checked in tests). bf16: torch's RMSNorm kernel
-is a composite there (~15 us for one 576-wide row on a 2-core Xeon); LayerNorm is one native kernel
-(~4 us), and the LayerNorm of [x, -x] (mean 0, variance mean(x^2)) is x / rms(x), rounded to bf16
+At decode sizes a CPU op costs its launch more than its arithmetic, and a model runs two norms per
+layer each step. float32: `F.rms_norm`, the reference's bits (checked in tests). bf16: torch's
+RMSNorm kernel is a composite of several ops there; LayerNorm is one native kernel, and the
+LayerNorm of [x, -x] (mean 0, variance mean(x^2)) is x / rms(x), rounded to bf16
 once, then times the weight: the reference's rounding points, so its bits except where a value sits on
 a rounding boundary (the variance is summed in another order): there one bf16 ulp (checked in tests).
 """

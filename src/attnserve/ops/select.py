@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attnserve.ops import reference
+from attnserve.ops import cpu, reference
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,9 @@ class OpSet:
     """The model's non-attention ops. `rope_store` is None when RoPE and the K/V store stay separate.
 
     split_gate_up: run the MLP's gate and up projections as two GEMMs over the halves of the
-    merged weight (views, no copy) instead of one. Measured on a 2-core x86 CPU (SmolLM2 shapes,
-    one thread, min of 40 runs): in fp32 two halves are 13% faster at 1 token and 4% at 8; in
-    bf16 the merged GEMM is 8-12% faster, as on GPUs. So only fp32 CPU models split.
+    merged weight (views, no copy) instead of one. On the CPU two fp32 GEMMs over the halves are
+    faster than one over the merged weight at decode sizes, while in bf16 (as on GPUs) the merged
+    GEMM is faster: so only fp32 CPU models split.
     """
 
     name: str
@@ -47,7 +47,9 @@ TORCH_OPS = OpSet("torch", reference.rmsnorm, reference.add_rmsnorm, reference.s
 
 
 def triton_ops() -> OpSet:
-    """The fused Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1 in tests)."""
+    """The fused Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1 in tests).
+
+    The one place ops meets triton, an optional package: its kernel modules import it."""
     from attnserve.ops.kernels.rmsnorm import add_rmsnorm, rmsnorm
     from attnserve.ops.kernels.rope_store import rope_store_kv
     from attnserve.ops.kernels.silu_mul import silu_mul
@@ -64,8 +66,6 @@ def select_ops(device: str | torch.device, fused: bool = True, dtype: torch.dtyp
     if fused and device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return triton_ops()
     if device.type == "cpu" and fused:
-        from attnserve.ops import cpu
-
         return replace(TORCH_OPS, name="cpu", rmsnorm=cpu.rmsnorm, add_rmsnorm=cpu.add_rmsnorm,
                        split_gate_up=dtype == torch.float32)
     if device.type == "cpu" and dtype == torch.float32:

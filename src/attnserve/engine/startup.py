@@ -17,16 +17,24 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from attnserve.attention.hybrid import build_backend
+from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.distributed.state import min_over_ranks, parallel_state
 from attnserve.engine.config import EngineConfig
+from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
+from attnserve.hardware import detect_hardware
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.calc import kv_bytes_per_token
 from attnserve.kvcache.dtypes import canonical_kv_dtype
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool, make_pool
+from attnserve.models import cpu_weights
+from attnserve.models.layers import use_ops
+from attnserve.models.loader import load_model, resolve_dtype
+from attnserve.ops import select_ops
 
 log = logging.getLogger("attnserve.engine")
 
@@ -106,18 +114,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_bundle(config: EngineConfig, device: torch.device):
-    from attnserve.models.loader import load_model
-
     # the loader resolves "auto" with the checkpoint's own dtype in hand
     return load_model(config.model, dtype=config.dtype, device=device, random_weights=config.random_weights,
                       seed=config.seed)
 
 
 def model_shape(loaded):
-    """The shape the pool is built from and selection checks: the model's parsed config, named as the log
-    names the model (so the engine and `attnserve select --model config.json` decide alike)."""
-    from dataclasses import replace
-
+    """The shape the pool is built from and selection checks: the model's `kv_cache_spec()` (its parsed
+    config through `models.config.attention_shape_of`, as `attnserve select --model` resolves it), named as
+    the log names the model, so the engine and `select` decide alike."""
     return replace(loaded.model.kv_cache_spec(), name=str(getattr(loaded, "source", "") or ""))
 
 
@@ -133,10 +138,6 @@ def _loaded_dtype(loaded, fallback: torch.dtype) -> torch.dtype:
 
 def hardware_for(device: torch.device):
     """This machine as the selection sees it, on the device the engine was told to use."""
-    from dataclasses import replace
-
-    from attnserve.hardware import detect_hardware
-
     hw = detect_hardware()
     runs_on = "rocm" if device.type == "cuda" and hw.device == "rocm" else device.type
     if runs_on != hw.device:  # e.g. --device cpu on a GPU machine
@@ -145,8 +146,6 @@ def hardware_for(device: torch.device):
 
 
 def _select(config: EngineConfig, traits, kv_dtype: str, hw):
-    from attnserve.attention.selection import ServingFeatures, select_backends
-
     serving = ServingFeatures(page_size=config.page_size, kv_cache_dtype=kv_dtype)
     return select_backends(hw, traits, serving, attention_backend=config.attention_backend,
                            prefill_backend=config.prefill_attention_backend,
@@ -174,9 +173,6 @@ def _pool_tokens(config: EngineConfig, bytes_per_token: int, device: torch.devic
 
 def _use_ops(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> None:
     """Pick the model's non-attention ops once, before any graph is captured (fused Triton on CUDA)."""
-    from attnserve.models.layers import use_ops
-    from attnserve.ops import select_ops
-
     use_ops(model, select_ops(device, fused=not config.disable_fused_ops, dtype=dtype))
 
 
@@ -188,8 +184,6 @@ def _ops_note(model: torch.nn.Module) -> str:
 def load_model_setup(config: EngineConfig, loaded=None) -> ModelSetup:
     """Load `config.model` (or take the bundle already loaded) and check the dtype asked for is the one it has."""
     t0 = time.perf_counter()
-    from attnserve.models.loader import resolve_dtype
-
     device = resolve_device(config.device)
     requested = resolve_dtype(config.dtype, device)  # a bad name fails before any loading
     given = loaded is not None
@@ -219,8 +213,6 @@ def load_model_setup(config: EngineConfig, loaded=None) -> ModelSetup:
 
 def _pack_weights(model: torch.nn.Module, loaded, config: EngineConfig) -> str:
     """The CPU weight format (once per model: a bundle shared by several engines is packed by the first)."""
-    from attnserve.models.cpu_weights import pack_cpu_weights
-
     done = getattr(model, "_weights_note", None)
     if done is not None:
         asked = getattr(model, "_weights_asked", "auto")
@@ -228,7 +220,7 @@ def _pack_weights(model: torch.nn.Module, loaded, config: EngineConfig) -> str:
             raise ValueError(f"weights_dtype {config.weights_dtype!r}: this model was already packed as "
                              f"{done}; load it again to hold its weights another way")
         return done
-    note = pack_cpu_weights(model, loaded, config.weights_dtype)
+    note = cpu_weights.pack_cpu_weights(model, loaded, config.weights_dtype)
     model._weights_note, model._weights_asked = note, config.weights_dtype
     return note
 
@@ -242,9 +234,7 @@ def _threads_note(config: EngineConfig) -> str:
 def _dtype_note(config: EngineConfig, model: ModelSetup) -> str:
     if config.dtype != "auto" or model.device.type != "cpu":
         return ""
-    from attnserve.models.cpu_weights import cpu_has_fast_bf16
-
-    fast = cpu_has_fast_bf16()
+    fast = cpu_weights.cpu_has_fast_bf16()
     if fast and model.dtype == torch.bfloat16:
         return " (auto: this CPU has AMX/AVX512-BF16)"
     return " (auto: no hardware bf16 on this CPU)" if not fast else ""
@@ -293,8 +283,6 @@ def build_graphs(config: EngineConfig, model: ModelSetup, attention: AttentionCh
         return GraphSetup(None, [], "off (--disable-cuda-graph)")
     if not attention.graph_capturable or not backend.features.cuda_graph:
         return GraphSetup(None, [], f"off ({attention.decode_backend} cannot be captured; decode runs eagerly)")
-    from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
-
     max_bs = min(config.cuda_graph_max_bs or 128, config.max_running_requests)
     sizes = default_batch_sizes(max_bs)
     runner = CudaGraphRunner(model.module, backend, kv.pool, kv.req_pool, kv.padding_row, sizes, model.device)
@@ -329,8 +317,6 @@ def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionC
 
 def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
     """Every start-up step in order; logs what was decided."""
-    from attnserve.attention.hybrid import build_backend
-
     model = load_model_setup(config, loaded)
     attention = choose_attention(config, model)
     kv = size_kv_cache(config, model, attention)

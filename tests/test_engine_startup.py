@@ -13,7 +13,8 @@ from attnserve.attention import registry
 from attnserve.commands.select import model_from_args
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
-from attnserve.engine.setup import build_parts, model_shape, resolve_device
+from attnserve.engine import startup
+from attnserve.engine.startup import build_parts, model_shape, resolve_device
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
 
@@ -74,7 +75,7 @@ def test_gguf_config_without_model_type_gets_it_from_the_architecture():
 
 
 def test_cpu_engine_on_a_gpu_machine_checks_backends_against_the_cpu(monkeypatch):
-    monkeypatch.setattr(hardware, "detect_hardware", lambda: hardware.PRESET_HARDWARE["h100"])
+    monkeypatch.setattr(startup, "detect_hardware", lambda: hardware.PRESET_HARDWARE["h100"])
     seen = []
     real = registry.availability
 

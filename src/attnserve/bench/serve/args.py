@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnserve.bench.serve_client import ENDPOINTS
-from attnserve.bench.serve_datasets import DATASETS
+from attnserve.bench.serve.client import ENDPOINTS
+from attnserve.bench.serve.datasets import DATASETS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from attnserve.bench.serve_load import LoadPoint
+from attnserve.bench.serve.load import LoadPoint
 
 _LABELLED = re.compile(r"^([A-Za-z0-9_.+-]+)=(.*)$", re.S)
 

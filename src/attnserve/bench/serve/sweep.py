@@ -3,7 +3,7 @@
 Each configuration (a running server given by --url, or `attnserve serve` launched with
 --launch / --backends / --compare) gets warm-up requests that are not counted, then
 every load point for every seed. After each configuration the JSON, Markdown and PNG
-are rewritten, so an interrupted sweep keeps what it measured. See serve_metrics for
+are rewritten, so an interrupted sweep keeps what it measured. See metrics.py for
 what each number means.
 """
 
@@ -23,14 +23,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-from attnserve.bench.serve_args import add_arguments  # noqa: F401 - `attnserve bench` builds the parser from it
-from attnserve.bench.serve_client import ENDPOINTS, RequestSpec
-from attnserve.bench.serve_launch import LaunchedServer, get_json
-from attnserve.bench.serve_load import run_point, warm_up
-from attnserve.bench.serve_metrics import aggregate_seeds, summarize
-from attnserve.bench.serve_plan import ServerConfig, load_points, server_configs
-from attnserve.bench.serve_prompts import Requests, tokenizer_path
-from attnserve.bench.serve_report import markdown, write_all
+from attnserve.bench.serve.args import add_arguments  # noqa: F401 - `attnserve bench` builds the parser from it
+from attnserve.bench.serve.client import ENDPOINTS, RequestSpec
+from attnserve.bench.serve.launch import LaunchedServer, get_json
+from attnserve.bench.serve.load import run_point, warm_up
+from attnserve.bench.serve.metrics import aggregate_seeds, summarize
+from attnserve.bench.serve.plan import ServerConfig, load_points, server_configs
+from attnserve.bench.serve.prompts import Requests, tokenizer_path
+from attnserve.bench.serve.report import markdown, write_all
 
 
 def _gpu_name() -> str:

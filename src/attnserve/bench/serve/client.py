@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from attnserve.bench.serve_datasets import BenchRequest
+from attnserve.bench.serve.datasets import BenchRequest
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

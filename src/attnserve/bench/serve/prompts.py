@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from attnserve.bench.serve_datasets import (
+from attnserve.bench.serve.datasets import (
     BenchRequest,
     TokenSampler,
     jsonl_requests,
@@ -18,8 +18,8 @@ from attnserve.bench.serve_datasets import (
     random_requests,
     shared_prefix_requests,
 )
-from attnserve.bench.serve_launch import get_json
-from attnserve.bench.serve_plan import ServerConfig
+from attnserve.bench.serve.launch import get_json
+from attnserve.bench.serve.plan import ServerConfig
 
 
 def flag_value(flags: str, *names: str) -> str | None:

@@ -15,6 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from attnserve.models.gguf_loader import GGUFFile
+from attnserve.models.loader import embedded_model_path
+from attnserve.models.tokenizer import Tokenizer
+
 DATASETS = ("random", "shared-prefix", "jsonl")
 
 
@@ -29,16 +33,11 @@ class BenchRequest:
 def load_tokenizer(path: str | None):
     """The attnserve Tokenizer of an HF model directory or a .gguf file (None: the embedded model).
     Cached: reading a GGUF file's vocabulary takes seconds, and a process may sweep several times."""
-    from attnserve.models.loader import embedded_model_path
-    from attnserve.models.tokenizer import Tokenizer
-
     resolved = embedded_model_path() if path is None else Path(path)
     if resolved.is_dir() and not (resolved / "tokenizer.json").is_file():
         ggufs = sorted(resolved.glob("*.gguf"))
         resolved = ggufs[0] if len(ggufs) == 1 else resolved
     if resolved.is_file() and resolved.suffix == ".gguf":
-        from attnserve.models.gguf_loader import GGUFFile
-
         fields = GGUFFile(resolved).tokenizer_fields()
         if fields is None:
             raise ValueError(f"{resolved}: the GGUF file has no tokenizer; pass --tokenizer DIR")

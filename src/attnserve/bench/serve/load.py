@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 
-from attnserve.bench.serve_client import RequestResult, RequestSpec, send
-from attnserve.bench.serve_datasets import BenchRequest
+from attnserve.bench.serve.client import RequestResult, RequestSpec, send
+from attnserve.bench.serve.datasets import BenchRequest
 
 
 @dataclass(frozen=True)
