@@ -29,6 +29,7 @@ LSE and delta, one float per query row. Each loop over blocks is split into bloc
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -70,29 +71,35 @@ def _interpreter_loop_bounds() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-# ---------------------------------------------------------------------------------------------- configs
+# ---------------------------------------------------------------------------------------------- tiles
 
-def _cfg(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+@dataclass(frozen=True)
+class Tiles:
+    """(BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) of each kernel."""
+
+    fwd: tuple[int, int, int, int]
+    dkdv: tuple[int, int, int, int]
+    dq: tuple[int, int, int, int]
 
 
-if interpreting():
-    # unequal tiles, as on the GPU, so that the block-range arithmetic is exercised on the CPU too
-    _FWD_CONFIGS = [_cfg(32, 16, 4, 1)]
-    _DKDV_CONFIGS = [_cfg(16, 32, 4, 1)]
-    _DQ_CONFIGS = [_cfg(32, 16, 4, 1)]
-else:
-    _FWD_CONFIGS = [
-        _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 4),
-    ]
-    _DKDV_CONFIGS = [
-        _cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 4), _cfg(64, 64, 4, 3),
-    ]
-    _DQ_CONFIGS = [
-        _cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 4), _cfg(64, 32, 4, 3),
-    ]
+# by head dim; the key-block kernel wants many keys per program (its dK and dV accumulators stay resident),
+# the query-block kernels many rows
+GPU_TILES: dict[int, Tiles] = {
+    64: Tiles(fwd=(128, 64, 4, 3), dkdv=(64, 128, 8, 3), dq=(128, 64, 8, 3)),
+    128: Tiles(fwd=(128, 64, 8, 3), dkdv=(32, 128, 8, 3), dq=(128, 64, 8, 3)),
+}
+# unequal tiles, as on the GPU, so that the block-range arithmetic is exercised on the CPU too
+INTERPRETER_TILES = Tiles(fwd=(32, 16, 4, 1), dkdv=(16, 32, 4, 1), dq=(32, 16, 4, 1))
 
-_KEY = ["Tq", "Tk", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTCAP"]
+
+def tiles_for(head_dim: int) -> Tiles:
+    if interpreting():
+        return INTERPRETER_TILES
+    return GPU_TILES[64 if head_dim <= 64 else 128]
+
+
+def _launch(t: tuple[int, int, int, int]) -> dict:
+    return dict(BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3])
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -122,6 +129,17 @@ def _visible(offs_m, offs_n, Tq, Tk, off, window, CAUSAL: tl.constexpr, WINDOW: 
         ok = ok & (offs_n[None, :] <= offs_m[:, None] + off)
     if WINDOW:
         ok = ok & (offs_n[None, :] > offs_m[:, None] + off - window)
+    return ok
+
+
+@triton.jit
+def _visible_t(offs_m, offs_n, off, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[N, M] mask of the visible (key, row) pairs; bounds are left to the loads (see _dkdv_inner)."""
+    ok = offs_n[:, None] >= 0
+    if CAUSAL:
+        ok = ok & (offs_n[:, None] <= offs_m[None, :] + off)
+    if WINDOW:
+        ok = ok & (offs_n[:, None] > offs_m[None, :] + off - window)
     return ok
 
 
@@ -161,7 +179,6 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_KEY)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
@@ -240,23 +257,17 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        if MASKED:
-            row_ok = offs_m < Tq
-            qT = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-            lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
-        else:
-            qT = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None])
-            lse = tl.load(lse_base + offs_m)
+        # rows past Tq load as zeros (dO and delta too), so they add nothing to dK or dV: only the score
+        # masks depend on MASKED
+        row_ok = offs_m < Tq
+        qT = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
         sT, tT = _logits(tl.dot(k, qT), sm_scale, softcap, SOFTCAP)
         pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)
         if MASKED:
-            vis = tl.trans(_visible(offs_m, offs_n, Tq, Tk, off, window, CAUSAL, WINDOW))
-            pT = tl.where(vis, pT, 0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        else:
-            do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :])
-            delta = tl.load(delta_base + offs_m)
+            pT = tl.where(_visible_t(offs_m, offs_n, off, window, CAUSAL, WINDOW), pT, 0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         dv += tl.dot(pT.to(do.dtype), do)
         dpT = tl.dot(v, tl.trans(do))
         dsT = pT * (dpT - delta[None, :])
@@ -266,7 +277,6 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_KEY)
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
@@ -307,21 +317,16 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                                  BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP)
         else:
             full_lo = lo
-            if CAUSAL:
+            if CAUSAL:  # the diagonal blocks, then the rows that see every key of the block
                 full_lo = tl.minimum((tl.maximum(start_n + BLOCK_N - 1 - off, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M,
                                      hi)
-            full_hi = tl.maximum(Tq // BLOCK_M * BLOCK_M, full_lo)
-            if start_n + BLOCK_N > Tk:  # a ragged key block: every query block masks its padding keys
-                full_hi = full_lo
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
+                                     offs_n, offs_d, lo, full_lo, Tq, Tk, off, window, sm_scale, softcap,
+                                     BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP)
+            # keys past Tk load as zeros and their dK, dV rows are never stored: no mask needed for them
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
-                                 offs_n, offs_d, lo, full_lo, Tq, Tk, off, window, sm_scale, softcap,
-                                 BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
-                                 offs_n, offs_d, full_lo, full_hi, Tq, Tk, off, window, sm_scale, softcap,
+                                 offs_n, offs_d, full_lo, hi, Tq, Tk, off, window, sm_scale, softcap,
                                  BLOCK_M, False, CAUSAL, WINDOW, SOFTCAP)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
-                                 offs_n, offs_d, full_hi, hi, Tq, Tk, off, window, sm_scale, softcap,
-                                 BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP)
     dk = dk * sm_scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -356,7 +361,6 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_KEY)
 @triton.jit
 def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
@@ -421,7 +425,8 @@ def _s(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def forward(q, k, v, causal: bool, sm_scale: float, window: int | None, softcap: float | None):
+def forward(q, k, v, causal: bool, sm_scale: float, window: int | None, softcap: float | None,
+            tiles: Tiles | None = None):
     """O [B, Hq, Tq, D] in q's dtype and the natural-log row LSE [B, Hq, Tq]."""
     if interpreting():
         _interpreter_loop_bounds()
@@ -429,18 +434,17 @@ def forward(q, k, v, causal: bool, sm_scale: float, window: int | None, softcap:
     HK, Tk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty((B, H, Tq), device=q.device, dtype=_lse_dtype(q))
-
-    def grid(meta):
-        return (triton.cdiv(Tq, meta["BLOCK_M"]), B * H)
-
-    _fwd_kernel[grid](q, k, v, o, lse, *_s(q), *_s(k), *_s(v), *_s(o),
-                      H, H // HK, Tq, Tk, Tk - Tq, window or 0, sm_scale, softcap or 1.0,
-                      HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SOFTCAP=softcap is not None,
-                      ACC_DTYPE=_acc_dtype(q))
+    t = (tiles or tiles_for(D)).fwd
+    _fwd_kernel[(triton.cdiv(Tq, t[0]), B * H)](
+        q, k, v, o, lse, *_s(q), *_s(k), *_s(v), *_s(o),
+        H, H // HK, Tq, Tk, Tk - Tq, window or 0, sm_scale, softcap or 1.0,
+        HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SOFTCAP=softcap is not None,
+        ACC_DTYPE=_acc_dtype(q), **_launch(t))
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int | None, softcap: float | None):
+def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int | None, softcap: float | None,
+             tiles: Tiles | None = None):
     """dQ, dK, dV (dK and dV with K's head count: the group's query heads summed)."""
     if interpreting():
         _interpreter_loop_bounds()
@@ -457,15 +461,11 @@ def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int | N
     common = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SOFTCAP=softcap is not None, ACC_DTYPE=acc)
     scalars = (Tq, Tk, Tk - Tq, window or 0, sm_scale, softcap or 1.0)
 
-    def grid_kv(meta):
-        return (triton.cdiv(Tk, meta["BLOCK_N"]), B * HK)
-
-    _dkdv_kernel[grid_kv](q, k, v, do, lse, delta, dk, dv, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dk), *_s(dv),
-                          H, HK, H // HK, *scalars, **common)
-
-    def grid_q(meta):
-        return (triton.cdiv(Tq, meta["BLOCK_M"]), B * H)
-
-    _dq_kernel[grid_q](q, k, v, do, lse, delta, dq, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dq),
-                       H, H // HK, *scalars, **common)
+    tiles = tiles or tiles_for(D)
+    _dkdv_kernel[(triton.cdiv(Tk, tiles.dkdv[1]), B * HK)](
+        q, k, v, do, lse, delta, dk, dv, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dk), *_s(dv),
+        H, HK, H // HK, *scalars, **common, **_launch(tiles.dkdv))
+    _dq_kernel[(triton.cdiv(Tq, tiles.dq[0]), B * H)](
+        q, k, v, do, lse, delta, dq, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dq),
+        H, H // HK, *scalars, **common, **_launch(tiles.dq))
     return dq, dk, dv
