@@ -201,8 +201,9 @@ def forward_bytes(t: int, d: int, dv: int, b: int, tile: Tile, causal: bool, hq:
 
 
 def backward_bytes(t: int, d: int, dv: int, b: int, tile: Tile, causal: bool, hq: int = 1, hkv: int = 1,
-                   order: str = "paper") -> dict[str, int]:
-    """Backward HBM bytes of each form for one sequence of t tokens and hq query heads (hkv KV heads)."""
+                   order: str = "paper", dq_tile: Tile | None = None) -> dict[str, int]:
+    """Backward HBM bytes of each form for one sequence of t tokens and hq query heads (hkv KV heads).
+    With order="rows", `tile` is the key-block kernel's and `dq_tile` (default: the same) the query-block one's."""
     naive = b * (7 * t * t + 4 * t * d + 4 * t * dv) * hq
     if order == "paper":
         rows = _visited_rows(t, tile, causal)
@@ -211,7 +212,7 @@ def backward_bytes(t: int, d: int, dv: int, b: int, tile: Tile, causal: bool, hq
         per_pair = rows * (b * (3 * d + 2 * dv) + 2 * STAT_BYTES)
         flash = (init + once + per_pair) * hq
     elif order == "rows":
-        keys, rows = _visited_keys(t, tile, causal), _visited_rows(t, tile, causal)
+        keys, rows = _visited_keys(t, dq_tile or tile, causal), _visited_rows(t, tile, causal)
         delta = b * t * 2 * dv + STAT_BYTES * t  # read O and dO, write delta
         dkdv = b * t * 2 * (d + dv) + rows * (b * (d + dv) + 2 * STAT_BYTES)  # K, V in, dK, dV out; Q, dO, LSE, delta
         dq = b * t * (2 * d + dv) + 2 * STAT_BYTES * t + keys * b * (d + dv)  # Q, dO, LSE, delta in, dQ out; K, V
