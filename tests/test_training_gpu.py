@@ -63,7 +63,7 @@ def test_backward_peak_memory_is_linear_at_8k():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     td = b * h * t * d * 2  # one bf16 [B, H, T, D] tensor: 32 MiB
-    score_matrix = b * h * t * t * 2  # what a bf16 S (or P) would take: 2 GiB
+    score_matrix = b * h * t * t * 2  # what a bf16 S (or P) of every head would take: 2 GiB
     assert extra <= 3 * td + 2 * b * h * t * 4 + (1 << 20), (extra, td)  # dq, dk, dv, delta (+ allocator slack)
-    assert extra < score_matrix / 50
+    assert extra < score_matrix / 10
     del grads

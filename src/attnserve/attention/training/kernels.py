@@ -86,7 +86,7 @@ class Tiles:
 # the query-block kernels many rows
 GPU_TILES: dict[int, Tiles] = {
     64: Tiles(fwd=(128, 64, 4, 3), dkdv=(64, 128, 8, 3), dq=(128, 64, 8, 3)),
-    128: Tiles(fwd=(128, 64, 8, 3), dkdv=(32, 128, 8, 3), dq=(128, 64, 8, 3)),
+    128: Tiles(fwd=(128, 128, 8, 3), dkdv=(32, 128, 8, 3), dq=(128, 64, 8, 3)),
 }
 # unequal tiles, as on the GPU, so that the block-range arithmetic is exercised on the CPU too
 INTERPRETER_TILES = Tiles(fwd=(32, 16, 4, 1), dkdv=(16, 32, 4, 1), dq=(32, 16, 4, 1))
