@@ -18,6 +18,7 @@ COMMANDS = [
     "tune",
     "select",
     "kv_calc",
+    "traffic",
     "backends",
 ]
 
