@@ -96,6 +96,7 @@ def _print_table(r) -> None:
                           f"{f.attainable_tflops:,.0f} TFLOP/s", f.bound, f"{f.time_us:,.0f} us")
             label = ""
     console = Console()
+    console.width = max(console.width, 100)  # the eight columns need about 96 (a pipe defaults to 80)
     console.print(table)
     order = "K/V blocks outer (the paper's)" if r.order == "paper" else "query blocks outer"
     console.print(
