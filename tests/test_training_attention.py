@@ -108,11 +108,12 @@ def test_default_impl_on_the_cpu():
     (dict(window=0), "window"),
     (dict(softcap=-1.0), "softcap"),
     (dict(impl="cuda"), "impl"),
+    (dict(d=12, impl="triton"), "power-of-two head_dim"),
 ])
 def test_arguments_are_checked(kwargs, message):
-    shape = dict(hq=2, hk=1, tq=4, tk=8)
+    shape = dict(hq=2, hk=1, tq=4, tk=8, d=4)
     shape.update({n: kwargs.pop(n) for n in list(kwargs) if n in shape})
-    q, k, v, _ = _inputs(1, shape["hq"], shape["hk"], shape["tq"], shape["tk"], 4)
+    q, k, v, _ = _inputs(1, shape["hq"], shape["hk"], shape["tq"], shape["tk"], shape["d"])
     with pytest.raises(ValueError, match=message):
         flash_attention(q, k, v, **kwargs)
 

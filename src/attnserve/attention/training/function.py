@@ -105,8 +105,13 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     impl: "triton" or "torch" (default: Triton on CUDA or under TRITON_INTERPRET=1, else torch).
     """
     _check(q, k, v, causal, window, softcap)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, window, softcap, _pick(q, impl))
+    impl = _pick(q, impl)
+    d = q.shape[-1]
+    if impl == "triton" and (d & (d - 1) or (q.is_cuda and not 16 <= d <= 128)):
+        raise ValueError(f"the Triton kernels take a power-of-two head_dim (16 to 128 on a GPU), got {d}; "
+                         "impl='torch' takes any")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, window, softcap, impl)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
