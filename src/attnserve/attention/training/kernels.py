@@ -22,8 +22,10 @@ Kernels:
     _dq_kernel      one program per (query block, query head): dQ += dS K over the visible key blocks.
 
 No kernel writes anything of size Tq x Tk: the only tensors besides the inputs and their gradients are
-LSE and delta, one float per query row. Each loop over blocks is split into blocks that need no mask
-(wholly visible, wholly in bounds) and boundary blocks that apply the masks.
+LSE and delta, one float per query row. Each loop over blocks is split into blocks that need no score mask
+(every pair visible) and the boundary blocks that apply it; rows and keys past the ends load as zeros, and
+where those zeros could reach a stored result (a padded key's score in the forward) the mask covers them.
+Tiles are fixed per head dim (GPU_TILES); no kernel is autotuned.
 """
 
 from __future__ import annotations
