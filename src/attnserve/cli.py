@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from attnserve.commands import backends, bench, generate, kv_calc, select, serve, tune
+from attnserve.commands import backends, bench, generate, kv_calc, select, serve, traffic, tune
 
-COMMANDS = [generate, serve, bench, tune, select, kv_calc, backends]
+COMMANDS = [generate, serve, bench, tune, select, kv_calc, traffic, backends]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,473 @@
+"""Triton kernels of the differentiable FlashAttention: a forward that also writes the row LSE, and a
+backward that recomputes P tile by tile from Q, K and that LSE.
+
+Layout: q [B, Hq, Tq, D], k and v [B, Hkv, Tk, D] (the last dimension contiguous), Hq a multiple of Hkv.
+Query row i sits at position i + (Tk - Tq) of the key sequence (bottom-right alignment, so a query block
+appended to a cached prefix lines up with its keys). Key j is visible to row i when
+
+    causal:          j <= i + Tk - Tq
+    sliding window:  j >  i + Tk - Tq - window   (the window counts the query's own key)
+
+Scores are kept in base-2 units inside the kernels (exp2 is the fast exponential); the LSE they write is
+the natural-log one, log(sum_j exp(s_ij)), in float32 (float64 for float64 inputs).
+
+Kernels:
+    _fwd_kernel     one program per (query block, query head): online softmax over the visible key blocks;
+                    writes O and LSE.
+    _delta_kernel   delta_i = rowsum(dO_i * O_i).
+    _dkdv_kernel    one program per (key block, KV head): for every query head of the group and every query
+                    block that sees the key block, P^T = exp(S^T - LSE); dV += P^T dO; dP^T = V dO^T;
+                    dS^T = P^T * (dP^T - delta); dK += dS^T Q. The group's query heads are summed in
+                    registers, so GQA needs no atomics and no per-query-head dK/dV.
+    _dq_kernel      one program per (query block, query head): dQ += dS K over the visible key blocks.
+
+No kernel writes anything of size Tq x Tk: the only tensors besides the inputs and their gradients are
+LSE and delta, one float per query row. Each loop over blocks is split into blocks that need no score mask
+(every pair visible) and the boundary blocks that apply it; rows and keys past the ends load as zeros, and
+where those zeros could reach a stored result (a padded key's score in the forward) the mask covers them.
+Tiles are fixed per head dim (GPU_TILES); no kernel is autotuned.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _interpreter_loop_bounds() -> None:
+    """Let the interpreter use computed scalars as `range` bounds under numpy >= 2.4.
+
+    Triton 3.6's interpreter keeps a scalar as a one-element 1-D array and calls int() on it for a loop
+    bound, which numpy 2.4 refuses; reading the single element is what it means. Applied at the first
+    interpreted launch, never on import, and never where int() of such an array still works.
+    """
+    import numpy as np
+
+    try:
+        int(np.array([1]))
+        return
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_scalar_index_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._scalar_index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+# ---------------------------------------------------------------------------------------------- tiles
+
+@dataclass(frozen=True)
+class Tiles:
+    """(BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) of each kernel."""
+
+    fwd: tuple[int, int, int, int]
+    dkdv: tuple[int, int, int, int]
+    dq: tuple[int, int, int, int]
+
+
+# by head dim; the key-block kernel wants many keys per program (its dK and dV accumulators stay resident),
+# the query-block kernels many rows
+GPU_TILES: dict[int, Tiles] = {
+    64: Tiles(fwd=(128, 64, 4, 3), dkdv=(64, 128, 8, 3), dq=(128, 64, 8, 3)),
+    128: Tiles(fwd=(128, 128, 8, 3), dkdv=(32, 128, 8, 3), dq=(128, 64, 8, 3)),
+}
+# unequal tiles, as on the GPU, so that the block-range arithmetic is exercised on the CPU too
+INTERPRETER_TILES = Tiles(fwd=(32, 16, 4, 1), dkdv=(16, 32, 4, 1), dq=(32, 16, 4, 1))
+
+
+def tiles_for(head_dim: int) -> Tiles:
+    if interpreting():
+        return INTERPRETER_TILES
+    return GPU_TILES[64 if head_dim <= 64 else 128]
+
+
+def _launch(t: tuple[int, int, int, int]) -> dict:
+    return dict(BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3])
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _logits(qk, sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """Scores in base-2 units, and tanh(x / softcap) for the backward (qk itself when there is no softcap)."""
+    if SOFTCAP:
+        t = _tanh(qk * (sm_scale / softcap))
+        return t * (softcap * 1.4426950408889634), t
+    else:
+        return qk * (sm_scale * 1.4426950408889634), qk
+
+
+@triton.jit
+def _visible(offs_m, offs_n, Tq, Tk, off, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[M, N] mask of the (row, key) pairs that are in bounds and visible."""
+    ok = (offs_m[:, None] < Tq) & (offs_n[None, :] < Tk)
+    if CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None] + off)
+    if WINDOW:
+        ok = ok & (offs_n[None, :] > offs_m[:, None] + off - window)
+    return ok
+
+
+@triton.jit
+def _visible_t(offs_m, offs_n, off, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[N, M] mask of the visible (key, row) pairs; bounds are left to the loads (see _dkdv_inner)."""
+    ok = offs_n[:, None] >= 0
+    if CAUSAL:
+        ok = ok & (offs_n[:, None] <= offs_m[None, :] + off)
+    if WINDOW:
+        ok = ok & (offs_n[:, None] > offs_m[None, :] + off - window)
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi,
+               Tq, Tk, off, window, sm_scale, softcap,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASKED:
+            kmask = offs_n[:, None] < Tk
+            k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)
+        else:
+            k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :])
+        s, _t = _logits(tl.dot(q, tl.trans(k)), sm_scale, softcap, SOFTCAP)
+        if MASKED:
+            s = tl.where(_visible(offs_m, offs_n, Tq, Tk, off, window, CAUSAL, WINDOW), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0)
+        else:
+            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :])
+        acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE,
+                stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                H, GROUP, Tq, Tk, off, window, sm_scale, softcap,
+                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < Tq, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC_DTYPE)
+    l_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)
+
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(Tk, start_m + BLOCK_M + off)
+    if WINDOW:
+        lo = tl.maximum(start_m + off - window + 1, 0) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi,
+                                   Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
+    else:
+        full = Tk // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            full = tl.minimum(full, (start_m + off + 1) // BLOCK_N * BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full,
+                                   Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, False, CAUSAL, WINDOW, SOFTCAP)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full, hi,
+                                   Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+    o_base = O + b * stride_ob + h * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=offs_m[:, None] < Tq)
+    tl.store(LSE + bh.to(tl.int64) * Tq + offs_m, lse, mask=offs_m < Tq)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_db, stride_dh, stride_dt, H, Tq,
+                  HEAD_DIM: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr):
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = offs_m[:, None] < Tq
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :], mask=mask,
+                other=0.0)
+    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dt + offs_d[None, :], mask=mask,
+                 other=0.0)
+    delta = tl.sum(o.to(ACC_DTYPE) * do.to(ACC_DTYPE), 1)
+    tl.store(DELTA + bh.to(tl.int64) * Tq + offs_m, delta, mask=offs_m < Tq)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                offs_n, offs_d, lo, hi, Tq, Tk, off, window, sm_scale, softcap,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                SOFTCAP: tl.constexpr):
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        # rows past Tq load as zeros (dO and delta too), so they add nothing to dK or dV: only the score
+        # masks depend on MASKED
+        row_ok = offs_m < Tq
+        qT = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
+        sT, tT = _logits(tl.dot(k, qT), sm_scale, softcap, SOFTCAP)
+        pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)
+        if MASKED:
+            pT = tl.where(_visible_t(offs_m, offs_n, off, window, CAUSAL, WINDOW), pT, 0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        dv += tl.dot(pT.to(do.dtype), do)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                 stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                 stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+                 H, HK, GROUP, Tq, Tk, off, window, sm_scale, softcap,
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = (bhk // HK).to(tl.int64)
+    hk = (bhk % HK).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_mask = offs_n[:, None] < Tk
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
+
+    # the query rows that see some key of this block, and those that see all of them
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(start_n - off, 0) // BLOCK_M * BLOCK_M
+    hi = Tq
+    if WINDOW:
+        hi = tl.minimum(Tq, start_n + BLOCK_N - off + window - 1)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        row = (b * H + h) * Tq
+        if WINDOW:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
+                                 offs_n, offs_d, lo, hi, Tq, Tk, off, window, sm_scale, softcap,
+                                 BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP)
+        else:
+            full_lo = lo
+            if CAUSAL:  # the diagonal blocks, then the rows that see every key of the block
+                full_lo = tl.minimum((tl.maximum(start_n + BLOCK_N - 1 - off, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M,
+                                     hi)
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
+                                     offs_n, offs_d, lo, full_lo, Tq, Tk, off, window, sm_scale, softcap,
+                                     BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP)
+            # keys past Tk load as zeros and their dK, dV rows are never stored: no mask needed for them
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
+                                 offs_n, offs_d, full_lo, hi, Tq, Tk, off, window, sm_scale, softcap,
+                                 BLOCK_M, False, CAUSAL, WINDOW, SOFTCAP)
+    dk = dk * sm_scale
+    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi,
+              Tq, Tk, off, window, sm_scale, softcap,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+              SOFTCAP: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASKED:
+            kmask = offs_n[:, None] < Tk
+            k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0)
+        else:
+            k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :])
+            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :])
+        s, t = _logits(tl.dot(q, tl.trans(k)), sm_scale, softcap, SOFTCAP)
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            p = tl.where(_visible(offs_m, offs_n, Tq, Tk, off, window, CAUSAL, WINDOW), p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+               stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+               stride_dqb, stride_dqh, stride_dqt,
+               H, GROUP, Tq, Tk, off, window, sm_scale, softcap,
+               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+               ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Tq
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    row = bh.to(tl.int64) * Tq
+    lse = tl.load(LSE + row + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + row + offs_m, mask=row_ok, other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)
+
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(Tk, start_m + BLOCK_M + off)
+    if WINDOW:
+        lo = tl.maximum(start_m + off - window + 1, 0) // BLOCK_N * BLOCK_N
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi,
+                       Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
+    else:
+        full = Tk // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            full = tl.minimum(full, (start_m + off + 1) // BLOCK_N * BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full,
+                       Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, False, CAUSAL, WINDOW, SOFTCAP)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full, hi,
+                       Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
+    dq = dq * sm_scale
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+def _acc_dtype(t: torch.Tensor):
+    return tl.float64 if t.dtype == torch.float64 else tl.float32
+
+
+def _lse_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _s(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def forward(q, k, v, causal: bool, sm_scale: float, window: int | None, softcap: float | None,
+            tiles: Tiles | None = None):
+    """O [B, Hq, Tq, D] in q's dtype and the natural-log row LSE [B, Hq, Tq]."""
+    if interpreting():
+        _interpreter_loop_bounds()
+    B, H, Tq, D = q.shape
+    HK, Tk = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, Tq), device=q.device, dtype=_lse_dtype(q))
+    t = (tiles or tiles_for(D)).fwd
+    _fwd_kernel[(triton.cdiv(Tq, t[0]), B * H)](
+        q, k, v, o, lse, *_s(q), *_s(k), *_s(v), *_s(o),
+        H, H // HK, Tq, Tk, Tk - Tq, window or 0, sm_scale, softcap or 1.0,
+        HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SOFTCAP=softcap is not None,
+        ACC_DTYPE=_acc_dtype(q), **_launch(t))
+    return o, lse
+
+
+def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int | None, softcap: float | None,
+             tiles: Tiles | None = None):
+    """dQ, dK, dV (dK and dV with K's head count: the group's query heads summed)."""
+    if interpreting():
+        _interpreter_loop_bounds()
+    B, H, Tq, D = q.shape
+    HK, Tk = k.shape[1], k.shape[2]
+    acc = _acc_dtype(q)
+    delta = torch.empty_like(lse)
+    block = 16 if interpreting() else 64
+    _delta_kernel[(triton.cdiv(Tq, block), B * H)](o, do, delta, *_s(o), *_s(do), H, Tq,
+                                                   HEAD_DIM=D, ACC_DTYPE=acc, BLOCK_M=block)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    common = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SOFTCAP=softcap is not None, ACC_DTYPE=acc)
+    scalars = (Tq, Tk, Tk - Tq, window or 0, sm_scale, softcap or 1.0)
+
+    tiles = tiles or tiles_for(D)
+    _dkdv_kernel[(triton.cdiv(Tk, tiles.dkdv[1]), B * HK)](
+        q, k, v, do, lse, delta, dk, dv, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dk), *_s(dv),
+        H, HK, H // HK, *scalars, **common, **_launch(tiles.dkdv))
+    _dq_kernel[(triton.cdiv(Tq, tiles.dq[0]), B * H)](
+        q, k, v, do, lse, delta, dq, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dq),
+        H, H // HK, *scalars, **common, **_launch(tiles.dq))
+    return dq, dk, dv

@@ -1,0 +1,170 @@
+"""attention.training on the CPU: gradcheck in float64 of the blockwise torch path and of the Triton kernels
+(under TRITON_INTERPRET=1), gradients against autograd through the dense float64 formula on ragged shapes
+(causal, sliding window, GQA, softcap, Tq != Tk), the row LSE, argument checks, and the O(T*d) memory of the
+backward measured through torch's CPU memory profiler."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from attnserve.attention.training import dense_attention, flash_attention, flash_attention_with_lse
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernels run on the CPU only interpreted")
+IMPLS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+
+
+def _inputs(b, hq, hk, tq, tk, d, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, tq, d, generator=g, dtype=dtype).requires_grad_()
+    k = torch.randn(b, hk, tk, d, generator=g, dtype=dtype).requires_grad_()
+    v = torch.randn(b, hk, tk, d, generator=g, dtype=dtype).requires_grad_()
+    do = torch.randn(b, hq, tq, d, generator=g, dtype=dtype)
+    return q, k, v, do
+
+
+# (B, Hq, Hkv, Tq, Tk, D, causal, window, softcap): ragged lengths, none a multiple of the tiles
+CASES = {
+    "dense": (1, 2, 2, 37, 37, 16, False, None, None),
+    "causal-gqa": (2, 4, 2, 37, 53, 16, True, None, None),
+    "window-gqa": (1, 4, 1, 45, 45, 16, True, 7, None),
+    "window-softcap": (1, 2, 2, 33, 70, 8, True, 20, 5.0),
+    "window-noncausal": (1, 2, 1, 40, 29, 16, False, 9, None),
+    "causal-long-keys": (1, 3, 1, 19, 83, 16, True, None, None),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradients_match_autograd_through_the_dense_formula(impl, case):
+    b, hq, hk, tq, tk, d, causal, window, softcap = CASES[case]
+    q, k, v, do = _inputs(b, hq, hk, tq, tk, d, seed=sorted(CASES).index(case))
+    out = flash_attention(q, k, v, causal=causal, window=window, softcap=softcap, impl=impl)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref = dense_attention(q, k, v, causal=causal, window=window, softcap=softcap)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-11, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradcheck_float64(impl):
+    # GQA (2 query heads per KV head), causal with more keys than queries, window and softcap in one call;
+    # the interpreted kernels check the Jacobian along random directions (fast_mode), the torch path all of it
+    q, k, v, _ = _inputs(1, 2, 1, 5, 7, 4)
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, window=4, softcap=3.0, impl=impl)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=impl == "triton")
+
+
+def test_gradcheck_float64_plain_causal_reference():
+    q, k, v, _ = _inputs(2, 2, 2, 6, 6, 4, seed=3)
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, impl="torch")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lse_is_the_natural_log_row_logsumexp(impl):
+    q, k, v, _ = _inputs(1, 2, 1, 21, 30, 16, seed=5)
+    out, lse = flash_attention_with_lse(q, k, v, causal=True, sm_scale=0.3, impl=impl)
+    s = torch.matmul(q, k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.3
+    visible = torch.arange(30)[None, :] <= torch.arange(21)[:, None] + 9
+    want = torch.logsumexp(s.masked_fill(~visible, float("-inf")), dim=-1)
+    assert lse.shape == (1, 2, 21) and not lse.requires_grad
+    torch.testing.assert_close(lse, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_half_precision_with_float32_accumulation(impl):
+    # float16 inputs (the interpreter's numpy has no bfloat16): within half-precision rounding of float64
+    q, k, v, do = _inputs(1, 4, 2, 40, 40, 16, dtype=torch.float16, seed=7)
+    out = flash_attention(q, k, v, causal=True, impl=impl)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dense_attention(q64, k64, v64, causal=True)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    assert out.dtype == torch.float16 and all(g.dtype == torch.float16 for g in grads)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=5e-3)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
+
+
+def test_default_impl_on_the_cpu():
+    q, k, v, _ = _inputs(1, 1, 1, 3, 3, 4)
+    # without CUDA the Triton kernels run only where the interpreter is asked for; both give the same answer
+    torch.testing.assert_close(flash_attention(q, k, v), flash_attention(q, k, v, impl="torch"), rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(hq=3, hk=2), "not a multiple"),
+    (dict(tq=9, tk=8, causal=True), "at least as many keys"),
+    (dict(window=0), "window"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(impl="cuda"), "impl"),
+    (dict(d=12, impl="triton"), "power-of-two head_dim"),
+])
+def test_arguments_are_checked(kwargs, message):
+    shape = dict(hq=2, hk=1, tq=4, tk=8, d=4)
+    shape.update({n: kwargs.pop(n) for n in list(kwargs) if n in shape})
+    q, k, v, _ = _inputs(1, shape["hq"], shape["hk"], shape["tq"], shape["tk"], shape["d"])
+    with pytest.raises(ValueError, match=message):
+        flash_attention(q, k, v, **kwargs)
+
+
+# --------------------------------------------------------------------------- memory of the backward pass
+
+def _backward_peak_bytes(out, inputs, do) -> int:
+    """Peak bytes the CPU allocator holds during the backward, above what it held when the backward began,
+    read from the memory events of torch's profiler."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        grads = torch.autograd.grad(out, inputs, do)
+    del grads
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    assert totals, "the profiler recorded no allocation"
+    first = next(e for e in events if e.get("name") == "[memory]")
+    return max(totals) - (first["args"]["Total Allocated"] - first["args"]["Bytes"])
+
+
+def _peak(impl, t, d=16):
+    q, k, v, do = _inputs(1, 1, 1, t, t, d, dtype=torch.float32, seed=t)
+    if impl == "dense":
+        out = dense_attention(q, k, v, causal=True)
+    else:
+        out = flash_attention(q, k, v, causal=True, impl=impl)
+    return _backward_peak_bytes(out, (q, k, v), do)
+
+
+def test_the_measurement_sees_a_materialised_score_matrix():
+    t = 512
+    assert _peak("dense", t) >= t * t * 4  # the dense backward holds at least one T x T float32 matrix
+
+
+def test_blockwise_backward_memory_is_linear_in_t():
+    from attnserve.attention.training.reference import REFERENCE_BLOCK
+
+    small, big = _peak("torch", 1024), _peak("torch", 2048)
+    assert big < 2048 * 2048 * 4 / 2  # well under one T x T float32 matrix
+    assert big <= 2.1 * small  # doubling T doubles it: O(T), not O(T^2)
+    # the gradients (3 T x d) and a few row blocks of scores (block x T) are all it holds
+    assert big <= 4 * (3 * 2048 * 16 + 16 * REFERENCE_BLOCK * 2048)
+
+
+@needs_interpreter
+def test_triton_backward_allocates_only_the_gradients_and_two_row_vectors():
+    t, d = 512, 16
+    peak = _peak("triton", t, d)
+    grads = 3 * t * d * 4  # dq, dk, dv in float32
+    delta = t * 4  # rowsum(dO * O), one float per row
+    assert grads <= peak <= grads + delta + 4096
