@@ -62,6 +62,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="schedule each step only after the previous step's tokens reach the host "
                    "(default: the host schedules and plans step n+1 while the device runs step n)")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="greedy and seeded outputs that do not depend on the batch or the prefix cache: no "
+                   "prefix-cache reuse, no prompt chunking, one CPU weight format, and every step through the "
+                   "extend attention path (slower; default: off)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a graph")
     p.add_argument("--disable-fused-ops", action="store_true",
                    help="run the unfused torch ops (RMSNorm, SiLU x up, RoPE, K/V store) on the GPU too")
@@ -81,7 +85,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         disable_radix_cache=args.disable_radix_cache,
         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap_schedule=args.disable_overlap_schedule,
-        disable_fused_ops=args.disable_fused_ops, random_weights=args.random_weights, no_tuned=args.no_tuned,
+        disable_fused_ops=args.disable_fused_ops, enable_deterministic_inference=args.enable_deterministic_inference, random_weights=args.random_weights, no_tuned=args.no_tuned,
         tp_size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
     )
 

@@ -31,6 +31,9 @@ class EngineConfig:
     disable_overlap_schedule: bool = False  # True: schedule step n+1 only after step n's tokens are read
     random_weights: bool = False  # with a preset/config: random weights of the real shape (benchmarks)
     seed: int = 0
+    # True: greedy and seeded outputs do not depend on the batch or the prefix cache (no prefix reuse, no prompt
+    # chunking, one CPU weight format, every step through the extend attention path); slower
+    enable_deterministic_inference: bool = False
     tp_size: int = 1  # tensor-parallel ranks (processes, one GPU each on CUDA); the model's heads split over them
     nnodes: int = 1  # machines the tp ranks span
     node_rank: int = 0  # this machine's index; node 0 schedules and serves
