@@ -85,7 +85,8 @@ def engine_settings(args: argparse.Namespace) -> dict:
         disable_radix_cache=args.disable_radix_cache,
         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap_schedule=args.disable_overlap_schedule,
-        disable_fused_ops=args.disable_fused_ops, enable_deterministic_inference=args.enable_deterministic_inference, random_weights=args.random_weights, no_tuned=args.no_tuned,
+        enable_deterministic_inference=args.enable_deterministic_inference,
+        disable_fused_ops=args.disable_fused_ops, random_weights=args.random_weights, no_tuned=args.no_tuned,
         tp_size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
     )
 

@@ -10,13 +10,10 @@ Formats (`--weights-dtype`):
 - auto (the default): on a CPU model in bf16 loaded from a GGUF with Q4 weights, both: the int4
   kernel for steps of at most `INT4_MAX_ROWS` rows (one or two decoding requests: it reads 4x fewer
   bytes than bf16) and the prepacked bf16 GEMM above that (AMX tiles win once there are rows to fill
-  them). Anything else: dequantized.
+  them). Anything else: dequantized. With deterministic inference (`one_weight_format`), a projection
+  holding both runs the dense one at every row count, so a row's result never depends on its batch.
 
-Measured on a 2-core Xeon with AMX (SmolLM2-135M shapes, one thread, microseconds, min of 5x20 calls;
-gate|up [3072 x 576]): 1 row int4 118 / prepacked bf16 190 / plain bf16 305; 2 rows 181 / 221 / 335;
-4 rows 376 / 389 / 513; 8 rows 696 / 180 / 514; 64 rows 3476 / 338 / 506. The LM head [49152 x 576]
-(tied to the Q8_0 embedding, never 4-bit) is prepacked bf16: 2.4 ms at 1 row, 2.5 ms at 8.
-The int4 kernel takes bf16 activations (fp32 ones run a scalar path 20x slower), so an fp32 model
+The int4 kernel takes bf16 activations (fp32 ones run a much slower scalar path), so an fp32 model
 casts around it.
 """
 
@@ -34,7 +31,7 @@ from attnserve.models.q4_blocks import GROUP, Q4Codes, is_q4, read_q4
 log = logging.getLogger("attnserve.models")
 
 WEIGHT_FORMATS = ("auto", "dequantized", "int4")
-INT4_MAX_ROWS = 2  # auto: int4 up to this many rows per matmul, prepacked bf16 above (see the measurements)
+INT4_MAX_ROWS = 2  # auto: int4 up to this many rows per matmul, prepacked bf16 above
 
 
 def cpu_has_fast_bf16() -> bool:
