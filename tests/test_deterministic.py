@@ -4,6 +4,8 @@ alone, batched with copies of themselves or with other prompts, and with a warm 
 from __future__ import annotations
 
 import pytest
+import torch
+from engine_helpers import make_engine, prompts
 
 from attnserve.engine.llm import LLM
 from attnserve.engine.sampling_params import SamplingParams
@@ -32,3 +34,37 @@ def test_outputs_do_not_depend_on_the_batch_or_the_cache(llm, params):
     assert copies == [cold] * 8
     assert mixed == cold
     assert llm.engine.pages_leaked() == 0
+
+
+def _logits_of(engine, target: list[int], others: list[list[int]], params: SamplingParams) -> list[torch.Tensor]:
+    """The logits row of the request for `target` at each step, run with `others` in the same batch."""
+    rows: list[torch.Tensor] = []
+    forward = engine.runner.forward
+
+    def spy(batch):
+        logits = forward(batch)
+        sampling = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        rows.extend(logits[i].clone() for i, r in enumerate(sampling) if r.rid == req.rid)
+        return logits
+
+    engine.runner.forward = spy
+    try:
+        req = engine.add_request(target, params)
+        for p in others:
+            engine.add_request(p, params)
+        engine.run_until_done()
+    finally:
+        engine.runner.forward = forward
+    return rows
+
+
+def test_fp32_logits_are_bitwise_the_same_alone_and_in_a_batch():
+    """On the fp32 path (a CPU without fast bf16) too: BLAS picks its kernel by the row count."""
+    engine = make_engine(enable_deterministic_inference=True, disable_overlap_schedule=True)
+    target, *others = prompts(8, seed=5)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    alone = _logits_of(engine, target, [], params)
+    batched = _logits_of(engine, target, others, params)
+    assert len(alone) == len(batched) == 6
+    assert all(torch.equal(a, b) for a, b in zip(alone, batched))
+    assert engine.pages_leaked() == 0

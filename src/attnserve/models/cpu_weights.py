@@ -52,12 +52,15 @@ class CPUMatmul:
     """
 
     def __init__(self, dense: torch.Tensor | None, int4: tuple[torch.Tensor, torch.Tensor] | None,
-                 int4_max_rows: int, out_dtype: torch.dtype):
+                 int4_max_rows: int, out_dtype: torch.dtype, min_rows: int = 0):
+        """`min_rows`: a plain dense matmul of fewer rows runs padded with zero rows to this many (BLAS
+        picks its kernel by the row count, so padding keeps a row's rounding the same whatever the batch)."""
         self.dense = dense
         self.int4 = int4
         self.int4_max_rows = int4_max_rows if dense is not None else 1 << 62
         self.out_dtype = out_dtype
         self.dense_packed = dense is not None and dense.is_mkldnn
+        self.min_rows = min_rows
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
@@ -70,19 +73,39 @@ class CPUMatmul:
             return y if bias is None else y + bias
         if self.dense_packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.dense, bias, "none", [], "")
+        rows = x.shape[0]
+        if rows < self.min_rows:
+            padded = torch.cat([x, x.new_zeros(self.min_rows - rows, *x.shape[1:])])
+            return F.linear(padded, self.dense, bias)[:rows]
         return F.linear(x, self.dense, bias)
 
 
-def one_weight_format(model: nn.Module) -> int:
-    """Deterministic inference: every projection that holds both formats runs its dense one at every row count,
-    so a row's result does not depend on how many rows share the step. Returns how many it switched."""
-    switched = 0
-    for module in model.modules():
-        mm = getattr(module, "cpu_matmul", None)
-        if isinstance(mm, CPUMatmul) and mm.int4 is not None and mm.dense is not None:
+DETERMINISTIC_MIN_ROWS = 16  # plain dense matmuls of fewer rows run padded to this many in deterministic mode
+
+
+def one_weight_format(model: nn.Module) -> None:
+    """Deterministic inference on the CPU: a row's projections round the same whatever the rows beside it.
+
+    A projection holding both formats runs its dense one at every row count; a plain dense one (not prepacked
+    for oneDNN, e.g. fp32, whose BLAS kernel changes with the row count) runs padded to at least
+    DETERMINISTIC_MIN_ROWS rows. Tensor-parallel ranks and other devices are left as they are."""
+    from attnserve.distributed.state import parallel_state
+
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if not params or params[0].device.type != "cpu" or parallel_state().active:
+        return
+    modules = [m for _, m in _linears(model)]
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        modules.append(head)
+    for module in modules:
+        mm = module.cpu_matmul
+        if mm is None:
+            module.cpu_matmul = mm = CPUMatmul(module.weight.data, None, 0, module.weight.dtype)
+        if mm.int4 is not None and mm.dense is not None:
             mm.int4_max_rows = 0
-            switched += 1
-    return switched
+        if mm.dense is not None and not mm.dense_packed:
+            mm.min_rows = DETERMINISTIC_MIN_ROWS
 
 
 def onednn_has_bf16() -> bool:
