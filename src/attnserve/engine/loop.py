@@ -185,8 +185,11 @@ class EngineLoop:
                 if handle is not None and req is not None and req.finished:
                     handle.deliver(TokenDelta.of(req, self._sent_tokens[rid]))
                 self._close(rid)
-        for rid in list(self.engine.requests):  # the loop failed: its requests' handles already heard why
-            self.engine.abort(rid)
+        try:
+            for rid in list(self.engine.requests):  # the loop failed: its requests' handles already heard why
+                self.engine.abort(rid)
+        except Exception as exc:  # noqa: BLE001 - a failed engine may not free cleanly; the loop ends anyway
+            log.warning("aborting the requests of a failed engine: %r", exc)
 
     def _take_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle); False once asked to shut down."""
