@@ -38,6 +38,7 @@ OLD_ENGINE_FLAGS = [
     (("--disable-radix-cache",), "disable_radix_cache", False, None, True),
     (("--disable-cuda-graph",), "disable_cuda_graph", False, None, True),
     (("--disable-overlap-schedule",), "disable_overlap_schedule", False, None, True),
+    (("--enable-deterministic-inference",), "enable_deterministic_inference", False, None, True),
     (("--cuda-graph-max-bs",), "cuda_graph_max_bs", None, "32", 32),
     (("--disable-fused-ops",), "disable_fused_ops", False, None, True),
 ]

@@ -293,3 +293,26 @@ def test_soak_mixed_traffic_threads_aborts_preemption_invalid_requests():
         if kind == "greedy":
             assert out.token_ids == _alone(shared[i], params), f"job {i}"
     assert len(results) == sum(kind in ("greedy", "sampled") for _, _, kind, _ in jobs)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_stop_with_requests_in_flight_leaves_the_engine_idle_and_reusable(overlap):
+    engine = make_engine(disable_overlap_schedule=not overlap)
+    loop = EngineLoop(engine).start()
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    decoding = [loop.submit(p, long) for p in PROMPTS[:3]]
+    events = [decoding[0].events(WAIT)]
+    next(events[0])  # the first is decoding (a step is in flight with overlap)
+    queued = [loop.submit(p, long) for p in PROMPTS[3:]]
+    loop.stop()
+    assert not loop._thread.is_alive()
+    assert not engine.has_work() and engine._in_flight is None
+    assert engine.pages_leaked() == 0 and engine.state()["kv_cache"]["pages_in_use"] == 0
+    for h in decoding + queued:
+        out = h.result(WAIT)  # every handle ended, none hangs
+        assert out is not None and out.finish_reason == "abort" and len(out.token_ids) < 200
+    assert decoding[0].stream.output.token_ids  # the tokens it had are kept
+    again = EngineLoop(engine).start()  # the engine is reusable
+    assert again.submit(PROMPTS[0], PARAMS).result(WAIT).token_ids == _alone(PROMPTS[0], PARAMS)
+    again.stop()
+    assert engine.pages_leaked() == 0 and not engine.has_work()

@@ -38,8 +38,11 @@ def client(served):
 
 
 def _post(url: str, path: str, body, **kw) -> httpx.Response:
+    """POST the body to path, or another method when path reads "METHOD /path"."""
+    method, _, path = path.rpartition(" ")
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=120, **kw)
+    return httpx.request(method or "POST", url + path, content=content, headers={"content-type": "application/json"},
+                         timeout=120, **kw)
 
 
 def test_greedy_completions_equal_the_engine_and_streams_concatenate(served, client):
@@ -141,6 +144,24 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    # a lone surrogate (escaped in JSON: valid JSON, not valid Unicode), wherever the text goes
+    pytest.param("/v1/completions", b'{"prompt": "abc \\ud800", "max_tokens": 4}', 400, "prompt",
+                 id="lone-surrogate-prompt"),
+    pytest.param("/v1/completions", b'{"prompt": ["hi", "x\\udc00y"], "max_tokens": 4}', 400, "prompt",
+                 id="lone-surrogate-prompt-list"),
+    pytest.param("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 4, "echo": true}', 400, "prompt",
+                 id="lone-surrogate-echo"),
+    pytest.param("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', 400,
+                 "messages", id="lone-surrogate-chat"),
+    pytest.param("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
+                 id="deeply-nested-json"),
+    # the router's own errors have the OpenAI shape too
+    pytest.param("GET /v1/completions", b"", 405, None, id="get-completions"),
+    pytest.param("GET /v1/chat/completions", b"", 405, None, id="get-chat-completions"),
+    pytest.param("POST /v1/models", {}, 405, None, id="post-models"),
+    pytest.param("POST /v1/embeddings", {"input": "hi"}, 404, None, id="unknown-route"),
+    pytest.param("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens",
+                 id="max-tokens-over-the-pool"),
 ]
 
 
@@ -150,7 +171,7 @@ def test_bad_input_gets_a_4xx_naming_the_field_and_nothing_else_is_disturbed(ser
     r = _post(url, path, body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert err["message"] and err["type"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"]
     if param is not None:
         assert err["param"] == param
     good = _post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": MAX, "temperature": 0})
@@ -219,3 +240,42 @@ def test_concurrent_streams_with_disconnects_free_every_page(served):
         threading.Event().wait(0.1)
     assert info["kv_cache"]["pages_in_use"] == 0 and info["running"] == 0
     list(text_string_to_metric_families(httpx.get(url + "/metrics").text))  # parses
+
+
+def test_unset_max_tokens_is_clamped_to_what_the_pool_holds(served, client):
+    """The pool (4096 tokens) is smaller than the context (8192): a request that leaves max_tokens unset is
+    served, up to what the pool holds; a max_tokens the client did set over it keeps its 400 (the table)."""
+    url, state, ref = served
+    assert state.pool_tokens < state.engine.max_context_len
+    chat = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "Say hi."}],
+                                          temperature=0, stop=["\n", "."])
+    assert chat.choices[0].finish_reason == "stop"
+    r = _post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": None, "temperature": 0, "stop": ["."]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith(ref["greedy"][0].split(".")[0])
+
+
+def _requests_by_reason(url: str) -> dict[str, float]:
+    families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
+    return {s.labels["finish_reason"]: s.value for f in families if f.name == "attnserve:requests"
+            for s in f.samples if s.name == "attnserve:requests_total"}
+
+
+def test_metrics_count_aborted_requests_with_their_finish_reason(served):
+    url, state, _ = served
+    before = _requests_by_reason(url)
+    assert _post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2}).json()["choices"][0][
+        "finish_reason"] == "length"
+    body = {"prompt": PROMPTS[1], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for k, _ in enumerate(r.iter_lines()):
+            if k >= 4:
+                break  # leaves mid-stream
+    after = before
+    for _ in range(100):  # the server notices the disconnect within an engine step
+        after = _requests_by_reason(url)
+        if after.get("abort", 0) > before.get("abort", 0):
+            break
+        threading.Event().wait(0.1)
+    assert after.get("abort", 0) == before.get("abort", 0) + 1
+    assert after.get("length", 0) == before.get("length", 0) + 1

@@ -53,6 +53,8 @@ def test_a_failing_engine_turns_health_to_503_and_open_requests_to_500():
         assert health.status_code == 503 and "device lost" in health.json()["error"]["message"]
         again = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
         assert again.status_code == 503  # refused at once, never hung
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'attnserve:requests_total{finish_reason="error"} 1.0' in metrics  # the failed one is counted
 
 
 def test_sigterm_during_a_stream_exits_cleanly():
@@ -83,3 +85,37 @@ def test_sigterm_during_a_stream_exits_cleanly():
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_sigterm_past_the_graceful_timeout_ends_open_streams_with_an_error_and_done():
+    proc = _serve("--max-total-tokens", "4096", "--graceful-shutdown-timeout", "1")
+    lines: list[str] = []
+    try:
+        port = _port(proc, lines)
+        body = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        proc.send_signal(signal.SIGTERM)  # far from the end of the stream
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+        assert proc.wait(timeout=60) == 0
+        log = "".join(lines) + proc.stderr.read()
+        assert "Traceback" not in log and "CancelledError" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _port(proc: subprocess.Popen, lines: list[str]) -> int:
+    for line in proc.stderr:
+        lines.append(line)
+        m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            return int(m.group(1))
+    raise AssertionError("".join(lines))

@@ -98,6 +98,11 @@ class EngineConfig:
         False, "--disable-overlap-schedule",
         help="schedule each step only after the previous step's tokens reach the host "
         "(default: the host schedules and plans step n+1 while the device runs step n)")
+    enable_deterministic_inference: bool = knob(
+        False, "--enable-deterministic-inference",
+        help="greedy and seeded outputs that do not depend on the batch or the prefix cache: no "
+        "prefix-cache reuse, no prompt chunking, one CPU weight format, and every step through the "
+        "extend attention path (slower; default: off)")
     cuda_graph_max_bs: int | None = knob(
         None, "--cuda-graph-max-bs",
         help="largest decode batch captured in a graph (default: min(--max-running-requests, 128))")

@@ -11,6 +11,10 @@ is decoded by each request's consumer (`RequestHandle`).
 Failures: a request that fails inside a step is failed alone (its consumer gets
 `RequestFailed` with the reason, its pages are freed); only a failure of the
 step itself ends the loop, and then every waiter hears about it.
+
+Stopping completes the step in flight and aborts every request still open (its
+consumer gets a final event with finish reason "abort"), so the engine is idle
+afterwards, its pages free, and can be stepped again.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Callable, Iterator
 
 from attnserve.engine.engine import Engine
 from attnserve.engine.outputs import RequestOutput, RequestStream, StreamEvent, TokenDelta
+from attnserve.engine.request import FinishReason
 from attnserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("attnserve.engine")
@@ -31,6 +36,10 @@ log = logging.getLogger("attnserve.engine")
 # What a handle receives, in order: TokenDelta per step with new tokens, then None (the end), or an
 # exception (the request or the loop failed) followed by None.
 Item = TokenDelta | BaseException | None
+
+# what a request the loop never picked up receives when the loop stops: it ends aborted, with no tokens
+_ABORTED = TokenDelta(token_ids=(), times=(), logprobs=None, cached_tokens=0, num_preemptions=0,
+                      finish_reason=FinishReason.ABORT)
 
 
 class RequestHandle:
@@ -101,7 +110,8 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None and not self._stopping
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is left and end the thread."""
+        """End the thread: the step in flight completes, every open request ends with finish reason "abort",
+        and the engine is left idle (reusable by a new loop or directly)."""
         with self._lock:
             self._stopping = True
         self._commands.put(("shutdown",))
@@ -154,13 +164,32 @@ class EngineLoop:
         finally:
             with self._lock:
                 self._stopping = True
-            for handle in self._queued_handles():  # submitted while stopping: ends without output
+            for handle in self._queued_handles():  # submitted while stopping: ends aborted, without output
+                handle.deliver(_ABORTED)
                 handle.deliver(None)
-            for rid in list(self._handles):
-                try:
-                    self.engine.abort(rid)
-                finally:
-                    self._close(rid)
+            self._settle()
+
+    def _settle(self) -> None:
+        """Leave the engine idle and reusable: complete the step in flight (its tokens still reach their
+        handles), then abort every request still open, each handle ending with finish reason "abort"."""
+        try:
+            self._deliver(self.engine.drain())
+        except Exception as exc:  # noqa: BLE001 - the step's requests are aborted below all the same
+            log.warning("the step in flight failed while the engine loop stopped: %r", exc)
+        for rid in list(self._handles):
+            req = self.engine.requests.get(rid)
+            try:
+                self.engine.abort(rid)
+            finally:
+                handle = self._handles.get(rid)
+                if handle is not None and req is not None and req.finished:
+                    handle.deliver(TokenDelta.of(req, self._sent_tokens[rid]))
+                self._close(rid)
+        try:
+            for rid in list(self.engine.requests):  # the loop failed: its requests' handles already heard why
+                self.engine.abort(rid)
+        except Exception as exc:  # noqa: BLE001 - a failed engine may not free cleanly; the loop ends anyway
+            log.warning("aborting the requests of a failed engine: %r", exc)
 
     def _take_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle); False once asked to shut down."""
@@ -201,7 +230,10 @@ class EngineLoop:
         self._sent_tokens[handle.rid] = 0
 
     def _step(self) -> None:
-        for req in self.engine.step():
+        self._deliver(self.engine.step())
+
+    def _deliver(self, reqs) -> None:
+        for req in reqs:
             handle = self._handles.get(req.rid)
             if handle is None:
                 continue

@@ -44,6 +44,7 @@ class SchedulerConfig:
     chunked_prefill_size: int | None = None  # None or <= 0: no chunking
     max_prefill_tokens: int = 16384  # prefill tokens per step when chunking is off (one prompt may exceed it)
     disable_radix_cache: bool = False
+    deterministic: bool = False  # decode-only steps run as extend steps (one attention path for every token)
 
     def __post_init__(self):
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
@@ -229,6 +230,8 @@ class Scheduler:
             self.counters.mixed_steps += 1
         else:
             mode = ForwardMode.EXTEND
+        if mode is ForwardMode.DECODE and self.config.deterministic:
+            mode = ForwardMode.MIXED if decoding else ForwardMode.EXTEND
         self.counters.steps += 1
         return ScheduleBatch(reqs, exts, prefixes, sample, mode, num_decodes=len(decoding))
 

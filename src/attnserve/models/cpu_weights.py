@@ -10,13 +10,10 @@ Formats (`--weights-dtype`):
 - auto (the default): on a CPU model in bf16 loaded from a GGUF with Q4 weights, both: the int4
   kernel for steps of at most `INT4_MAX_ROWS` rows (one or two decoding requests: it reads 4x fewer
   bytes than bf16) and the prepacked bf16 GEMM above that (AMX tiles win once there are rows to fill
-  them). Anything else: dequantized.
+  them). Anything else: dequantized. With deterministic inference (`one_weight_format`), a projection
+  holding both runs the dense one at every row count, so a row's result never depends on its batch.
 
-Measured on a 2-core Xeon with AMX (SmolLM2-135M shapes, one thread, microseconds, min of 5x20 calls;
-gate|up [3072 x 576]): 1 row int4 118 / prepacked bf16 190 / plain bf16 305; 2 rows 181 / 221 / 335;
-4 rows 376 / 389 / 513; 8 rows 696 / 180 / 514; 64 rows 3476 / 338 / 506. The LM head [49152 x 576]
-(tied to the Q8_0 embedding, never 4-bit) is prepacked bf16: 2.4 ms at 1 row, 2.5 ms at 8.
-The int4 kernel takes bf16 activations (fp32 ones run a scalar path 20x slower), so an fp32 model
+The int4 kernel takes bf16 activations (fp32 ones run a much slower scalar path), so an fp32 model
 casts around it.
 """
 
@@ -34,7 +31,7 @@ from attnserve.models.q4_blocks import GROUP, Q4Codes, is_q4, read_q4
 log = logging.getLogger("attnserve.models")
 
 WEIGHT_FORMATS = ("auto", "dequantized", "int4")
-INT4_MAX_ROWS = 2  # auto: int4 up to this many rows per matmul, prepacked bf16 above (see the measurements)
+INT4_MAX_ROWS = 2  # auto: int4 up to this many rows per matmul, prepacked bf16 above
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -55,12 +52,15 @@ class CPUMatmul:
     """
 
     def __init__(self, dense: torch.Tensor | None, int4: tuple[torch.Tensor, torch.Tensor] | None,
-                 int4_max_rows: int, out_dtype: torch.dtype):
+                 int4_max_rows: int, out_dtype: torch.dtype, min_rows: int = 0):
+        """`min_rows`: a plain dense matmul of fewer rows runs padded with zero rows to this many (BLAS
+        picks its kernel by the row count, so padding keeps a row's rounding the same whatever the batch)."""
         self.dense = dense
         self.int4 = int4
         self.int4_max_rows = int4_max_rows if dense is not None else 1 << 62
         self.out_dtype = out_dtype
         self.dense_packed = dense is not None and dense.is_mkldnn
+        self.min_rows = min_rows
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
@@ -73,7 +73,39 @@ class CPUMatmul:
             return y if bias is None else y + bias
         if self.dense_packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.dense, bias, "none", [], "")
+        rows = x.shape[0]
+        if rows < self.min_rows:
+            padded = torch.cat([x, x.new_zeros(self.min_rows - rows, *x.shape[1:])])
+            return F.linear(padded, self.dense, bias)[:rows]
         return F.linear(x, self.dense, bias)
+
+
+DETERMINISTIC_MIN_ROWS = 16  # plain dense matmuls of fewer rows run padded to this many in deterministic mode
+
+
+def one_weight_format(model: nn.Module) -> None:
+    """Deterministic inference on the CPU: a row's projections round the same whatever the rows beside it.
+
+    A projection holding both formats runs its dense one at every row count; a plain dense one (not prepacked
+    for oneDNN, e.g. fp32, whose BLAS kernel changes with the row count) runs padded to at least
+    DETERMINISTIC_MIN_ROWS rows. Tensor-parallel ranks and other devices are left as they are."""
+    from attnserve.distributed.state import parallel_state
+
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if not params or params[0].device.type != "cpu" or parallel_state().active:
+        return
+    modules = [m for _, m in _linears(model)]
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        modules.append(head)
+    for module in modules:
+        mm = module.cpu_matmul
+        if mm is None:
+            module.cpu_matmul = mm = CPUMatmul(module.weight.data, None, 0, module.weight.dtype)
+        if mm.int4 is not None and mm.dense is not None:
+            mm.int4_max_rows = 0
+        if mm.dense is not None and not mm.dense_packed:
+            mm.min_rows = DETERMINISTIC_MIN_ROWS
 
 
 def onednn_has_bf16() -> bool:

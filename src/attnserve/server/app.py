@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,17 +20,19 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from attnserve.engine.llm import LLM
 from attnserve.engine.loop import EngineLoop
 from attnserve.engine.outputs import RequestFailed, RequestOutput
 from attnserve.server import responses as R
-from attnserve.server.generation import Admission, ClientGone, Completion, CompletionGroup
+from attnserve.server.generation import Admission, ClientGone, Completion, CompletionGroup, ServerClosing
 from attnserve.server.info import static_info
 from attnserve.server.metrics import ServerMetrics
 from attnserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 SSE_DONE = "data: [DONE]\n\n"
+log = logging.getLogger("attnserve.server")
 
 
 @dataclass
@@ -53,7 +56,14 @@ class ServerState:
                                      self.info["attention_backend"]["decode"])
         self.admission = Admission(settings.max_queued_requests)
         self.token_text = R.TokenText(self.engine.tokenizer)
+        scheduler = self.engine.scheduler
+        self.pool_tokens = scheduler.allocator.total * scheduler.page_size  # the most one request can hold
         self.created = int(time.time())
+        self.closing = asyncio.Event()  # set when shutdown's grace period is over: open requests end now
+
+    def end_open_requests(self) -> None:
+        """Cut every open request short: a stream gets an error event and [DONE], a plain request a 503."""
+        self.closing.set()
 
     async def engine_state(self) -> dict:
         return await asyncio.to_thread(self.loop.query, lambda engine: engine.state())
@@ -78,8 +88,14 @@ async def _parse(request: Request, model: type[BaseModel], state: ServerState):
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
+    bad = _field_with_lone_surrogate(data)
+    if bad is not None:
+        raise APIError(400, f"{bad}: the text contains a lone UTF-16 surrogate (an escape such as \\ud800 "
+                       "that is not half of a pair), which is not valid Unicode", bad)
     try:
         parsed = model.model_validate(data)
     except ValidationError as exc:
@@ -93,10 +109,32 @@ async def _parse(request: Request, model: type[BaseModel], state: ServerState):
     return parsed
 
 
+def _field_with_lone_surrogate(data: dict) -> str | None:
+    """The top-level field holding a string (or key) with a lone surrogate, else None; walks the parsed
+    JSON without recursion."""
+    for field, value in data.items():
+        todo = [field, value]
+        while todo:
+            x = todo.pop()
+            if isinstance(x, str):
+                if not x.isascii():
+                    try:
+                        x.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return field
+            elif isinstance(x, list):
+                todo.extend(x)
+            elif isinstance(x, dict):
+                todo.extend(x.keys())
+                todo.extend(x.values())
+    return None
+
+
 def _value_error(exc: ValueError) -> APIError:
     """An engine refusal (token ids, stop token ids) as a 400 naming the field."""
     message = str(exc)
-    param = "stop_token_ids" if "stop_token_ids" in message else "prompt"
+    param = ("stop_token_ids" if "stop_token_ids" in message else "max_tokens" if "lower max_new_tokens" in message
+             else "prompt")
     return APIError(400, message, param)
 
 
@@ -105,19 +143,20 @@ async def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
         return prompt
     try:
         return await asyncio.to_thread(state.engine.tokenize, prompt)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # the tokenizer's TypeError: text it cannot take
         raise APIError(400, str(exc), "prompt") from None
 
 
 def _max_new_tokens(state: ServerState, prompt_len: int, requested: int | None) -> int:
-    """Checks the prompt and max_tokens against the context, as vLLM and SGLang do."""
+    """Checks the prompt and max_tokens against the context, as vLLM and SGLang do. Without max_tokens, the
+    request may generate up to the context or the KV pool, whichever is smaller (as SGLang clamps it)."""
     context = state.engine.max_context_len
     if prompt_len >= context:
         raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt has "
                        f"{prompt_len} (it needs room for at least one new token)", "prompt",
                        code="context_length_exceeded")
     if requested is None:
-        return context - prompt_len
+        return max(1, min(context, state.pool_tokens) - prompt_len)  # a prompt over the pool: the engine says so
     if prompt_len + requested > context:
         raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt has "
                        f"{prompt_len} and max_tokens asks for {requested} more", "max_tokens",
@@ -129,7 +168,7 @@ def _group(state: ServerState, completions: list[Completion]) -> CompletionGroup
     if not state.loop.alive:
         raise APIError(503, f"the engine is not running: {state.loop.error!r}", kind="server_error")
     try:
-        return CompletionGroup(state.loop, completions, state.admission)
+        return CompletionGroup(state.loop, completions, state.admission, state.closing)
     except ValueError as exc:
         raise _value_error(exc) from None
     except RuntimeError as exc:  # the loop died meanwhile
@@ -147,7 +186,16 @@ async def _collect(state: ServerState, group: CompletionGroup, request: Request)
         raise APIError(500, f"the request failed in the engine: {exc}", kind="server_error") from None
     except RuntimeError as exc:
         raise APIError(500, f"the engine failed: {exc}", kind="server_error") from None
+    except ServerClosing:
+        raise _closing_error() from None
+    finally:
+        state.metrics.ended_without_output(group.unfinished_reasons())
     return sorted(outputs, key=lambda x: x[0])
+
+
+def _closing_error() -> APIError:
+    return APIError(503, "the server is shutting down and its grace period ran out; the request was cut short",
+                    kind="server_error", code="server_shutting_down")
 
 
 async def _stream(state: ServerState, group: CompletionGroup, request: Request, chunks) -> AsyncIterator[str]:
@@ -168,6 +216,10 @@ async def _stream(state: ServerState, group: CompletionGroup, request: Request, 
         return
     except (RequestFailed, RuntimeError) as exc:
         yield R.sse(APIError(500, f"the request failed: {exc}", kind="server_error").body())
+    except ServerClosing:
+        yield R.sse(_closing_error().body())
+    finally:
+        state.metrics.ended_without_output(group.unfinished_reasons())
     yield SSE_DONE
 
 
@@ -235,10 +287,27 @@ def create_app(state: ServerState) -> FastAPI:
             await asyncio.to_thread(state.loop.stop)
 
     app = FastAPI(title="attnserve", lifespan=lifespan)
+    app.state.end_open_requests = state.end_open_requests  # UvicornServer calls it when the grace period ends
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        """The router's own errors (unknown route, wrong method) in the OpenAI shape too."""
+        where = f"{request.method} {request.url.path}"
+        message, code = {404: (f"no such route: {where}", "not_found"),
+                         405: (f"method not allowed: {where}", "method_not_allowed")}.get(
+                             exc.status_code, (f"{where}: {exc.detail}", None))
+        err = APIError(exc.status_code, message, code=code, headers=exc.headers)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        err = APIError(500, f"internal server error: {type(exc).__name__}", kind="server_error", code="internal_error")
+        return JSONResponse(err.body(), status_code=500)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):

@@ -33,6 +33,10 @@ class ClientGone(Exception):
     """The client disconnected; its completions were aborted."""
 
 
+class ServerClosing(Exception):
+    """The server is shutting down and its grace period ran out; the completions were aborted."""
+
+
 class Admission:
     """Counts completions submitted but not yet generating, to refuse work past --max-queued-requests."""
 
@@ -56,9 +60,13 @@ async def _disconnected(receive) -> None:
 class CompletionGroup:
     """The completions of one HTTP request, submitted together and read as one merged stream."""
 
-    def __init__(self, loop: EngineLoop, completions: list[Completion], admission: Admission):
+    def __init__(self, loop: EngineLoop, completions: list[Completion], admission: Admission,
+                 closing: asyncio.Event | None = None):
+        """`closing`: set when the server cuts open requests short (the reader gets ServerClosing)."""
         self.loop = loop
         self.admission = admission
+        self.closing = closing
+        self.failed: set[int] = set()  # choices that failed in the engine
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._aio = asyncio.get_running_loop()
         self.handles: dict[int, RequestHandle] = {}
@@ -81,16 +89,23 @@ class CompletionGroup:
 
     async def events(self, receive=None) -> AsyncIterator[tuple[int, StreamEvent]]:
         """(choice, event) until every completion finished. Raises RequestFailed / RuntimeError when a
-        completion or the engine fails, ClientGone when `receive` (ASGI) reports a disconnect."""
-        watcher = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
+        completion or the engine fails, ClientGone when `receive` (ASGI) reports a disconnect, ServerClosing
+        when the server cuts open requests short."""
+        watchers = set()
+        if receive is not None:
+            watchers.add(asyncio.ensure_future(_disconnected(receive)))
+        if self.closing is not None:
+            watchers.add(asyncio.ensure_future(self.closing.wait()))
         open_choices = set(self.handles)
         try:
             while open_choices:
                 getter = asyncio.ensure_future(self._inbox.get())
-                if watcher is not None:
-                    await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if watchers:
+                    await asyncio.wait({getter, *watchers}, return_when=asyncio.FIRST_COMPLETED)
                     if not getter.done():
                         getter.cancel()
+                        if self.closing is not None and self.closing.is_set():
+                            raise ServerClosing()
                         raise ClientGone()
                 choice, item = await getter
                 self._started(choice)
@@ -100,15 +115,26 @@ class CompletionGroup:
                         raise RuntimeError("the engine stopped before the request finished")
                     open_choices.discard(choice)
                     continue
-                event = handle.process(item)
+                try:
+                    event = handle.process(item)
+                except BaseException:
+                    self.failed.add(choice)
+                    raise
                 if event is not None:
                     yield choice, event
                 if handle.stream.finished:
                     open_choices.discard(choice)
         finally:
-            if watcher is not None:
+            for watcher in watchers:
                 watcher.cancel()
             self.close()
+
+    def unfinished_reasons(self) -> list[str]:
+        """The finish reason of each completion that ended without an output: "error" where it (or the
+        engine) failed, "abort" where it was cut short (a disconnect, another completion's failure, shutdown)."""
+        engine_failed = self.loop.error is not None
+        return ["error" if choice in self.failed or engine_failed else "abort"
+                for choice, handle in self.handles.items() if not handle.stream.finished]
 
     def _started(self, choice: int) -> None:
         if choice in self._starting:

@@ -33,8 +33,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("attnserve:generation_tokens", "Generated tokens", registry=r)
         self.cached_tokens = Counter("attnserve:cached_prompt_tokens", "Prompt tokens served by the prefix cache",
                                      registry=r)
-        self.requests = Counter("attnserve:requests", "Finished requests by finish reason", ["finish_reason"],
-                                registry=r)
+        self.requests = Counter("attnserve:requests", "Ended requests by finish reason (stop, length, abort, error)",
+                                ["finish_reason"], registry=r)
         self.running = Gauge("attnserve:num_requests_running", "Requests holding KV pages", registry=r)
         self.waiting = Gauge("attnserve:num_requests_waiting", "Requests queued for admission", registry=r)
         self.pages = Gauge("attnserve:kv_pages", "KV cache pages by state", ["state"], registry=r)
@@ -56,6 +56,11 @@ class ServerMetrics:
             self.itl.observe(gap)
         if output.ttft_s is not None:
             self.e2e.observe(output.ttft_s + sum(output.token_latencies_s))
+
+    def ended_without_output(self, reasons: list[str]) -> None:
+        """Completions that ended before finishing (aborted, failed), by finish reason."""
+        for reason in reasons:
+            self.requests.labels(reason).inc()
 
     def render(self, state: dict) -> bytes:
         """The text exposition, with the gauges set from `state` (EngineState.snapshot())."""

@@ -1,0 +1,70 @@
+"""--enable-deterministic-inference on the embedded SmolLM2: greedy and seeded requests give the same tokens
+alone, batched with copies of themselves or with other prompts, and with a warm prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import make_engine, prompts
+
+from attnserve.engine.llm import LLM
+from attnserve.engine.sampling_params import SamplingParams
+
+PROMPT = "def fibonacci(n):\n"
+OTHERS = ["The capital of France is", "1, 2, 3,", "Once upon a time, in a land far away, there lived a",
+          "Write a haiku about the sea.", "import numpy as np\n", "Q: What is 7 * 8?\nA:", "Hello"]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", max_total_tokens=4096, max_running_requests=16, enable_deterministic_inference=True)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=N, temperature=0),
+                                    SamplingParams(max_new_tokens=N, temperature=0.8, top_p=0.95, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_outputs_do_not_depend_on_the_batch_or_the_cache(llm, params):
+    cold = llm.generate(PROMPT, params)[0].token_ids
+    assert len(cold) == N or llm.generate(PROMPT, params)[0].finish_reason == "stop"
+    warm = llm.generate(PROMPT, params)[0].token_ids  # the same prompt again: a prefix cache would serve it
+    copies = [o.token_ids for o in llm.generate([PROMPT] * 8, params)]
+    mixed = llm.generate([*OTHERS[:3], PROMPT, *OTHERS[3:]], params)[3].token_ids  # other lengths around it
+    assert warm == cold
+    assert copies == [cold] * 8
+    assert mixed == cold
+    assert llm.engine.pages_leaked() == 0
+
+
+def _logits_of(engine, target: list[int], others: list[list[int]], params: SamplingParams) -> list[torch.Tensor]:
+    """The logits row of the request for `target` at each step, run with `others` in the same batch."""
+    rows: list[torch.Tensor] = []
+    forward = engine.runner.forward
+
+    def spy(batch):
+        logits = forward(batch)
+        sampling = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        rows.extend(logits[i].clone() for i, r in enumerate(sampling) if r.rid == req.rid)
+        return logits
+
+    engine.runner.forward = spy
+    try:
+        req = engine.add_request(target, params)
+        for p in others:
+            engine.add_request(p, params)
+        engine.run_until_done()
+    finally:
+        engine.runner.forward = forward
+    return rows
+
+
+def test_fp32_logits_are_bitwise_the_same_alone_and_in_a_batch():
+    """On the fp32 path (a CPU without fast bf16) too: BLAS picks its kernel by the row count."""
+    engine = make_engine(enable_deterministic_inference=True, disable_overlap_schedule=True)
+    target, *others = prompts(8, seed=5)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    alone = _logits_of(engine, target, [], params)
+    batched = _logits_of(engine, target, others, params)
+    assert len(alone) == len(batched) == 6
+    assert all(torch.equal(a, b) for a, b in zip(alone, batched))
+    assert engine.pages_leaked() == 0
