@@ -99,7 +99,7 @@ def test_deepseek_128_heads_on_the_hopper_gluon_kernel(page_size):
     """128 heads (DeepSeek-V3's count): on Hopper the triton backend decodes on a warp-specialised Gluon kernel
     (the sm90 table's rule: the seesaw since sweep 7), graphed in the engine, with the same greedy tokens as
     torch_native."""
-    from attnserve.attention.kernels.mla_decode import default_mla_decode_config
+    from attnserve.attention.kernels.mla.decode import default_mla_decode_config
 
     if torch.cuda.get_device_capability()[0] == 9:
         assert default_mla_decode_config(torch.device(DEVICE), None, 128, page_size).kernel.startswith("gluon")

@@ -3,20 +3,20 @@
 import pytest
 import torch
 
-from attnserve.attention.kernels.decode import (
+from attnserve.attention.kernels.mha.decode import (
     DECODE_TILES,
     DecodeConfig,
     decode_attention,
     default_decode_config,
 )
-from attnserve.attention.kernels.extend import (
+from attnserve.attention.kernels.mha.extend import (
     EXTEND_TILES,
     ExtendConfig,
     build_extend_tiles,
     default_extend_config,
     extend_attention,
 )
-from attnserve.attention.kernels.tiles import (
+from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
     check_shared_memory,

@@ -13,8 +13,8 @@ from attention_helpers import poison_unused_slots, rel_err, run_layer
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import ForwardMode
-from attnserve.attention.kernels.extend import build_extend_tiles
-from attnserve.attention.kernels.prefill_tma import (
+from attnserve.attention.kernels.mha.extend import build_extend_tiles
+from attnserve.attention.kernels.mha.prefill_tma import (
     PrefillTmaConfig,
     check_warp_specialized,
     default_prefill_tma_config,
@@ -23,7 +23,7 @@ from attnserve.attention.kernels.prefill_tma import (
     request_slots,
     tma_rows_ok,
 )
-from attnserve.attention.kernels.tiles import GpuTarget
+from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch

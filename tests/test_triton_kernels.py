@@ -7,8 +7,8 @@ import pytest
 import torch
 from attention_helpers import poison_unused_slots, rel_err
 
-from attnserve.attention.kernels.decode import DecodeConfig, decode_attention
-from attnserve.attention.kernels.extend import ExtendConfig, build_extend_tiles, extend_attention
+from attnserve.attention.kernels.mha.decode import DecodeConfig, decode_attention
+from attnserve.attention.kernels.mha.extend import ExtendConfig, build_extend_tiles, extend_attention
 from attnserve.attention.kernels.split_plan import SplitPolicy, max_splits_for_batch, plan_kv_splits
 from attnserve.attention.kernels.store import store_kv
 from attnserve.attention.metadata import metadata_for_batch

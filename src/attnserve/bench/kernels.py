@@ -114,11 +114,11 @@ def triton_options(text: str | None) -> dict:
     """--triton-options JSON -> TritonBackend options (config dicts become config objects)."""
     if not text:
         return {}
-    from attnserve.attention.kernels.decode import DecodeConfig
-    from attnserve.attention.kernels.extend import ExtendConfig
-    from attnserve.attention.kernels.mla_decode import MLADecodeConfig
-    from attnserve.attention.kernels.mla_extend import MLAExtendConfig
-    from attnserve.attention.kernels.prefill_tma import PrefillTmaConfig
+    from attnserve.attention.kernels.mha.decode import DecodeConfig
+    from attnserve.attention.kernels.mha.extend import ExtendConfig
+    from attnserve.attention.kernels.mla.decode import MLADecodeConfig
+    from attnserve.attention.kernels.mla.extend import MLAExtendConfig
+    from attnserve.attention.kernels.mha.prefill_tma import PrefillTmaConfig
 
     opts = json.loads(text)
     for key, cls in (("decode_config", DecodeConfig), ("extend_config", ExtendConfig),

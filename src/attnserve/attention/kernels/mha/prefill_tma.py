@@ -42,8 +42,9 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile_fma,
     to_log2,
 )
-from attnserve.attention.kernels.extend import ExtendTiles
-from attnserve.attention.kernels.tiles import GpuTarget, TileShape, check_shared_memory
+from attnserve.attention.kernels.extend_tiles import ExtendTiles
+from attnserve.attention.kernels.mha.configs import fast_path_blocker
+from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, check_shared_memory
 
 
 @dataclass(frozen=True)
@@ -118,24 +119,6 @@ def tma_rows_ok(t: torch.Tensor) -> bool:
     if t is None or t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
         return False
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-
-
-def fast_path_blocker(*, head_dim: int, v_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
-                      custom_mask, target: GpuTarget | None, interpreting: bool) -> str | None:
-    """Why a call cannot take this kernel (None: it can). Cheap host checks, made per call."""
-    if custom_mask is not None:
-        return "custom mask"
-    if kv_dtype != q_dtype:
-        return f"KV dtype {kv_dtype} differs from q's {q_dtype} (FP8 pool)"
-    if q_dtype not in (torch.bfloat16, torch.float16) and not interpreting:
-        return f"{q_dtype} inputs"
-    if head_dim != v_dim:
-        return "V head dim differs from K's"
-    if head_dim not in (64, 128, 256):
-        return f"head_dim {head_dim} (TMA tiles need 64, 128 or 256)"
-    if not interpreting and (target is None or target.arch != "sm90"):
-        return "not Hopper (sm90)"
-    return None
 
 
 def gather_request_rows(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

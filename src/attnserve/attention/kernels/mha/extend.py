@@ -32,7 +32,8 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile,
     to_log2,
 )
-from attnserve.attention.kernels.tiles import (
+from attnserve.attention.kernels.extend_tiles import ExtendTiles, build_extend_tiles, key_tile_range, visible_keys
+from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
     check_shared_memory,
@@ -84,67 +85,6 @@ def default_extend_config(head_dim: int, device: torch.device, target: GpuTarget
     return wide if head_dim > 128 else narrow
 
 
-@dataclass
-class ExtendTiles:
-    """Work list for the extend grid: tile t covers new-token positions tile_m0[t]:+positions of tile_req[t]."""
-
-    tile_req: torch.Tensor  # [num_tiles] int32
-    tile_m0: torch.Tensor  # [num_tiles] int32
-    positions: int
-
-    @property
-    def num_tiles(self) -> int:
-        return self.tile_req.numel()
-
-
-def build_extend_tiles(prefix_lens: list[int], extend_lens: list[int], positions: int, device) -> ExtendTiles:
-    """Host-side tile list of `positions` query positions each, heaviest (most keys to sweep) first."""
-    tiles = []
-    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
-        for m0 in range(0, e, positions):
-            tiles.append((p + min(m0 + positions, e), r, m0))
-    tiles.sort(key=lambda x: -x[0])
-    req = torch.tensor([t[1] for t in tiles], dtype=torch.int32)  # [num_tiles]
-    m0 = torch.tensor([t[2] for t in tiles], dtype=torch.int32)  # [num_tiles]
-    return ExtendTiles(req.to(device, non_blocking=True), m0.to(device, non_blocking=True), positions)
-
-
-@triton.jit
-def _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
-             HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] which keys each row may see: causal or the custom mask, then the window."""
-    visible = n_valid[None, :] & m_mask[:, None]
-    if HAS_CUSTOM_MASK:
-        bits = tl.load(Mask + mask_base + q_row[:, None] * seq + offs_n[None, :], mask=visible, other=0)
-        visible = visible & (bits != 0)
-    else:
-        visible = visible & (offs_n[None, :] <= q_pos[:, None])
-    if HAS_WINDOW:
-        visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-    return visible
-
-
-@triton.jit
-def key_tile_range(prefix, m0, seq, window, POSITIONS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr):
-    """Key tiles a query tile visits: [lo, full_end) need no mask, [full_end, hi) do.
-
-    The rows are positions prefix + m0 .. prefix + m0 + POSITIONS - 1 of a request of `seq` keys.
-    """
-    if HAS_CUSTOM_MASK:
-        hi = seq
-    else:
-        hi = tl.minimum(seq, prefix + m0 + POSITIONS)  # past the last row's position nothing is visible
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-    if HAS_WINDOW or HAS_CUSTOM_MASK:
-        full_end = lo
-    else:
-        full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
-    return lo, full_end, hi
-
-
 @triton.jit
 def _extend_block(
     acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
@@ -173,7 +113,7 @@ def _extend_block(
     s = dot_qk(q, k, DOT_F32)  # [BLOCK_M, BLOCK_N]
     visible = None
     if MASKED:
-        visible = _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
+        visible = visible_keys(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
                            HAS_WINDOW, HAS_CUSTOM_MASK)
     p, alpha, m_new, l_i = online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
                                                HAS_SOFTCAP, MASKED)
@@ -325,3 +265,53 @@ def extend_attention(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+@dataclass
+class ExpandedPrefillPlan:
+    """One step's metadata for expanded MLA: the new tokens are their own KV, one page-size-1 "page" each."""
+
+    qo_indptr: torch.Tensor  # [B+1] int32: tokens of request b are rows qo_indptr[b]:qo_indptr[b+1]
+    token_slots: torch.Tensor  # [T] int32: 0..T-1, the page table that makes token t its own KV row
+    extend_lens: torch.Tensor  # [B] int32: each request's KV length (its prompt)
+    tiles: ExtendTiles
+    config: ExtendConfig
+    target: GpuTarget | None
+
+
+def plan_expanded_prefill(extend_lens: list[int], qk_dim: int, device, config: ExtendConfig | None = None,
+                          target: GpuTarget | None = None) -> ExpandedPrefillPlan:
+    """Host-side plan, once per step (every layer of the model reuses it)."""
+    device = torch.device(device)
+    target = target or target_for(device)
+    config = config or default_extend_config(qk_dim, device, target)
+    indptr = [0]
+    for n in extend_lens:
+        indptr.append(indptr[-1] + n)
+    return ExpandedPrefillPlan(
+        qo_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
+        token_slots=torch.arange(indptr[-1], dtype=torch.int32, device=device),
+        extend_lens=torch.tensor(extend_lens, dtype=torch.int32).to(device, non_blocking=True),
+        tiles=build_extend_tiles([0] * len(extend_lens), list(extend_lens), config.positions_per_tile(1), device),
+        config=config,
+        target=target,
+    )
+
+
+def expanded_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ExpandedPrefillPlan,
+                         sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of fresh prompts over their own expanded keys and values.
+
+    q `[T, H, qk_dim]`, k `[T, H, qk_dim]` (nope + rope), v `[T, H, v_dim]` with v_dim <= qk_dim
+    -> `[T, H, v_dim]`. The extend kernel reads k/v as a page-size-1 pool whose page table is 0..T-1.
+    """
+    num_tokens, num_heads, qk_dim = q.shape
+    if k.shape != q.shape or v.shape[:2] != q.shape[:2] or v.shape[2] > qk_dim:
+        raise ValueError(f"expanded MLA wants k {tuple(q.shape)} and v [{num_tokens}, {num_heads}, <= {qk_dim}], "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if plan.token_slots.numel() != num_tokens:
+        raise ValueError(f"the plan covers {plan.token_slots.numel()} tokens, q has {num_tokens}")
+    if out is None:
+        out = q.new_empty(num_tokens, num_heads, v.shape[2])  # [T, H, v_dim]
+    return extend_attention(q, k, v, out, plan.tiles, plan.qo_indptr, plan.qo_indptr, plan.token_slots,
+                            plan.extend_lens, 1, sm_scale, config=plan.config, target=plan.target)

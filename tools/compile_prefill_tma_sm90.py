@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 
-from attnserve.attention.kernels import prefill_tma as pt
+from attnserve.attention.kernels.mha import prefill_tma as pt
 
 
 def compile_config(cfg: pt.PrefillTmaConfig, head_dim: int = 128, group: int = 4, window: bool = False,

@@ -29,12 +29,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attnserve.attention.kernels.mla_gluon_parts import (
-    _copy_columns,
-    _copy_query,
-    _release,
-    _split_range,
-    _tile_rows,
+from attnserve.attention.kernels.mla.gluon.parts import (
+    copy_columns,
+    copy_query,
+    release_stage,
+    split_range,
+    tile_rows,
 )
 
 
@@ -47,13 +47,13 @@ def _narrow_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 128 B of a row per 8 threads
     copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
-    rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
+    rows = tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
     for i in range(num_tiles):
         s = i % STAGES
         base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [BLOCK_N, ROPE] pointers
-        rows = _tile_rows(kv_indices, page_base, lo + (i + 1) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        rows = tile_rows(kv_indices, page_base, lo + (i + 1) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
         mbarrier.wait(free.index(s), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-        _copy_columns(c_ring.index(s), base, 0, LATENT // ROPE, ROPE)
+        copy_columns(c_ring.index(s), base, 0, LATENT // ROPE, ROPE)
         async_copy.async_copy_global_to_shared(r_ring.index(s), base + LATENT)
         async_copy.mbarrier_arrive(loaded.index(s), increment_count=False)
 
@@ -97,7 +97,7 @@ def _narrow_consumer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles,
         gl.thread_barrier()
         acc = warpgroup_mma(c_tile.permute((1, 0)), p_smem, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _release(free.index(s))
+        release_stage(free.index(s))
 
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[None, :]  # [LATENT, H]
@@ -114,7 +114,7 @@ def _narrow_consumer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles,
 
 
 @gluon.jit
-def _mla_decode_narrow_kernel(
+def mla_decode_narrow_kernel(
     Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, qk_scale_log2,
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
@@ -133,7 +133,7 @@ def _mla_decode_narrow_kernel(
     hg = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
-    lo, hi, num_tiles, active = _split_range(gl.load(seq_lens + b), gl.load(num_splits + b), split, BLOCK_N)
+    lo, hi, num_tiles, active = split_range(gl.load(seq_lens + b), gl.load(num_splits + b), split, BLOCK_N)
     page_base = gl.load(kv_indptr + b)
 
     # the query by cp.async from these (the producer's) threads, waited for by the consumer: q_c [H, 512], q_pe [H, 64]
@@ -145,7 +145,7 @@ def _mla_decode_narrow_kernel(
     q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qr_smem_layout)
     q_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_loaded, count=128)
-    _copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)
+    copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)
     c_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
     r_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], r_smem_layout)  # 16 KB
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], p_smem_layout)  # P^T, the PV's B

@@ -20,7 +20,7 @@ import time
 import torch
 
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.kernels.prefill_tma import PrefillTmaConfig
+from attnserve.attention.kernels.mha.prefill_tma import PrefillTmaConfig
 from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS

@@ -28,16 +28,9 @@ from attnserve.attention.kernels.common import (
     next_pow2,
     online_softmax_tile,
 )
-from attnserve.attention.kernels.extend import (
-    ExtendConfig,
-    ExtendTiles,
-    _visible,
-    build_extend_tiles,
-    extend_attention,
-    key_tile_range,
-)
-from attnserve.attention.kernels.mla_decode import check_mla_shapes
-from attnserve.attention.kernels.tiles import (
+from attnserve.attention.kernels.extend_tiles import ExtendTiles, key_tile_range, visible_keys
+from attnserve.attention.kernels.mla.shapes import check_mla_shapes
+from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
     check_shared_memory,
@@ -111,7 +104,7 @@ def _mla_block(acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indic
     s = dot_qk_into(q_c, c, dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_M, BLOCK_N]
     visible = None
     if MASKED:
-        visible = _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, 0, False, HAS_CUSTOM_MASK)
+        visible = visible_keys(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, 0, False, HAS_CUSTOM_MASK)
     p, alpha, m_i, l_i = online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, 1.0, 1.0, False, MASKED)
     if DEFER_PV:
         p_prev = p
@@ -122,7 +115,7 @@ def _mla_block(acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indic
 
 
 @triton.jit
-def _mla_extend_kernel(
+def mla_extend_kernel(
     Q, KV, Out, tile_req, tile_m0, qo_indptr, kv_indptr, kv_indices, seq_lens, Mask, mask_indptr,
     qk_scale_log2, v_scale,
     stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
@@ -226,7 +219,7 @@ def mla_extend_attention(
         return out
     if custom_mask is not None and custom_mask.dtype == torch.bool:
         custom_mask = custom_mask.view(torch.uint8)
-    _mla_extend_kernel[(num_heads, tiles.num_tiles)](
+    mla_extend_kernel[(num_heads, tiles.num_tiles)](
         q, kv_buffer, out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_indptr, kv_indices, seq_lens,
         custom_mask if custom_mask is not None else q, mask_indptr if mask_indptr is not None else qo_indptr,
         sm_scale * kv_scale * LOG2E, kv_scale,
@@ -238,53 +231,3 @@ def mla_extend_attention(
     return out
 
 
-@dataclass
-class ExpandedPrefillPlan:
-    """One step's metadata for expanded MLA: the new tokens are their own KV, one page-size-1 "page" each."""
-
-    qo_indptr: torch.Tensor  # [B+1] int32: tokens of request b are rows qo_indptr[b]:qo_indptr[b+1]
-    token_slots: torch.Tensor  # [T] int32: 0..T-1, the page table that makes token t its own KV row
-    extend_lens: torch.Tensor  # [B] int32: each request's KV length (its prompt)
-    tiles: ExtendTiles
-    config: ExtendConfig
-    target: GpuTarget | None
-
-
-def plan_expanded_prefill(extend_lens: list[int], qk_dim: int, device, config: ExtendConfig | None = None,
-                          target: GpuTarget | None = None) -> ExpandedPrefillPlan:
-    """Host-side plan, once per step (every layer of the model reuses it)."""
-    from attnserve.attention.kernels.extend import default_extend_config
-
-    device = torch.device(device)
-    target = target or target_for(device)
-    config = config or default_extend_config(qk_dim, device, target)
-    indptr = [0]
-    for n in extend_lens:
-        indptr.append(indptr[-1] + n)
-    return ExpandedPrefillPlan(
-        qo_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
-        token_slots=torch.arange(indptr[-1], dtype=torch.int32, device=device),
-        extend_lens=torch.tensor(extend_lens, dtype=torch.int32).to(device, non_blocking=True),
-        tiles=build_extend_tiles([0] * len(extend_lens), list(extend_lens), config.positions_per_tile(1), device),
-        config=config,
-        target=target,
-    )
-
-
-def mla_expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ExpandedPrefillPlan,
-                         sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of fresh prompts over their own expanded keys and values.
-
-    q `[T, H, qk_dim]`, k `[T, H, qk_dim]` (nope + rope), v `[T, H, v_dim]` with v_dim <= qk_dim
-    -> `[T, H, v_dim]`. extend.py's kernel reads k/v as a page-size-1 pool whose page table is 0..T-1.
-    """
-    num_tokens, num_heads, qk_dim = q.shape
-    if k.shape != q.shape or v.shape[:2] != q.shape[:2] or v.shape[2] > qk_dim:
-        raise ValueError(f"expanded MLA wants k {tuple(q.shape)} and v [{num_tokens}, {num_heads}, <= {qk_dim}], "
-                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if plan.token_slots.numel() != num_tokens:
-        raise ValueError(f"the plan covers {plan.token_slots.numel()} tokens, q has {num_tokens}")
-    if out is None:
-        out = q.new_empty(num_tokens, num_heads, v.shape[2])  # [T, H, v_dim]
-    return extend_attention(q, k, v, out, plan.tiles, plan.qo_indptr, plan.qo_indptr, plan.token_slots,
-                            plan.extend_lens, 1, sm_scale, config=plan.config, target=plan.target)
