@@ -3,25 +3,21 @@
 import pytest
 import torch
 
-from attnserve.attention.kernels.mha.decode import (
-    DECODE_TILES,
-    DecodeConfig,
-    decode_attention,
-    default_decode_config,
-)
-from attnserve.attention.kernels.mha.extend import (
-    EXTEND_TILES,
-    ExtendConfig,
-    build_extend_tiles,
-    default_extend_config,
-    extend_attention,
-)
 from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
     check_shared_memory,
     fewest_stages_dropped,
     shared_memory_bytes,
+)
+from attnserve.attention.kernels.mha.configs import DECODE_TILES, DecodeConfig, default_decode_config
+from attnserve.attention.kernels.mha.decode import decode_attention
+from attnserve.attention.kernels.mha.extend import (
+    EXTEND_TILES,
+    ExtendConfig,
+    build_extend_tiles,
+    default_extend_config,
+    extend_attention,
 )
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.synthetic import make_batch

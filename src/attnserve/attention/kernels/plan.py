@@ -229,7 +229,7 @@ def describe_kernels(backend: str, side: str, hw, shape, page_size: int, kv_dtyp
     """`triton -> gluon scorer (sm90, 128 heads, page 64)`: the kernel `backend` runs for `side` ("prefill" or
     "decode"), from the selection's inputs alone; None for a backend whose kernels are not attnserve's."""
     if backend == "torch_native":
-        return "torch_native -> torch (scaled_dot_product_attention)"
+        return "torch_native -> torch"
     if backend != "triton":
         return None
     sig = signature_for(hw, shape, page_size, kv_dtype)
@@ -242,8 +242,8 @@ def describe_kernels(backend: str, side: str, hw, shape, page_size: int, kv_dtyp
             return f"triton -> {decode.describe()}"
         rows, _, why = plan_mla_extend_rows(sig, policy, decode, None, False)
         if rows is not None:
-            return f"triton -> {rows.describe()} ({rows.reason})"
-        return f"triton -> triton mla extend ({sig.where()}; not decode rows: {why})"
+            return f"triton -> {rows.describe()} ({rows.reason}); fresh prompts expanded"
+        return f"triton -> triton mla extend ({sig.where()}; not decode rows: {why}); fresh prompts expanded"
     if side == "decode":
         return f"triton -> {plan_mha_decode(sig, policy).describe()}"
     why = fast_path_blocker(head_dim=sig.head_dim, v_dim=sig.v_head_dim, q_dtype=sig.q_dtype, kv_dtype=sig.kv_dtype,
