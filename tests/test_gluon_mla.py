@@ -18,7 +18,8 @@ import torch
 from attention_helpers import rel_err
 from test_triton_mla import poison_unused_latent
 
-from attnserve.attention.kernels.mla.attention import mla_decode_attention, plan_for_call
+from attnserve.attention.kernels.mla.attention import mla_decode_attention
+from attnserve.attention.kernels.resolve import plan_for_call
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig, rules_from_sweep
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch

@@ -9,6 +9,7 @@ from attention_helpers import run_layer
 from attnserve.attention.backends.triton import TritonBackend, TritonMHABackend, TritonMLABackend
 from attnserve.attention.base import ForwardMode
 from attnserve.attention.kernels import plan as kplan
+from attnserve.attention.kernels import resolve
 from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.kernels.split_plan import SplitPolicy
@@ -46,21 +47,21 @@ def test_select_names_the_kernel_without_a_gpu(model, page_size, kv_dtype, decod
 
 def test_the_prefill_kernel_follows_the_shape():
     h200 = PRESET_HARDWARE["h200"]
-    assert kplan.describe_kernels("triton", "prefill", h200, GENERIC_GQA, 1, "bf16").startswith(
+    assert resolve.describe_kernels("triton", "prefill", h200, GENERIC_GQA, 1, "bf16").startswith(
         "triton -> prefill_tma (sm90")
-    assert "not prefill_tma: KV dtype" in kplan.describe_kernels("triton", "prefill", h200, GENERIC_GQA, 1,
+    assert "not prefill_tma: KV dtype" in resolve.describe_kernels("triton", "prefill", h200, GENERIC_GQA, 1,
                                                                  "fp8_e4m3")
-    rows = kplan.describe_kernels("triton", "prefill", h200, DSV2_LITE, 64, "bf16")
+    rows = resolve.describe_kernels("triton", "prefill", h200, DSV2_LITE, 64, "bf16")
     assert rows.startswith("triton -> gluon seesaw (sm90, 16 heads, page 64) (extend as decode rows, 4 tokens")
-    a100 = kplan.describe_kernels("triton", "prefill", PRESET_HARDWARE["a100"], DSV3, 1, "bf16")
+    a100 = resolve.describe_kernels("triton", "prefill", PRESET_HARDWARE["a100"], DSV3, 1, "bf16")
     assert "triton mla extend (sm80" in a100 and "Hopper" in a100
 
 
 def test_on_a_cpu_the_kernel_is_the_interpreter_or_torch():
     cpu = PRESET_HARDWARE["cpu"]
-    assert kplan.describe_kernels("triton", "decode", cpu, DSV3, 1, "fp32") == "triton -> interpreter"
-    assert kplan.describe_kernels("torch_native", "decode", cpu, DSV3, 1, "fp32") == "torch_native -> torch"
-    assert kplan.describe_kernels("flashinfer", "decode", cpu, DSV3, 1, "fp32") is None
+    assert resolve.describe_kernels("triton", "decode", cpu, DSV3, 1, "fp32") == "triton -> interpreter"
+    assert resolve.describe_kernels("torch_native", "decode", cpu, DSV3, 1, "fp32") == "torch_native -> torch"
+    assert resolve.describe_kernels("flashinfer", "decode", cpu, DSV3, 1, "fp32") is None
     sel = select_backends(cpu, GENERIC_GQA, ServingFeatures(kv_cache_dtype="fp32"))
     assert "decode: torch_native -> torch" in kernel_lines(sel)
 
@@ -70,17 +71,17 @@ def test_a_plan_records_its_kernel_tile_split_policy_partials_and_reason():
     sig = kplan.LayerSignature.of_gpu(h200, family="mla", num_heads=128, num_kv_heads=1, head_dim=576,
                                       v_head_dim=512, page_size=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
                                       kv_lora_rank=512)
-    plan = kplan.plan_mla_decode(sig, SplitPolicy(num_sms=132))
+    plan = resolve.plan_mla_decode(sig, SplitPolicy(num_sms=132))
     assert dataclasses.is_dataclass(plan) and plan.kernel == "gluon_scorer" and plan.is_gluon
     assert (plan.config.block_h, plan.partials, plan.programs_per_split) == (64, "float16", 2)
     assert plan.split_policy.waves == 0.5 and "decode table" in plan.reason
-    assert kplan.plan_mla_decode(sig, SplitPolicy(waves=3.0), waves_given=True).split_policy.waves == 3.0
+    assert resolve.plan_mla_decode(sig, SplitPolicy(waves=3.0), waves_given=True).split_policy.waves == 3.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.kernel = "triton"
-    rows, tokens, why = kplan.plan_mla_extend_rows(sig, SplitPolicy(), plan, None, False)
+    rows, tokens, why = resolve.plan_mla_extend_rows(sig, SplitPolicy(), plan, None, False)
     assert (rows.kernel, tokens, why, rows.split_policy.waves) == ("gluon_seesaw", 1, None, 1.0)
-    assert kplan.plan_mla_extend_rows(sig, SplitPolicy(), plan, False, False)[2] == "decode rows off"
-    assert kplan.plan_mla_extend_rows(sig, SplitPolicy(), plan, None, True)[2] == "an extend tile was given"
+    assert resolve.plan_mla_extend_rows(sig, SplitPolicy(), plan, False, False)[2] == "decode rows off"
+    assert resolve.plan_mla_extend_rows(sig, SplitPolicy(), plan, None, True)[2] == "an extend tile was given"
 
 
 def test_the_registry_name_builds_the_class_that_fits_the_pool():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from attnserve.attention.kernels.mla import decode_table as tiles
-from attnserve.attention.kernels.plan import LayerSignature, default_mla_decode_config, plan_mla_decode
+from attnserve.attention.kernels.plan import LayerSignature
+from attnserve.attention.kernels.resolve import default_mla_decode_config, plan_mla_decode
 from attnserve.attention.kernels.split_plan import SplitPolicy
 from attnserve.attention.kernels.mla.decode_table import (
     MLADecodeConfig,

@@ -10,7 +10,8 @@ import pytest
 import torch
 from attention_helpers import rel_err
 
-from attnserve.attention.kernels.mla.attention import mla_decode_attention, plan_for_call
+from attnserve.attention.kernels.mla.attention import mla_decode_attention
+from attnserve.attention.kernels.resolve import plan_for_call
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits
 from attnserve.attention.metadata import metadata_for_batch

@@ -42,7 +42,7 @@ def test_mla_extend_through_the_layer_with_prefixes():
 def test_mla_extend_takes_decode_rows_where_asked_and_says_which_path_ran(rows):
     """Default: decode rows only where the Gluon kernel runs (not on a CPU, nor for this 32 + 16 latent on a
     GPU); True forces them (on the Triton decode kernel here), False never; the oracle's output either way."""
-    from attnserve.attention.kernels.plan import gluon_blocker
+    from attnserve.attention.kernels.resolve import gluon_blocker
 
     sb = make_batch([0, 40, 9], [12, 9, 1], num_heads=16, mla=(32, 16), page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, score_scale=8.0, mode=ForwardMode.EXTEND)

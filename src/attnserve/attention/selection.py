@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnserve.attention.base import AttentionRequirements, BackendFeatures, unsupported
-from attnserve.attention.kernels.plan import describe_kernels
+from attnserve.attention.kernels.resolve import describe_kernels
 from attnserve.attention.measured import attention_key, describe_order, measured_order
 from attnserve.attention.registry import REGISTRY, get_spec, hardware_problems, resolve_name
 from attnserve.attention.tuned import TunedChoice, find_tuned

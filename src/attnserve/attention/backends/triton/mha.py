@@ -18,7 +18,8 @@ import torch
 from attnserve.attention.backends.triton.common import TritonBackendBase
 from attnserve.attention.base import ForwardBatch
 from attnserve.attention.kernels.gpu_target import target_for
-from attnserve.attention.kernels.plan import KernelPlan, LayerSignature, plan_mha_decode
+from attnserve.attention.kernels.plan import KernelPlan, LayerSignature
+from attnserve.attention.kernels.resolve import plan_mha_decode
 
 if TYPE_CHECKING:
     from attnserve.attention.backends.triton.common import ExtendStep

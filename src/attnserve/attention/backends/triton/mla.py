@@ -21,7 +21,8 @@ import torch
 from attnserve.attention.backends.triton.common import DecodeStep, TritonBackendBase
 from attnserve.attention.base import ForwardBatch
 from attnserve.attention.kernels.gpu_target import target_for
-from attnserve.attention.kernels.plan import KernelPlan, LayerSignature, plan_mla_decode, plan_mla_extend_rows
+from attnserve.attention.kernels.plan import KernelPlan, LayerSignature
+from attnserve.attention.kernels.resolve import plan_mla_decode, plan_mla_extend_rows
 
 if TYPE_CHECKING:
     from attnserve.attention.backends.triton.common import ExtendStep

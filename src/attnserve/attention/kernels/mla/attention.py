@@ -16,24 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.attention.kernels.gpu_target import GpuTarget, target_for
 from attnserve.attention.kernels.merge_tiled import merge_splits_tiled
 from attnserve.attention.kernels.mla.decode import launch_triton_mla_decode
-from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.kernels.mla.shapes import check_mla_shapes
-from attnserve.attention.kernels.plan import KernelPlan, LayerSignature, plan_mla_decode
+from attnserve.attention.kernels.plan import KernelPlan
 from attnserve.attention.kernels.split_kv import split_outputs
-from attnserve.attention.kernels.split_plan import SplitPolicy
-
-
-def plan_for_call(q: torch.Tensor, kv_buffer: torch.Tensor, kv_lora_rank: int, page_size: int,
-                  config: MLADecodeConfig | None = None, target: GpuTarget | None = None) -> KernelPlan:
-    """The plan of a standalone call (tests, kernel benches): the layer signature read off its tensors."""
-    target = target or target_for(q.device)
-    sig = LayerSignature.of_gpu(target, family="mla", num_heads=q.shape[1], num_kv_heads=1, head_dim=q.shape[-1],
-                                v_head_dim=kv_lora_rank, page_size=page_size, q_dtype=q.dtype,
-                                kv_dtype=kv_buffer.dtype, kv_lora_rank=kv_lora_rank)
-    return plan_mla_decode(sig, SplitPolicy(), config)
 
 
 def mla_decode_attention(
@@ -87,4 +74,4 @@ def mla_decode_attention(
     return out
 
 
-__all__ = ["mla_decode_attention", "plan_for_call"]
+__all__ = ["mla_decode_attention"]

@@ -26,7 +26,8 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile,
 )
 from attnserve.attention.kernels.gpu_target import check_shared_memory
-from attnserve.attention.kernels.plan import KernelPlan, mla_tile_shape
+from attnserve.attention.kernels.mla.decode_table import mla_tile_shape
+from attnserve.attention.kernels.plan import KernelPlan
 from attnserve.attention.kernels.split_kv import finish_split, partial_strides, split_bounds
 
 

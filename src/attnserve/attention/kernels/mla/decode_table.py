@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from attnserve.attention.kernels.gpu_target import TileShape
+
 TABLE_FILE = "decode_table.json"
 TABLE_PACKAGE = "attnserve.attention.kernels.mla"
 KERNELS = ("triton", "gluon_seesaw", "gluon_scorer", "gluon_narrow")
@@ -129,6 +131,24 @@ def tiles_for(arch: str, num_heads: int, page_size: int,
     raise AssertionError("every arch's rules end in one that always holds")  # pragma: no cover
 
 
+# the interpreter's small MLA decode tiles; GPU tiles come from decode_table.json per arch, heads, page size
+INTERPRETER_MLA_DECODE_TILES = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+GLUON_BLOCK_H = 64  # query rows of the 64-row Gluon kernels' CTA: one 64-row wgmma per warpgroup
+# the Gluon kernel that runs MLA extend as decode rows, with one wave of splits (one CTA per SM) for the
+# few-token steps that split
+GLUON_ROWS_CONFIG = MLADecodeConfig(64, 64, 8, 2, split_waves=1.0, kernel="gluon_seesaw")
+
+
+def mla_tile_shape(c: MLADecodeConfig, width: int, kv_lora_rank: int, itemsize: int) -> TileShape:
+    """A Triton MLA decode tile's shared memory: a deferred PV buffers the previous tile's latent too."""
+    return TileShape(c.block_h, width, c.block_n, width + kv_lora_rank * c.defer_pv, c.num_stages, itemsize)
+
+
+def tokens_per_cta(num_heads: int) -> int:
+    """Query tokens that share a 64-row CTA in extend rows: 64 / heads where heads divide 64 (16 heads: 4)."""
+    return GLUON_BLOCK_H // num_heads if num_heads < GLUON_BLOCK_H and GLUON_BLOCK_H % num_heads == 0 else 1
+
+
 # ---- from a sweep to the table -------------------------------------------------------------------------
 CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "defer_pv", "split_waves", "kernel", "partials")
 CONFIG_DEFAULTS = {"defer_pv": False, "split_waves": 0.0, "kernel": "triton", "partials": "float32"}  # what a sweep row made before a key existed ran with
@@ -179,5 +199,6 @@ def write_rules(arch: str, rules: list[dict], source: str, path: Path | None = N
     return path
 
 
-__all__ = ["MLADecodeConfig", "TileRule", "parse_rules", "rules_from_sweep", "shipped_rules", "tiles_for",
+__all__ = ["GLUON_BLOCK_H", "GLUON_ROWS_CONFIG", "INTERPRETER_MLA_DECODE_TILES", "MLADecodeConfig", "TileRule",
+           "mla_tile_shape", "parse_rules", "rules_from_sweep", "shipped_rules", "tiles_for", "tokens_per_cta",
            "write_rules"]

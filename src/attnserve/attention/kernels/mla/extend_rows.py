@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from attnserve.attention.kernels.mla.attention import mla_decode_attention
-from attnserve.attention.kernels.plan import GLUON_ROWS_CONFIG, KernelPlan  # noqa: F401 (GLUON_ROWS_CONFIG: the rows' tile)
+from attnserve.attention.kernels.plan import KernelPlan
 from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits_array
 from attnserve.transfers import to_device
 

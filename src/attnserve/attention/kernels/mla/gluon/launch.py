@@ -24,11 +24,11 @@ import torch
 import triton
 
 from attnserve.attention.kernels.common import LOG2E
-from attnserve.attention.kernels.mla.decode_table import GLUON_LATENT, GLUON_ROPE
+from attnserve.attention.kernels.mla.decode_table import GLUON_BLOCK_H, GLUON_LATENT, GLUON_ROPE, tokens_per_cta
 from attnserve.attention.kernels.mla.gluon.narrow import mla_decode_narrow_kernel
 from attnserve.attention.kernels.mla.gluon.scorer import mla_decode_scorer_kernel
 from attnserve.attention.kernels.mla.gluon.seesaw import mla_decode_seesaw_kernel
-from attnserve.attention.kernels.plan import GLUON_BLOCK_H, KernelPlan, tokens_per_cta
+from attnserve.attention.kernels.plan import KernelPlan
 
 GLUON_BLOCK_N = 64  # keys per tile
 CONSUMER_REGS = 232  # the seesaw's two consumer warpgroups at 232 + the producer's 40-odd: 64512 of 65536 registers
