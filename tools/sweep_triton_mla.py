@@ -61,9 +61,9 @@ def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict
     wider than the heads (a 64-head group over 16 heads computes masked rows for nothing)."""
     key = "mla_decode_config" if kind == "decode" else "mla_extend_config"
     configs = TINY_CONFIGS[kind] if tiny else (DECODE_CONFIGS if kind == "decode" else EXTEND_CONFIGS)
-    if kind == "decode":  # 16-head groups over 64+ heads never won (sweeps 1-2): not raced there
+    if kind == "decode":  # 16-head groups over 64+ heads: not raced there
         configs = [c for c in configs if c.for_heads(num_heads) == c and (num_heads < 64 or c.block_h >= 32)]
-        # the seesaw's 64-row tile over 16 heads ran 217-243 us against the Triton tile's 174 (sweep 5)
+        # a 64-row tile over fewer heads computes masked rows: not raced there
         configs = [c for c in configs if c.kernel not in ROWS_64_KERNELS or num_heads >= 64]
     out = [({key: cfg}, {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}) for cfg in configs]
     if kind == "decode":

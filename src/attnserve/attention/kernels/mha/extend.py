@@ -13,6 +13,11 @@ in the future of every row are never visited.
 Ragged batches: the host builds a list of (request, first row) tiles in plan(), the
 heaviest first so the long causal tiles start early. The grid is (heads, tiles) with
 heads fastest, so programs reading the same keys run side by side and share them in L2.
+
+Expanded MLA prefill (`expanded_prefill_attention`) is this kernel too: a fresh prompt has no prefix to read,
+so its latent may be expanded to per-head keys (nope + rope, 192 wide in DeepSeek) and values (128 wide), fewer
+FLOPs than attending in the 576/512-wide latent space. That is plain ragged causal attention with V narrower
+than K, run over the new tokens as a page-size-1 "pool".
 """
 
 from __future__ import annotations
@@ -48,8 +53,8 @@ class ExtendConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # one program runs every query head of a KV head (BLOCK_M rows = positions x group). On the H200 it
-    # gained 3% at 8x2048 and lost 2% at 1x16384 (benchmarks/NOTES.md), so it is off by default.
+    # one program runs every query head of a KV head (BLOCK_M rows = positions x group): faster on some
+    # shapes, slower on others, so it is off by default
     pack_gqa: bool = False
 
     def positions_per_tile(self, group: int) -> int:
@@ -61,9 +66,8 @@ def pack_factor(config: ExtendConfig, group: int) -> int:
     return group if config.pack_gqa and 1 < group <= config.block_m else 1
 
 
-# arch -> (tiles for head_dim <= 128, tiles for wider heads). sm90: the H200 sweep (benchmarks/NOTES.md):
-# 128 x 64 with one warpgroup and 3 stages won every prefill/extend shape; 8 warps, 128-wide key tiles,
-# 2 stages and 64-row tiles were all slower. sm80 (163 KiB) fits the same narrow tiles; sm86/sm89 and
+# arch -> (tiles for head_dim <= 128, tiles for wider heads). sm90: 128 x 64 with one warpgroup and 3 stages,
+# faster on every prefill/extend shape than 8 warps, 128-wide key tiles, 2 stages or 64-row tiles. sm80 (163 KiB) fits the same narrow tiles; sm86/sm89 and
 # unknown GPUs (99 KiB) take 64-row tiles over 2 stages.
 EXTEND_TILES = {
     "sm90": (ExtendConfig(128, 64, 4, 3), ExtendConfig(64, 32, 4, 2)),

@@ -1,14 +1,12 @@
-"""MLA extend / prefill: the absorbed path over the latent pool, and the expanded path for fresh prompts.
+"""MLA extend / prefill in Triton: the absorbed path over the latent pool.
 
 Absorbed (`mla_extend_attention`): the new tokens' queries, folded into latent space, attend to the
 request's whole latent KV through the page table (cached prefix, chunked prefill, radix hits and
 this step's rows alike). As in MLA decode the score is q_c . c + q_pe . k_pe and V is the latent
-tile already loaded for K. Tiles, their order and the causal / custom-mask rules are extend.py's.
+tile already loaded for K. Tiles, their order and the causal / custom-mask rules are extend_tiles.py's.
 
-Expanded (`mla_expanded_prefill`): a fresh prompt has no prefix to read, so the latent may be
-expanded to per-head keys (nope + rope, 192 wide in DeepSeek) and values (128 wide): 3.4x fewer
-FLOPs than attending in the 576/512-wide latent space. That is plain ragged causal attention with
-V narrower than K, run by extend.py's kernel over the new tokens as a page-size-1 "pool".
+Fresh prompts may run expanded instead (mha/extend.py's `expanded_prefill_attention`): per-head keys and
+values through the MHA extend kernel, the backend's choice.
 """
 
 from __future__ import annotations
@@ -53,10 +51,8 @@ class MLAExtendConfig:
 
 
 # arch -> tiles. A program holds q_c and a [block_m, kv_lora_rank] float32 accumulator, so rows are fewer than
-# MHA extend's. sm90: 32 rows over 64-key tiles on 4 warps, the H200 sweep's best for 8 x (4096 + 512) at 128
-# heads (21.5 ms against 28.8 ms for 32-key tiles and 32.5 ms for 64 rows on 8 warps, deferred PV or not;
-# benchmarks/results/sweep-triton-mla-h200-4.json); sm80: 64 rows on 8 warps; 99 KiB GPUs: 32 rows over
-# 16-key tiles.
+# MHA extend's. sm90: 32 rows over 64-key tiles on 4 warps (faster than 32-key tiles and than 64 rows on 8 warps,
+# deferred PV or not); sm80: 64 rows on 8 warps; 99 KiB GPUs: 32 rows over 16-key tiles.
 MLA_EXTEND_TILES = {
     "sm90": MLAExtendConfig(32, 64, 4, 2),
     "sm80": MLAExtendConfig(64, 32, 8, 2),
@@ -90,7 +86,7 @@ def _mla_block(acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indic
                HAS_CUSTOM_MASK: tl.constexpr, DEFER_PV: tl.constexpr, DOT_F32: tl.constexpr):
     """One latent key tile; MASKED: a tile on the diagonal (or any tile under a custom mask).
 
-    DEFER_PV (as in mla_decode.py): the previous tile's probabilities p_prev meet its latent here, read again,
+    DEFER_PV (as in mla/decode.py): the previous tile's probabilities p_prev meet its latent here, read again,
     and this tile's are returned for the next call; otherwise p_prev / alpha_prev pass through untouched."""
     if DEFER_PV:
         row_prev, prev_valid = _latent_tile(KV, kv_indices, page_base, n0 - BLOCK_N, lo, seq, stride_kvt, BLOCK_N,

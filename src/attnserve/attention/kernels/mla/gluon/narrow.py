@@ -1,10 +1,10 @@
-"""The Gluon MLA decode kernel for few heads (Hopper): keys as the wgmma's rows, heads as its columns.
+"""The narrow Gluon MLA decode kernel for few heads (Hopper): keys as the wgmma's rows, heads as its columns
+("narrow": the wgmma's N is the 16 or 32 heads).
 
 At 16 heads (DeepSeek-V2-Lite; V3 at tensor parallel 8) decode is memory-bound: 2 x 16 x 1088 FLOPs per 1152-byte
-latent row. A heads-major CTA would compute a 64-row wgmma for 16 real rows (the seesaw kernel forced there ran
-224 us against the Triton tile's 175 at 128 x 4096), and the Triton tile itself reads 3.4 TB/s of the 4.07
-FlashInfer reaches: its warps issue the next tile's copies only between two tiles' math. Here a producer
-warpgroup keeps copies in flight whatever the consumer does, and the consumer warpgroup does no masked work:
+latent row. A heads-major CTA would compute a 64-row wgmma for 16 real rows, and a Triton tile's warps issue the
+next tile's copies only between two tiles' math. Here a producer warpgroup keeps copies in flight whatever the
+consumer does, and the consumer warpgroup does no masked work:
 
     S^T [64 keys, H]   = K [64, 576] . q^T [576, H]          (m64nHk16, A and B from shared memory)
     softmax over the keys (the columns' max and sum across the warpgroup)
@@ -12,9 +12,8 @@ warpgroup keeps copies in flight whatever the consumer does, and the consumer wa
 
 A CTA owns H = 16 or 32 query heads of one (request, split); O^T's float32 accumulator is 4H registers a thread.
 Shared memory: q (H x 576) + two 72 KB stages of `[64 keys, 512]` + `[64 keys, 64]` + P^T (64 x H). The consumer
-is serial (score, softmax, PV, each waited for): at 16 heads its math stays under the copies (H200, sweep 9:
-143.0 us at 128 x 4096 over 64-token pages, 4.2 TB/s, against FlashInfer fa3's 149.2 and the Triton tile's 176.8);
-at 128 heads, as four 32-head CTAs, it is not (460 us against the seesaw's 308), so it is not used there.
+is serial (score, softmax, PV, each waited for): at 16 heads its math stays under the copies; at 128 heads, as
+four 32-head CTAs, it does not, so the decode table puts it on few heads only.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Pieces both Gluon MLA decode kernels share (mla_decode_seesaw.py, mla_decode_narrow.py): a split's key range,
-a key tile's pool rows, the cp.async copies of 64-column chunks, the query's copy, a stage's release."""
+"""Every helper the Gluon MLA decode kernels (seesaw.py, scorer.py, narrow.py) share: a split's key range, a key
+tile's pool rows, the cp.async copies of 64-column chunks and TMA tiles, the query's copy, a stage's release, a
+CTA row's token and head, a tile's probabilities, and the epilogues that store the output through shared memory."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 @gluon.jit
 def split_range(seq, n_splits, split, BLOCK_N: gl.constexpr):
-    """(lo, hi, tiles, active) of one split of keys 0..seq, as mla_decode.split_bounds cuts them; an inactive
+    """(lo, hi, tiles, active) of one split of keys 0..seq, as split_kv.split_bounds cuts them; an inactive
     split (past its request's count) has no tiles."""
     active = split < n_splits
     chunk = gl.cdiv(gl.cdiv(seq, n_splits), BLOCK_N) * BLOCK_N
@@ -85,12 +86,12 @@ def zero_rows_past(c_half, n_valid, copy_layout: gl.constexpr):
 
 
 @gluon.jit
-def two_warpgroup_epilogue(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg, split, active,
-            stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, W: gl.constexpr,
-            NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
-            row_s: gl.constexpr, row_o: gl.constexpr):
+def two_warpgroup_epilogue(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg, split,
+                           active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                           W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr,
+                           SCALED: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr):
     """Both warpgroups' epilogue: warpgroup 0 holds the row sums and the max, and writes the LSE; each normalises
-    and stores its 256 columns through its own stage (float16 partials scaled a row, as the module says)."""
+    and stores its 256 columns through its own stage (float16 partials scaled a row, as mla/attention.py says)."""
     BLOCK_H: gl.constexpr = 64
     HALF: gl.constexpr = LATENT // 2
     if SCALED:  # [64] this half's largest magnitude a row, for both warpgroups
@@ -156,10 +157,8 @@ def store_output(o, stage, Out, PartialO, tok0, ntok, hg, split, active, stride_
 
     Why through shared memory: in the wgmma layout a warp's store covers 8 rows x 32 bytes, and of a 16-bit
     output 8 rows x 16 bytes (half sectors). Read back a row segment a warp (512 contiguous bytes), the stores
-    coalesce: on the H200 the bf16 output of 128 x 4096 went 327.7 -> 319 us, the extend rows 10.16 -> 9.76 ms.
-    A 16-bit output is converted before it is staged: the staging's shared-memory traffic, not the stores, was
-    what the epilogue cost (1 x 32768, 128 heads: 1.7 of its 2.2 us with float32 staging;
-    benchmarks/mla_colsplit_timeline.py, benchmarks/NOTES.md)."""
+    coalesce. A 16-bit output is converted before it is staged: the staging's shared-memory traffic, not the
+    stores, is what the epilogue costs."""
     out_ty: gl.constexpr = Out.dtype.element_ty if WRITE_FINAL else PartialO.dtype.element_ty
     STAGE_16: gl.constexpr = out_ty.primitive_bitwidth == 16
     # 16-bit: [64, HALF] in the stage's own 128-byte swizzle (the wgmma layout's 8 rows x 16 bytes and a warp's row

@@ -1,24 +1,27 @@
-"""A Gluon MLA decode kernel (Hopper) at 64+ heads: one warpgroup scores, the other copies; both multiply.
+"""The scorer Gluon MLA decode kernel (Hopper) at 64+ heads: one warpgroup scores, the other copies; both
+multiply ("scorer": the warpgroup that computes each key tile's whole score and its softmax).
 
-A CTA owns 64 heads of one (request, split), as the column-split kernel does (mla_decode_colsplit.py), with two
-warpgroups and the same two 72 KB stages, but the roles split by work instead of by columns:
+A CTA owns 64 heads of one (request, split), with two warpgroups and two 72 KB stages, the roles split by work:
 
     scorer (wg0): S = q K^T over all 576 columns   softmax   publish P, alpha   o_L = o_L alpha + P V_L
     loader (wg1):                                             wait P, alpha      o_R = o_R alpha + P V_R
                   then, once both PVs have read the stage: copy tile t + 2 into it
 
-Why: in the column-split kernel each warpgroup scores half the columns, so the halves cross through shared
-memory (a 16 KB float32 exchange and a wait) before the softmax, and each warpgroup issues its own 18 copies a
-thread a tile on its path to the next score (0.23 us of a 2.2 us tile on the H200). Here the score needs no
-exchange, and the copies are issued by the warpgroup that waits for the probabilities anyway, during the next
-score. FlashInfer's Hopper MLA kernel divides its two warpgroups the same way. On the H200, in one process
-(benchmarks/mla_colsplit_variants.py): 1 x 32768 at 128 heads 26.7-27.1 against the column split's 29.6-30.1 us,
-64 x 8192 over 64-token pages 255-277 against 287-329, 128 x 4096 320.5-321.6 against 312-363.
+Why: with the latent's columns split between the warpgroups, the two halves of a score cross through shared
+memory (a float32 exchange and a wait) before the softmax, and each warpgroup issues its own copies on its path
+to the next score. Here the score needs no exchange, and the copies are issued by the warpgroup that waits for
+the probabilities anyway, during the next score. FlashInfer's Hopper MLA kernel divides its two warpgroups the
+same way. Two warpgroups and no producer partition leave 255 registers a thread, so ptxas keeps the wgmmas
+asynchronous.
 
 Tiles come by cp.async (36 16-byte copies a loader thread), over pages of 64 tokens or more by TMA (nine 64 x 64
-boxes of one page); a TMA tile's rows past the request's end are zeroed by the scorer before either PV (an unused
-slot may hold anything; the score masks them). The probabilities go to the tile's rope slot (the score has read
-it), the rescale factors to a slot per stage. Split partials as the column-split kernel's (float16, scaled a row).
+boxes of one page: one instruction instead of a thread's copies); a TMA tile's rows past the request's end are
+zeroed by the scorer before either PV (an unused slot may hold anything; the score masks them). The
+probabilities go to the tile's rope slot (the score has read it), the rescale factors to a slot per stage.
+
+A split decode may store float16 partials (SCALED; mla/attention.py says why): both warpgroups write each row's
+largest magnitude, and each row is scaled by the power of two that brings its largest value to [2^14, 2^15),
+the exponent stored in column 512 by warpgroup 0 (parts.two_warpgroup_epilogue).
 """
 
 from __future__ import annotations
@@ -191,8 +194,8 @@ def mla_decode_scorer_kernel(
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
     kv_desc=None,
 ):
-    """The column-split kernel's arguments and grid (kv_desc: the latent pool's TMA descriptor over 64-token
-    pages)."""
+    """Grid (head groups, requests, splits); kv_desc: the latent pool's TMA descriptor over 64-token pages
+    (None: cp.async tiles)."""
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty

@@ -1,25 +1,23 @@
-"""A Gluon MLA decode kernel (Hopper): FlashMLA's "seesaw" schedule, two key tiles a round, one per warpgroup.
+"""The seesaw Gluon MLA decode kernel (Hopper): two key tiles a round, one per warpgroup ("seesaw": FlashMLA's
+name for the schedule in which the two warpgroups' softmaxes alternate, each under the other's matrix products).
 
-It runs the absorbed extend as decode rows (mla_extend_rows.py), where it is faster than the column-split kernel
-(9.92 against 10.26 ms at 128 heads on the H200, equal at 16); decode at 128 heads runs on the scorer kernel
-(mla_decode_scorer.py; sweep 13: 27.7 against this kernel's 35.6 us at 1 x 32768). Its helpers serve all three.
+It runs the absorbed extend as decode rows (mla/extend_rows.py), 64 query rows a CTA whatever the heads: with
+fewer heads a CTA takes consecutive tokens of one request.
 
 A CTA owns 64 query rows of a (request, split) and three partitions: a 4-warp producer gathers latent rows by
 cp.async (any page size, page 1 included) into a two-stage ring of `[64 keys, 512]` + `[64 keys, 64]` tiles; two
 4-warp consumers, one per warpgroup, each keep 256 output columns. Tile 2j (stage 0) is warpgroup 0's, tile 2j+1
-(stage 1) warpgroup 1's (after FlashMLA's deep-dive, 2025-04):
+(stage 1) warpgroup 1's (after FlashMLA's write-up of its schedule):
 
     wg0: S0 = q K0^T        softmax(S0) against m       publish p0, scale0   o_L = o_L scale0 + p0 V0_L
          wait p1, scale1:   o_L = o_L scale1 + p1 V1_L
     wg1: S1 = q K1^T        wait p0, scale0:            o_R = o_R scale0 + p0 V0_R   (in flight while:)
          softmax(S1) against m_new0: publish p1, scale1   o_R = o_R scale1 + p1 V1_R
 
-Why this schedule: the ping-pong it replaced (a tile's score, softmax and both halves of its PV one after another,
-the next owner waiting for this tile's max) left the tensor cores idle while a softmax ran. Here both scores are
-issued without waiting on anything but their tile, warpgroup 1's softmax runs under its own wgmma of p0 and under
-warpgroup 0's PV, and warpgroup 0's softmax under warpgroup 1's score. The two row sums are each warpgroup's own
-tiles' at the running max, added at the end. (H200 sweep 7, the two schedules in one run: 331 against 375 us at
-128 x 4096, 314 against 357 over 64-token pages; benchmarks/NOTES.md.)
+Why this schedule: run one after another, a tile's score, softmax and both halves of its PV leave the tensor
+cores idle while a softmax runs. Here both scores are issued without waiting on anything but their tile,
+warpgroup 1's softmax runs under its own wgmma of p0 and under warpgroup 0's PV, and warpgroup 0's softmax under
+warpgroup 1's score. The two row sums are each warpgroup's own tiles' at the running max, added at the end.
 
 Shared memory: q 72 KB + 2 x 72 KB of latent = 216 KB, one CTA per SM. A tile's probabilities go to its stage's
 rope slot, free once the score has read it. The stages are refilled in two column groups so that neither waits
