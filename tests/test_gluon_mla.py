@@ -19,6 +19,7 @@ from attention_helpers import rel_err
 from test_triton_mla import poison_unused_latent
 
 from attnserve.attention.kernels.mla.attention import mla_decode_attention
+from attnserve.attention.kernels.params import DecodeRows
 from attnserve.attention.kernels.resolve import plan_for_call
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig, rules_from_sweep
 from attnserve.attention.metadata import metadata_for_batch
@@ -47,8 +48,8 @@ def run(sb, splits, write_final, config):
     out = torch.full((fb.batch_size, lay.num_heads, 512), float("nan"), dtype=torch.bfloat16, device=dev)
     num_splits = torch.tensor(splits, dtype=torch.int32, device=dev)
     plan = plan_for_call(sb.q, sb.pool.kv_buffer[0], 512, sb.pool.page_size, config)
-    return mla_decode_attention(sb.q, sb.pool.kv_buffer[0], out, meta.kv_indptr, meta.kv_indices, fb.seq_lens,
-                                num_splits, max(splits), lay.scaling, plan, write_final=write_final)
+    rows = DecodeRows(meta.kv_indptr, meta.kv_indices, fb.seq_lens, num_splits, max(splits), sb.pool.page_size)
+    return mla_decode_attention(sb.q, sb.pool.kv_buffer[0], out, rows, plan, lay.scaling, write_final=write_final)
 
 
 def test_gluon_tile_is_fixed_and_recorded_by_sweeps():

@@ -13,6 +13,7 @@ from attention_helpers import rel_err
 from attnserve.attention.kernels.mla.attention import mla_decode_attention
 from attnserve.attention.kernels.resolve import plan_for_call
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
+from attnserve.attention.kernels.params import DecodeRows, ExtendRows
 from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
@@ -48,8 +49,8 @@ def run_decode(sb, splits, write_final, config=SMALL):
     out = torch.full((fb.batch_size, lay.num_heads, LATENT), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     num_splits = torch.tensor(splits, dtype=torch.int32, device=DEVICE)  # [B]
     plan = plan_for_call(sb.q, sb.pool.kv_buffer[0], LATENT, sb.pool.page_size, config)
-    return mla_decode_attention(sb.q, sb.pool.kv_buffer[0], out, meta.kv_indptr, meta.kv_indices, fb.seq_lens,
-                                num_splits, max(splits), lay.scaling, plan, kv_scale=sb.pool.k_scale[0],
+    rows = DecodeRows(meta.kv_indptr, meta.kv_indices, fb.seq_lens, num_splits, max(splits), sb.pool.page_size)
+    return mla_decode_attention(sb.q, sb.pool.kv_buffer[0], out, rows, plan, lay.scaling, kv_scale=sb.pool.k_scale[0],
                                 write_final=write_final)
 
 
@@ -91,14 +92,14 @@ def test_mla_decode_fp8_latent_within_its_error_bound():
 def test_mla_decode_rejects_bad_shapes():
     sb = mla_batch([5], [1])
     with pytest.raises(ValueError, match="kv_lora_rank must be a power of two"):
-        mla_decode_attention(sb.q, sb.pool.kv_buffer[0], torch.empty(1, 20, 24), *([None] * 4), 1, 1.0,
-                             plan_for_call(sb.q, sb.pool.kv_buffer[0], 24, 1, SMALL))
+        mla_decode_attention(sb.q, sb.pool.kv_buffer[0], torch.empty(1, 20, 24), DecodeRows(*([None] * 4), 1, 1),
+                             plan_for_call(sb.q, sb.pool.kv_buffer[0], 24, 1, SMALL), 1.0)
     with pytest.raises(ValueError, match="out"):
         run_decode_out = torch.empty(1, 20, 16, dtype=torch.bfloat16, device=DEVICE)
         meta = metadata_for_batch(sb.fb)
-        mla_decode_attention(sb.q, sb.pool.kv_buffer[0], run_decode_out, meta.kv_indptr, meta.kv_indices,
-                             sb.fb.seq_lens, torch.ones(1, dtype=torch.int32), 1, 1.0,
-                             plan_for_call(sb.q, sb.pool.kv_buffer[0], LATENT, 1, SMALL))
+        rows = DecodeRows(meta.kv_indptr, meta.kv_indices, sb.fb.seq_lens, torch.ones(1, dtype=torch.int32), 1, 1)
+        mla_decode_attention(sb.q, sb.pool.kv_buffer[0], run_decode_out, rows,
+                             plan_for_call(sb.q, sb.pool.kv_buffer[0], LATENT, 1, SMALL), 1.0)
 
 
 # ---- extend -----------------------------------------------------------------------------------------
@@ -116,9 +117,10 @@ def run_extend(sb, custom=False, defer_pv=False):
         sizes = [e * s for e, s in zip(fb.extend_lens_cpu, fb.seq_lens_cpu)]
         mask = fb.custom_mask
         mask_indptr = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0).to(DEVICE)
-    return mla_extend_attention(sb.q, sb.pool.kv_buffer[0], out, tiles, meta.qo_indptr, meta.kv_indptr,
-                                meta.kv_indices, fb.seq_lens, sb.pool.page_size, lay.scaling, LATENT,
-                                kv_scale=sb.pool.k_scale[0], custom_mask=mask, mask_indptr=mask_indptr, config=cfg)
+    rows = ExtendRows(tiles, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, fb.seq_lens, sb.pool.page_size, mask,
+                      mask_indptr)
+    return mla_extend_attention(sb.q, sb.pool.kv_buffer[0], out, rows, lay.scaling, LATENT,
+                                kv_scale=sb.pool.k_scale[0], config=cfg)
 
 
 @pytest.mark.parametrize("page_size,kv_dtype,defer_pv", [(1, None, False), (64, None, False),

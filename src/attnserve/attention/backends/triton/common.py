@@ -25,6 +25,7 @@ import torch
 
 from attnserve._lazy import require
 from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch, ForwardMode
+from attnserve.attention.kernels.params import DecodeRows, ExtendRows, LayerParams
 from attnserve.attention.kernels.plan import KernelPlan
 from attnserve.attention.kernels.split_plan import SplitPolicy, max_splits_for_batch, plan_kv_splits
 from attnserve.attention.metadata import MetadataBuffers, PagedKVMetadata, metadata_for_batch
@@ -63,6 +64,11 @@ class DecodeStep:
     write_final: bool  # one split everywhere: stage 1 writes the output itself
     graph_bs: int = 0  # > 0 when these tensors are the fixed graph buffers
     seq_lens_cpu: list[int] | None = None  # host lengths, to re-plan splits once a layer's kernel plan is known
+    rows: DecodeRows | None = None  # what the decode wrappers read of this step, built with it
+
+    def __post_init__(self):
+        self.rows = DecodeRows(self.meta.kv_indptr, self.meta.kv_indices, self.seq_lens, self.num_splits,
+                               self.max_splits, self.meta.page_size)
 
 
 @dataclass
@@ -187,6 +193,17 @@ class TritonBackendBase(AttentionBackend):
             offsets = [0] + list(itertools.accumulate(sizes))[:-1]
             mask_indptr = torch.tensor(offsets, dtype=torch.int64).to(self.pool.device, non_blocking=True)  # [B]
         return ExtendStep(meta, seq_lens, fb.prefix_lens_cpu, list(fb.extend_lens_cpu), {}, mask, mask_indptr)
+
+    def _extend_rows(self, step: ExtendStep, tiles) -> ExtendRows:
+        meta = step.meta
+        return ExtendRows(tiles, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, step.seq_lens, self.pool.page_size,
+                          step.custom_mask, step.mask_indptr)
+
+    def _params_of(self, layer: AttentionLayer) -> LayerParams:
+        """The layer's scales (the pool's K/V scales as they are now: FP8 scales may be set after the build)."""
+        lid = layer.layer_id
+        return LayerParams(layer.scaling, self.pool.k_scale[lid], self.pool.v_scale[lid], layer.sliding_window,
+                           layer.logit_cap, layer.sinks)
 
     # ---- forward ---------------------------------------------------------------------------------
     def _check_layer(self, q: torch.Tensor, layer: AttentionLayer) -> None:

@@ -144,17 +144,13 @@ class TritonMHABackend(TritonBackendBase):
             cfg = self._prefill_tma_config(layer.head_dim)
             self.extend_path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
             tiles = self._tiles_of(step, cfg.block_m)
-            return prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens, layer.scaling,
-                                         layer.sliding_window, layer.logit_cap, layer.sinks, config=cfg)
+            return prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens,
+                                         self._params_of(layer), config=cfg)
         self.extend_path = f"paged ({blocker})"
         lid = layer.layer_id
-        return extend_attention(
-            q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
-            self._extend_tiles(step, layer.gqa_group),
-            step.meta.qo_indptr, step.meta.kv_indptr, step.meta.kv_indices, step.seq_lens, self.pool.page_size,
-            layer.scaling, self.pool.k_scale[lid], self.pool.v_scale[lid], layer.sliding_window, layer.logit_cap,
-            layer.sinks, step.custom_mask, step.mask_indptr, config=self.extend_config,
-        )
+        return extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
+                                self._extend_rows(step, self._extend_tiles(step, layer.gqa_group)),
+                                self._params_of(layer), config=self.extend_config)
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
@@ -163,10 +159,6 @@ class TritonMHABackend(TritonBackendBase):
         step = self._decode
         plan = self.decode_plan(layer, q.dtype)
         lid = layer.layer_id
-        return decode_attention(
-            q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
-            step.meta.kv_indptr, step.meta.kv_indices, step.seq_lens, step.num_splits, step.max_splits,
-            self.pool.page_size, layer.scaling, self.pool.k_scale[lid], self.pool.v_scale[lid],
-            layer.sliding_window, layer.logit_cap, layer.sinks, partials=self._partials_for(step, layer),
-            write_final=step.write_final, config=plan.config, target=plan.signature.target,
-        )
+        return decode_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out, step.rows,
+                                self._params_of(layer), partials=self._partials_for(step, layer),
+                                write_final=step.write_final, config=plan.config, target=plan.signature.target)

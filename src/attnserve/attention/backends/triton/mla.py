@@ -113,12 +113,9 @@ class TritonMLABackend(TritonBackendBase):
                                              layer.scaling, plan, self.pool.k_scale[lid])
         self.extend_path = f"mla tiles ({blocker})"
         cfg = self.mla_extend_config or default_mla_extend_config(self.pool.device)
-        return mla_extend_attention(
-            q, self.pool.get_key_buffer(lid), out, self._tiles_of(step, cfg.positions_per_tile(layer.gqa_group)),
-            step.meta.qo_indptr, step.meta.kv_indptr, step.meta.kv_indices, step.seq_lens, self.pool.page_size,
-            layer.scaling, self.pool.kv_lora_rank, self.pool.k_scale[lid], step.custom_mask, step.mask_indptr,
-            config=self.mla_extend_config,
-        )
+        rows = self._extend_rows(step, self._tiles_of(step, cfg.positions_per_tile(layer.gqa_group)))
+        return mla_extend_attention(q, self.pool.get_key_buffer(lid), out, rows, layer.scaling, self.pool.kv_lora_rank,
+                                    self.pool.k_scale[lid], config=self.mla_extend_config)
 
     def _mla_extend_rows(self, step: ExtendStep, q: torch.Tensor, layer: AttentionLayer):
         """(the step's decode-row plan, its KernelPlan, None) when this MLA extend runs as decode rows, else
@@ -198,11 +195,9 @@ class TritonMLABackend(TritonBackendBase):
         plan = self.decode_plan(layer.num_heads, q.dtype)
         step = self._use_plan(self._decode, plan)
         lid = layer.layer_id
-        return mla_decode_attention(
-            self._gluon_layout(q, plan), self.pool.get_key_buffer(lid), out, step.meta.kv_indptr,
-            step.meta.kv_indices, step.seq_lens, step.num_splits, step.max_splits, layer.scaling, plan,
-            self.pool.k_scale[lid], partials=self._partials_for(step, layer), write_final=step.write_final,
-        )
+        return mla_decode_attention(self._gluon_layout(q, plan), self.pool.get_key_buffer(lid), out, step.rows, plan,
+                                    layer.scaling, self.pool.k_scale[lid], partials=self._partials_for(step, layer),
+                                    write_final=step.write_final)
 
 
 __all__ = ["TritonMLABackend"]

@@ -26,6 +26,7 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile,
     to_log2,
 )
+from attnserve.attention.kernels.params import DecodeRows, LayerParams
 from attnserve.attention.kernels.mha.configs import DecodeConfig, default_decode_config
 from attnserve.attention.kernels.split_kv import (
     allocate_partials,
@@ -148,18 +149,8 @@ def decode_attention(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     out: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_splits: torch.Tensor,
-    max_splits: int,
-    page_size: int,
-    sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    sliding_window: int | None = None,
-    logit_cap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    rows: DecodeRows,
+    layer: LayerParams,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     write_final: bool | None = None,
     config: DecodeConfig | None = None,
@@ -168,11 +159,15 @@ def decode_attention(
     """One query token per request against its paged KV.
 
     q `[B, Hq, D]`; k_buffer `[slots, Hkv, D]`, v_buffer `[slots, Hkv, Dv]` (the pool's layout);
-    out `[B, Hq, Dv]`; kv_indptr `[B+1]` / kv_indices (pages) as in metadata.py; seq_lens `[B]`
-    int32; num_splits `[B]` int32, each in 1..max_splits. `write_final` (default: max_splits == 1)
+    out `[B, Hq, Dv]`; rows: the step's pages and split plan (params.DecodeRows); layer: its scales and
+    masking (params.LayerParams). `write_final` (default: max_splits == 1)
     lets stage 1 write `out` directly; it requires every num_splits to be 1. `target` (default: q's
     GPU) picks the default tiles and bounds their shared memory.
     """
+    kv_indptr, kv_indices, seq_lens, num_splits = rows.kv_indptr, rows.kv_indices, rows.seq_lens, rows.num_splits
+    max_splits, page_size = rows.max_splits, rows.page_size
+    sm_scale, k_scale, v_scale = layer.sm_scale, layer.k_scale, layer.v_scale
+    sliding_window, logit_cap, sinks = layer.sliding_window, layer.logit_cap, layer.sinks
     batch, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
     if num_heads % num_kv_heads:

@@ -37,6 +37,7 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile,
     to_log2,
 )
+from attnserve.attention.kernels.params import ExtendRows, LayerParams
 from attnserve.attention.kernels.extend_tiles import ExtendTiles, build_extend_tiles, key_tile_range, visible_keys
 from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
@@ -205,31 +206,22 @@ def extend_attention(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     out: torch.Tensor,
-    tiles: ExtendTiles,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-    sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    sliding_window: int | None = None,
-    logit_cap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    custom_mask: torch.Tensor | None = None,
-    mask_indptr: torch.Tensor | None = None,
+    rows: ExtendRows,
+    layer: LayerParams,
     config: ExtendConfig | None = None,
     target: GpuTarget | None = None,
 ) -> torch.Tensor:
     """New tokens of every request against their whole paged KV (prefix + themselves).
 
-    q `[T, Hq, D]`, out `[T, Hq, Dv]`; the pool buffers in their own layout; qo_indptr `[B+1]`,
-    kv_indptr/kv_indices pages as in metadata.py; seq_lens `[B]` int32. custom_mask: flattened
-    per-request `[extend_len, seq_len]` masks (uint8/bool), mask_indptr `[B]` their offsets.
-    `tiles` must have been built with `config.positions_per_tile(group)` positions per tile.
+    q `[T, Hq, D]`, out `[T, Hq, Dv]`; the pool buffers in their own layout; rows: the step's tiles, pages and
+    masks (params.ExtendRows; a bool custom mask is read as uint8); layer: its scales and masking
+    (params.LayerParams). `rows.tiles` must have been built with `config.positions_per_tile(group)` positions.
     `target` (default: q's GPU) picks the default tiles and bounds their shared memory.
     """
+    tiles, qo_indptr, kv_indptr, kv_indices = rows.tiles, rows.qo_indptr, rows.kv_indptr, rows.kv_indices
+    seq_lens, page_size, custom_mask, mask_indptr = rows.seq_lens, rows.page_size, rows.custom_mask, rows.mask_indptr
+    sm_scale, k_scale, v_scale = layer.sm_scale, layer.k_scale, layer.v_scale
+    sliding_window, logit_cap, sinks = layer.sliding_window, layer.logit_cap, layer.sinks
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
     if num_heads % num_kv_heads:
@@ -317,5 +309,5 @@ def expanded_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"the plan covers {plan.token_slots.numel()} tokens, q has {num_tokens}")
     if out is None:
         out = q.new_empty(num_tokens, num_heads, v.shape[2])  # [T, H, v_dim]
-    return extend_attention(q, k, v, out, plan.tiles, plan.qo_indptr, plan.qo_indptr, plan.token_slots,
-                            plan.extend_lens, 1, sm_scale, config=plan.config, target=plan.target)
+    rows = ExtendRows(plan.tiles, plan.qo_indptr, plan.qo_indptr, plan.token_slots, plan.extend_lens, 1)
+    return extend_attention(q, k, v, out, rows, LayerParams(sm_scale), config=plan.config, target=plan.target)

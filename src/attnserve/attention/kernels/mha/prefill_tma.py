@@ -41,6 +41,7 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile_fma,
     to_log2,
 )
+from attnserve.attention.kernels.params import LayerParams
 from attnserve.attention.kernels.extend_tiles import ExtendTiles
 from attnserve.attention.kernels.mha.configs import fast_path_blocker
 from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, check_shared_memory
@@ -268,10 +269,7 @@ def prefill_tma_attention(
     tiles: ExtendTiles,
     qo_indptr: torch.Tensor,
     seq_lens: torch.Tensor,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_cap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    layer: LayerParams,
     config: PrefillTmaConfig | None = None,
     target: GpuTarget | None = None,
 ) -> torch.Tensor:
@@ -279,8 +277,10 @@ def prefill_tma_attention(
 
     q `[T, Hq, D]`, out `[T, Hq, D]`; k_rows / v_rows `[rows, Hkv, D]` where request r's keys are rows
     kv_starts[r] .. + seq_lens[r] (`[B]` int32 each); qo_indptr `[B+1]`. Every tensor must satisfy
-    `tma_rows_ok`. `tiles` must have been built with `config.block_m` positions per tile.
+    `tma_rows_ok`. `tiles` must have been built with `config.block_m` positions per tile; layer: the layer's
+    scale and masking (params.LayerParams; K/V scales do not apply: FP8 pools take the paged kernel).
     """
+    sm_scale, sliding_window, logit_cap, sinks = layer.sm_scale, layer.sliding_window, layer.logit_cap, layer.sinks
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_rows.shape[1]
     if num_heads % num_kv_heads:

@@ -27,6 +27,7 @@ from attnserve.attention.kernels.common import (
 )
 from attnserve.attention.kernels.gpu_target import check_shared_memory
 from attnserve.attention.kernels.mla.decode_table import mla_tile_shape
+from attnserve.attention.kernels.params import DecodeRows
 from attnserve.attention.kernels.plan import KernelPlan
 from attnserve.attention.kernels.split_kv import finish_split, partial_strides, split_bounds
 
@@ -125,13 +126,13 @@ def mla_decode_split_kernel(
                  False, WRITE_FINAL)
 
 
-def launch_triton_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows, plan: KernelPlan, sm_scale: float,
-                             kv_scale: float, write_final: bool) -> None:
-    """Stage 1 of the split decode on the plan's Triton tile; `rows` (kv_indptr, kv_indices, seq_lens,
-    num_splits, max_splits) as mla.attention.mla_decode_attention takes them."""
-    kv_indptr, kv_indices, seq_lens, num_splits, max_splits = rows
+def launch_triton_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows: DecodeRows, plan: KernelPlan,
+                             sm_scale: float, kv_scale: float, write_final: bool) -> None:
+    """Stage 1 of the split decode on the plan's Triton tile (mla/attention.py merges the splits)."""
+    kv_indptr, kv_indices, seq_lens, num_splits = rows.kv_indptr, rows.kv_indices, rows.seq_lens, rows.num_splits
+    max_splits, page_size = rows.max_splits, rows.page_size
     batch, num_heads, width = q.shape
-    config, kv_lora_rank, page_size = plan.config, plan.signature.kv_lora_rank, plan.signature.page_size
+    config, kv_lora_rank = plan.config, plan.signature.kv_lora_rank
     rope = width - kv_lora_rank
     check_shared_memory("MLA decode", mla_tile_shape(config, width, kv_lora_rank, q.element_size()),
                         plan.signature.target)

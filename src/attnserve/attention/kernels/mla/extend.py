@@ -26,6 +26,7 @@ from attnserve.attention.kernels.common import (
     next_pow2,
     online_softmax_tile,
 )
+from attnserve.attention.kernels.params import ExtendRows
 from attnserve.attention.kernels.extend_tiles import ExtendTiles, key_tile_range, visible_keys
 from attnserve.attention.kernels.mla.shapes import check_mla_shapes
 from attnserve.attention.kernels.gpu_target import (
@@ -176,26 +177,21 @@ def mla_extend_attention(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,
     out: torch.Tensor,
-    tiles: ExtendTiles,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
+    rows: ExtendRows,
     sm_scale: float,
     kv_lora_rank: int,
     kv_scale: float = 1.0,
-    custom_mask: torch.Tensor | None = None,
-    mask_indptr: torch.Tensor | None = None,
     config: MLAExtendConfig | None = None,
     target: GpuTarget | None = None,
 ) -> torch.Tensor:
     """New tokens of every request against their whole latent KV (absorbed MLA).
 
     q `[T, H, kv_lora_rank + rope]`, kv_buffer `[slots, 1, kv_lora_rank + rope]`, out `[T, H, kv_lora_rank]`;
-    tiles / qo_indptr / kv_indptr / kv_indices / seq_lens / custom_mask / mask_indptr as in
-    extend.extend_attention; `tiles` must cover `config.block_m` positions each.
+    rows as mha.extend.extend_attention takes them (params.ExtendRows); `rows.tiles` must cover `config.block_m`
+    positions each.
     """
+    tiles, qo_indptr, kv_indptr, kv_indices = rows.tiles, rows.qo_indptr, rows.kv_indptr, rows.kv_indices
+    seq_lens, page_size, custom_mask, mask_indptr = rows.seq_lens, rows.page_size, rows.custom_mask, rows.mask_indptr
     num_tokens, num_heads, width = q.shape
     rope = check_mla_shapes(q, kv_buffer, out, kv_lora_rank)
     if (custom_mask is None) != (mask_indptr is None):

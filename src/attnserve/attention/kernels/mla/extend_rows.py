@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from attnserve.attention.kernels.mla.attention import mla_decode_attention
+from attnserve.attention.kernels.params import DecodeRows
 from attnserve.attention.kernels.plan import KernelPlan
 from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits_array
 from attnserve.transfers import to_device
@@ -96,5 +97,6 @@ def mla_extend_rows_attention(q: torch.Tensor, kv_buffer: torch.Tensor, out: tor
     """
     if rows.seq_lens.numel() != q.shape[0]:
         raise ValueError(f"the rows plan covers {rows.seq_lens.numel()} tokens, q has {q.shape[0]}")
-    return mla_decode_attention(q, kv_buffer, out, rows.kv_starts, kv_indices, rows.seq_lens, rows.num_splits,
-                                rows.max_splits, sm_scale, plan, kv_scale, token_groups=rows.token_groups)
+    decode_rows = DecodeRows(rows.kv_starts, kv_indices, rows.seq_lens, rows.num_splits, rows.max_splits,
+                             plan.signature.page_size, rows.token_groups)
+    return mla_decode_attention(q, kv_buffer, out, decode_rows, plan, sm_scale, kv_scale)

@@ -28,6 +28,7 @@ from attnserve.attention.kernels.mla.decode_table import GLUON_BLOCK_H, GLUON_LA
 from attnserve.attention.kernels.mla.gluon.narrow import mla_decode_narrow_kernel
 from attnserve.attention.kernels.mla.gluon.scorer import mla_decode_scorer_kernel
 from attnserve.attention.kernels.mla.gluon.seesaw import mla_decode_seesaw_kernel
+from attnserve.attention.kernels.params import DecodeRows
 from attnserve.attention.kernels.plan import KernelPlan
 
 GLUON_BLOCK_N = 64  # keys per tile
@@ -60,19 +61,19 @@ def head_groups_per_cta_row(num_heads: int, tokens: int = 1) -> int:
     return triton.cdiv(num_heads * tokens, GLUON_BLOCK_H)
 
 
-def launch_gluon_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows, plan: KernelPlan, sm_scale: float,
-                            write_final: bool, token_groups=None) -> None:
+def launch_gluon_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows: DecodeRows, plan: KernelPlan,
+                            sm_scale: float, write_final: bool) -> None:
     """Stage 1 of the split decode on the plan's Gluon kernel (mla.attention.mla_decode_attention merges).
 
-    rows: (kv_indptr, kv_indices, seq_lens, num_splits, max_splits); token_groups: (group_first `[G]`,
-    group_ntok `[G]`, tokens): CTAs of several query tokens each (extend rows, the seesaw's alone); the per-token
-    arrays stay per token. A float16 partial_o (the scorer's) holds scaled rows `[Dv + 8]` (mla/attention.py says
+    rows.token_groups: (group_first `[G]`, group_ntok `[G]`, tokens): CTAs of several query tokens each (extend
+    rows, the seesaw's alone); the per-token arrays stay per token. A float16 partial_o (the scorer's) holds scaled rows `[Dv + 8]` (mla/attention.py says
     why)."""
     if not strides_ok(q, kv_buffer):
         raise ValueError("the Gluon MLA kernels copy 16-byte vectors: row strides must be multiples of 8 elements")
-    kv_indptr, kv_indices, seq_lens, num_splits, max_splits = rows
+    kv_indptr, kv_indices, seq_lens, num_splits = rows.kv_indptr, rows.kv_indices, rows.seq_lens, rows.num_splits
+    max_splits, page_size, token_groups = rows.max_splits, rows.page_size, rows.token_groups
     batch, num_heads, _ = q.shape
-    kernel, page_size = plan.kernel, plan.signature.page_size
+    kernel = plan.kernel
     strides = (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2) if partial_o.dim() > 2 else 0,
                partial_lse.stride(0), partial_lse.stride(1))
     if kernel == "gluon_narrow":
