@@ -146,8 +146,7 @@ def test_mla_extend_with_a_custom_mask(defer_pv):
 
 def test_mla_expanded_prefill_with_v_narrower_than_k():
     """Per-head k 48 wide (nope 32 + rope 16), v 32 wide, fresh ragged prompts: the oracle per request."""
-    from attnserve.attention.kernels.mha.extend import expanded_prefill_attention as mla_expanded_prefill
-    from attnserve.attention.kernels.mha.extend import plan_expanded_prefill
+    from attnserve.attention.kernels.mha.extend import expanded_prefill_attention, plan_expanded_prefill
     from attnserve.attention.reference import attend, visibility_mask
 
     g = torch.Generator().manual_seed(5)
@@ -157,7 +156,7 @@ def test_mla_expanded_prefill_with_v_narrower_than_k():
     k = torch.randn(t, heads, 48, generator=g).to(torch.bfloat16).to(DEVICE)  # [T, H, 48]
     v = torch.randn(t, heads, 32, generator=g).to(torch.bfloat16).to(DEVICE)  # [T, H, 32]
     plan = plan_expanded_prefill(lens, 48, DEVICE)
-    out = mla_expanded_prefill(q, k, v, plan, 48**-0.5)
+    out = expanded_prefill_attention(q, k, v, plan, 48**-0.5)
     assert out.shape == (t, heads, 32)
     start = 0
     for n in lens:
@@ -167,15 +166,14 @@ def test_mla_expanded_prefill_with_v_narrower_than_k():
         assert rel_err(out[sl], ref) < 1e-2
         start += n
     with pytest.raises(ValueError, match="expanded MLA"):
-        mla_expanded_prefill(q, k, torch.zeros(t, heads, 64), plan, 1.0)
+        expanded_prefill_attention(q, k, torch.zeros(t, heads, 64), plan, 1.0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_mla_expanded_prefill_at_deepseek_widths():
     """qk 192 (128 nope + 64 rope) and v 128, 16 heads, ragged fresh prompts, against the float32 oracle."""
-    from attnserve.attention.kernels.mha.extend import expanded_prefill_attention as mla_expanded_prefill
-    from attnserve.attention.kernels.mha.extend import plan_expanded_prefill
+    from attnserve.attention.kernels.mha.extend import expanded_prefill_attention, plan_expanded_prefill
     from attnserve.attention.reference import attend, visibility_mask
 
     g = torch.Generator(device="cuda").manual_seed(9)
@@ -184,7 +182,7 @@ def test_gpu_mla_expanded_prefill_at_deepseek_widths():
     q = torch.randn(t, heads, 192, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 192]
     k = torch.randn(t, heads, 192, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 192]
     v = torch.randn(t, heads, 128, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 128]
-    out = mla_expanded_prefill(q, k, v, plan_expanded_prefill(lens, 192, "cuda"), 192**-0.5)
+    out = expanded_prefill_attention(q, k, v, plan_expanded_prefill(lens, 192, "cuda"), 192**-0.5)
     start = 0
     for n in lens:
         sl = slice(start, start + n)

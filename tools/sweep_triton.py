@@ -19,7 +19,7 @@ import traceback
 import torch
 
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.kernels.mha.decode import DecodeConfig
+from attnserve.attention.kernels.mha.configs import DecodeConfig
 from attnserve.attention.kernels.mha.extend import ExtendConfig
 from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager, time_graph

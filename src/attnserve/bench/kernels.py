@@ -114,9 +114,9 @@ def triton_options(text: str | None) -> dict:
     """--triton-options JSON -> TritonBackend options (config dicts become config objects)."""
     if not text:
         return {}
-    from attnserve.attention.kernels.mha.decode import DecodeConfig
+    from attnserve.attention.kernels.mha.configs import DecodeConfig
     from attnserve.attention.kernels.mha.extend import ExtendConfig
-    from attnserve.attention.kernels.mla.decode import MLADecodeConfig
+    from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
     from attnserve.attention.kernels.mla.extend import MLAExtendConfig
     from attnserve.attention.kernels.mha.prefill_tma import PrefillTmaConfig
 
