@@ -13,12 +13,12 @@ from attention_helpers import poison_unused_slots, rel_err, run_layer
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import ForwardMode
-from attnserve.attention.kernels.mha.extend import build_extend_tiles
+from attnserve.attention.kernels.extend_tiles import build_extend_tiles
+from attnserve.attention.kernels.mha.configs import fast_path_blocker
 from attnserve.attention.kernels.mha.prefill_tma import (
     PrefillTmaConfig,
     check_warp_specialized,
     default_prefill_tma_config,
-    fast_path_blocker,
     prefill_tma_attention,
     request_slots,
     tma_rows_ok,

@@ -97,8 +97,8 @@ class TritonMHABackend(TritonBackendBase):
         from the pool into contiguous rows once per layer.
         """
         from attnserve.attention.kernels.common import interpreting
+        from attnserve.attention.kernels.mha.configs import fast_path_blocker
         from attnserve.attention.kernels.mha.prefill_tma import (
-            fast_path_blocker,
             gather_request_rows,
             request_slots,
             tma_rows_ok,

@@ -13,7 +13,6 @@ a step planned before it is re-planned once with the plan's head groups and spli
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -125,9 +124,9 @@ class TritonMLABackend(TritonBackendBase):
         if step.mla_rows is not None:
             return step.mla_rows
         plan, tokens, blocker = self.rows_plan(layer.num_heads, q.dtype)
-        if plan is not None and step.custom_mask is not None:
+        if self.mla_extend_rows is not False and step.custom_mask is not None:
             blocker = "custom mask"
-        elif plan is not None and q.shape[0] > MAX_ROWS:
+        elif self.mla_extend_rows is not False and q.shape[0] > MAX_ROWS:
             blocker = f"{q.shape[0]} new tokens exceed the grid's {MAX_ROWS} rows"
         if blocker is not None:
             if self.mla_extend_rows:

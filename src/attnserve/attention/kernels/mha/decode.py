@@ -29,7 +29,6 @@ from attnserve.attention.kernels.common import (
 from attnserve.attention.kernels.params import DecodeRows, LayerParams
 from attnserve.attention.kernels.mha.configs import DecodeConfig, default_decode_config
 from attnserve.attention.kernels.split_kv import (
-    allocate_partials,
     finish_split,
     partial_strides,
     split_bounds,

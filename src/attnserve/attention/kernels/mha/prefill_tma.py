@@ -43,7 +43,6 @@ from attnserve.attention.kernels.common import (
 )
 from attnserve.attention.kernels.params import LayerParams
 from attnserve.attention.kernels.extend_tiles import ExtendTiles
-from attnserve.attention.kernels.mha.configs import fast_path_blocker
 from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, check_shared_memory
 
 

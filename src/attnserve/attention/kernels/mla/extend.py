@@ -27,7 +27,7 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile,
 )
 from attnserve.attention.kernels.params import ExtendRows
-from attnserve.attention.kernels.extend_tiles import ExtendTiles, key_tile_range, visible_keys
+from attnserve.attention.kernels.extend_tiles import key_tile_range, visible_keys
 from attnserve.attention.kernels.mla.shapes import check_mla_shapes
 from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
