@@ -1,4 +1,4 @@
-"""The TMA prefill path (kernels/prefill_tma.py) against the float64 oracle, and the backend's choice of path.
+"""The TMA prefill path (kernels/mha/prefill_tma.py) against the float64 oracle, and the backend's choice of path.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1, tensor descriptors included (the interpreter
 implements them, zero fill past a tensor's end too), with tiles that do not divide the lengths.

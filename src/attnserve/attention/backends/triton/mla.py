@@ -54,6 +54,7 @@ class TritonMLABackend(TritonBackendBase):
         self.extend_config = options.get("extend_config")
         # programs per (request, split): head groups of the current decode plan (1 until the first layer's)
         self._head_groups = 1
+        self._rows_plans: dict = {}  # (heads, q dtype) -> (extend rows' KernelPlan, tokens a CTA, None) or why not
 
     def _programs_per_split(self) -> int:
         return self._head_groups
@@ -70,7 +71,7 @@ class TritonMLABackend(TritonBackendBase):
 
     def decode_plan(self, num_heads: int, q_dtype: torch.dtype) -> KernelPlan:
         """The decode kernel plan of this head count and query dtype, resolved at its first layer."""
-        key = ("decode", num_heads, q_dtype)
+        key = (num_heads, q_dtype)
         plan = self._kernel_plans.get(key)
         if plan is None:
             plan = self._kernel_plans[key] = plan_mla_decode(self._signature(num_heads, q_dtype), self._base_policy,
@@ -79,16 +80,15 @@ class TritonMLABackend(TritonBackendBase):
 
     def rows_plan(self, num_heads: int, q_dtype: torch.dtype) -> tuple[KernelPlan | None, int, str | None]:
         """(the extend rows' KernelPlan, tokens a CTA, None), or (None, 1, why not) for this signature."""
-        key = ("rows", num_heads, q_dtype)
-        if key not in self._kernel_plans:
-            self._kernel_plans[key] = plan_mla_extend_rows(
+        key = (num_heads, q_dtype)
+        if key not in self._rows_plans:
+            self._rows_plans[key] = plan_mla_extend_rows(
                 self._signature(num_heads, q_dtype), self._base_policy, self.decode_plan(num_heads, q_dtype),
                 self.mla_extend_rows, self.mla_extend_config is not None, self._split_waves_given)
-        return self._kernel_plans[key]
+        return self._rows_plans[key]
 
     def kernel_plans(self) -> list[KernelPlan]:
-        return [p if isinstance(p, KernelPlan) else p[0] for p in self._kernel_plans.values()
-                if isinstance(p, KernelPlan) or p[0] is not None]
+        return [*self._kernel_plans.values(), *(p for p, _, _ in self._rows_plans.values() if p is not None)]
 
     # ---- KV store --------------------------------------------------------------------------------
     def store_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
