@@ -97,11 +97,15 @@ def test_deepseek_greedy_tokens_equal_across_mla_backends(page_size):
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_deepseek_128_heads_on_the_hopper_gluon_kernel(page_size):
     """128 heads (DeepSeek-V3's count): on Hopper the triton backend decodes on a warp-specialised Gluon kernel
-    (the sm90 table's rule: the seesaw since sweep 7), graphed in the engine, with the same greedy tokens as
-    torch_native."""
-    from attnserve.attention.kernels.mla_decode import default_mla_decode_config
+    (the sm90 table's rule), graphed in the engine, with the same greedy tokens as torch_native."""
+    from attnserve.attention.kernels.gpu_target import target_for
+    from attnserve.attention.kernels.plan import LayerSignature
+    from attnserve.attention.kernels.resolve import default_mla_decode_config
 
     if torch.cuda.get_device_capability()[0] == 9:
-        assert default_mla_decode_config(torch.device(DEVICE), None, 128, page_size).kernel.startswith("gluon")
+        sig = LayerSignature.of_gpu(target_for(torch.device(DEVICE)), family="mla", num_heads=128, num_kv_heads=1,
+                                    head_dim=576, v_head_dim=512, page_size=page_size, q_dtype=torch.bfloat16,
+                                    kv_dtype=torch.bfloat16, kv_lora_rank=512)
+        assert default_mla_decode_config(sig).kernel.startswith("gluon")
     ref = _greedy(page_size, 128, attention_backend="torch_native")
     assert_same_greedy(_greedy(page_size, 128, attention_backend="triton"), ref)

@@ -18,15 +18,15 @@ import torch
 from attention_helpers import rel_err
 from test_triton_mla import poison_unused_latent
 
-from attnserve.attention.kernels.mla_decode import mla_decode_attention
-from attnserve.attention.kernels.mla_decode_tiles import MLADecodeConfig, rules_from_sweep
+from attnserve.attention.kernels.mla.attention import mla_decode_attention
+from attnserve.attention.kernels.params import DecodeRows
+from attnserve.attention.kernels.resolve import plan_for_call
+from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig, rules_from_sweep
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
 
 GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw")
-COLSPLIT = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit")
-COLSPLIT_FP16 = dataclasses.replace(COLSPLIT, partials="float16")
 SCORER = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_scorer")
 SCORER_FP16 = dataclasses.replace(SCORER, partials="float16")
 NARROW = MLADecodeConfig(16, 64, 8, 2, kernel="gluon_narrow")
@@ -47,9 +47,9 @@ def run(sb, splits, write_final, config):
     dev = sb.q.device
     out = torch.full((fb.batch_size, lay.num_heads, 512), float("nan"), dtype=torch.bfloat16, device=dev)
     num_splits = torch.tensor(splits, dtype=torch.int32, device=dev)
-    return mla_decode_attention(sb.q, sb.pool.kv_buffer[0], out, meta.kv_indptr, meta.kv_indices, fb.seq_lens,
-                                num_splits, max(splits), sb.pool.page_size, lay.scaling, 512,
-                                write_final=write_final, config=config)
+    plan = plan_for_call(sb.q, sb.pool.kv_buffer[0], 512, sb.pool.page_size, config)
+    rows = DecodeRows(meta.kv_indptr, meta.kv_indices, fb.seq_lens, num_splits, max(splits), sb.pool.page_size)
+    return mla_decode_attention(sb.q, sb.pool.kv_buffer[0], out, rows, plan, lay.scaling, write_final=write_final)
 
 
 def test_gluon_tile_is_fixed_and_recorded_by_sweeps():
@@ -78,10 +78,10 @@ def test_gluon_asked_for_where_it_cannot_run_says_why():
 
 
 def compile_offline(*args: str) -> dict:
-    """benchmarks/compile_mla_sm90.py's JSON report, from a fresh process (the interpreter's jitted helpers cannot
+    """tools/compile_mla_sm90.py's JSON report, from a fresh process (the interpreter's jitted helpers cannot
     compile)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_mla_sm90.py"), *args, "--json"],
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/compile_mla_sm90.py"), *args, "--json"],
                           check=False, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -108,25 +108,6 @@ def test_gluon_mla_decode_compiles_for_sm90(page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_colsplit_gluon_mla_decode_compiles_for_sm90(page_size):
-    """Both warpgroups on one tile, each in its own loop: 16 score steps over its 256 latent columns (warpgroup 1
-    also 4 over the rope) and 4 PV steps of 256 output columns. Two warpgroups and no producer partition leave
-    255 registers a thread, so nothing spills and ptxas keeps the wgmmas asynchronous (at a 168-register budget
-    beside a producer warpgroup it waited on every one: 366.7 against the seesaw's 319.3 us on the H200);
-    q_c, two 72 KB stages and the 16 KB score exchange fit Hopper's shared memory; 16-byte output stores. Over
-    64-token pages a tile is one page's rows: each warpgroup loads its four 64-column boxes (warpgroup 1 also the
-    rope's) by TMA at three sites (tiles 0 and 1, the refill), and only the query by cp.async."""
-    report = compile_offline("--gluon", str(page_size), "--gluon-kernel", "gluon_colsplit")
-    assert report["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, report
-    assert not report["wgmma_serialized"], report
-    assert report["spill_bytes"] == [0, 0], report
-    assert 216 < report["smem_kib"] <= 227, report
-    assert report["global_stores"] == {"st.global.v4.b32": 64, "st.global.b32": 2}, report
-    assert report["tma_loads"] == (3 * (4 + 5) if page_size == 64 else 0), report
-    assert report["async_copies"] == (9 if page_size == 64 else 36), report
-
-
-@pytest.mark.parametrize("page_size", [1, 64])
 def test_scorer_gluon_mla_decode_compiles_for_sm90(page_size):
     """Warpgroup 0 scores a whole tile (36 steps, 512 + 64 wide) and multiplies its 256 output columns (4 steps),
     warpgroup 1 copies every tile and multiplies the other 256: one call site each, nothing spilled, the wgmmas
@@ -142,7 +123,7 @@ def test_scorer_gluon_mla_decode_compiles_for_sm90(page_size):
     assert report["async_copies"] == (9 if page_size == 64 else 36), report
 
 
-@pytest.mark.parametrize("kernel", ["gluon_colsplit", "gluon_scorer"])
+@pytest.mark.parametrize("kernel", ["gluon_scorer"])
 def test_float16_partials_compile_for_sm90(kernel):
     """float16 partials, each row's power of two beside it: the same wgmmas, still asynchronous, nothing
     spilled; 16-byte stores of the float16 halves (16 a thread: converted before the shared-memory staging) and
@@ -153,23 +134,6 @@ def test_float16_partials_compile_for_sm90(kernel):
     assert report["spill_bytes"] == [0, 0], report
     assert report["smem_kib"] <= 227, report
     assert report["global_stores"] == {"st.global.v4.b32": 32, "st.global.b16": 2, "st.global.b32": 2}, report
-
-
-def test_the_timeline_probe_stamps_without_changing_the_kernel():
-    """benchmarks/mla_colsplit_timeline.py times copies of the column-split kernel with clock stamps edited into
-    its source: every edit still finds its place, and each stamped variant compiles to the shipped kernel's
-    registers, wgmmas (asynchronous) and no spills, so what it times is the shipped schedule."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/mla_colsplit_timeline.py"), "--compile-only"],
-                          check=False, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    reports = json.loads(proc.stdout.strip().splitlines()[-1])
-    shipped = compile_offline("--gluon", "1", "--gluon-kernel", "gluon_colsplit", "--scaled")
-    assert set(reports) == {"shipped", "no query copies", "no partial stores", "no staging, no stores"}
-    for variant, report in reports.items():
-        assert report["global_stores"].get("st.global.b64", 0) > 0, variant  # the stamps are there
-        for key in ("registers", "spill_bytes", "wgmma", "wgmma_serialized", "smem_kib"):
-            assert report[key] == shipped[key], (variant, key, report[key], shipped[key])
 
 
 @pytest.mark.parametrize("page_size, heads", [(1, 16), (64, 16), (1, 128)])
@@ -200,7 +164,7 @@ def test_narrow_gluon_mla_decode_matches_oracle(page_size):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; its CPU coverage is above")
-@pytest.mark.parametrize("config", [GLUON, COLSPLIT, SCORER], ids=lambda c: c.kernel)
+@pytest.mark.parametrize("config", [GLUON, SCORER], ids=lambda c: c.kernel)
 @pytest.mark.parametrize("page_size", [1, 64, 16])
 def test_gluon_mla_decode_matches_oracle(page_size, config):
     """Ragged lengths (partial last tiles, odd and even tile counts, a 1-token request), splits forced on and
@@ -216,7 +180,7 @@ def test_gluon_mla_decode_matches_oracle(page_size, config):
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the scaled merge's CPU coverage is "
                                        "test_triton_mla.py's, the compile's above")
-@pytest.mark.parametrize("config", [COLSPLIT_FP16, SCORER_FP16], ids=lambda c: c.kernel)
+@pytest.mark.parametrize("config", [SCORER_FP16], ids=lambda c: c.kernel)
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_float16_partials_match_oracle(page_size, config):
     """Ragged lengths, splits forced on, empty splits, 128 and 16 heads, through the merge kernel."""
@@ -231,7 +195,7 @@ def test_float16_partials_match_oracle(page_size, config):
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel runs on Hopper; the scaled merge's CPU coverage is "
                                        "test_triton_mla.py's")
-@pytest.mark.parametrize("config", [COLSPLIT_FP16, SCORER_FP16], ids=lambda c: c.kernel)
+@pytest.mark.parametrize("config", [SCORER_FP16], ids=lambda c: c.kernel)
 @pytest.mark.parametrize("magnitude", [1e6, 1e-6])
 def test_float16_partials_hold_any_bf16_range(magnitude, config):
     """Latent values far past float16's range (or far below its normal range) still merge to the oracle: each

@@ -3,26 +3,23 @@
 import pytest
 import torch
 
-from attnserve.attention.kernels.decode import (
-    DECODE_TILES,
-    DecodeConfig,
-    decode_attention,
-    default_decode_config,
-)
-from attnserve.attention.kernels.extend import (
-    EXTEND_TILES,
-    ExtendConfig,
-    build_extend_tiles,
-    default_extend_config,
-    extend_attention,
-)
-from attnserve.attention.kernels.tiles import (
+from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
     check_shared_memory,
     fewest_stages_dropped,
     shared_memory_bytes,
 )
+from attnserve.attention.kernels.mha.configs import DECODE_TILES, DecodeConfig, default_decode_config
+from attnserve.attention.kernels.mha.decode import decode_attention
+from attnserve.attention.kernels.mha.extend import (
+    EXTEND_TILES,
+    ExtendConfig,
+    build_extend_tiles,
+    default_extend_config,
+    extend_attention,
+)
+from attnserve.attention.kernels.params import DecodeRows, ExtendRows, LayerParams
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.synthetic import make_batch
 
@@ -74,14 +71,14 @@ def test_hopper_tiles_on_a_small_gpu_fail_before_launch_with_a_clear_error():
     out = torch.empty(2, 8, 128, dtype=torch.bfloat16)
     small = GpuTarget.of((8, 6))
     with pytest.raises(ValueError, match=r"decode: .* need about \d+ KiB .*sm86\) allows 99 KiB"):
-        decode_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], out, meta.kv_indptr, meta.kv_indices,
-                         fb.seq_lens, torch.ones(2, dtype=torch.int32), 1, 1, sb.layer.scaling,
+        rows = DecodeRows(meta.kv_indptr, meta.kv_indices, fb.seq_lens, torch.ones(2, dtype=torch.int32), 1, 1)
+        decode_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], out, rows, LayerParams(sb.layer.scaling),
                          config=DecodeConfig(block_n=256, num_warps=4, num_stages=4), target=small)
     ext = make_batch([0, 7], [20, 9], num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     m = metadata_for_batch(ext.fb)
     hopper = ExtendConfig(128, 64, 4, 3)
     tiles = build_extend_tiles(ext.fb.prefix_lens_cpu, ext.fb.extend_lens_cpu, hopper.positions_per_tile(4), "cpu")
     with pytest.raises(ValueError, match="extend: .*choose smaller block sizes or fewer stages"):
-        extend_attention(ext.q, ext.pool.k_buffer[0], ext.pool.v_buffer[0], torch.empty(29, 8, 128), tiles,
-                         m.qo_indptr, m.kv_indptr, m.kv_indices, ext.fb.seq_lens, 1, ext.layer.scaling,
-                         config=hopper, target=small)
+        extend_attention(ext.q, ext.pool.k_buffer[0], ext.pool.v_buffer[0], torch.empty(29, 8, 128),
+                         ExtendRows(tiles, m.qo_indptr, m.kv_indptr, m.kv_indices, ext.fb.seq_lens, 1),
+                         LayerParams(ext.layer.scaling), config=hopper, target=small)

@@ -9,15 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnserve.attention.kernels import mla_decode_tiles as tiles
-from attnserve.attention.kernels.mla_decode import default_mla_decode_config, runnable_mla_decode_config
-from attnserve.attention.kernels.mla_decode_tiles import (
+from attnserve.attention.kernels.mla import decode_table as tiles
+from attnserve.attention.kernels.plan import LayerSignature
+from attnserve.attention.kernels.resolve import default_mla_decode_config, plan_mla_decode
+from attnserve.attention.kernels.split_plan import SplitPolicy
+from attnserve.attention.kernels.mla.decode_table import (
     MLADecodeConfig,
     rules_from_sweep,
     tiles_for,
     write_rules,
 )
-from attnserve.attention.kernels.tiles import GpuTarget, TileShape, check_shared_memory
+from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, check_shared_memory
 from attnserve.bench.workloads import MLA_WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,19 +27,23 @@ TABLE = Path(tiles.__file__).with_name(tiles.TABLE_FILE)
 SHAPES = {w.name: (w.mla.num_heads, w.page_size) for w in MLA_WORKLOADS if w.kind == "decode"}
 
 
+def sig(target, heads, page_size, kv_dtype=torch.bfloat16):
+    return LayerSignature.of_gpu(target, family="mla", num_heads=heads, num_kv_heads=1, head_dim=576, v_head_dim=512,
+                                 page_size=page_size, q_dtype=torch.bfloat16, kv_dtype=kv_dtype, kv_lora_rank=512)
+
+
 def test_h200_tiles_follow_the_shape():
-    """What the thirteenth H200 sweep measured (sweep-triton-mla-h200-13.json): 128 heads on the scorer Gluon
-    kernel with float16 partials, at one wave of splits over single tokens and at half a wave over 64-token pages
-    (its tiles there by TMA), 16 heads on the narrow Gluon kernel at half a wave (one split a request over 128
-    requests)."""
+    """What the shipped sm90 rules say: 128 heads on the scorer Gluon kernel with float16 partials, at one wave
+    of splits over single tokens and at half a wave over 64-token pages (its tiles there by TMA), 16 heads on the
+    narrow Gluon kernel at half a wave (one split a request over many requests)."""
     h200 = GpuTarget.of((9, 0))
     scorer = MLADecodeConfig(64, 64, 8, 2, split_waves=1, kernel="gluon_scorer", partials="float16")
-    assert default_mla_decode_config("cuda", h200, 128, 1) == scorer
-    assert default_mla_decode_config("cuda", h200, 128, 64) == dataclasses.replace(scorer, split_waves=0.5)
+    assert default_mla_decode_config(sig(h200, 128, 1)) == scorer
+    assert default_mla_decode_config(sig(h200, 128, 64)) == dataclasses.replace(scorer, split_waves=0.5)
     narrow = MLADecodeConfig(16, 64, 8, 2, split_waves=0.5, kernel="gluon_narrow")
-    assert default_mla_decode_config("cuda", h200, 16, 64) == narrow
+    assert default_mla_decode_config(sig(h200, 16, 64)) == narrow
     assert tiles_for("sm75", 128, 64) == tiles_for("default", 128, 64)  # an unknown arch takes the default rules
-    assert default_mla_decode_config("cpu", None, 128, 64).block_n == 16  # the interpreter's small tiles
+    assert default_mla_decode_config(sig(None, 128, 64)).block_n == 16  # the interpreter's small tiles
 
 
 @pytest.mark.parametrize("arch", sorted(tiles.shipped_rules()))
@@ -59,27 +65,34 @@ def test_a_head_group_never_exceeds_the_heads():
         MLADecodeConfig(num_warps=3)
 
 
-def test_float16_partials_are_the_two_column_halved_kernels_alone():
-    """The scaled float16 partials are written by the column-split and scorer kernels' epilogue only: another
-    kernel asked for them, or an unknown partial type, is refused at the config, not at launch."""
-    for kernel in ("gluon_colsplit", "gluon_scorer"):
-        assert MLADecodeConfig(64, 64, 8, 2, kernel=kernel, partials="float16").partials == "float16"
-    with pytest.raises(ValueError, match="float16 partials are the gluon_colsplit and gluon_scorer MLA kernels', "
+def test_float16_partials_are_the_scorer_kernels_alone():
+    """The scaled float16 partials are written by the scorer kernel's epilogue only: another kernel asked for
+    them, an unknown partial type, or a kernel that left the product, is refused at the config, not at launch."""
+    assert MLADecodeConfig(64, 64, 8, 2, kernel="gluon_scorer", partials="float16").partials == "float16"
+    with pytest.raises(ValueError, match="float16 partials are the gluon_scorer MLA kernels', "
                                          "the tile is gluon_seesaw's"):
         MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw", partials="float16")
     with pytest.raises(ValueError, match="partials must be 'float32' or 'float16', got 'bfloat16'"):
-        MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit", partials="bfloat16")
+        MLADecodeConfig(64, 64, 8, 2, kernel="gluon_scorer", partials="bfloat16")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        MLADecodeConfig(64, 64, 8, 2, kernel="gluon_colsplit")
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_a_gluon_tile_that_cannot_take_the_call_runs_in_triton_with_float32_partials(page_size):
-    """The H200's 128-head tiles are the scorer kernel's with float16 partials; where it cannot run (here
-    a CPU tensor, on the H200 an FP8 latent) the same tile goes to the Triton kernel, which writes float32 ones
-    (a config keeping float16 was refused: the FP8 decode at 128 heads over 64-token pages failed there)."""
-    q = torch.zeros(1, 128, 576, dtype=torch.bfloat16)
-    kv = torch.zeros(64, 1, 576, dtype=torch.bfloat16)
-    config = runnable_mla_decode_config(q, kv, 512, page_size, GpuTarget.of((9, 0)))
-    assert (config.kernel, config.partials, config.block_h) == ("triton", "float32", 64)
+    """The sm90 128-head tiles are the scorer kernel's with float16 partials; where it cannot run (an FP8 latent)
+    the plan puts the same tile on the Triton kernel, which writes float32 ones (a config keeping float16 fails
+    the FP8 decode at 128 heads over 64-token pages), and says why."""
+    h200 = GpuTarget.of((9, 0))
+    plan = plan_mla_decode(sig(h200, 128, page_size, kv_dtype=torch.float8_e4m3fn), SplitPolicy())
+    assert (plan.kernel, plan.partials, plan.config.block_h) == ("triton", "float32", 64)
+    assert "bf16/fp16 query and latent of one dtype" in plan.reason
+    assert plan.programs_per_split == 2 and plan.split_policy.waves == (0.5 if page_size == 64 else 1)
+    scorer = plan_mla_decode(sig(h200, 128, page_size), SplitPolicy())
+    assert (scorer.kernel, scorer.partials) == ("gluon_scorer", "float16")
+    assert scorer.describe() == f"gluon scorer (sm90, 128 heads, page {page_size})"
+    with pytest.raises(ValueError, match="bf16/fp16"):  # a Gluon tile asked for where it cannot run says why
+        plan_mla_decode(sig(h200, 128, page_size, kv_dtype=torch.float8_e4m3fn), SplitPolicy(), scorer.config)
 
 
 def test_the_shipped_sm90_rules_are_the_committed_sweep():
@@ -87,7 +100,7 @@ def test_the_shipped_sm90_rules_are_the_committed_sweep():
     table = json.loads(TABLE.read_text())
     sweep = json.loads((ROOT / table["source"]).read_text())
     assert table["rules"]["sm90"] == rules_from_sweep(sweep["rows"], SHAPES), (
-        f"run: python benchmarks/sweep_triton_mla.py --apply {table['source']}")
+        f"run: python tools/sweep_triton_mla.py --apply {table['source']}")
 
 
 def test_rules_from_a_sweep_pick_the_best_mean_per_shape_and_close_with_a_catch_all():

@@ -1,4 +1,4 @@
-"""The TMA prefill path (kernels/prefill_tma.py) against the float64 oracle, and the backend's choice of path.
+"""The TMA prefill path (kernels/mha/prefill_tma.py) against the float64 oracle, and the backend's choice of path.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1, tensor descriptors included (the interpreter
 implements them, zero fill past a tensor's end too), with tiles that do not divide the lengths.
@@ -13,17 +13,18 @@ from attention_helpers import poison_unused_slots, rel_err, run_layer
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import ForwardMode
-from attnserve.attention.kernels.extend import build_extend_tiles
-from attnserve.attention.kernels.prefill_tma import (
+from attnserve.attention.kernels.extend_tiles import build_extend_tiles
+from attnserve.attention.kernels.mha.configs import fast_path_blocker
+from attnserve.attention.kernels.mha.prefill_tma import (
     PrefillTmaConfig,
     check_warp_specialized,
     default_prefill_tma_config,
-    fast_path_blocker,
     prefill_tma_attention,
     request_slots,
     tma_rows_ok,
 )
-from attnserve.attention.kernels.tiles import GpuTarget
+from attnserve.attention.kernels.gpu_target import GpuTarget
+from attnserve.attention.kernels.params import LayerParams
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
@@ -76,7 +77,7 @@ def test_kernel_matches_oracle_on_ragged_lengths(cfg, prefix):
     tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, cfg.block_m, DEVICE)
     out = torch.full((sb.q.shape[0], 8, 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # [T, Hq, D]
     prefill_tma_attention(sb.q, k_rows, v_rows, starts, out, tiles, meta.qo_indptr, fb.seq_lens.to(torch.int32),
-                          layer.scaling, config=cfg)
+                          LayerParams(layer.scaling), config=cfg)
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, layer, fb)) < 1e-2
 
@@ -128,8 +129,8 @@ def test_warp_specialized_configs_outside_the_measured_shape_are_refused():
     meta = metadata_for_batch(sb.fb)
     with pytest.raises(ValueError, match="refused"):  # before anything is launched
         prefill_tma_attention(sb.q, sb.k, sb.v, meta.qo_indptr[:-1], torch.empty_like(sb.q), tiles, meta.qo_indptr,
-                              sb.fb.seq_lens.to(torch.int32), 1.0, config=bad["128x64 over 3 stages"])
-    assert default_prefill_tma_config(128, "cuda") == good  # the H200 sweep's winner is the sm90 default
+                              sb.fb.seq_lens.to(torch.int32), LayerParams(1.0), config=bad["128x64 over 3 stages"])
+    assert default_prefill_tma_config(128, "cuda") == good  # the sm90 default
 
 
 FALLBACKS = {

@@ -288,7 +288,7 @@ def test_the_shipped_order_is_the_committed_race(monkeypatch):
             result = json.loads((root / entry["source"]).read_text())
             assert measured.gpu_key(result["gpu"]) == key
             assert entry == measured.order_entry(result, entry["source"])[attention], (
-                f"run: python benchmarks/ship_measured_order.py {entry['source']}")
+                f"run: python tools/ship_measured_order.py {entry['source']}")
 
 
 def test_hopper_without_fa3_takes_the_fastest_measured_backend_per_side(monkeypatch):

@@ -7,8 +7,9 @@ import pytest
 import torch
 from attention_helpers import poison_unused_slots, rel_err
 
-from attnserve.attention.kernels.decode import DecodeConfig, decode_attention
-from attnserve.attention.kernels.extend import ExtendConfig, build_extend_tiles, extend_attention
+from attnserve.attention.kernels.mha.decode import DecodeConfig, decode_attention
+from attnserve.attention.kernels.mha.extend import ExtendConfig, build_extend_tiles, extend_attention
+from attnserve.attention.kernels.params import DecodeRows, ExtendRows, LayerParams
 from attnserve.attention.kernels.split_plan import SplitPolicy, max_splits_for_batch, plan_kv_splits
 from attnserve.attention.kernels.store import store_kv
 from attnserve.attention.metadata import metadata_for_batch
@@ -82,16 +83,17 @@ def test_decode_kernel_with_forced_splits(page_size, block_n):
     for splits in ([1, 1, 1, 1], [3, 1, 5, 2], [7, 7, 7, 7]):
         out = torch.full((4, 8, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # [B, Hq, Dv]
         num_splits = torch.tensor(splits, dtype=torch.int32, device=DEVICE)
-        decode_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], out, meta.kv_indptr, meta.kv_indices,
-                         fb.seq_lens, num_splits, max(splits), page_size, layer.scaling,
+        rows = DecodeRows(meta.kv_indptr, meta.kv_indices, fb.seq_lens, num_splits, max(splits), page_size)
+        decode_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], out, rows, LayerParams(layer.scaling),
                          write_final=False, config=DecodeConfig(block_n=block_n, num_warps=4, num_stages=1))
         assert not out.isnan().any()
         assert rel_err(out, ref) < 1e-2
         outs.append(out)
     # the direct (one split, no merge) path agrees with the merged one
     direct = torch.full_like(outs[0], float("nan"))
-    decode_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], direct, meta.kv_indptr, meta.kv_indices,
-                     fb.seq_lens, torch.ones(4, dtype=torch.int32, device=DEVICE), 1, page_size, layer.scaling,
+    rows = DecodeRows(meta.kv_indptr, meta.kv_indices, fb.seq_lens, torch.ones(4, dtype=torch.int32, device=DEVICE),
+                      1, page_size)
+    decode_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], direct, rows, LayerParams(layer.scaling),
                      write_final=True, config=DecodeConfig(block_n=block_n, num_warps=4, num_stages=1))
     assert (direct.float() - outs[0].float()).abs().max().item() <= 1e-2
 
@@ -117,8 +119,9 @@ def test_extend_kernel_block_shapes(block_m, block_n, pack_gqa, group):
     cfg = ExtendConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1, pack_gqa=pack_gqa)
     tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, cfg.positions_per_tile(group), DEVICE)
     out = torch.full((sb.q.shape[0], 2 * group, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # [T, Hq, Dv]
-    extend_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], out, tiles, meta.qo_indptr, meta.kv_indptr,
-                     meta.kv_indices, fb.seq_lens, 4, layer.scaling, sinks=layer.sinks, config=cfg)
+    extend_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], out,
+                     ExtendRows(tiles, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, fb.seq_lens, 4),
+                     LayerParams(layer.scaling, sinks=layer.sinks), config=cfg)
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, layer, fb)) < 1e-2
 
@@ -128,6 +131,6 @@ def test_extend_rejects_tiles_built_for_another_block():
     meta = metadata_for_batch(sb.fb)
     tiles = build_extend_tiles([0], [8], 32, DEVICE)
     with pytest.raises(ValueError, match="positions"):
-        extend_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], torch.empty_like(sb.q), tiles,
-                         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, sb.fb.seq_lens, 1, 1.0,
-                         config=ExtendConfig(block_m=16, block_n=16))
+        extend_attention(sb.q, sb.pool.k_buffer[0], sb.pool.v_buffer[0], torch.empty_like(sb.q),
+                         ExtendRows(tiles, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, sb.fb.seq_lens, 1),
+                         LayerParams(1.0), config=ExtendConfig(block_m=16, block_n=16))

@@ -10,7 +10,10 @@ import pytest
 import torch
 from attention_helpers import rel_err
 
-from attnserve.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
+from attnserve.attention.kernels.mla.attention import mla_decode_attention
+from attnserve.attention.kernels.resolve import plan_for_call
+from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
+from attnserve.attention.kernels.params import DecodeRows, ExtendRows
 from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
@@ -45,9 +48,10 @@ def run_decode(sb, splits, write_final, config=SMALL):
     meta = metadata_for_batch(fb)
     out = torch.full((fb.batch_size, lay.num_heads, LATENT), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     num_splits = torch.tensor(splits, dtype=torch.int32, device=DEVICE)  # [B]
-    return mla_decode_attention(sb.q, sb.pool.kv_buffer[0], out, meta.kv_indptr, meta.kv_indices, fb.seq_lens,
-                                num_splits, max(splits), sb.pool.page_size, lay.scaling, LATENT,
-                                kv_scale=sb.pool.k_scale[0], write_final=write_final, config=config)
+    plan = plan_for_call(sb.q, sb.pool.kv_buffer[0], LATENT, sb.pool.page_size, config)
+    rows = DecodeRows(meta.kv_indptr, meta.kv_indices, fb.seq_lens, num_splits, max(splits), sb.pool.page_size)
+    return mla_decode_attention(sb.q, sb.pool.kv_buffer[0], out, rows, plan, lay.scaling, kv_scale=sb.pool.k_scale[0],
+                                write_final=write_final)
 
 
 @pytest.mark.parametrize("page_size,defer_pv", [(1, False), (64, False), (1, True), (16, True)])
@@ -88,18 +92,20 @@ def test_mla_decode_fp8_latent_within_its_error_bound():
 def test_mla_decode_rejects_bad_shapes():
     sb = mla_batch([5], [1])
     with pytest.raises(ValueError, match="kv_lora_rank must be a power of two"):
-        mla_decode_attention(sb.q, sb.pool.kv_buffer[0], torch.empty(1, 20, 24), *([None] * 4), 1, 1, 1.0, 24)
+        mla_decode_attention(sb.q, sb.pool.kv_buffer[0], torch.empty(1, 20, 24), DecodeRows(*([None] * 4), 1, 1),
+                             plan_for_call(sb.q, sb.pool.kv_buffer[0], 24, 1, SMALL), 1.0)
     with pytest.raises(ValueError, match="out"):
         run_decode_out = torch.empty(1, 20, 16, dtype=torch.bfloat16, device=DEVICE)
         meta = metadata_for_batch(sb.fb)
-        mla_decode_attention(sb.q, sb.pool.kv_buffer[0], run_decode_out, meta.kv_indptr, meta.kv_indices,
-                             sb.fb.seq_lens, torch.ones(1, dtype=torch.int32), 1, 1, 1.0, LATENT)
+        rows = DecodeRows(meta.kv_indptr, meta.kv_indices, sb.fb.seq_lens, torch.ones(1, dtype=torch.int32), 1, 1)
+        mla_decode_attention(sb.q, sb.pool.kv_buffer[0], run_decode_out, rows,
+                             plan_for_call(sb.q, sb.pool.kv_buffer[0], LATENT, 1, SMALL), 1.0)
 
 
 # ---- extend -----------------------------------------------------------------------------------------
 def run_extend(sb, custom=False, defer_pv=False):
-    from attnserve.attention.kernels.extend import build_extend_tiles
-    from attnserve.attention.kernels.mla_extend import INTERPRETER_MLA_EXTEND_TILES, mla_extend_attention
+    from attnserve.attention.kernels.extend_tiles import build_extend_tiles
+    from attnserve.attention.kernels.mla.extend import INTERPRETER_MLA_EXTEND_TILES, mla_extend_attention
 
     fb, lay = sb.fb, sb.layer
     cfg = dataclasses.replace(INTERPRETER_MLA_EXTEND_TILES, defer_pv=defer_pv)
@@ -111,9 +117,10 @@ def run_extend(sb, custom=False, defer_pv=False):
         sizes = [e * s for e, s in zip(fb.extend_lens_cpu, fb.seq_lens_cpu)]
         mask = fb.custom_mask
         mask_indptr = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0).to(DEVICE)
-    return mla_extend_attention(sb.q, sb.pool.kv_buffer[0], out, tiles, meta.qo_indptr, meta.kv_indptr,
-                                meta.kv_indices, fb.seq_lens, sb.pool.page_size, lay.scaling, LATENT,
-                                kv_scale=sb.pool.k_scale[0], custom_mask=mask, mask_indptr=mask_indptr, config=cfg)
+    rows = ExtendRows(tiles, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, fb.seq_lens, sb.pool.page_size, mask,
+                      mask_indptr)
+    return mla_extend_attention(sb.q, sb.pool.kv_buffer[0], out, rows, lay.scaling, LATENT,
+                                kv_scale=sb.pool.k_scale[0], config=cfg)
 
 
 @pytest.mark.parametrize("page_size,kv_dtype,defer_pv", [(1, None, False), (64, None, False),
@@ -139,7 +146,7 @@ def test_mla_extend_with_a_custom_mask(defer_pv):
 
 def test_mla_expanded_prefill_with_v_narrower_than_k():
     """Per-head k 48 wide (nope 32 + rope 16), v 32 wide, fresh ragged prompts: the oracle per request."""
-    from attnserve.attention.kernels.mla_extend import mla_expanded_prefill, plan_expanded_prefill
+    from attnserve.attention.kernels.mha.extend import expanded_prefill_attention, plan_expanded_prefill
     from attnserve.attention.reference import attend, visibility_mask
 
     g = torch.Generator().manual_seed(5)
@@ -149,7 +156,7 @@ def test_mla_expanded_prefill_with_v_narrower_than_k():
     k = torch.randn(t, heads, 48, generator=g).to(torch.bfloat16).to(DEVICE)  # [T, H, 48]
     v = torch.randn(t, heads, 32, generator=g).to(torch.bfloat16).to(DEVICE)  # [T, H, 32]
     plan = plan_expanded_prefill(lens, 48, DEVICE)
-    out = mla_expanded_prefill(q, k, v, plan, 48**-0.5)
+    out = expanded_prefill_attention(q, k, v, plan, 48**-0.5)
     assert out.shape == (t, heads, 32)
     start = 0
     for n in lens:
@@ -159,14 +166,14 @@ def test_mla_expanded_prefill_with_v_narrower_than_k():
         assert rel_err(out[sl], ref) < 1e-2
         start += n
     with pytest.raises(ValueError, match="expanded MLA"):
-        mla_expanded_prefill(q, k, torch.zeros(t, heads, 64), plan, 1.0)
+        expanded_prefill_attention(q, k, torch.zeros(t, heads, 64), plan, 1.0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_mla_expanded_prefill_at_deepseek_widths():
     """qk 192 (128 nope + 64 rope) and v 128, 16 heads, ragged fresh prompts, against the float32 oracle."""
-    from attnserve.attention.kernels.mla_extend import mla_expanded_prefill, plan_expanded_prefill
+    from attnserve.attention.kernels.mha.extend import expanded_prefill_attention, plan_expanded_prefill
     from attnserve.attention.reference import attend, visibility_mask
 
     g = torch.Generator(device="cuda").manual_seed(9)
@@ -175,7 +182,7 @@ def test_gpu_mla_expanded_prefill_at_deepseek_widths():
     q = torch.randn(t, heads, 192, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 192]
     k = torch.randn(t, heads, 192, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 192]
     v = torch.randn(t, heads, 128, generator=g, device="cuda").to(torch.bfloat16)  # [T, H, 128]
-    out = mla_expanded_prefill(q, k, v, plan_expanded_prefill(lens, 192, "cuda"), 192**-0.5)
+    out = expanded_prefill_attention(q, k, v, plan_expanded_prefill(lens, 192, "cuda"), 192**-0.5)
     start = 0
     for n in lens:
         sl = slice(start, start + n)
@@ -238,7 +245,7 @@ def test_tiled_merge_unscales_float16_partials(max_splits):
 def test_extend_rows_plan_points_every_token_at_its_requests_pages():
     """Each token's row starts at its request's kv_indptr entry and sees its causal horizon; the split plan is
     decode's over those horizons (a long prefix under few tokens is split, many tokens are not)."""
-    from attnserve.attention.kernels.mla_extend_rows import causal_horizons, plan_extend_rows
+    from attnserve.attention.kernels.mla.extend_rows import causal_horizons, plan_extend_rows
 
     prefix, ext = [0, 45, 70, 3], [2, 3, 1, 0]
     assert causal_horizons(prefix, ext).tolist() == [1, 2, 46, 47, 48, 71]
@@ -258,7 +265,7 @@ def test_extend_rows_plan_points_every_token_at_its_requests_pages():
 def test_extend_rows_token_groups_never_cross_a_request():
     """CTAs of 4 tokens (16 heads on the Gluon kernel's 64 rows): runs of one request, the last one short; a
     group's split count is its last token's (the longest horizon), given to each of its tokens."""
-    from attnserve.attention.kernels.mla_extend_rows import plan_extend_rows, token_groups
+    from attnserve.attention.kernels.mla.extend_rows import plan_extend_rows, token_groups
 
     first, ntok = token_groups([5, 0, 3, 8], 4)
     assert first.tolist() == [0, 4, 5, 8, 12] and ntok.tolist() == [4, 1, 3, 4, 4]
@@ -277,7 +284,7 @@ def test_mla_extend_as_decode_rows_over_cached_prefixes(page_size, kv_dtype, min
     """The same ragged batch as the tile kernel's test (fresh prompt, chunk over a prefix, one-token tail, an
     empty request), splits off and on: the oracle's causal extend. Unused latent rows are NaN, so a row that
     reads past its horizon or into another request shows."""
-    from attnserve.attention.kernels.mla_extend_rows import mla_extend_rows_attention, plan_extend_rows
+    from attnserve.attention.kernels.mla.extend_rows import mla_extend_rows_attention, plan_extend_rows
 
     sb = mla_batch([0, 45, 70, 3, 9], [9, 7, 1, 12, 0], page_size=page_size, heads=16, kv_dtype=kv_dtype, seed=4)
     fb, lay = sb.fb, sb.layer
@@ -285,7 +292,8 @@ def test_mla_extend_as_decode_rows_over_cached_prefixes(page_size, kv_dtype, min
                             SplitPolicy(num_sms=64, min_split_tokens=min_split_tokens))
     assert (plan.max_splits > 1) == (min_split_tokens == 16)
     out = torch.full((fb.num_tokens, lay.num_heads, LATENT), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    mla_extend_rows_attention(sb.q, sb.pool.kv_buffer[0], out, plan, metadata_for_batch(fb).kv_indices, page_size,
-                              lay.scaling, LATENT, kv_scale=sb.pool.k_scale[0], config=SMALL)
+    mla_extend_rows_attention(sb.q, sb.pool.kv_buffer[0], out, plan, metadata_for_batch(fb).kv_indices, lay.scaling,
+                              plan_for_call(sb.q, sb.pool.kv_buffer[0], LATENT, page_size, SMALL),
+                              kv_scale=sb.pool.k_scale[0])
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2

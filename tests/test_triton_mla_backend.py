@@ -9,9 +9,9 @@ from attention_helpers import rel_err, run_layer
 from engine_helpers import VOCAB, tiny_model
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
-from attnserve.attention.backends.triton import TritonBackend
+from attnserve.attention.backends.triton import TritonBackend, TritonMLABackend
 from attnserve.attention.base import ForwardBatch, ForwardMode
-from attnserve.attention.kernels.mla_decode import MLADecodeConfig
+from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
 from attnserve.kvcache.pool import make_pool
@@ -27,7 +27,7 @@ def test_mla_decode_through_the_layer(page_size, kv_dtype):
                     dtype=torch.bfloat16, kv_dtype=kv_dtype, device=DEVICE, score_scale=8.0)
     backend = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16)  # several splits on short requests
     out = run_layer(sb, backend)
-    assert backend._decode.max_splits > 1 and backend._mla_head_groups == 1
+    assert backend._decode.max_splits > 1 and backend._head_groups == 1
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
@@ -42,14 +42,14 @@ def test_mla_extend_through_the_layer_with_prefixes():
 def test_mla_extend_takes_decode_rows_where_asked_and_says_which_path_ran(rows):
     """Default: decode rows only where the Gluon kernel runs (not on a CPU, nor for this 32 + 16 latent on a
     GPU); True forces them (on the Triton decode kernel here), False never; the oracle's output either way."""
-    from attnserve.attention.kernels.mla_decode import gluon_mla_decode_unsupported
+    from attnserve.attention.kernels.resolve import gluon_blocker
 
     sb = make_batch([0, 40, 9], [12, 9, 1], num_heads=16, mla=(32, 16), page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, score_scale=8.0, mode=ForwardMode.EXTEND)
     backend = TritonBackend(sb.pool, mla_extend_rows=rows, num_sms=64, min_split_tokens=16)
     out = run_layer(sb, backend)
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
-    why_not_gluon = gluon_mla_decode_unsupported(sb.q, sb.pool.kv_buffer[0], 32)
+    why_not_gluon = gluon_blocker(backend._signature(16, sb.q.dtype))
     expected = {None: f"mla tiles ({why_not_gluon})", True: "mla decode rows (triton, 1 token a CTA)",
                 False: "mla tiles (decode rows off)"}[rows]
     assert backend.extend_path == expected
@@ -74,7 +74,7 @@ def test_mla_head_groups_learnt_at_the_first_layer_replan_the_splits():
     backend.plan(sb.fb)
     before = backend._decode.max_splits
     out = sb.layer(sb.q, sb.k, None, sb.fb).view(2, 40, 32)
-    assert backend._mla_head_groups == 3 and backend._decode.max_splits < before
+    assert backend._head_groups == 3 and backend._decode.max_splits < before
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
@@ -181,10 +181,10 @@ def test_tiny_deepseek_greedy_tokens_through_triton_equal_torch_native():
     ref = greedy(model, prompts, TorchNativeBackend, page_size, new_tokens=6, chunk=8)
     expanded_calls = []
 
-    class CountingTriton(TritonBackend):
-        def forward_mla_expanded(self, *args):
+    class CountingTriton(TritonMLABackend):
+        def forward_expanded_prefill(self, *args):
             expanded_calls.append(self._extend.extend_lens)
-            return super().forward_mla_expanded(*args)
+            return super().forward_expanded_prefill(*args)
 
     got = greedy(model, prompts, lambda pool: CountingTriton(pool, num_sms=4, min_split_tokens=8), page_size,
                  new_tokens=6, chunk=8)

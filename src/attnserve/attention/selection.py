@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnserve.attention.base import AttentionRequirements, BackendFeatures, unsupported
+from attnserve.attention.kernels.resolve import describe_kernels
 from attnserve.attention.measured import attention_key, describe_order, measured_order
 from attnserve.attention.registry import REGISTRY, get_spec, hardware_problems, resolve_name
 from attnserve.attention.tuned import TunedChoice, find_tuned
@@ -202,7 +203,8 @@ PREFERRED_PAGE_SIZE: dict[str, int] = {"trtllm_mha": 64, "trtllm_mla": 64, "flas
 # ---- the trace -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TraceEntry:
-    """One step of the decision. kind: input, policy, tuned, candidate, reject, accept, explicit, adjust."""
+    """One step of the decision. kind: input, policy, tuned, candidate, reject, accept, explicit, adjust, kernel
+    (the kernel a chosen backend runs for this shape)."""
 
     kind: str
     reason: str
@@ -469,6 +471,10 @@ def select_backends(
         verify = chosen[speculative_attention_mode]
         trace.append(TraceEntry("adjust", f"speculative verify runs on the {speculative_attention_mode} backend "
                                 f"(speculative attention mode {speculative_attention_mode})", verify))
+    for side in SIDES:  # the kernel each side's backend runs for this shape (kernels/plan.py)
+        kernel = describe_kernels(chosen[side], side, hw, model, page_size, serving.kv_cache_dtype)
+        if kernel is not None:
+            trace.append(TraceEntry("kernel", f"{side}: {kernel}"))
     return Selection(chosen["prefill"], chosen["decode"], page_size, cuda_graph, row.choose, trace)
 
 

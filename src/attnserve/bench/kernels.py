@@ -80,11 +80,11 @@ def triton_options(text: str | None) -> dict:
     The one place the race imports the Triton kernel modules, which need triton (an optional package)."""
     if not text:
         return {}
-    from attnserve.attention.kernels.decode import DecodeConfig
-    from attnserve.attention.kernels.extend import ExtendConfig
-    from attnserve.attention.kernels.mla_decode import MLADecodeConfig
-    from attnserve.attention.kernels.mla_extend import MLAExtendConfig
-    from attnserve.attention.kernels.prefill_tma import PrefillTmaConfig
+    from attnserve.attention.kernels.mha.configs import DecodeConfig
+    from attnserve.attention.kernels.mha.extend import ExtendConfig
+    from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
+    from attnserve.attention.kernels.mla.extend import MLAExtendConfig
+    from attnserve.attention.kernels.mha.prefill_tma import PrefillTmaConfig
 
     opts = json.loads(text)
     for key, cls in (("decode_config", DecodeConfig), ("extend_config", ExtendConfig),

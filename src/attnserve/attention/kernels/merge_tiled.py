@@ -1,14 +1,13 @@
 """Merge split-KV partials a tile of splits x output columns at a time: for few requests with many splits.
 
-decode.py's merge gives each (request, head) one program that walks its splits one by one. MLA's one long
+mha/decode.py's merge gives each (request, head) one program that walks its splits one by one. MLA's one long
 request (1 x 32768 at 128 heads: 128 heads x 64 splits x 512 float32 columns, 16 MB of partials) is then 128
 programs each reading 64 rows of 2 KB in turn, latency-bound. Here each program owns BLOCK_DV columns of one
 (request, head) and loads BLOCK_S splits of them at once: 8x the programs and whole tiles in flight. Two passes
 over the LSEs (the max first) keep the weights exact without a running rescale.
 
 When one tile holds every split, a program is one warp: its column sums are shuffles, not a reduction through
-shared memory across warps (H200, 1 x 32768's 64 splits x 128 heads of float32 partials: 4.08 us against 4.77
-on four warps, benchmarks/merge_tiled_sweep.py).
+shared memory across warps.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ def merge_splits_tiled(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: 
                        num_splits: torch.Tensor, max_splits: int, v_scale: float) -> None:
     """Stage 2 as decode.merge_splits (no sinks): out `[B, H, Dv]` from partial_o `[B, H, S, Dv]` (normalised)
     and partial_lse `[B, H, S]` (base 2), the first num_splits[b] splits of request b. A float16 partial_o is
-    `[B, H, S, Dv + 8]`, each row scaled by a power of two 2^k held in its column Dv (mla_decode.py says why)."""
+    `[B, H, S, Dv + 8]`, each row scaled by a power of two 2^k held in its column Dv (mla/attention.py says why)."""
     batch, num_heads, v_dim = out.shape
     block_dv = min(MERGE_COLUMNS, next_pow2(v_dim))
     block_s = max(2, min(MERGE_SPLITS, next_pow2(max_splits)))

@@ -1,9 +1,9 @@
 """Sweep the Triton kernels' tiles, warps, pipeline stages and split waves on the race workloads.
 
-Prints one line per (workload, setting) and writes JSON; benchmarks/NOTES.md records
+Prints one line per (workload, setting) and writes JSON; docs/kernels.md records
 what each setting gave and which defaults were chosen from it.
 
-    PYTHONPATH=src python3 benchmarks/sweep_triton.py --out sweep.json
+    PYTHONPATH=src python3 tools/sweep_triton.py --out sweep.json
 """
 
 from __future__ import annotations
@@ -19,21 +19,19 @@ import traceback
 import torch
 
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.kernels.decode import DecodeConfig
-from attnserve.attention.kernels.extend import ExtendConfig
+from attnserve.attention.kernels.mha.configs import DecodeConfig
+from attnserve.attention.kernels.mha.extend import ExtendConfig
 from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager, time_graph
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
 
 DECODE_CONFIGS = [DecodeConfig(bn, w, s) for bn, (w, s) in itertools.product(
     (32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
-# first sweep (2026-11-29, one head per program): (128, 64, 4 warps, 3 stages) won on every prefill shape;
-# the second compares GQA packing against it and probes around it
+# the shipped extend tile first, then GQA packing against it and the tiles around it
 EXTEND_CONFIGS = [ExtendConfig(*c) for c in (
     (128, 64, 4, 3, False), (128, 64, 4, 3, True), (128, 64, 4, 4, True), (128, 64, 4, 2, True),
     (64, 64, 4, 3, True), (128, 32, 4, 3, True), (128, 128, 8, 3, True))]
-# third sweep (kernel variants of the winner: lazy rescale, one key loop) ran at commit b7969a4; both
-# lost everywhere and were removed (benchmarks/NOTES.md). The list now compares packing only.
+# the extend kernel's variants: GQA packing on and off
 EXTEND_VARIANTS = [ExtendConfig(128, 64, 4, 3, pack_gqa=p) for p in (False, True)]
 WAVES = (0.5, 1.0, 2.0, 4.0, 8.0)
 

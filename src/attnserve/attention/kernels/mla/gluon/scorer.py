@@ -1,24 +1,27 @@
-"""A Gluon MLA decode kernel (Hopper) at 64+ heads: one warpgroup scores, the other copies; both multiply.
+"""The scorer Gluon MLA decode kernel (Hopper) at 64+ heads: one warpgroup scores, the other copies; both
+multiply ("scorer": the warpgroup that computes each key tile's whole score and its softmax).
 
-A CTA owns 64 heads of one (request, split), as the column-split kernel does (mla_decode_colsplit.py), with two
-warpgroups and the same two 72 KB stages, but the roles split by work instead of by columns:
+A CTA owns 64 heads of one (request, split), with two warpgroups and two 72 KB stages, the roles split by work:
 
     scorer (wg0): S = q K^T over all 576 columns   softmax   publish P, alpha   o_L = o_L alpha + P V_L
     loader (wg1):                                             wait P, alpha      o_R = o_R alpha + P V_R
                   then, once both PVs have read the stage: copy tile t + 2 into it
 
-Why: in the column-split kernel each warpgroup scores half the columns, so the halves cross through shared
-memory (a 16 KB float32 exchange and a wait) before the softmax, and each warpgroup issues its own 18 copies a
-thread a tile on its path to the next score (0.23 us of a 2.2 us tile on the H200). Here the score needs no
-exchange, and the copies are issued by the warpgroup that waits for the probabilities anyway, during the next
-score. FlashInfer's Hopper MLA kernel divides its two warpgroups the same way. On the H200, in one process
-(benchmarks/mla_colsplit_variants.py): 1 x 32768 at 128 heads 26.7-27.1 against the column split's 29.6-30.1 us,
-64 x 8192 over 64-token pages 255-277 against 287-329, 128 x 4096 320.5-321.6 against 312-363.
+Why: with the latent's columns split between the warpgroups, the two halves of a score cross through shared
+memory (a float32 exchange and a wait) before the softmax, and each warpgroup issues its own copies on its path
+to the next score. Here the score needs no exchange, and the copies are issued by the warpgroup that waits for
+the probabilities anyway, during the next score. FlashInfer's Hopper MLA kernel divides its two warpgroups the
+same way. Two warpgroups and no producer partition leave 255 registers a thread, so ptxas keeps the wgmmas
+asynchronous.
 
 Tiles come by cp.async (36 16-byte copies a loader thread), over pages of 64 tokens or more by TMA (nine 64 x 64
-boxes of one page); a TMA tile's rows past the request's end are zeroed by the scorer before either PV (an unused
-slot may hold anything; the score masks them). The probabilities go to the tile's rope slot (the score has read
-it), the rescale factors to a slot per stage. Split partials as the column-split kernel's (float16, scaled a row).
+boxes of one page: one instruction instead of a thread's copies); a TMA tile's rows past the request's end are
+zeroed by the scorer before either PV (an unused slot may hold anything; the score masks them). The
+probabilities go to the tile's rope slot (the score has read it), the rescale factors to a slot per stage.
+
+A split decode may store float16 partials (SCALED; mla/attention.py says why): both warpgroups write each row's
+largest magnitude, and each row is scaled by the power of two that brings its largest value to [2^14, 2^15),
+the exponent stored in column 512 by warpgroup 0 (parts.two_warpgroup_epilogue).
 """
 
 from __future__ import annotations
@@ -33,9 +36,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attnserve.attention.kernels.mla_decode_colsplit import _finish, _tma_tile, _zero_rows_past
-from attnserve.attention.kernels.mla_decode_seesaw import _probabilities, _row_token_head
-from attnserve.attention.kernels.mla_gluon_parts import _copy_columns, _copy_query, _release, _split_range, _tile_rows
+from attnserve.attention.kernels.mla.gluon.parts import (
+    copy_columns,
+    copy_query,
+    release_stage,
+    row_token_head,
+    split_range,
+    tile_probabilities,
+    tile_rows,
+    tma_tile,
+    two_warpgroup_epilogue,
+    zero_rows_past,
+)
 
 
 @gluon.jit
@@ -46,12 +58,12 @@ def _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring,
     counting this thread's arrival once its copies land. Nothing past the last tile."""
     if t < num_tiles:
         if PAGE_SIZE % 64 == 0:
-            _tma_tile(kv_desc, kv_indices, page_base, lo + t * 64, loaded, t % 2, c_ring, r_ring, t % 2, 0,
+            tma_tile(kv_desc, kv_indices, page_base, lo + t * 64, loaded, t % 2, c_ring, r_ring, t % 2, 0,
                       LATENT // ROPE, True, LATENT, ROPE, PAGE_SIZE)
         else:
             offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
             base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [64, ROPE] pointers, 4 rows a thread
-            _copy_columns(c_ring.index(t % 2), base, 0, LATENT // ROPE, ROPE)
+            copy_columns(c_ring.index(t % 2), base, 0, LATENT // ROPE, ROPE)
             async_copy.async_copy_global_to_shared(r_ring.index(t % 2), base + LATENT)
             async_copy.mbarrier_arrive(loaded.index(t % 2), increment_count=False)
 
@@ -87,7 +99,7 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if PAGE_SIZE % BLOCK_N == 0:
             if hi - (lo + t * BLOCK_N) < BLOCK_N:  # a TMA tile's rows past the request's end: zeros for the PVs
-                _zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), zero_layout)
+                zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), zero_layout)
                 gl.thread_barrier()
                 fence_async_shared()  # the zeros before either PV reads the stage
         if hi - (lo + t * BLOCK_N) >= BLOCK_N:  # a whole tile: no key to mask
@@ -96,7 +108,7 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
             p = gl.exp2(s - m_new[:, None])
             alpha = gl.exp2(m_run - m_new)
         else:
-            p, m_new, alpha = _probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
+            p, m_new, alpha = tile_probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_run = m_new
         p = p.to(dtype)
@@ -106,13 +118,13 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
         else:
             alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
         fence_async_shared()  # the loader's wgmma reads p
-        _release(p_ready.index(st))
+        release_stage(p_ready.index(st))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         acc = warpgroup_mma(gl.convert_layout(p, p_layout), c_ring.index(st).slice(0, HALF, dim=1), acc,
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _release(pv_done.index(st))  # this warpgroup is done with the stage
-    _finish(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg, split, active,
+        release_stage(pv_done.index(st))  # this warpgroup is done with the stage
+    two_warpgroup_epilogue(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg, split, active,
             stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, NUM_HEADS, LATENT,
             WRITE_FINAL, SCALED, row_s, row_o)
 
@@ -135,18 +147,18 @@ def _loader(Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split,
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    tok, head, row_ok = _row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, copy_rows)
+    tok, head, row_ok = row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, copy_rows)
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
     q_ptrs = Q + tok[:, None] * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]
     q_mask = row_ok[:, None] & (offs < ROPE)[None, :]  # rows past the heads are zeros
-    rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [64] pool rows
-    rows1 = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
-    _copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # while the page indices come
+    rows = tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [64] pool rows
+    rows1 = tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+    copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # while the page indices come
     _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 0, num_tiles,
                LATENT, ROPE, PAGE_SIZE, copy_layout)
     _copy_tile(KV, kv_desc, rows1, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 1, num_tiles,
                LATENT, ROPE, PAGE_SIZE, copy_layout)
-    rows = _tile_rows(kv_indices, page_base, lo + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+    rows = tile_rows(kv_indices, page_base, lo + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
 
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 256-511
     for t in range(num_tiles):
@@ -165,16 +177,16 @@ def _loader(Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split,
             mbarrier.wait(pv_done.index(st), (t // 2) & 1)  # and the scorer's
             _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t + 2,
                        num_tiles, LATENT, ROPE, PAGE_SIZE, copy_layout)
-            rows = _tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+            rows = tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
     async_copy.wait_group(0)  # no copy outlives the CTA (a split with no tiles never waited for its query)
-    _finish(acc, gl.zeros([BLOCK_H], gl.float32, layout=row_s), gl.zeros([BLOCK_H], gl.float32, layout=row_s),
+    two_warpgroup_epilogue(acc, gl.zeros([BLOCK_H], gl.float32, layout=row_s), gl.zeros([BLOCK_H], gl.float32, layout=row_s),
             c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg, split, active, stride_ob, stride_oh,
             stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 1, NUM_HEADS, LATENT, WRITE_FINAL, SCALED, row_s,
             row_o)
 
 
 @gluon.jit
-def _mla_decode_scorer_kernel(
+def mla_decode_scorer_kernel(
     Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, group_first, group_ntok,
     qk_scale_log2,
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -182,8 +194,8 @@ def _mla_decode_scorer_kernel(
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
     kv_desc=None,
 ):
-    """The column-split kernel's arguments and grid (kv_desc: the latent pool's TMA descriptor over 64-token
-    pages)."""
+    """Grid (head groups, requests, splits); kv_desc: the latent pool's TMA descriptor over 64-token pages
+    (None: cp.async tiles)."""
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -196,7 +208,7 @@ def _mla_decode_scorer_kernel(
     hg = gl.program_id(0)
     g = gl.program_id(1)
     split = gl.program_id(2)
-    lo, hi, num_tiles, active = _split_range(gl.load(seq_lens + g), gl.load(num_splits + g), split, BLOCK_N)
+    lo, hi, num_tiles, active = split_range(gl.load(seq_lens + g), gl.load(num_splits + g), split, BLOCK_N)
     page_base = gl.load(kv_indptr + g)
 
     q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout)  # 64 KB

@@ -1,11 +1,10 @@
-"""The Triton MLA decode tiles per GPU architecture, head count and page size: data, not code.
+"""The MLA decode kernel and tile per GPU architecture, head count and page size: data, not code.
 
-What is fastest depends on the shape, and moved with every kernel: on the H200 (thirteenth sweep,
-benchmarks/results/sweep-triton-mla-h200-13.json) 128 heads run on the scorer Gluon kernel with float16
-partials, with one wave of splits over single tokens and half a wave over 64-token pages (its tiles by TMA
-there), and 16 heads (memory-bound) on the narrow Gluon kernel with one split a request over 128 requests. So
-the defaults are rules, first match wins, kept in `mla_decode_tiles.json` (package data) that a GPU sweep
-rewrites (`rules_from_sweep`, `benchmarks/sweep_triton_mla.py --apply`) without anyone hand-copying numbers.
+What is fastest depends on the shape, so the defaults are rules, first match wins, kept in `decode_table.json`
+(package data). A GPU sweep rewrites it (`rules_from_sweep`, `tools/sweep_triton_mla.py --apply`) so that no
+one copies numbers by hand. Each rule names a kernel ("triton", or one of the Gluon kernels of `gluon/`), its
+tile, the split policy's waves and the split partials' format. Plain Python: the table is read, and a plan
+resolved from it, on machines without triton or a GPU.
 """
 
 from __future__ import annotations
@@ -17,13 +16,18 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-TABLE_FILE = "mla_decode_tiles.json"
-KERNELS = ("triton", "gluon_seesaw", "gluon_colsplit", "gluon_scorer", "gluon_narrow")
+from attnserve.attention.kernels.gpu_target import TileShape
+
+TABLE_FILE = "decode_table.json"
+TABLE_PACKAGE = "attnserve.attention.kernels.mla"
+KERNELS = ("triton", "gluon_seesaw", "gluon_scorer", "gluon_narrow")
 # the Gluon kernels' fixed tiles: (heads per CTA allowed, block_n, num_warps, num_stages), no deferred PV
-GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_colsplit": ((64,), 64, 8, 2), "gluon_scorer": ((64,), 64, 8, 2),
-               "gluon_narrow": ((16, 32), 64, 8, 2)}
-# the kernels that store float16 partials (each row scaled by a power of two: mla_decode.py)
-SCALED_PARTIAL_KERNELS = ("gluon_colsplit", "gluon_scorer")
+GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_scorer": ((64,), 64, 8, 2), "gluon_narrow": ((16, 32), 64, 8, 2)}
+# the kernels that store float16 partials (each row scaled by a power of two: decode.py says why)
+SCALED_PARTIAL_KERNELS = ("gluon_scorer",)
+# the Gluon kernels' latent and rope widths (DeepSeek's 512 + 64): what they are compiled for
+GLUON_LATENT = 512
+GLUON_ROPE = 64
 # the kernels whose CTA is 64 query rows, one wgmma's M: fewer heads than that are masked rows
 ROWS_64_KERNELS = tuple(k for k, (heads, *_) in GLUON_TILES.items() if heads == (64,))
 
@@ -34,21 +38,19 @@ class MLADecodeConfig:
     block_n: int = 32  # latent rows (keys) per pipelined tile
     num_warps: int = 4
     num_stages: int = 2
-    # multiply a tile's probabilities by its latent one iteration later (mla_decode.py says why): with 8 warps the
+    # multiply a tile's probabilities by its latent one iteration later (decode.py says why): with 8 warps the
     # score dot is then split over both warpgroups instead of computed twice; the latent is read twice (L2)
     defer_pv: bool = False
     # the split plan's target programs per SM for this tile (SplitPolicy.waves); 0: the backend's policy. A tile
-    # that fits twice on an SM over 128 requests wants all programs in one wave (3 splits were 1.45 waves)
+    # that fits twice on an SM over many requests wants all of its programs in one wave
     split_waves: float = 0.0
-    # "triton": mla_decode.py's kernel, any tile; the warp-specialised Hopper kernels have fixed tiles (GLUON_TILES,
-    # the fields above must say so): "gluon_colsplit" (mla_decode_colsplit.py) 64 heads, two warpgroups on one tile,
-    # each its half of the latent's columns; "gluon_scorer" (mla_decode_scorer.py) 64 heads, one warpgroup scoring
-    # and the other copying, both multiplying; "gluon_seesaw" (mla_decode_seesaw.py) 64 heads, each warpgroup its own
-    # tile of a round; "gluon_narrow" (mla_decode_narrow.py) 16 or 32 heads as the columns of keys-major wgmmas.
-    # Sweeps up to the seventh also raced "gluon_ws", the ping-pong the seesaw replaced (in history at 0877da7).
+    # "triton": decode.py's kernel, any tile; the warp-specialised Hopper kernels of gluon/ have fixed tiles
+    # (GLUON_TILES, the fields above must say so): "gluon_scorer" (gluon/scorer.py) 64 heads, one warpgroup scoring
+    # and the other copying, both multiplying; "gluon_seesaw" (gluon/seesaw.py) 64 heads, each warpgroup its own
+    # tile of a round; "gluon_narrow" (gluon/narrow.py) 16 or 32 heads as the columns of keys-major wgmmas
     kernel: str = "triton"
-    # the column-split and scorer kernels' split partials (mla_decode.py says why): "float16", each row scaled by a power of
-    # two, or "float32"
+    # the split partials (decode.py says why): "float16", each row scaled by a power of two (the scorer kernel's
+    # alone), or "float32"
     partials: str = "float32"
 
     def __post_init__(self):
@@ -115,7 +117,7 @@ def parse_rules(table: dict) -> dict[str, tuple[TileRule, ...]]:
 
 @functools.cache
 def shipped_rules() -> dict[str, tuple[TileRule, ...]]:
-    text = resources.files("attnserve.attention.kernels").joinpath(TABLE_FILE).read_text(encoding="utf-8")
+    text = resources.files(TABLE_PACKAGE).joinpath(TABLE_FILE).read_text(encoding="utf-8")
     return parse_rules(json.loads(text))
 
 
@@ -127,6 +129,24 @@ def tiles_for(arch: str, num_heads: int, page_size: int,
         if rule.holds(num_heads, page_size):
             return rule.config.for_heads(num_heads)
     raise AssertionError("every arch's rules end in one that always holds")  # pragma: no cover
+
+
+# the interpreter's small MLA decode tiles; GPU tiles come from decode_table.json per arch, heads, page size
+INTERPRETER_MLA_DECODE_TILES = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+GLUON_BLOCK_H = 64  # query rows of the 64-row Gluon kernels' CTA: one 64-row wgmma per warpgroup
+# the Gluon kernel that runs MLA extend as decode rows, with one wave of splits (one CTA per SM) for the
+# few-token steps that split
+GLUON_ROWS_CONFIG = MLADecodeConfig(64, 64, 8, 2, split_waves=1.0, kernel="gluon_seesaw")
+
+
+def mla_tile_shape(c: MLADecodeConfig, width: int, kv_lora_rank: int, itemsize: int) -> TileShape:
+    """A Triton MLA decode tile's shared memory: a deferred PV buffers the previous tile's latent too."""
+    return TileShape(c.block_h, width, c.block_n, width + kv_lora_rank * c.defer_pv, c.num_stages, itemsize)
+
+
+def tokens_per_cta(num_heads: int) -> int:
+    """Query tokens that share a 64-row CTA in extend rows: 64 / heads where heads divide 64 (16 heads: 4)."""
+    return GLUON_BLOCK_H // num_heads if num_heads < GLUON_BLOCK_H and GLUON_BLOCK_H % num_heads == 0 else 1
 
 
 # ---- from a sweep to the table -------------------------------------------------------------------------
@@ -142,7 +162,7 @@ def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> li
     timed: dict[str, dict[tuple, float]] = {}
     for r in rows:
         r = {**CONFIG_DEFAULTS, **r}
-        if "us" in r and all(k in r for k in CONFIG_KEYS) and r["workload"] in shapes:
+        if "us" in r and all(k in r for k in CONFIG_KEYS) and r["workload"] in shapes and r["kernel"] in KERNELS:
             key = tuple(r[k] for k in CONFIG_KEYS)
             per = timed.setdefault(r["workload"], {})
             per[key] = min(r["us"], per.get(key, r["us"]))
@@ -169,7 +189,7 @@ def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> li
 
 def write_rules(arch: str, rules: list[dict], source: str, path: Path | None = None) -> Path:
     """Replace one architecture's rules in the table file (the package's by default); checked before writing."""
-    path = path or Path(str(resources.files("attnserve.attention.kernels").joinpath(TABLE_FILE)))
+    path = path or Path(str(resources.files(TABLE_PACKAGE).joinpath(TABLE_FILE)))
     table = json.loads(path.read_text())
     table["rules"][arch] = rules
     table["source"] = source
@@ -179,5 +199,6 @@ def write_rules(arch: str, rules: list[dict], source: str, path: Path | None = N
     return path
 
 
-__all__ = ["MLADecodeConfig", "TileRule", "parse_rules", "rules_from_sweep", "shipped_rules", "tiles_for",
+__all__ = ["GLUON_BLOCK_H", "GLUON_ROWS_CONFIG", "INTERPRETER_MLA_DECODE_TILES", "MLADecodeConfig", "TileRule",
+           "mla_tile_shape", "parse_rules", "rules_from_sweep", "shipped_rules", "tiles_for", "tokens_per_cta",
            "write_rules"]

@@ -1,12 +1,11 @@
 """Prefill / extend over contiguous K/V rows through TMA tensor descriptors, warp-specialised on Hopper.
 
-The paged extend kernel (extend.py) gathers every key through the page table, which rules out
+The paged extend kernel (mha/extend.py) gathers every key through the page table, which rules out
 TMA and, with it, Triton's Hopper warp specialisation. This kernel reads K and V as ragged
 contiguous rows instead: request r's keys are rows kv_starts[r] .. kv_starts[r] + seq_lens[r]
 of a `[rows, Hkv, D]` tensor. For fresh prompts those rows are the call's own k and v (no copy);
 with a cached prefix the backend first gathers each request's keys from the pool into one such
-tensor (`gather_request_rows`: one read and one write of K and V, by its bytes about a tenth of the
-call at 8 x (4096 + 512) on the H200).
+tensor (`gather_request_rows`: one read and one write of K and V, small beside the attention itself).
 
 Each program owns BLOCK_M query rows of one query head. Q, K and V tiles arrive through tensor
 descriptors; on sm90 the key loop is `tl.range(..., warp_specialize=True)`, which Triton 3.6
@@ -17,7 +16,7 @@ walks the (query tile, head) work list, and that loop is the specialised one. Tr
 warp specialisation takes no second loop beside the specialised one (before or after, it aborts
 in a dominance assertion; a nested loop is fine), so the causal / window mask is built on every
 key tile rather than in a separate diagonal loop; it needs descriptors built in the kernel
-(host ones hang) and no pointer loads. benchmarks/NOTES.md has the measurements and failures.
+(host ones hang) and no pointer loads (check_warp_specialized says which configs are refused).
 
 Rows past a request's end inside a tile read the next request's rows (or zeros past the
 tensor's end, which TMA fills); the mask hides those keys and the output store is masked, so
@@ -42,8 +41,9 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile_fma,
     to_log2,
 )
-from attnserve.attention.kernels.extend import ExtendTiles
-from attnserve.attention.kernels.tiles import GpuTarget, TileShape, check_shared_memory
+from attnserve.attention.kernels.params import LayerParams
+from attnserve.attention.kernels.extend_tiles import ExtendTiles
+from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, check_shared_memory
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,9 @@ class PrefillTmaConfig:
         return self.block_m
 
 
-# sm90 defaults per head_dim, from the H200 sweep (benchmarks/results/sweep-prefill-tma-h200.json, 2026-12-01):
-# at head_dim 128 the warp-specialised persistent kernel won every shape (447 / 513 / 321 / 432 TFLOP/s at
-# 8x2048 / 1x16384 / 32x512 / extend, against 379 / 455 / 220 / 393 for the best tiles without specialisation
-# and 307 / 401 / 191 / 351 for the paged kernel). Other head dims take the unspecialised kernel's best tiles
-# (warp-specialised tiles are allowed only where they were measured correct: see check_warp_specialized).
+# sm90 defaults per head_dim: at head_dim 128 the warp-specialised persistent kernel, the fastest on every
+# prefill and extend shape; other head dims take the unspecialised kernel's best tiles (warp-specialised tiles
+# are allowed only where they were measured correct: see check_warp_specialized).
 PREFILL_TMA_TILES = {
     128: PrefillTmaConfig(128, 128, 4, 2, True, persistent=1, device_descriptors=True),
     64: PrefillTmaConfig(128, 64, 8, 3, False),
@@ -86,9 +84,9 @@ def default_prefill_tma_config(head_dim: int, device: torch.device) -> PrefillTm
 
 
 def check_warp_specialized(config: PrefillTmaConfig, head_dim: int) -> None:
-    """Refuse the warp-specialised configs Triton 3.6 builds wrongly on the H200 (before anything runs).
+    """Refuse the warp-specialised configs Triton 3.6 builds wrongly on Hopper (before anything runs).
 
-    Measured there (benchmarks/NOTES.md): with host descriptors the first launch never finishes (the
+    With host descriptors the first launch never finishes (the
     query tile's TMA box is not split with the tile); with 64-key tiles over 3 stages every output is
     NaN; a run-time branch in the key loop silently drops the specialisation. Only the shape measured
     correct is allowed: device descriptors, 128-key tiles, 2 stages, head_dim 128, the mask on every tile.
@@ -118,24 +116,6 @@ def tma_rows_ok(t: torch.Tensor) -> bool:
     if t is None or t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
         return False
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-
-
-def fast_path_blocker(*, head_dim: int, v_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
-                      custom_mask, target: GpuTarget | None, interpreting: bool) -> str | None:
-    """Why a call cannot take this kernel (None: it can). Cheap host checks, made per call."""
-    if custom_mask is not None:
-        return "custom mask"
-    if kv_dtype != q_dtype:
-        return f"KV dtype {kv_dtype} differs from q's {q_dtype} (FP8 pool)"
-    if q_dtype not in (torch.bfloat16, torch.float16) and not interpreting:
-        return f"{q_dtype} inputs"
-    if head_dim != v_dim:
-        return "V head dim differs from K's"
-    if head_dim not in (64, 128, 256):
-        return f"head_dim {head_dim} (TMA tiles need 64, 128 or 256)"
-    if not interpreting and (target is None or target.arch != "sm90"):
-        return "not Hopper (sm90)"
-    return None
 
 
 def gather_request_rows(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -240,7 +220,7 @@ def _prefill_tma_kernel(
     # Q, K, V: host-built descriptors, or with DEVICE_DESC the tensors themselves, described here. Warp
     # specialisation splits the query tile between two consumer warpgroups and loads each half with its own
     # TMA box; only a descriptor the compiler builds itself gets that box (a host descriptor keeps the whole
-    # tile's, and its loads overrun the half-size buffers: the kernel never finished on the H200).
+    # tile's, and its loads overrun the half-size buffers: the kernel never finishes).
     if DEVICE_DESC:
         desc_q = tl.make_tensor_descriptor(Q, [q_rows, NUM_HEADS * HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
         desc_k = tl.make_tensor_descriptor(K, [kv_rows, NUM_KV_HEADS * HEAD_DIM], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
@@ -288,10 +268,7 @@ def prefill_tma_attention(
     tiles: ExtendTiles,
     qo_indptr: torch.Tensor,
     seq_lens: torch.Tensor,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_cap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    layer: LayerParams,
     config: PrefillTmaConfig | None = None,
     target: GpuTarget | None = None,
 ) -> torch.Tensor:
@@ -299,8 +276,10 @@ def prefill_tma_attention(
 
     q `[T, Hq, D]`, out `[T, Hq, D]`; k_rows / v_rows `[rows, Hkv, D]` where request r's keys are rows
     kv_starts[r] .. + seq_lens[r] (`[B]` int32 each); qo_indptr `[B+1]`. Every tensor must satisfy
-    `tma_rows_ok`. `tiles` must have been built with `config.block_m` positions per tile.
+    `tma_rows_ok`. `tiles` must have been built with `config.block_m` positions per tile; layer: the layer's
+    scale and masking (params.LayerParams; K/V scales do not apply: FP8 pools take the paged kernel).
     """
+    sm_scale, sliding_window, logit_cap, sinks = layer.sm_scale, layer.sliding_window, layer.logit_cap, layer.sinks
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_rows.shape[1]
     if num_heads % num_kv_heads:

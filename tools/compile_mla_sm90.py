@@ -3,10 +3,10 @@
 Per tile: registers, spill bytes, shared memory, whether the latent loads are pipelined (async copies), and the
 Hopper MMA layouts (warpsPerCTA [8, 1] on a 64-row score tile means both warpgroups compute all of it).
 
-    python benchmarks/compile_mla_sm90.py                   # the shipped sm90 tiles and the sweep's new ones
-    python benchmarks/compile_mla_sm90.py --decode 64,32,8,2,1,64   # block_h,block_n,warps,stages,defer_pv,page
-    python benchmarks/compile_mla_sm90.py --gluon 1 --json          # the Gluon decode kernel over 1-token pages
-    python benchmarks/compile_mla_sm90.py --gluon 64 --gluon-kernel gluon_narrow --gluon-heads 16 --json
+    python tools/compile_mla_sm90.py                   # the shipped sm90 tiles and the sweep's new ones
+    python tools/compile_mla_sm90.py --decode 64,32,8,2,1,64   # block_h,block_n,warps,stages,defer_pv,page
+    python tools/compile_mla_sm90.py --gluon 1 --json          # the Gluon decode kernel over 1-token pages
+    python tools/compile_mla_sm90.py --gluon 64 --gluon-kernel gluon_narrow --gluon-heads 16 --json
 
 Pointers and strides are declared 16-divisible, as Triton's launcher specialises them at run time (576-wide
 bf16 rows): without that hint the pipeliner cannot use 16-byte async copies and compiles nothing like what runs.
@@ -81,50 +81,49 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
 
 
 def decode_report(block_h, block_n, warps, stages, defer_pv, page_size, heads=128) -> dict:
-    from attnserve.attention.kernels.mla_decode import _mla_decode_split_kernel
+    from attnserve.attention.kernels.mla.decode import mla_decode_split_kernel
 
-    return compile_sm90(_mla_decode_split_kernel, dict(
+    return compile_sm90(mla_decode_split_kernel, dict(
         NUM_HEADS=heads, BLOCK_H=block_h, BLOCK_N=block_n, LATENT=512, ROPE=64, BLOCK_R=64, PAGE_SIZE=page_size,
         TILE_IN_PAGE=page_size % block_n == 0, DEFER_PV=bool(defer_pv), WRITE_FINAL=False, DOT_F32=False),
         warps, stages)
 
 
 def extend_report(block_m, block_n, warps, stages, defer_pv, page_size=1) -> dict:
-    from attnserve.attention.kernels.mla_extend import _mla_extend_kernel
+    from attnserve.attention.kernels.mla.extend import mla_extend_kernel
 
-    return compile_sm90(_mla_extend_kernel, dict(
+    return compile_sm90(mla_extend_kernel, dict(
         BLOCK_M=block_m, BLOCK_N=block_n, LATENT=512, ROPE=64, BLOCK_R=64, PAGE_SIZE=page_size,
         HAS_CUSTOM_MASK=False, DEFER_PV=bool(defer_pv), DOT_F32=False), warps, stages)
 
 
 def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> dict:
     """A warp-specialised Gluon decode kernel at its register budgets: the seesaw (fewer heads: the extend rows'
-    token groups, mla_decode_gluon.tokens_per_cta) or the narrow one (its CTA's heads: the fewest of 16 / 32 that
-    hold them). The column-split one: scaled (its float16 partials)."""
+    token groups, plan.tokens_per_cta), the narrow one (its CTA's heads: the fewest of 16 / 32 that hold them)
+    or the scorer (scaled: its float16 partials)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from attnserve.attention.kernels import mla_decode_gluon as g
+    from attnserve.attention.kernels.mla.gluon import launch as g
 
     common = {"NUM_HEADS": heads, "LATENT": 512, "ROPE": 64, "PAGE_SIZE": page_size, "WRITE_FINAL": False}
     if kernel == "gluon_narrow":
-        return compile_sm90(g._mla_decode_narrow_kernel, {**common, "BLOCK_H": 16 if heads <= 16 else 32,
+        return compile_sm90(g.mla_decode_narrow_kernel, {**common, "BLOCK_H": 16 if heads <= 16 else 32,
                                                           "CONSUMER_REGS": g.NARROW_CONSUMER_REGS},
                             4, 1, source=GluonASTSource, maxnreg=g.MAXNREG)
     constexprs = {**common, "CONSUMER_REGS": g.CONSUMER_REGS, "TOKENS": g.tokens_per_cta(heads)}
-    if kernel in ("gluon_colsplit", "gluon_scorer"):  # over 64-token pages their tiles come by TMA: the latent's
+    if kernel == "gluon_scorer":  # over 64-token pages its tiles come by TMA: the latent's
         # descriptor type
         import torch
         from triton.runtime.jit import mangle_type
 
         pointers = {"PartialO": "*fp16"} if scaled else {}
-        constexprs = {**constexprs, "CONSUMER_REGS": g.COLSPLIT_REGS, "TOKENS": 1, "SCALED": scaled}
+        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled}
         if page_size % g.GLUON_BLOCK_N == 0:
             pointers["kv_desc"] = mangle_type(g.latent_descriptor(torch.empty(64, 1, 576, dtype=torch.bfloat16)))
         else:
             constexprs["kv_desc"] = None
-        fn = g._mla_decode_colsplit_kernel if kernel == "gluon_colsplit" else g._mla_decode_scorer_kernel
-        return compile_sm90(fn, constexprs, 4, 1, source=GluonASTSource, pointers=pointers)
-    return compile_sm90(g._mla_decode_seesaw_kernel, constexprs, 4, 1, source=GluonASTSource,
+        return compile_sm90(g.mla_decode_scorer_kernel, constexprs, 4, 1, source=GluonASTSource, pointers=pointers)
+    return compile_sm90(g.mla_decode_seesaw_kernel, constexprs, 4, 1, source=GluonASTSource,
                         maxnreg=g.MAXNREG)
 
 
@@ -139,9 +138,8 @@ def main() -> int:
     p.add_argument("--extend", action="append", help="block_m,block_n,warps,stages,defer_pv")
     p.add_argument("--gluon", action="append", type=int, metavar="PAGE_SIZE", help="the Gluon decode kernel")
     p.add_argument("--gluon-heads", type=int, default=128, help="with --gluon: query heads (16: 4-token rows)")
-    p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_colsplit", "gluon_scorer",
-                                                                          "gluon_narrow"))
-    p.add_argument("--scaled", action="store_true", help="gluon_colsplit / gluon_scorer: float16 partials")
+    p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_scorer", "gluon_narrow"))
+    p.add_argument("--scaled", action="store_true", help="gluon_scorer: float16 partials")
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:

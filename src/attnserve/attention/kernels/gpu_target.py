@@ -1,10 +1,9 @@
-"""Tile configurations per GPU architecture, and the shared-memory check made before a launch.
+"""The GPU a tile is chosen for (`GpuTarget`), and the shared-memory check made before a launch.
 
-The tiles were tuned on an H200 (sm90, 227 KiB of shared memory per block). Other GPUs have
-less: an A100 (sm80) 163 KiB, consumer Ampere and Ada (sm86, sm89) 99 KiB, so Hopper's
-three-stage 128 x 64 extend tiles would not launch there. Each table below names the tiles
-for one architecture; `check_shared_memory` estimates what a kernel's pipelined tiles need
-and raises a clear error before Triton fails at launch.
+Hopper (sm90) gives a block 227 KiB of shared memory; other GPUs have less: an A100 (sm80) 163 KiB,
+consumer Ampere and Ada (sm86, sm89) 99 KiB, so Hopper's three-stage 128 x 64 extend tiles would not
+launch there. The kernels' tile tables are keyed by `GpuTarget.arch`; `check_shared_memory` estimates
+what a kernel's pipelined tiles need and raises a clear error before Triton fails at launch.
 
 Everything here is plain Python, so the choice and the check run (and are tested) without a GPU:
 pass a `GpuTarget` built from a capability and a shared-memory budget.
@@ -84,7 +83,7 @@ def shared_memory_bytes(t: TileShape) -> int:
     """Estimate: the resident query tile plus `stages` buffered key/value tiles.
 
     Triton keeps pipelined loads in shared memory; the float32 accumulators live in registers.
-    (The H200's tuned tiles measure 128-196 KiB by this rule, under its 227 KiB.)
+    (Hopper's default tiles measure 128-196 KiB by this rule, under its 227 KiB.)
     """
     return t.itemsize * (t.rows * t.cols_q + max(1, t.stages) * t.block_n * t.cols_kv)
 

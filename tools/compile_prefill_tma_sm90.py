@@ -4,7 +4,7 @@ For each config: whether Triton built the warp-specialised form (a `ttg.warp_spe
 warps launched, the shared memory, and ptxas's registers / spills / wgmma-serialisation warnings.
 Used to iterate on the kernel before spending GPU time on it.
 
-    PYTHONPATH=src python3 benchmarks/compile_prefill_tma_sm90.py [--configs 128,128,4,2,1 ...]
+    PYTHONPATH=src python3 tools/compile_prefill_tma_sm90.py [--configs 128,128,4,2,1 ...]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 
-from attnserve.attention.kernels import prefill_tma as pt
+from attnserve.attention.kernels.mha import prefill_tma as pt
 
 
 def compile_config(cfg: pt.PrefillTmaConfig, head_dim: int = 128, group: int = 4, window: bool = False,

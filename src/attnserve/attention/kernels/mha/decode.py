@@ -12,7 +12,6 @@ Scores are kept in base 2 (scaled by log2(e)) so the kernels use exp2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,75 +26,21 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile,
     to_log2,
 )
-from attnserve.attention.kernels.tiles import (
+from attnserve.attention.kernels.params import DecodeRows, LayerParams
+from attnserve.attention.kernels.mha.configs import DecodeConfig, default_decode_config
+from attnserve.attention.kernels.split_kv import (
+    finish_split,
+    partial_strides,
+    split_bounds,
+    split_outputs,
+)
+from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
     check_shared_memory,
     fewest_stages_dropped,
     target_for,
 )
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-# arch -> (block_n at page size 1, block_n for larger pages, num_warps, num_stages). sm90 measured best on the
-# H200 for bf16 GQA 4:1 decode (benchmarks/NOTES.md): page size 1 preferred 128-token tiles (3.1 TB/s at
-# 1x32768 against 2.8 with 64), page 16 preferred 64 (246 us against 294 at 64x4096). The others keep the
-# same shape scaled to their shared memory (163 KiB on sm80, 99 KiB on sm86/sm89 and unknown GPUs).
-DECODE_TILES = {
-    "sm90": (128, 64, 4, 3),
-    "sm80": (64, 64, 4, 3),
-    "sm86": (64, 32, 4, 2),
-    "sm89": (64, 32, 4, 2),
-    "default": (64, 32, 4, 2),
-}
-
-
-def default_decode_config(head_dim: int, page_size: int, target: GpuTarget | None = None) -> DecodeConfig:
-    """The architecture's tiles (Hopper's when the target is unknown, e.g. under the interpreter).
-
-    Wider heads halve the key tile to stay in registers and shared memory.
-    """
-    block_p1, block_paged, warps, stages = DECODE_TILES[target.arch if target else "sm90"]
-    block_n = block_p1 if page_size == 1 else block_paged
-    if head_dim > 128:
-        block_n //= 2
-    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
-
-
-@triton.jit
-def split_bounds(start, seq, n_splits, split, BLOCK_N: tl.constexpr):
-    """[lo, hi) of one split of keys start..seq: chunks of whole tiles, so only a split's last tile is partial."""
-    chunk = tl.cdiv(tl.cdiv(seq - start, n_splits), BLOCK_N) * BLOCK_N
-    lo = start + split * chunk
-    return lo, tl.minimum(lo + chunk, seq)
-
-
-@triton.jit
-def finish_split(acc, m_i, l_i, Out, PartialO, PartialLse, Sinks, b, head, h_mask, split, offs_dv, dv_mask, v_scale,
-                 stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                 HAS_SINKS: tl.constexpr, WRITE_FINAL: tl.constexpr):
-    """A split's epilogue: the final output (one split per request) or a normalised partial and its base-2 LSE."""
-    if WRITE_FINAL:
-        if HAS_SINKS:
-            sink = to_log2(tl.load(Sinks + head, mask=h_mask, other=0.0))
-            l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None] * v_scale
-        tl.store(Out + b * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-                 o.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
-    else:
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
-        o = acc / l_safe[:, None]
-        tl.store(PartialO + b * stride_pb + head[:, None] * stride_ph + split * stride_ps + offs_dv[None, :],
-                 o, mask=h_mask[:, None] & dv_mask[None, :])
-        tl.store(PartialLse + b * stride_lb + head * stride_lh + split, lse, mask=h_mask)
 
 
 @triton.jit
@@ -186,30 +131,6 @@ def _merge_splits_kernel(
     tl.store(Out + b * stride_ot + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_mask)
 
 
-def allocate_partials(batch: int, num_heads: int, max_splits: int, v_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage-1 outputs: normalised partial o [B, Hq, S, Dv] and base-2 LSE [B, Hq, S], float32."""
-    partial_o = torch.empty(batch, num_heads, max_splits, v_dim, dtype=torch.float32, device=device)
-    partial_lse = torch.empty(batch, num_heads, max_splits, dtype=torch.float32, device=device)
-    return partial_o, partial_lse
-
-
-def split_outputs(out: torch.Tensor, partials, max_splits: int, write_final: bool):
-    """(partial_o, partial_lse) for stage 1: the given buffers (checked), new ones, or `out` when unused."""
-    batch, num_heads, v_dim = out.shape
-    if write_final:
-        return partials if partials is not None else (out, out)
-    if partials is None:
-        return allocate_partials(batch, num_heads, max_splits, v_dim, out.device)
-    if partials[0].shape[0] < batch or partials[0].shape[2] < max_splits:
-        raise ValueError(f"partial buffers {tuple(partials[0].shape)} too small for batch {batch} x {max_splits} splits")
-    return partials
-
-
-def partial_strides(partial_o: torch.Tensor, partial_lse: torch.Tensor) -> tuple[int, ...]:
-    return (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2) if partial_o.dim() > 2 else 0,
-            partial_lse.stride(0), partial_lse.stride(1))
-
-
 def merge_splits(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: torch.Tensor, num_splits: torch.Tensor,
                  sinks: torch.Tensor | None, v_scale: float) -> None:
     """Stage 2: each (request, head) merges its splits' partials by their LSEs into out `[B, Hq, Dv]`."""
@@ -227,18 +148,8 @@ def decode_attention(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     out: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_splits: torch.Tensor,
-    max_splits: int,
-    page_size: int,
-    sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    sliding_window: int | None = None,
-    logit_cap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    rows: DecodeRows,
+    layer: LayerParams,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     write_final: bool | None = None,
     config: DecodeConfig | None = None,
@@ -247,11 +158,15 @@ def decode_attention(
     """One query token per request against its paged KV.
 
     q `[B, Hq, D]`; k_buffer `[slots, Hkv, D]`, v_buffer `[slots, Hkv, Dv]` (the pool's layout);
-    out `[B, Hq, Dv]`; kv_indptr `[B+1]` / kv_indices (pages) as in metadata.py; seq_lens `[B]`
-    int32; num_splits `[B]` int32, each in 1..max_splits. `write_final` (default: max_splits == 1)
+    out `[B, Hq, Dv]`; rows: the step's pages and split plan (params.DecodeRows); layer: its scales and
+    masking (params.LayerParams). `write_final` (default: max_splits == 1)
     lets stage 1 write `out` directly; it requires every num_splits to be 1. `target` (default: q's
     GPU) picks the default tiles and bounds their shared memory.
     """
+    kv_indptr, kv_indices, seq_lens, num_splits = rows.kv_indptr, rows.kv_indices, rows.seq_lens, rows.num_splits
+    max_splits, page_size = rows.max_splits, rows.page_size
+    sm_scale, k_scale, v_scale = layer.sm_scale, layer.k_scale, layer.v_scale
+    sliding_window, logit_cap, sinks = layer.sliding_window, layer.logit_cap, layer.sinks
     batch, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
     if num_heads % num_kv_heads:

@@ -1,25 +1,23 @@
-"""A Gluon MLA decode kernel (Hopper): FlashMLA's "seesaw" schedule, two key tiles a round, one per warpgroup.
+"""The seesaw Gluon MLA decode kernel (Hopper): two key tiles a round, one per warpgroup ("seesaw": FlashMLA's
+name for the schedule in which the two warpgroups' softmaxes alternate, each under the other's matrix products).
 
-It runs the absorbed extend as decode rows (mla_extend_rows.py), where it is faster than the column-split kernel
-(9.92 against 10.26 ms at 128 heads on the H200, equal at 16); decode at 128 heads runs on the scorer kernel
-(mla_decode_scorer.py; sweep 13: 27.7 against this kernel's 35.6 us at 1 x 32768). Its helpers serve all three.
+It runs the absorbed extend as decode rows (mla/extend_rows.py), 64 query rows a CTA whatever the heads: with
+fewer heads a CTA takes consecutive tokens of one request.
 
 A CTA owns 64 query rows of a (request, split) and three partitions: a 4-warp producer gathers latent rows by
 cp.async (any page size, page 1 included) into a two-stage ring of `[64 keys, 512]` + `[64 keys, 64]` tiles; two
 4-warp consumers, one per warpgroup, each keep 256 output columns. Tile 2j (stage 0) is warpgroup 0's, tile 2j+1
-(stage 1) warpgroup 1's (after FlashMLA's deep-dive, 2025-04):
+(stage 1) warpgroup 1's (after FlashMLA's write-up of its schedule):
 
     wg0: S0 = q K0^T        softmax(S0) against m       publish p0, scale0   o_L = o_L scale0 + p0 V0_L
          wait p1, scale1:   o_L = o_L scale1 + p1 V1_L
     wg1: S1 = q K1^T        wait p0, scale0:            o_R = o_R scale0 + p0 V0_R   (in flight while:)
          softmax(S1) against m_new0: publish p1, scale1   o_R = o_R scale1 + p1 V1_R
 
-Why this schedule: the ping-pong it replaced (a tile's score, softmax and both halves of its PV one after another,
-the next owner waiting for this tile's max) left the tensor cores idle while a softmax ran. Here both scores are
-issued without waiting on anything but their tile, warpgroup 1's softmax runs under its own wgmma of p0 and under
-warpgroup 0's PV, and warpgroup 0's softmax under warpgroup 1's score. The two row sums are each warpgroup's own
-tiles' at the running max, added at the end. (H200 sweep 7, the two schedules in one run: 331 against 375 us at
-128 x 4096, 314 against 357 over 64-token pages; benchmarks/NOTES.md.)
+Why this schedule: run one after another, a tile's score, softmax and both halves of its PV leave the tensor
+cores idle while a softmax runs. Here both scores are issued without waiting on anything but their tile,
+warpgroup 1's softmax runs under its own wgmma of p0 and under warpgroup 0's PV, and warpgroup 0's softmax under
+warpgroup 1's score. The two row sums are each warpgroup's own tiles' at the running max, added at the end.
 
 Shared memory: q 72 KB + 2 x 72 KB of latent = 216 KB, one CTA per SM. A tile's probabilities go to its stage's
 rope slot, free once the score has read it. The stages are refilled in two column groups so that neither waits
@@ -41,25 +39,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attnserve.attention.kernels.mla_gluon_parts import (
-    _copy_columns,
-    _copy_query,
-    _release,
-    _split_range,
-    _tile_rows,
+from attnserve.attention.kernels.mla.gluon.parts import (
+    copy_columns,
+    copy_query,
+    release_stage,
+    row_token_head,
+    split_range,
+    store_output,
+    tile_probabilities,
+    tile_rows,
 )
-
-
-@gluon.jit
-def _row_token_head(tok0, ntok, hg, NUM_HEADS: gl.constexpr, TOKENS: gl.constexpr, BLOCK_H: gl.constexpr,
-                    layout: gl.constexpr):
-    """Per row `[BLOCK_H]` of the CTA: its query token, its head, and whether it is a real (token, head).
-
-    A CTA's 64 rows are TOKENS consecutive tokens x 64 / TOKENS heads (decode: 1 token, 64 heads of group hg)."""
-    ROW_HEADS: gl.constexpr = BLOCK_H // TOKENS
-    r = gl.arange(0, BLOCK_H, layout=layout)
-    head = hg * ROW_HEADS + r % ROW_HEADS
-    return tok0 + r // ROW_HEADS, head, (r // ROW_HEADS < ntok) & (head < NUM_HEADS)
 
 
 @gluon.jit
@@ -69,10 +58,10 @@ def _load_stage0(base, c_ring, r_ring, loaded_e, loaded_l, free_e, free_l, phase
     them, then 256-511 and the rope."""
     QUARTER: gl.constexpr = LATENT // 2 // ROPE
     mbarrier.wait(free_e.index(0), phase, pred=refill)
-    _copy_columns(c_ring.index(0), base, 0, QUARTER, ROPE)
+    copy_columns(c_ring.index(0), base, 0, QUARTER, ROPE)
     async_copy.mbarrier_arrive(loaded_e.index(0), increment_count=False)
     mbarrier.wait(free_l.index(0), phase, pred=refill)
-    _copy_columns(c_ring.index(0), base, QUARTER, QUARTER, ROPE)
+    copy_columns(c_ring.index(0), base, QUARTER, QUARTER, ROPE)
     async_copy.async_copy_global_to_shared(r_ring.index(0), base + LATENT)
     async_copy.mbarrier_arrive(loaded_l.index(0), increment_count=False)
 
@@ -89,22 +78,22 @@ def _seesaw_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 128 B of a row per 8 threads
     copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
-    rows0 = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
-    rows1 = _tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+    rows0 = tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
+    rows1 = tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
     rounds = num_tiles // 2
     for j in range(rounds):
         phase = (j & 1) ^ 1  # the free barriers' phase of round j - 1
         base0 = KV + rows0[:, None] * stride_kvt + offs[None, :]  # [BLOCK_N, ROPE] pointers, 4 rows a thread
         base1 = KV + rows1[:, None] * stride_kvt + offs[None, :]
-        rows0 = _tile_rows(kv_indices, page_base, lo + (2 * j + 2) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
-        rows1 = _tile_rows(kv_indices, page_base, lo + (2 * j + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        rows0 = tile_rows(kv_indices, page_base, lo + (2 * j + 2) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        rows1 = tile_rows(kv_indices, page_base, lo + (2 * j + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
         _load_stage0(base0, c_ring, r_ring, loaded_e, loaded_l, free_e, free_l, phase, j > 0, LATENT, ROPE)
         mbarrier.wait(free_l.index(1), phase, pred=j > 0)
-        _copy_columns(c_ring.index(1), base1, 0, QUARTER, ROPE)
+        copy_columns(c_ring.index(1), base1, 0, QUARTER, ROPE)
         async_copy.async_copy_global_to_shared(r_ring.index(1), base1 + LATENT)
         async_copy.mbarrier_arrive(loaded_l.index(1), increment_count=False)
         mbarrier.wait(free_e.index(1), phase, pred=j > 0)
-        _copy_columns(c_ring.index(1), base1, QUARTER, QUARTER, ROPE)
+        copy_columns(c_ring.index(1), base1, QUARTER, QUARTER, ROPE)
         async_copy.mbarrier_arrive(loaded_e.index(1), increment_count=False)
     if num_tiles % 2:  # a last, odd tile: a round of stage 0 alone
         _load_stage0(KV + rows0[:, None] * stride_kvt + offs[None, :], c_ring, r_ring, loaded_e, loaded_l, free_e,
@@ -130,18 +119,6 @@ def _score(q_c_smem, q_r_smem, c_tile, r_tile, first_bar, second_bar, phase, ROP
     if not ROPE_FIRST:
         s = warpgroup_mma(q_r_smem, r_tile.permute((1, 0)), s, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-
-@gluon.jit
-def _probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS: gl.constexpr, s_layout: gl.constexpr):
-    """(p `[64, 64]` float32 at the new max, the new max, the factor from m_run to it) of the tile at key n0."""
-    offs_n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
-    if TOKENS > 1:  # each row's own causal horizon (extend rows)
-        s = gl.where(offs_n[None, :] < hi_row[:, None], s * qk_scale_log2, float("-inf"))
-    else:
-        s = gl.where((offs_n < hi)[None, :], s * qk_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_run, gl.max(s, axis=1))
-    return gl.exp2(s - m_new[:, None]), m_new, gl.exp2(m_run - m_new)
 
 
 @gluon.jit
@@ -175,14 +152,14 @@ def _wg0_own_tile(q_c_smem, q_r_smem, c0, r_ring, scale_smem, max_smem, loaded_e
     BLOCK_N: gl.constexpr = 64
     s = _score(q_c_smem, q_r_smem, c0, r_ring.index(0), loaded_e.index(0), loaded_l.index(0), j & 1, False, HALF,
                s_layout)
-    p, m_new, alpha = _probabilities(s, m_run, lo + 2 * j * BLOCK_N, hi, hi_row, qk_scale_log2, TOKENS, s_layout)
+    p, m_new, alpha = tile_probabilities(s, m_run, lo + 2 * j * BLOCK_N, hi, hi_row, qk_scale_log2, TOKENS, s_layout)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p = p.to(c0.dtype)
     _publish(p, alpha, m_new, r_ring.index(0), scale_smem.slice(0, 64), max_smem.slice(0, 64), ready.index(0))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma(gl.convert_layout(p, p_layout), c0.slice(0, HALF, dim=1), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    _release(free_e.index(0))
+    release_stage(free_e.index(0))
     return acc, l_i, m_new
 
 
@@ -207,7 +184,7 @@ def _seesaw_consumer(
 
     hi_row = hi
     if TOKENS > 1:  # rows of earlier tokens see fewer keys
-        row_tok, _, row_ok = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
+        row_tok, _, row_ok = row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
         hi_row = gl.minimum(gl.load(seq_lens + row_tok, mask=row_ok, other=0), hi)
     mbarrier.wait(q_loaded, 0)  # (the scores' fence after their tiles' waits covers the query's copies too)
     m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # the running max after the last round
@@ -225,7 +202,7 @@ def _seesaw_consumer(
             acc, l_i, m_run = _scale_to_other(scale_smem, max_smem, ready, acc, l_i, j & 1, 1, row_s, row_o)
             acc = warpgroup_mma(r_ring.index(1), c1.slice(0, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(free_l.index(1))
+            release_stage(free_l.index(1))
         if num_tiles % 2:  # a last, odd tile: warpgroup 0's alone
             acc, l_i, m_run = _wg0_own_tile(q_c_smem, q_r_smem, c0, r_ring, scale_smem, max_smem, loaded_e,
                                             loaded_l, free_e, ready, acc, l_i, m_run, rounds, lo, hi, hi_row,
@@ -238,7 +215,7 @@ def _seesaw_consumer(
             # warpgroup 0's tile first: its probabilities times columns 256-511, in flight under this softmax
             acc, l_i, m_run = _scale_to_other(scale_smem, max_smem, ready, acc, l_i, phase, 0, row_s, row_o)
             acc = warpgroup_mma(r_ring.index(0), c0.slice(HALF, HALF, dim=1), acc, is_async=True)
-            p, m_new, alpha = _probabilities(s, m_run, lo + (2 * j + 1) * BLOCK_N, hi, hi_row, qk_scale_log2,
+            p, m_new, alpha = tile_probabilities(s, m_run, lo + (2 * j + 1) * BLOCK_N, hi, hi_row, qk_scale_log2,
                                              TOKENS, s_layout)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             p = p.to(dtype)
@@ -246,16 +223,16 @@ def _seesaw_consumer(
                      ready.index(1))
             m_run = m_new
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(free_l.index(0))
+            release_stage(free_l.index(0))
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(gl.convert_layout(p, p_layout), c1.slice(HALF, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(free_e.index(1))
+            release_stage(free_e.index(1))
         if num_tiles % 2:
             acc, l_i, m_run = _scale_to_other(scale_smem, max_smem, ready, acc, l_i, rounds & 1, 0, row_s, row_o)
             acc = warpgroup_mma(r_ring.index(0), c0.slice(HALF, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(free_l.index(0))
+            release_stage(free_l.index(0))
 
     # the row sum is the two warpgroups' (each kept at the final max, m_run in both)
     l_smem.slice(W * BLOCK_H, BLOCK_H).store(l_i)
@@ -265,54 +242,16 @@ def _seesaw_consumer(
     l_tot = l_i + l_smem.slice((1 - W) * BLOCK_H, BLOCK_H).load(row_s)
     l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
     o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    _store_output(o, c_ring.index(W), Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh, stride_pb,
+    store_output(o, c_ring.index(W), Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh, stride_pb,
                   stride_ph, stride_ps, W * HALF, NUM_HEADS, TOKENS, BLOCK_H, HALF, WRITE_FINAL)
     if not WRITE_FINAL and W == 0:
-        tok_l, head_l, ok_l = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
+        tok_l, head_l, ok_l = row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
         lse = gl.where(l_tot > 0.0, m_run + gl.log2(l_safe), float("-inf"))
         gl.store(PartialLse + tok_l * stride_lb + head_l * stride_lh + split, lse, mask=ok_l & active)
 
 
 @gluon.jit
-def _store_output(o, stage, Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh, stride_pb, stride_ph,
-                  stride_ps, col0, NUM_HEADS: gl.constexpr, TOKENS: gl.constexpr, BLOCK_H: gl.constexpr,
-                  HALF: gl.constexpr, WRITE_FINAL: gl.constexpr):
-    """This warpgroup's output columns (o `[64, HALF]` float32, the wgmma's layout) to global memory, through its
-    own stage (free once both warpgroups passed `fin`: every copy consumed, every wgmma waited on).
-
-    Why through shared memory: in the wgmma layout a warp's store covers 8 rows x 32 bytes, and of a 16-bit
-    output 8 rows x 16 bytes (half sectors). Read back a row segment a warp (512 contiguous bytes), the stores
-    coalesce: on the H200 the bf16 output of 128 x 4096 went 327.7 -> 319 us, the extend rows 10.16 -> 9.76 ms.
-    A 16-bit output is converted before it is staged: the staging's shared-memory traffic, not the stores, was
-    what the epilogue cost (1 x 32768, 128 heads: 1.7 of its 2.2 us with float32 staging;
-    benchmarks/mla_colsplit_timeline.py, benchmarks/NOTES.md)."""
-    out_ty: gl.constexpr = Out.dtype.element_ty if WRITE_FINAL else PartialO.dtype.element_ty
-    STAGE_16: gl.constexpr = out_ty.primitive_bitwidth == 16
-    # 16-bit: [64, HALF] in the stage's own 128-byte swizzle (the wgmma layout's 8 rows x 16 bytes and a warp's row
-    # read, 4 x 128 bytes, both conflict-free), a warp reading 256 columns of a row. float32: over the stage's
-    # [64, 2 * HALF] 16-bit bytes, 32-byte chunks XOR-swizzled over 4 rows so a warp's 8 rows x 32 bytes land in
-    # different banks (two wavefronts, the minimum for 256 bytes), a warp reading 128 columns of a row
-    stage_ty: gl.constexpr = out_ty if STAGE_16 else gl.float32
-    staging_layout: gl.constexpr = (gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], out_ty) if STAGE_16
-                                    else gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0]))
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8 if STAGE_16 else 4], [1, 32], [4, 1], [1, 0])
-    staging = stage._reinterpret(stage_ty, [BLOCK_H, HALF], staging_layout)
-    staging.store(o.to(stage_ty))
-    gl.thread_barrier()
-    o = staging.load(rows_layout)
-    tok, head, ok = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, gl.SliceLayout(1, rows_layout))
-    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
-    mask = (ok & active)[:, None]
-    if WRITE_FINAL:
-        gl.store(Out + tok[:, None] * stride_ob + head[:, None] * stride_oh + cols[None, :],
-                 o.to(Out.dtype.element_ty), mask=mask)
-    else:
-        gl.store(PartialO + tok[:, None] * stride_pb + head[:, None] * stride_ph + split * stride_ps + cols[None, :],
-                 o.to(PartialO.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
-def _mla_decode_seesaw_kernel(
+def mla_decode_seesaw_kernel(
     Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, group_first, group_ntok,
     qk_scale_log2,
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -340,12 +279,12 @@ def _mla_decode_seesaw_kernel(
     else:
         tok0 = g
         ntok = 1
-    lo, hi, num_tiles, active = _split_range(gl.load(seq_lens + tok0 + ntok - 1), gl.load(num_splits + tok0), split,
+    lo, hi, num_tiles, active = split_range(gl.load(seq_lens + tok0 + ntok - 1), gl.load(num_splits + tok0), split,
                                              BLOCK_N)
     page_base = gl.load(kv_indptr + tok0)
 
     # the query in shared memory, both scores' A: q_c [64, 512] (64 KB) and q_pe [64, 64] (8 KB)
-    tok, head, row_ok = _row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, gl.SliceLayout(1, q_layout))
+    tok, head, row_ok = row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, gl.SliceLayout(1, q_layout))
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
     q_ptrs = Q + tok[:, None] * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]: 64 columns a time
     q_mask = row_ok[:, None] & (offs < ROPE)[None, :]  # rows past the heads / tokens are zeros
@@ -353,7 +292,7 @@ def _mla_decode_seesaw_kernel(
     q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], r_smem_layout)
     q_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_loaded, count=128)
-    _copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # the consumers wait on q_loaded
+    copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # the consumers wait on q_loaded
     c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
     r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)  # 16 KB: rope, then probabilities
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)  # each tile owner's factor

@@ -1,10 +1,10 @@
-"""The Gluon MLA decode kernel for few heads (Hopper): keys as the wgmma's rows, heads as its columns.
+"""The narrow Gluon MLA decode kernel for few heads (Hopper): keys as the wgmma's rows, heads as its columns
+("narrow": the wgmma's N is the 16 or 32 heads).
 
 At 16 heads (DeepSeek-V2-Lite; V3 at tensor parallel 8) decode is memory-bound: 2 x 16 x 1088 FLOPs per 1152-byte
-latent row. A heads-major CTA would compute a 64-row wgmma for 16 real rows (the seesaw kernel forced there ran
-224 us against the Triton tile's 175 at 128 x 4096), and the Triton tile itself reads 3.4 TB/s of the 4.07
-FlashInfer reaches: its warps issue the next tile's copies only between two tiles' math. Here a producer
-warpgroup keeps copies in flight whatever the consumer does, and the consumer warpgroup does no masked work:
+latent row. A heads-major CTA would compute a 64-row wgmma for 16 real rows, and a Triton tile's warps issue the
+next tile's copies only between two tiles' math. Here a producer warpgroup keeps copies in flight whatever the
+consumer does, and the consumer warpgroup does no masked work:
 
     S^T [64 keys, H]   = K [64, 576] . q^T [576, H]          (m64nHk16, A and B from shared memory)
     softmax over the keys (the columns' max and sum across the warpgroup)
@@ -12,9 +12,8 @@ warpgroup keeps copies in flight whatever the consumer does, and the consumer wa
 
 A CTA owns H = 16 or 32 query heads of one (request, split); O^T's float32 accumulator is 4H registers a thread.
 Shared memory: q (H x 576) + two 72 KB stages of `[64 keys, 512]` + `[64 keys, 64]` + P^T (64 x H). The consumer
-is serial (score, softmax, PV, each waited for): at 16 heads its math stays under the copies (H200, sweep 9:
-143.0 us at 128 x 4096 over 64-token pages, 4.2 TB/s, against FlashInfer fa3's 149.2 and the Triton tile's 176.8);
-at 128 heads, as four 32-head CTAs, it is not (460 us against the seesaw's 308), so it is not used there.
+is serial (score, softmax, PV, each waited for): at 16 heads its math stays under the copies; at 128 heads, as
+four 32-head CTAs, it does not, so the decode table puts it on few heads only.
 """
 
 from __future__ import annotations
@@ -29,12 +28,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attnserve.attention.kernels.mla_gluon_parts import (
-    _copy_columns,
-    _copy_query,
-    _release,
-    _split_range,
-    _tile_rows,
+from attnserve.attention.kernels.mla.gluon.parts import (
+    copy_columns,
+    copy_query,
+    release_stage,
+    split_range,
+    tile_rows,
 )
 
 
@@ -47,13 +46,13 @@ def _narrow_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 128 B of a row per 8 threads
     copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
-    rows = _tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
+    rows = tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
     for i in range(num_tiles):
         s = i % STAGES
         base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [BLOCK_N, ROPE] pointers
-        rows = _tile_rows(kv_indices, page_base, lo + (i + 1) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        rows = tile_rows(kv_indices, page_base, lo + (i + 1) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
         mbarrier.wait(free.index(s), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-        _copy_columns(c_ring.index(s), base, 0, LATENT // ROPE, ROPE)
+        copy_columns(c_ring.index(s), base, 0, LATENT // ROPE, ROPE)
         async_copy.async_copy_global_to_shared(r_ring.index(s), base + LATENT)
         async_copy.mbarrier_arrive(loaded.index(s), increment_count=False)
 
@@ -97,7 +96,7 @@ def _narrow_consumer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles,
         gl.thread_barrier()
         acc = warpgroup_mma(c_tile.permute((1, 0)), p_smem, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _release(free.index(s))
+        release_stage(free.index(s))
 
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[None, :]  # [LATENT, H]
@@ -114,7 +113,7 @@ def _narrow_consumer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles,
 
 
 @gluon.jit
-def _mla_decode_narrow_kernel(
+def mla_decode_narrow_kernel(
     Q, KV, Out, PartialO, PartialLse, kv_indptr, kv_indices, seq_lens, num_splits, qk_scale_log2,
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
@@ -133,7 +132,7 @@ def _mla_decode_narrow_kernel(
     hg = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
-    lo, hi, num_tiles, active = _split_range(gl.load(seq_lens + b), gl.load(num_splits + b), split, BLOCK_N)
+    lo, hi, num_tiles, active = split_range(gl.load(seq_lens + b), gl.load(num_splits + b), split, BLOCK_N)
     page_base = gl.load(kv_indptr + b)
 
     # the query by cp.async from these (the producer's) threads, waited for by the consumer: q_c [H, 512], q_pe [H, 64]
@@ -145,7 +144,7 @@ def _mla_decode_narrow_kernel(
     q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qr_smem_layout)
     q_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_loaded, count=128)
-    _copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)
+    copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)
     c_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
     r_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], r_smem_layout)  # 16 KB
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], p_smem_layout)  # P^T, the PV's B

@@ -1,14 +1,14 @@
-"""Sweep the Triton MLA decode tiles (heads per program, key tile, warps, stages) and split settings on
-issue 12's workloads, and turn the winners into the shipped tile table.
+"""Sweep the MLA decode kernels and tiles (heads per program, key tile, warps, stages) and split settings on
+the MLA workloads, and turn the winners into the shipped decode table.
 
 Each setting is checked against the float32 oracle before it is timed (a tile that computes garbage fast
 must not win). Writes JSON with every (workload, setting), the best per workload, and `tile_rules`: the
-decode tile table rules the sweep implies (attention/kernels/mla_decode_tiles.py), printed at the end.
+decode tile table rules the sweep implies (attention/kernels/mla/decode_table.py), printed at the end.
 
-    PYTHONPATH=src python3 benchmarks/sweep_triton_mla.py --out sweep-mla.json [--tiny] [--budget-s 150] [--decode-only]
-    python benchmarks/sweep_triton_mla.py --apply sweep-mla.json   # no GPU: write its rules into the package
+    PYTHONPATH=src python3 tools/sweep_triton_mla.py --out sweep-mla.json [--tiny] [--budget-s 150] [--decode-only]
+    python tools/sweep_triton_mla.py --apply sweep-mla.json   # no GPU: write its rules into the package
 
---apply replaces the rules of the sweep's architecture (sm90 for an H200) in mla_decode_tiles.json.
+--apply replaces the rules of the sweep's architecture (sm90 for an H200) in mla/decode_table.json.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from attnserve.attention.kernels.mla_decode_tiles import (
+from attnserve.attention.kernels.mla.decode_table import (
     ROWS_64_KERNELS,
     MLADecodeConfig,
     rules_from_sweep,
     write_rules,
 )
-from attnserve.attention.kernels.mla_extend import MLAExtendConfig
-from attnserve.attention.kernels.tiles import GpuTarget
+from attnserve.attention.kernels.mla.extend import MLAExtendConfig
+from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.reference import reference_for_batch
 from attnserve.bench.racers import attnserve_racer, build_race_batch
 from attnserve.bench.timing import time_call
@@ -37,24 +37,14 @@ from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
 # (block_h, block_n, num_warps, num_stages, defer_pv, split_waves, kernel); a workload's time share may end
-# the list, so the Gluon kernels come first (mla_decode_colsplit.py and mla_decode_seesaw.py at 64+ heads, at
-# one and half a wave of splits; mla_decode_narrow.py at 16 heads, at half a wave, one split a request over
-# 128 requests, and at one), then the Triton tiles the fourth H200 sweep kept (sweep-triton-mla-h200-4.json:
-# 64/64/8w/2s at 128 heads, 16/64/8w/2s at 16 heads, one wave each) and the 16-head tile on 4 warps. (Sweep 5
-# also raced a lockstep Gluon kernel, "gluon", and sweeps 5-7 the ping-pong Gluon kernel, "gluon_ws", since
-# removed: slower on every workload. Sweep 9 raced the narrow kernel in 32-head CTAs over 128 heads, 460-465
-# us against the seesaw's 308-327, and with a deferred PV, slower again; in history at fff51f8.)
-# The column-split kernel runs with float32 and with float16 partials (each row scaled by a power of two); the
-# scorer kernel (mla_decode_scorer.py) with float16 partials, first.
-DECODE_CONFIGS = [MLADecodeConfig(64, 64, 8, 2, False, v, k, partials="float16") for k in ("gluon_scorer", "gluon_colsplit")
-                  for v in (1, 0.5)] + [
+# the list, so the Gluon kernels come first: the scorer (gluon/scorer.py) with float16 partials, the seesaw
+# (gluon/seesaw.py) at 64+ heads, at one and half a wave of splits; the narrow one (gluon/narrow.py) at 16 heads,
+# at half a wave (one split a request over many requests) and at one; then the Triton tiles.
+DECODE_CONFIGS = [MLADecodeConfig(64, 64, 8, 2, False, v, "gluon_scorer", partials="float16") for v in (1, 0.5)] + [
     MLADecodeConfig(h, n, w, s, d, v, k) for h, n, w, s, d, v, k in (
-    (64, 64, 8, 2, False, 1, "gluon_colsplit"), (64, 64, 8, 2, False, 0.5, "gluon_colsplit"),
     (64, 64, 8, 2, False, 1, "gluon_seesaw"), (64, 64, 8, 2, False, 0.5, "gluon_seesaw"),
     (16, 64, 8, 2, False, 0.5, "gluon_narrow"), (16, 64, 8, 2, False, 1, "gluon_narrow"),
     (64, 64, 8, 2, False, 1, "triton"), (16, 64, 8, 2, False, 1, "triton"), (16, 64, 4, 2, False, 1, "triton"))]
-# (Sweep 6 also raced a keys-major Triton kernel at 16 heads, keys as the MMA's rows and heads as its columns:
-# 231-294 us against 174; removed, kept in history at b9b0bec.)
 # extend: the shipped 32/32/4/2 first, then 32 rows on 8 warps (no spills, against 64 B at 4 warps), 64 rows on
 # 8 warps with and without the deferred PV
 EXTEND_CONFIGS = [MLAExtendConfig(m, n, w, s, d) for m, n, w, s, d in (
@@ -71,9 +61,9 @@ def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict
     wider than the heads (a 64-head group over 16 heads computes masked rows for nothing)."""
     key = "mla_decode_config" if kind == "decode" else "mla_extend_config"
     configs = TINY_CONFIGS[kind] if tiny else (DECODE_CONFIGS if kind == "decode" else EXTEND_CONFIGS)
-    if kind == "decode":  # 16-head groups over 64+ heads never won (sweeps 1-2): not raced there
+    if kind == "decode":  # 16-head groups over 64+ heads: not raced there
         configs = [c for c in configs if c.for_heads(num_heads) == c and (num_heads < 64 or c.block_h >= 32)]
-        # the seesaw's 64-row tile over 16 heads ran 217-243 us against the Triton tile's 174 (sweep 5)
+        # a 64-row tile over fewer heads computes masked rows: not raced there
         configs = [c for c in configs if c.kernel not in ROWS_64_KERNELS or num_heads >= 64]
     out = [({key: cfg}, {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}) for cfg in configs]
     if kind == "decode":

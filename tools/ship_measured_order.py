@@ -1,6 +1,6 @@
 """Write the fallback order a committed kernel race measured into the package data.
 
-    python benchmarks/ship_measured_order.py benchmarks/results/kernels-h200.json \
+    python tools/ship_measured_order.py benchmarks/results/kernels-h200.json \
         benchmarks/results/kernels-mla-h200.json
 
 Updates src/attnserve/attention/measured_order.json (keyed by GPU model, e.g. h200, then attention

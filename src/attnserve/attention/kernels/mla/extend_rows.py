@@ -2,17 +2,15 @@
 
 Why: in the absorbed form all query heads of a token attend to the same latent rows, so the decode kernel's
 tile (a group of heads of one query token against a run of latent rows) is already an extend tile. On Hopper
-that tile is the warp-specialised Gluon kernel (mla_decode_seesaw.py, FlashMLA's schedule): on the H200 0.87x
-FlashInfer's MLA fa3 at 128 heads and 0.82x at 16, against the tile kernel's 0.41x and 0.37x
-(benchmarks/NOTES.md, MLA extend as decode rows). The tokens of one request run as neighbouring programs, so
-their shared latent rows come from L2 after the first read.
+that tile is the warp-specialised seesaw Gluon kernel (gluon/seesaw.py, FlashMLA's schedule). The tokens of one
+request run as neighbouring programs, so their shared latent rows come from L2 after the first read.
 
 Token i of request r (with p cached tokens) sees keys [0, p + i + 1): a prefix of r's page list. Its decode
 row therefore starts where r's pages start (r's kv_indptr entry) and is p + i + 1 long; no page index is
 copied. With fewer heads than the Gluon kernel's 64 rows (DeepSeek-V2-Lite's 16, or 128 heads over tensor
 parallel ranks) a CTA takes several consecutive tokens of one request, each row masked to its own horizon.
 The split plan is decode's, over these lengths: a few tokens over a long prefix are split, thousands are not.
-Custom masks stay on mla_extend.py's kernel.
+Custom masks stay on extend.py's kernel.
 """
 
 from __future__ import annotations
@@ -22,13 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attnserve.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
+from attnserve.attention.kernels.mla.attention import mla_decode_attention
+from attnserve.attention.kernels.params import DecodeRows
+from attnserve.attention.kernels.plan import KernelPlan
 from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits_array
 from attnserve.transfers import to_device
 
 MAX_ROWS = 65535  # the Gluon kernel's grid puts tokens on CUDA's second grid dimension
-# the Gluon kernel's only tile, with one wave of splits (one CTA per SM) for the few-token steps that split
-GLUON_ROWS_CONFIG = MLADecodeConfig(64, 64, 8, 2, split_waves=1.0, kernel="gluon_seesaw")
 
 
 @dataclass
@@ -88,17 +86,17 @@ def plan_extend_rows(prefix_lens: list[int], extend_lens: list[int], page_size: 
     )
 
 
-def mla_extend_rows_attention(q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, plan: ExtendRowsPlan,
-                              kv_indices: torch.Tensor, page_size: int, sm_scale: float, kv_lora_rank: int,
-                              kv_scale: float = 1.0, config: MLADecodeConfig | None = None) -> torch.Tensor:
-    """New tokens against their causal latent KV through the MLA decode kernel.
+def mla_extend_rows_attention(q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, rows: ExtendRowsPlan,
+                              kv_indices: torch.Tensor, sm_scale: float, plan: KernelPlan,
+                              kv_scale: float = 1.0) -> torch.Tensor:
+    """New tokens against their causal latent KV through the MLA decode kernel of `plan`.
 
     q `[T, H, kv_lora_rank + rope]`, kv_buffer `[slots, 1, kv_lora_rank + rope]`, out `[T, H, kv_lora_rank]`;
-    kv_indices: the step's page list (metadata.kv_indices); config: the decode tile (default: the GPU's for
-    this head count and page size; token groups need the Gluon kernel's).
+    kv_indices: the step's page list (metadata.kv_indices); plan: the rows' decode kernel (token groups need the
+    seesaw Gluon kernel).
     """
-    if plan.seq_lens.numel() != q.shape[0]:
-        raise ValueError(f"the rows plan covers {plan.seq_lens.numel()} tokens, q has {q.shape[0]}")
-    return mla_decode_attention(q, kv_buffer, out, plan.kv_starts, kv_indices, plan.seq_lens, plan.num_splits,
-                                plan.max_splits, page_size, sm_scale, kv_lora_rank, kv_scale, config=config,
-                                token_groups=plan.token_groups)
+    if rows.seq_lens.numel() != q.shape[0]:
+        raise ValueError(f"the rows plan covers {rows.seq_lens.numel()} tokens, q has {q.shape[0]}")
+    decode_rows = DecodeRows(rows.kv_starts, kv_indices, rows.seq_lens, rows.num_splits, rows.max_splits,
+                             plan.signature.page_size, rows.token_groups)
+    return mla_decode_attention(q, kv_buffer, out, decode_rows, plan, sm_scale, kv_scale)

@@ -5,7 +5,7 @@ of the same run and its output the reference every TMA config must match. Writes
 per (workload, config) and `best`, the config with the smallest geometric mean of its time over
 the best time per workload (the default in PREFILL_TMA_TILES is taken from it).
 
-    PYTHONPATH=src python3 benchmarks/sweep_prefill_tma.py --out sweep-prefill-tma.json [--budget-s 120]
+    PYTHONPATH=src python3 tools/sweep_prefill_tma.py --out sweep-prefill-tma.json [--budget-s 120]
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ import time
 import torch
 
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.kernels.prefill_tma import PrefillTmaConfig
+from attnserve.attention.kernels.mha.prefill_tma import PrefillTmaConfig
 from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
 
 # (block_m, block_n, warps, stages, warp_specialize[, mask_every_tile[, persistent]]). 128 x 128 x 3 stages and
-# 256-row tiles do not fit or spill (benchmarks/compile_prefill_tma_sm90.py).
+# 256-row tiles do not fit or spill (tools/compile_prefill_tma_sm90.py).
 CONFIGS = [PrefillTmaConfig(*c) for c in (
     (128, 128, 8, 2, False), (128, 64, 8, 3, False), (128, 64, 4, 3, False), (128, 128, 8, 2, False, True, 1))]
 # warp-specialised (warps = one group), descriptors built by the kernel (the host's do not fit the split query
-# tile: benchmarks/diagnose_prefill_ws.py); swept with --warp-specialized. 128 x 64 over 3 stages, persistent
-# or not, gave NaN on the H200 (sweep of 2026-12-01) and is refused now (prefill_tma.check_warp_specialized).
+# tile); swept with --warp-specialized. 128 x 64 over 3 stages, persistent or not, is refused
+# (prefill_tma.check_warp_specialized says why).
 WS_CONFIGS = [PrefillTmaConfig(*c, device_descriptors=True) for c in (
     (128, 128, 4, 2, True), (128, 128, 4, 2, True, True, 1))]
 TINY_CONFIGS = [PrefillTmaConfig(16, 16, 4, 1, False), PrefillTmaConfig(16, 32, 4, 1, False)]

@@ -13,6 +13,11 @@ in the future of every row are never visited.
 Ragged batches: the host builds a list of (request, first row) tiles in plan(), the
 heaviest first so the long causal tiles start early. The grid is (heads, tiles) with
 heads fastest, so programs reading the same keys run side by side and share them in L2.
+
+Expanded MLA prefill (`expanded_prefill_attention`) is this kernel too: a fresh prompt has no prefix to read,
+so its latent may be expanded to per-head keys (nope + rope, 192 wide in DeepSeek) and values (128 wide), fewer
+FLOPs than attending in the 576/512-wide latent space. That is plain ragged causal attention with V narrower
+than K, run over the new tokens as a page-size-1 "pool".
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile,
     to_log2,
 )
-from attnserve.attention.kernels.tiles import (
+from attnserve.attention.kernels.params import ExtendRows, LayerParams
+from attnserve.attention.kernels.extend_tiles import ExtendTiles, build_extend_tiles, key_tile_range, visible_keys
+from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
     check_shared_memory,
@@ -47,8 +54,8 @@ class ExtendConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # one program runs every query head of a KV head (BLOCK_M rows = positions x group). On the H200 it
-    # gained 3% at 8x2048 and lost 2% at 1x16384 (benchmarks/NOTES.md), so it is off by default.
+    # one program runs every query head of a KV head (BLOCK_M rows = positions x group): faster on some
+    # shapes, slower on others, so it is off by default
     pack_gqa: bool = False
 
     def positions_per_tile(self, group: int) -> int:
@@ -60,9 +67,8 @@ def pack_factor(config: ExtendConfig, group: int) -> int:
     return group if config.pack_gqa and 1 < group <= config.block_m else 1
 
 
-# arch -> (tiles for head_dim <= 128, tiles for wider heads). sm90: the H200 sweep (benchmarks/NOTES.md):
-# 128 x 64 with one warpgroup and 3 stages won every prefill/extend shape; 8 warps, 128-wide key tiles,
-# 2 stages and 64-row tiles were all slower. sm80 (163 KiB) fits the same narrow tiles; sm86/sm89 and
+# arch -> (tiles for head_dim <= 128, tiles for wider heads). sm90: 128 x 64 with one warpgroup and 3 stages,
+# faster on every prefill/extend shape than 8 warps, 128-wide key tiles, 2 stages or 64-row tiles. sm80 (163 KiB) fits the same narrow tiles; sm86/sm89 and
 # unknown GPUs (99 KiB) take 64-row tiles over 2 stages.
 EXTEND_TILES = {
     "sm90": (ExtendConfig(128, 64, 4, 3), ExtendConfig(64, 32, 4, 2)),
@@ -82,67 +88,6 @@ def default_extend_config(head_dim: int, device: torch.device, target: GpuTarget
     target = target or target_for(device)
     narrow, wide = EXTEND_TILES[target.arch]
     return wide if head_dim > 128 else narrow
-
-
-@dataclass
-class ExtendTiles:
-    """Work list for the extend grid: tile t covers new-token positions tile_m0[t]:+positions of tile_req[t]."""
-
-    tile_req: torch.Tensor  # [num_tiles] int32
-    tile_m0: torch.Tensor  # [num_tiles] int32
-    positions: int
-
-    @property
-    def num_tiles(self) -> int:
-        return self.tile_req.numel()
-
-
-def build_extend_tiles(prefix_lens: list[int], extend_lens: list[int], positions: int, device) -> ExtendTiles:
-    """Host-side tile list of `positions` query positions each, heaviest (most keys to sweep) first."""
-    tiles = []
-    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
-        for m0 in range(0, e, positions):
-            tiles.append((p + min(m0 + positions, e), r, m0))
-    tiles.sort(key=lambda x: -x[0])
-    req = torch.tensor([t[1] for t in tiles], dtype=torch.int32)  # [num_tiles]
-    m0 = torch.tensor([t[2] for t in tiles], dtype=torch.int32)  # [num_tiles]
-    return ExtendTiles(req.to(device, non_blocking=True), m0.to(device, non_blocking=True), positions)
-
-
-@triton.jit
-def _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
-             HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] which keys each row may see: causal or the custom mask, then the window."""
-    visible = n_valid[None, :] & m_mask[:, None]
-    if HAS_CUSTOM_MASK:
-        bits = tl.load(Mask + mask_base + q_row[:, None] * seq + offs_n[None, :], mask=visible, other=0)
-        visible = visible & (bits != 0)
-    else:
-        visible = visible & (offs_n[None, :] <= q_pos[:, None])
-    if HAS_WINDOW:
-        visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-    return visible
-
-
-@triton.jit
-def key_tile_range(prefix, m0, seq, window, POSITIONS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr):
-    """Key tiles a query tile visits: [lo, full_end) need no mask, [full_end, hi) do.
-
-    The rows are positions prefix + m0 .. prefix + m0 + POSITIONS - 1 of a request of `seq` keys.
-    """
-    if HAS_CUSTOM_MASK:
-        hi = seq
-    else:
-        hi = tl.minimum(seq, prefix + m0 + POSITIONS)  # past the last row's position nothing is visible
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-    if HAS_WINDOW or HAS_CUSTOM_MASK:
-        full_end = lo
-    else:
-        full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
-    return lo, full_end, hi
 
 
 @triton.jit
@@ -173,7 +118,7 @@ def _extend_block(
     s = dot_qk(q, k, DOT_F32)  # [BLOCK_M, BLOCK_N]
     visible = None
     if MASKED:
-        visible = _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
+        visible = visible_keys(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
                            HAS_WINDOW, HAS_CUSTOM_MASK)
     p, alpha, m_new, l_i = online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
                                                HAS_SOFTCAP, MASKED)
@@ -261,31 +206,22 @@ def extend_attention(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     out: torch.Tensor,
-    tiles: ExtendTiles,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-    sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    sliding_window: int | None = None,
-    logit_cap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    custom_mask: torch.Tensor | None = None,
-    mask_indptr: torch.Tensor | None = None,
+    rows: ExtendRows,
+    layer: LayerParams,
     config: ExtendConfig | None = None,
     target: GpuTarget | None = None,
 ) -> torch.Tensor:
     """New tokens of every request against their whole paged KV (prefix + themselves).
 
-    q `[T, Hq, D]`, out `[T, Hq, Dv]`; the pool buffers in their own layout; qo_indptr `[B+1]`,
-    kv_indptr/kv_indices pages as in metadata.py; seq_lens `[B]` int32. custom_mask: flattened
-    per-request `[extend_len, seq_len]` masks (uint8/bool), mask_indptr `[B]` their offsets.
-    `tiles` must have been built with `config.positions_per_tile(group)` positions per tile.
+    q `[T, Hq, D]`, out `[T, Hq, Dv]`; the pool buffers in their own layout; rows: the step's tiles, pages and
+    masks (params.ExtendRows; a bool custom mask is read as uint8); layer: its scales and masking
+    (params.LayerParams). `rows.tiles` must have been built with `config.positions_per_tile(group)` positions.
     `target` (default: q's GPU) picks the default tiles and bounds their shared memory.
     """
+    tiles, qo_indptr, kv_indptr, kv_indices = rows.tiles, rows.qo_indptr, rows.kv_indptr, rows.kv_indices
+    seq_lens, page_size, custom_mask, mask_indptr = rows.seq_lens, rows.page_size, rows.custom_mask, rows.mask_indptr
+    sm_scale, k_scale, v_scale = layer.sm_scale, layer.k_scale, layer.v_scale
+    sliding_window, logit_cap, sinks = layer.sliding_window, layer.logit_cap, layer.sinks
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
     if num_heads % num_kv_heads:
@@ -325,3 +261,53 @@ def extend_attention(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+@dataclass
+class ExpandedPrefillPlan:
+    """One step's metadata for expanded MLA: the new tokens are their own KV, one page-size-1 "page" each."""
+
+    qo_indptr: torch.Tensor  # [B+1] int32: tokens of request b are rows qo_indptr[b]:qo_indptr[b+1]
+    token_slots: torch.Tensor  # [T] int32: 0..T-1, the page table that makes token t its own KV row
+    extend_lens: torch.Tensor  # [B] int32: each request's KV length (its prompt)
+    tiles: ExtendTiles
+    config: ExtendConfig
+    target: GpuTarget | None
+
+
+def plan_expanded_prefill(extend_lens: list[int], qk_dim: int, device, config: ExtendConfig | None = None,
+                          target: GpuTarget | None = None) -> ExpandedPrefillPlan:
+    """Host-side plan, once per step (every layer of the model reuses it)."""
+    device = torch.device(device)
+    target = target or target_for(device)
+    config = config or default_extend_config(qk_dim, device, target)
+    indptr = [0]
+    for n in extend_lens:
+        indptr.append(indptr[-1] + n)
+    return ExpandedPrefillPlan(
+        qo_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
+        token_slots=torch.arange(indptr[-1], dtype=torch.int32, device=device),
+        extend_lens=torch.tensor(extend_lens, dtype=torch.int32).to(device, non_blocking=True),
+        tiles=build_extend_tiles([0] * len(extend_lens), list(extend_lens), config.positions_per_tile(1), device),
+        config=config,
+        target=target,
+    )
+
+
+def expanded_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ExpandedPrefillPlan,
+                         sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of fresh prompts over their own expanded keys and values.
+
+    q `[T, H, qk_dim]`, k `[T, H, qk_dim]` (nope + rope), v `[T, H, v_dim]` with v_dim <= qk_dim
+    -> `[T, H, v_dim]`. The extend kernel reads k/v as a page-size-1 pool whose page table is 0..T-1.
+    """
+    num_tokens, num_heads, qk_dim = q.shape
+    if k.shape != q.shape or v.shape[:2] != q.shape[:2] or v.shape[2] > qk_dim:
+        raise ValueError(f"expanded MLA wants k {tuple(q.shape)} and v [{num_tokens}, {num_heads}, <= {qk_dim}], "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if plan.token_slots.numel() != num_tokens:
+        raise ValueError(f"the plan covers {plan.token_slots.numel()} tokens, q has {num_tokens}")
+    if out is None:
+        out = q.new_empty(num_tokens, num_heads, v.shape[2])  # [T, H, v_dim]
+    rows = ExtendRows(plan.tiles, plan.qo_indptr, plan.qo_indptr, plan.token_slots, plan.extend_lens, 1)
+    return extend_attention(q, k, v, out, rows, LayerParams(sm_scale), config=plan.config, target=plan.target)

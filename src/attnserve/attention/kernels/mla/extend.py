@@ -1,14 +1,12 @@
-"""MLA extend / prefill: the absorbed path over the latent pool, and the expanded path for fresh prompts.
+"""MLA extend / prefill in Triton: the absorbed path over the latent pool.
 
 Absorbed (`mla_extend_attention`): the new tokens' queries, folded into latent space, attend to the
 request's whole latent KV through the page table (cached prefix, chunked prefill, radix hits and
 this step's rows alike). As in MLA decode the score is q_c . c + q_pe . k_pe and V is the latent
-tile already loaded for K. Tiles, their order and the causal / custom-mask rules are extend.py's.
+tile already loaded for K. Tiles, their order and the causal / custom-mask rules are extend_tiles.py's.
 
-Expanded (`mla_expanded_prefill`): a fresh prompt has no prefix to read, so the latent may be
-expanded to per-head keys (nope + rope, 192 wide in DeepSeek) and values (128 wide): 3.4x fewer
-FLOPs than attending in the 576/512-wide latent space. That is plain ragged causal attention with
-V narrower than K, run by extend.py's kernel over the new tokens as a page-size-1 "pool".
+Fresh prompts may run expanded instead (mha/extend.py's `expanded_prefill_attention`): per-head keys and
+values through the MHA extend kernel, the backend's choice.
 """
 
 from __future__ import annotations
@@ -28,16 +26,10 @@ from attnserve.attention.kernels.common import (
     next_pow2,
     online_softmax_tile,
 )
-from attnserve.attention.kernels.extend import (
-    ExtendConfig,
-    ExtendTiles,
-    _visible,
-    build_extend_tiles,
-    extend_attention,
-    key_tile_range,
-)
-from attnserve.attention.kernels.mla_decode import check_mla_shapes
-from attnserve.attention.kernels.tiles import (
+from attnserve.attention.kernels.params import ExtendRows
+from attnserve.attention.kernels.extend_tiles import key_tile_range, visible_keys
+from attnserve.attention.kernels.mla.shapes import check_mla_shapes
+from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
     check_shared_memory,
@@ -60,10 +52,8 @@ class MLAExtendConfig:
 
 
 # arch -> tiles. A program holds q_c and a [block_m, kv_lora_rank] float32 accumulator, so rows are fewer than
-# MHA extend's. sm90: 32 rows over 64-key tiles on 4 warps, the H200 sweep's best for 8 x (4096 + 512) at 128
-# heads (21.5 ms against 28.8 ms for 32-key tiles and 32.5 ms for 64 rows on 8 warps, deferred PV or not;
-# benchmarks/results/sweep-triton-mla-h200-4.json); sm80: 64 rows on 8 warps; 99 KiB GPUs: 32 rows over
-# 16-key tiles.
+# MHA extend's. sm90: 32 rows over 64-key tiles on 4 warps (faster than 32-key tiles and than 64 rows on 8 warps,
+# deferred PV or not); sm80: 64 rows on 8 warps; 99 KiB GPUs: 32 rows over 16-key tiles.
 MLA_EXTEND_TILES = {
     "sm90": MLAExtendConfig(32, 64, 4, 2),
     "sm80": MLAExtendConfig(64, 32, 8, 2),
@@ -97,7 +87,7 @@ def _mla_block(acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indic
                HAS_CUSTOM_MASK: tl.constexpr, DEFER_PV: tl.constexpr, DOT_F32: tl.constexpr):
     """One latent key tile; MASKED: a tile on the diagonal (or any tile under a custom mask).
 
-    DEFER_PV (as in mla_decode.py): the previous tile's probabilities p_prev meet its latent here, read again,
+    DEFER_PV (as in mla/decode.py): the previous tile's probabilities p_prev meet its latent here, read again,
     and this tile's are returned for the next call; otherwise p_prev / alpha_prev pass through untouched."""
     if DEFER_PV:
         row_prev, prev_valid = _latent_tile(KV, kv_indices, page_base, n0 - BLOCK_N, lo, seq, stride_kvt, BLOCK_N,
@@ -111,7 +101,7 @@ def _mla_block(acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indic
     s = dot_qk_into(q_c, c, dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_M, BLOCK_N]
     visible = None
     if MASKED:
-        visible = _visible(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, 0, False, HAS_CUSTOM_MASK)
+        visible = visible_keys(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, 0, False, HAS_CUSTOM_MASK)
     p, alpha, m_i, l_i = online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, 1.0, 1.0, False, MASKED)
     if DEFER_PV:
         p_prev = p
@@ -122,7 +112,7 @@ def _mla_block(acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indic
 
 
 @triton.jit
-def _mla_extend_kernel(
+def mla_extend_kernel(
     Q, KV, Out, tile_req, tile_m0, qo_indptr, kv_indptr, kv_indices, seq_lens, Mask, mask_indptr,
     qk_scale_log2, v_scale,
     stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
@@ -187,26 +177,21 @@ def mla_extend_attention(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,
     out: torch.Tensor,
-    tiles: ExtendTiles,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
+    rows: ExtendRows,
     sm_scale: float,
     kv_lora_rank: int,
     kv_scale: float = 1.0,
-    custom_mask: torch.Tensor | None = None,
-    mask_indptr: torch.Tensor | None = None,
     config: MLAExtendConfig | None = None,
     target: GpuTarget | None = None,
 ) -> torch.Tensor:
     """New tokens of every request against their whole latent KV (absorbed MLA).
 
     q `[T, H, kv_lora_rank + rope]`, kv_buffer `[slots, 1, kv_lora_rank + rope]`, out `[T, H, kv_lora_rank]`;
-    tiles / qo_indptr / kv_indptr / kv_indices / seq_lens / custom_mask / mask_indptr as in
-    extend.extend_attention; `tiles` must cover `config.block_m` positions each.
+    rows as mha.extend.extend_attention takes them (params.ExtendRows); `rows.tiles` must cover `config.block_m`
+    positions each.
     """
+    tiles, qo_indptr, kv_indptr, kv_indices = rows.tiles, rows.qo_indptr, rows.kv_indptr, rows.kv_indices
+    seq_lens, page_size, custom_mask, mask_indptr = rows.seq_lens, rows.page_size, rows.custom_mask, rows.mask_indptr
     num_tokens, num_heads, width = q.shape
     rope = check_mla_shapes(q, kv_buffer, out, kv_lora_rank)
     if (custom_mask is None) != (mask_indptr is None):
@@ -226,7 +211,7 @@ def mla_extend_attention(
         return out
     if custom_mask is not None and custom_mask.dtype == torch.bool:
         custom_mask = custom_mask.view(torch.uint8)
-    _mla_extend_kernel[(num_heads, tiles.num_tiles)](
+    mla_extend_kernel[(num_heads, tiles.num_tiles)](
         q, kv_buffer, out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_indptr, kv_indices, seq_lens,
         custom_mask if custom_mask is not None else q, mask_indptr if mask_indptr is not None else qo_indptr,
         sm_scale * kv_scale * LOG2E, kv_scale,
@@ -238,53 +223,3 @@ def mla_extend_attention(
     return out
 
 
-@dataclass
-class ExpandedPrefillPlan:
-    """One step's metadata for expanded MLA: the new tokens are their own KV, one page-size-1 "page" each."""
-
-    qo_indptr: torch.Tensor  # [B+1] int32: tokens of request b are rows qo_indptr[b]:qo_indptr[b+1]
-    token_slots: torch.Tensor  # [T] int32: 0..T-1, the page table that makes token t its own KV row
-    extend_lens: torch.Tensor  # [B] int32: each request's KV length (its prompt)
-    tiles: ExtendTiles
-    config: ExtendConfig
-    target: GpuTarget | None
-
-
-def plan_expanded_prefill(extend_lens: list[int], qk_dim: int, device, config: ExtendConfig | None = None,
-                          target: GpuTarget | None = None) -> ExpandedPrefillPlan:
-    """Host-side plan, once per step (every layer of the model reuses it)."""
-    from attnserve.attention.kernels.extend import default_extend_config
-
-    device = torch.device(device)
-    target = target or target_for(device)
-    config = config or default_extend_config(qk_dim, device, target)
-    indptr = [0]
-    for n in extend_lens:
-        indptr.append(indptr[-1] + n)
-    return ExpandedPrefillPlan(
-        qo_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
-        token_slots=torch.arange(indptr[-1], dtype=torch.int32, device=device),
-        extend_lens=torch.tensor(extend_lens, dtype=torch.int32).to(device, non_blocking=True),
-        tiles=build_extend_tiles([0] * len(extend_lens), list(extend_lens), config.positions_per_tile(1), device),
-        config=config,
-        target=target,
-    )
-
-
-def mla_expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ExpandedPrefillPlan,
-                         sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of fresh prompts over their own expanded keys and values.
-
-    q `[T, H, qk_dim]`, k `[T, H, qk_dim]` (nope + rope), v `[T, H, v_dim]` with v_dim <= qk_dim
-    -> `[T, H, v_dim]`. extend.py's kernel reads k/v as a page-size-1 pool whose page table is 0..T-1.
-    """
-    num_tokens, num_heads, qk_dim = q.shape
-    if k.shape != q.shape or v.shape[:2] != q.shape[:2] or v.shape[2] > qk_dim:
-        raise ValueError(f"expanded MLA wants k {tuple(q.shape)} and v [{num_tokens}, {num_heads}, <= {qk_dim}], "
-                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if plan.token_slots.numel() != num_tokens:
-        raise ValueError(f"the plan covers {plan.token_slots.numel()} tokens, q has {num_tokens}")
-    if out is None:
-        out = q.new_empty(num_tokens, num_heads, v.shape[2])  # [T, H, v_dim]
-    return extend_attention(q, k, v, out, plan.tiles, plan.qo_indptr, plan.qo_indptr, plan.token_slots,
-                            plan.extend_lens, 1, sm_scale, config=plan.config, target=plan.target)

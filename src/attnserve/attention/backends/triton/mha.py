@@ -1,0 +1,164 @@
+"""TritonMHABackend: attnserve's Triton kernels for MHA / GQA pools.
+
+Decode is Flash-Decoding with each KV head's query group on tensor cores (kernels/mha/decode.py). Extend /
+prefill takes, per call, one of two kernels: on Hopper the TMA kernel (kernels/mha/prefill_tma.py: keys as
+contiguous rows through tensor descriptors, warp-specialised: the call's own k/v for fresh prompts, each
+request's keys gathered from the pool when there is a cached prefix), and everywhere else, or for what it
+lacks (custom masks, FP8 pools, head dims other than 64/128/256, a V width unlike K's), the FlashAttention-2
+style kernel that reads the prefix and the new tokens through the page table (kernels/mha/extend.py).
+`extend_path` names the one that ran.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnserve.attention.backends.triton.common import TritonBackendBase
+from attnserve.attention.base import ForwardBatch
+from attnserve.attention.kernels.gpu_target import target_for
+from attnserve.attention.kernels.plan import KernelPlan, LayerSignature
+from attnserve.attention.kernels.resolve import plan_mha_decode
+
+if TYPE_CHECKING:
+    from attnserve.attention.backends.triton.common import ExtendStep
+    from attnserve.attention.layer import AttentionLayer
+    from attnserve.kvcache.pool import KVPool
+
+
+class TritonMHABackend(TritonBackendBase):
+    OPTIONS = frozenset({"decode_config", "extend_config", "prefill_tma", "prefill_tma_config",
+                         "prefill_tma_gather_mib", "mla_decode_config", "mla_extend_config", "mla_extend_rows"})
+
+    def __init__(self, pool: KVPool, **options):
+        """Options: num_sms, split_waves, min_split_tokens, max_kv_splits (the decode split policy),
+        decode_config (kernels.mha.configs.DecodeConfig), extend_config (kernels.mha.extend.ExtendConfig),
+        prefill_tma (None: wherever it applies, the default; False: never; True: raise where it does not apply),
+        prefill_tma_config (kernels.mha.prefill_tma.PrefillTmaConfig), prefill_tma_gather_mib (the most memory the
+        TMA path may gather a batch's cached keys into, default 1024 MiB; beyond it the paged kernel runs). The MLA
+        options are accepted and unused, as one option set serves both pools."""
+        super().__init__(pool, **options)
+        if pool.is_mla:
+            raise ValueError("TritonMHABackend serves MHA / GQA pools; an MLA pool takes TritonMLABackend")
+        if max(pool.head_dim, pool.v_head_dim) > 256:
+            raise ValueError(f"head_dim {max(pool.head_dim, pool.v_head_dim)} unsupported by the triton backend "
+                             "(at most 256)")
+        self.decode_config = options.get("decode_config")
+        self.extend_config = options.get("extend_config")
+        self.prefill_tma = options.get("prefill_tma")
+        self.prefill_tma_config = options.get("prefill_tma_config")
+        self.prefill_tma_gather_bytes = int(options.get("prefill_tma_gather_mib", 1024)) << 20
+
+    def _programs_per_split(self) -> int:
+        return self.pool.num_kv_heads
+
+    def _graph_programs(self) -> int:
+        return self.pool.num_kv_heads
+
+    def decode_plan(self, layer: AttentionLayer, q_dtype: torch.dtype) -> KernelPlan:
+        """The decode kernel plan of this layer's signature, resolved at its first layer."""
+        key = (layer.num_heads, layer.head_dim, layer.v_head_dim, q_dtype)
+        plan = self._kernel_plans.get(key)
+        if plan is None:
+            pool = self.pool
+            sig = LayerSignature.of_gpu(target_for(pool.device), family="mha", num_heads=layer.num_heads,
+                                        num_kv_heads=pool.num_kv_heads, head_dim=layer.head_dim,
+                                        v_head_dim=layer.v_head_dim, page_size=pool.page_size, q_dtype=q_dtype,
+                                        kv_dtype=pool.dtype)
+            plan = self._kernel_plans[key] = plan_mha_decode(sig, self.split_policy, self.decode_config)
+        return plan
+
+    # ---- KV store --------------------------------------------------------------------------------
+    def store_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        from attnserve.attention.kernels.store import store_kv
+
+        lid = layer.layer_id
+        store_kv(self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), fb.out_cache_loc, k, v,
+                 self.pool.k_scale[lid], self.pool.v_scale[lid])
+
+    # ---- extend ----------------------------------------------------------------------------------
+    def _extend_tiles(self, step: ExtendStep, group: int):
+        """The step's tile list for this layer's GQA group (layers of one model share it)."""
+        from attnserve.attention.kernels.mha.extend import default_extend_config
+
+        cfg = self.extend_config or default_extend_config(self.pool.head_dim, self.pool.device)
+        return self._tiles_of(step, cfg.positions_per_tile(group))
+
+    def _prefill_tma_config(self, head_dim: int):
+        from attnserve.attention.kernels.mha.prefill_tma import default_prefill_tma_config
+
+        return self.prefill_tma_config or default_prefill_tma_config(head_dim, self.pool.device)
+
+    def _tma_key_rows(self, step: ExtendStep, q, k, v, layer: AttentionLayer):
+        """((k_rows, v_rows, kv_starts), None) when this call takes the TMA path, else (None, why not).
+
+        Fresh prompts read the call's own k and v; with a cached prefix every request's keys are gathered
+        from the pool into contiguous rows once per layer.
+        """
+        from attnserve.attention.kernels.common import interpreting
+        from attnserve.attention.kernels.mha.configs import fast_path_blocker
+        from attnserve.attention.kernels.mha.prefill_tma import (
+            gather_request_rows,
+            request_slots,
+            tma_rows_ok,
+        )
+
+        if self.prefill_tma is False:
+            return None, "TMA path off"
+        pool = self.pool
+        blocker = fast_path_blocker(head_dim=layer.head_dim, v_dim=layer.v_head_dim, q_dtype=q.dtype,
+                                    kv_dtype=pool.dtype, custom_mask=step.custom_mask, target=target_for(q.device),
+                                    interpreting=interpreting())
+        if blocker is None and not tma_rows_ok(q):
+            blocker = "q layout"
+        rows = None
+        if blocker is None:
+            if not any(step.prefix_lens) and tma_rows_ok(k) and tma_rows_ok(v):
+                rows = (k, v, step.meta.qo_indptr[:-1])
+            else:
+                seq_total = sum(step.prefix_lens) + sum(step.extend_lens)
+                need = seq_total * pool.num_kv_heads * (layer.head_dim + layer.v_head_dim) * pool.dtype.itemsize
+                if need > self.prefill_tma_gather_bytes:
+                    blocker = f"gathering the prefix needs {need >> 20} MiB"
+                else:
+                    if step.key_rows is None:
+                        seq_lens = [p + e for p, e in zip(step.prefix_lens, step.extend_lens)]
+                        step.key_rows = request_slots(step.meta.kv_indptr, step.meta.kv_indices, seq_lens,
+                                                      pool.page_size, pool.device)
+                    slots, starts = step.key_rows
+                    lid = layer.layer_id
+                    rows = (gather_request_rows(pool.get_key_buffer(lid), slots),
+                            gather_request_rows(pool.get_value_buffer(lid), slots), starts)
+        if rows is None and self.prefill_tma:
+            raise ValueError(f"the TMA prefill path does not apply to this call: {blocker}")
+        return rows, blocker
+
+    def _extend_layer(self, q, k, v, out, layer: AttentionLayer, step: ExtendStep) -> torch.Tensor:
+        from attnserve.attention.kernels.mha.extend import extend_attention
+
+        rows, blocker = self._tma_key_rows(step, q, k, v, layer)
+        if rows is not None:
+            from attnserve.attention.kernels.mha.prefill_tma import prefill_tma_attention
+
+            cfg = self._prefill_tma_config(layer.head_dim)
+            self.extend_path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
+            tiles = self._tiles_of(step, cfg.block_m)
+            return prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens,
+                                         self._params_of(layer), config=cfg)
+        self.extend_path = f"paged ({blocker})"
+        lid = layer.layer_id
+        return extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
+                                self._extend_rows(step, self._extend_tiles(step, layer.gqa_group)),
+                                self._params_of(layer), config=self.extend_config)
+
+    # ---- decode ----------------------------------------------------------------------------------
+    def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+        from attnserve.attention.kernels.mha.decode import decode_attention
+
+        step = self._decode
+        plan = self.decode_plan(layer, q.dtype)
+        lid = layer.layer_id
+        return decode_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out, step.rows,
+                                self._params_of(layer), partials=self._partials_for(step, layer),
+                                write_final=step.write_final, config=plan.config, target=plan.signature.target)

@@ -1,0 +1,75 @@
+"""Extend tiles both extend families share: the host's work list of query tiles, and which keys a tile sees.
+
+A tile is `positions` consecutive new tokens of one request (for MHA, of one KV head's query group); the list
+runs heaviest first so the longest tiles start in the first wave. `key_tile_range` bounds the key tiles a query
+tile visits, `visible_keys` masks a key tile: causal or a custom mask, then the sliding window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass
+class ExtendTiles:
+    """Work list for the extend grid: tile t covers new-token positions tile_m0[t]:+positions of tile_req[t]."""
+
+    tile_req: torch.Tensor  # [num_tiles] int32
+    tile_m0: torch.Tensor  # [num_tiles] int32
+    positions: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_req.numel()
+
+
+def build_extend_tiles(prefix_lens: list[int], extend_lens: list[int], positions: int, device) -> ExtendTiles:
+    """Host-side tile list of `positions` query positions each, heaviest (most keys to sweep) first."""
+    tiles = []
+    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        for m0 in range(0, e, positions):
+            tiles.append((p + min(m0 + positions, e), r, m0))
+    tiles.sort(key=lambda x: -x[0])
+    req = torch.tensor([t[1] for t in tiles], dtype=torch.int32)  # [num_tiles]
+    m0 = torch.tensor([t[2] for t in tiles], dtype=torch.int32)  # [num_tiles]
+    return ExtendTiles(req.to(device, non_blocking=True), m0.to(device, non_blocking=True), positions)
+
+
+@triton.jit
+def visible_keys(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
+             HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] which keys each row may see: causal or the custom mask, then the window."""
+    visible = n_valid[None, :] & m_mask[:, None]
+    if HAS_CUSTOM_MASK:
+        bits = tl.load(Mask + mask_base + q_row[:, None] * seq + offs_n[None, :], mask=visible, other=0)
+        visible = visible & (bits != 0)
+    else:
+        visible = visible & (offs_n[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+    return visible
+
+
+@triton.jit
+def key_tile_range(prefix, m0, seq, window, POSITIONS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr):
+    """Key tiles a query tile visits: [lo, full_end) need no mask, [full_end, hi) do.
+
+    The rows are positions prefix + m0 .. prefix + m0 + POSITIONS - 1 of a request of `seq` keys.
+    """
+    if HAS_CUSTOM_MASK:
+        hi = seq
+    else:
+        hi = tl.minimum(seq, prefix + m0 + POSITIONS)  # past the last row's position nothing is visible
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    if HAS_WINDOW or HAS_CUSTOM_MASK:
+        full_end = lo
+    else:
+        full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
+    return lo, full_end, hi
