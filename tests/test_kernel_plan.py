@@ -13,6 +13,7 @@ from attnserve.attention.kernels import resolve
 from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.kernels.split_plan import SplitPolicy
+from attnserve.attention.registry import get_spec
 from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.attention.synthetic import make_batch
 from attnserve.hardware import PRESET_HARDWARE
@@ -89,7 +90,9 @@ def test_the_registry_name_builds_the_class_that_fits_the_pool():
     mla = make_batch([5, 9], [1, 1], num_heads=16, mla=(32, 16), device=DEVICE)
     assert type(TritonBackend(mha.pool)) is TritonMHABackend
     assert type(TritonBackend(mla.pool)) is TritonMLABackend
-    assert TritonMLABackend.expanded_mla_prefill and not getattr(TritonMHABackend, "expanded_mla_prefill", False)
+    assert get_spec("triton").load_class(mha.pool) is TritonMHABackend
+    assert get_spec("triton").load_class(mla.pool) is TritonMLABackend
+    assert TritonMLABackend.features.expanded_mla_prefill and not TritonMHABackend.features.expanded_mla_prefill
     with pytest.raises(ValueError, match="takes TritonMLABackend"):
         TritonMHABackend(mla.pool)
     with pytest.raises(ValueError, match="takes TritonMHABackend"):

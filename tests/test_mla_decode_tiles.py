@@ -98,9 +98,9 @@ def test_a_gluon_tile_that_cannot_take_the_call_runs_in_triton_with_float32_part
 def test_the_shipped_sm90_rules_are_the_committed_sweep():
     """Like the measured backend order: the package data equals what the sweep it names implies."""
     table = json.loads(TABLE.read_text())
-    sweep = json.loads((ROOT / table["source"]).read_text())
+    sweep = json.loads((ROOT / "benchmarks" / "results" / table["source"]).read_text())
     assert table["rules"]["sm90"] == rules_from_sweep(sweep["rows"], SHAPES), (
-        f"run: python tools/sweep_triton_mla.py --apply {table['source']}")
+        f"run: python tools/sweep_triton_mla.py --apply benchmarks/results/{table['source']}")
 
 
 def test_rules_from_a_sweep_pick_the_best_mean_per_shape_and_close_with_a_catch_all():

@@ -285,10 +285,10 @@ def test_the_shipped_order_is_the_committed_race(monkeypatch):
     assert sorted(shipped["h200"]) == ["MHA", "MLA"]  # both committed H200 races are shipped
     for key, per_attention in shipped.items():
         for attention, entry in per_attention.items():
-            result = json.loads((root / entry["source"]).read_text())
+            result = json.loads((root / "benchmarks" / "results" / entry["source"]).read_text())
             assert measured.gpu_key(result["gpu"]) == key
             assert entry == measured.order_entry(result, entry["source"])[attention], (
-                f"run: python tools/ship_measured_order.py {entry['source']}")
+                f"run: python tools/ship_measured_order.py benchmarks/results/{entry['source']}")
 
 
 def test_hopper_without_fa3_takes_the_fastest_measured_backend_per_side(monkeypatch):

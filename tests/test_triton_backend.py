@@ -3,6 +3,7 @@
 CPU: TRITON_INTERPRET=1, small shapes. GPU (marked gpu): real shapes and a real CUDA graph.
 """
 
+import dataclasses
 import subprocess
 import sys
 
@@ -33,7 +34,7 @@ def test_module_reads_features_without_importing_triton():
 
 def test_features_declare_what_the_tests_below_exercise():
     f = get_spec("triton").features
-    assert f is TritonBackend.features
+    assert f == dataclasses.replace(TritonBackend.features, expanded_mla_prefill=True)  # MHA's and MLA's, joined
     assert f.devices == frozenset({"cuda"}) and "triton" in f.required_packages
     assert {"bf16", "fp16", "fp8_e4m3"} <= f.kv_dtypes and f.page_sizes is None
     req = AttentionRequirements(page_size=16, kv_dtype="fp8_e4m3", sliding_window=True, attention_sinks=True,

@@ -15,6 +15,7 @@ from pathlib import Path
 from attnserve.attention.measured import DATA_FILE, gpu_key, order_entry
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def main(paths: list[str]) -> None:
@@ -22,7 +23,7 @@ def main(paths: list[str]) -> None:
     shipped = json.loads(target.read_text()) if target.is_file() else {}
     for path in paths:
         result = json.loads(Path(path).read_text())
-        source = Path(path).resolve().relative_to(ROOT).as_posix()
+        source = Path(path).resolve().relative_to(RESULTS).as_posix()  # named within benchmarks/results
         entries = order_entry(result, source)
         if not entries:
             sys.exit(f"{path}: no records of a backend attnserve implements; nothing to ship")

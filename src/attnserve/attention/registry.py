@@ -101,10 +101,8 @@ def _f(**kw) -> BackendFeatures:
 
 
 _PKG = "attnserve.attention.backends"
-# The triton name's classes: (MHA/GQA pools or every pool, MLA pools or None). With the triton package split
-# into MHA and MLA classes, the line below becomes:
-# _TRITON = (f"{_PKG}.triton:TritonMHABackend", f"{_PKG}.triton:TritonMLABackend")
-_TRITON = (f"{_PKG}.triton:TritonBackend", None)  # TritonBackend serves both pool kinds
+# The triton name's classes: MHA/GQA pools, MLA latent pools
+_TRITON = (f"{_PKG}.triton:TritonMHABackend", f"{_PKG}.triton:TritonMLABackend")
 _SPECS = [
     BackendSpec("torch_native", "PyTorch reference over the paged pool; CPU default", f"{_PKG}.torch_native:TorchNativeBackend"),
     BackendSpec("triton", "attnserve's Triton kernels: split-KV decode, paged-prefix extend", _TRITON[0],

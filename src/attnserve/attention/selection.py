@@ -158,8 +158,7 @@ POLICY: tuple[PolicyRow, ...] = (
 )
 
 # Candidates tried after the policy's choice, per platform. attnserve's own order: on NVIDIA, FlashInfer
-# first (its tensor-core paged decode reached 3.0-4.3 TB/s and its fa3 prefill 336-646 TFLOP/s on the
-# H200, benchmarks/results/kernels-h200.json), then attnserve's Triton
+# first (tensor-core paged decode and fa3 prefill), then attnserve's Triton
 # kernels (portable, CUDA graphs), then FlexAttention (no CUDA graphs), then torch_native (reference
 # speed). On a GPU model with a shipped race (attention/measured_order.json), its measured order goes first.
 FALLBACK_ORDER: dict[str, tuple[str, ...]] = {

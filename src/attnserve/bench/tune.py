@@ -74,7 +74,7 @@ def mla_extends(g: Grid) -> tuple[tuple[int, int, int], ...]:
     """MLA's prefill side: chunks over a cached prefix, which every MLA backend runs absorbed over the latent.
 
     Fresh prompts are not raced: triton runs them expanded per head (another computation, through
-    forward_mla_expanded), the others absorbed, so one time would not compare like with like. A grid
+    forward_expanded_prefill), the others absorbed, so one time would not compare like with like. A grid
     without extends gets each prefill as a second chunk of its length over a first one."""
     return g.extends or tuple((b, t, t) for b, t in g.prefills)
 

@@ -30,47 +30,15 @@ Tiles are fixed per head dim (GPU_TILES); no kernel is autotuned.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from attnserve.attention.kernels.common import interpreting
+from attnserve.attention.kernels.interpreter_compat import let_interpreter_index_with_loaded_scalars
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _interpreter_loop_bounds() -> None:
-    """Let the interpreter use computed scalars as `range` bounds under numpy >= 2.4.
-
-    Triton 3.6's interpreter keeps a scalar as a one-element 1-D array and calls int() on it for a loop
-    bound, which numpy 2.4 refuses; reading the single element is what it means. Applied at the first
-    interpreted launch, never on import, and never where int() of such an array still works.
-    """
-    import numpy as np
-
-    try:
-        int(np.array([1]))
-        return
-    except TypeError:
-        pass
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_scalar_index_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._scalar_index_fixed = True
-    interpreter._patch_lang_tensor = patched
 
 
 # ---------------------------------------------------------------------------------------------- tiles
@@ -431,7 +399,7 @@ def forward(q, k, v, causal: bool, sm_scale: float, window: int | None, softcap:
             tiles: Tiles | None = None):
     """O [B, Hq, Tq, D] in q's dtype and the natural-log row LSE [B, Hq, Tq]."""
     if interpreting():
-        _interpreter_loop_bounds()
+        let_interpreter_index_with_loaded_scalars()
     B, H, Tq, D = q.shape
     HK, Tk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
@@ -449,7 +417,7 @@ def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int | N
              tiles: Tiles | None = None):
     """dQ, dK, dV (dK and dV with K's head count: the group's query heads summed)."""
     if interpreting():
-        _interpreter_loop_bounds()
+        let_interpreter_index_with_loaded_scalars()
     B, H, Tq, D = q.shape
     HK, Tk = k.shape[1], k.shape[2]
     acc = _acc_dtype(q)

@@ -13,11 +13,12 @@ a step planned before it is re-planned once with the plan's head groups and spli
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from attnserve.attention.backends.triton.common import DecodeStep, TritonBackendBase
+from attnserve.attention.backends.triton.common import FEATURES, DecodeStep, TritonBackendBase
 from attnserve.attention.base import ForwardBatch
 from attnserve.attention.kernels.gpu_target import target_for
 from attnserve.attention.kernels.plan import KernelPlan, LayerSignature
@@ -33,7 +34,7 @@ class TritonMLABackend(TritonBackendBase):
     OPTIONS = frozenset({"mla_decode_config", "mla_extend_config", "mla_extend_rows", "decode_config",
                          "extend_config", "prefill_tma", "prefill_tma_config", "prefill_tma_gather_mib"})
     # fresh prompts may run expanded (forward_expanded_prefill); AttentionLayer and the hybrid route to it
-    expanded_mla_prefill = True
+    features = replace(FEATURES, expanded_mla_prefill=True)
 
     def __init__(self, pool: KVPool, **options):
         """Options: num_sms, split_waves, min_split_tokens, max_kv_splits (the decode split policy),
@@ -158,13 +159,6 @@ class TritonMLABackend(TritonBackendBase):
         if step.expanded is None:
             step.expanded = plan_expanded_prefill(step.extend_lens, q.shape[-1], self.pool.device)
         return expanded_prefill_attention(q, k, v, step.expanded, layer.scaling)
-
-    # the names models/deepseek.py calls until AttentionLayer routes expanded prefill
-    def mla_expanded_applies(self, fb: ForwardBatch) -> bool:
-        return self.expanded_prefill_applies(fb)
-
-    def forward_mla_expanded(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
-        return self.forward_expanded_prefill(q, k, v, layer, fb)
 
     # ---- decode ----------------------------------------------------------------------------------
     @staticmethod
