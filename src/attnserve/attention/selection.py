@@ -39,6 +39,8 @@ from attnserve.attention.measured import attention_key, describe_order, measured
 from attnserve.attention.registry import REGISTRY, get_spec, hardware_problems, resolve_name
 from attnserve.attention.tuned import TunedChoice, find_tuned
 from attnserve.hardware import Hardware
+from attnserve.kvcache.dtypes import canonical_kv_dtype
+from attnserve.kvcache.pool import check_page_size
 from attnserve.shape import AttentionShape
 
 SIDES = ("prefill", "decode")
@@ -60,9 +62,6 @@ class ServingFeatures:
     def __post_init__(self):
         if self.speculative_topk < 0:
             raise ValueError(f"speculative_topk must be >= 0, got {self.speculative_topk}")
-        from attnserve.kvcache.dtypes import canonical_kv_dtype
-        from attnserve.kvcache.pool import check_page_size
-
         if self.page_size is not None:
             check_page_size(self.page_size)
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))

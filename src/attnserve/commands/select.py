@@ -12,6 +12,8 @@ import dataclasses
 import json
 import sys
 
+from attnserve.attention.selection import ServingFeatures, select_backends
+from attnserve.hardware import PRESET_HARDWARE, detect_hardware
 from attnserve.models.config import attention_shape_of
 from attnserve.shape import GENERIC_GQA
 
@@ -79,8 +81,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     """--gpu / --installed / --cuda-version: this machine, or a hypothetical one (select and backends)."""
-    from attnserve.hardware import PRESET_HARDWARE
-
     hw = parser.add_argument_group("machine")
     hw.add_argument("--gpu", choices=sorted(PRESET_HARDWARE), default=None,
                     help="a hypothetical machine (default: this one, with what is installed here)")
@@ -90,8 +90,6 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def hardware_from_args(args):
-    from attnserve.hardware import PRESET_HARDWARE, detect_hardware
-
     if args.gpu is None:
         if args.installed or args.cuda_version:
             raise ValueError("--installed and --cuda-version describe a hypothetical machine; add --gpu NAME")
@@ -134,8 +132,6 @@ def _kv_dtype(name: str, hw) -> str:
 
 
 def run(args) -> int:
-    from attnserve.attention.selection import ServingFeatures, select_backends
-
     hw = hardware_from_args(args)
     model = model_from_args(args)
     serving = ServingFeatures(speculative_topk=args.speculative_topk, page_size=args.page_size,

@@ -26,7 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
+from attnserve.distributed.state import parallel_state
+from attnserve.models.gguf_loader import GGUFFile, unpermute_rows
 from attnserve.models.q4_blocks import GROUP, Q4Codes, is_q4, read_q4
+from attnserve.models.weights import LLAMA_STACKED
 
 log = logging.getLogger("attnserve.models")
 
@@ -89,8 +93,6 @@ def one_weight_format(model: nn.Module) -> None:
     A projection holding both formats runs its dense one at every row count; a plain dense one (not prepacked
     for oneDNN, e.g. fp32, whose BLAS kernel changes with the row count) runs padded to at least
     DETERMINISTIC_MIN_ROWS rows. Tensor-parallel ranks and other devices are left as they are."""
-    from attnserve.distributed.state import parallel_state
-
     params = [p for p in model.parameters() if p.is_floating_point()]
     if not params or params[0].device.type != "cpu" or parallel_state().active:
         return
@@ -130,9 +132,6 @@ def pack_int4(codes: Q4Codes) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _q4_parts(model: nn.Module, source: str, hf_config: dict) -> dict[str, dict[int, Q4Codes]]:
     """module name -> {part index: its rows' Q4 codes} for every 4-bit GGUF tensor of the model's projections."""
-    from attnserve.models.gguf_loader import GGUFFile, _unpermute_rows
-    from attnserve.models.weights import LLAMA_STACKED
-
     gf = GGUFFile(source)
     modules = dict(model.named_modules())
     parts: dict[str, dict[int, Q4Codes]] = {}
@@ -150,7 +149,7 @@ def _q4_parts(model: nn.Module, source: str, hf_config: dict) -> dict[str, dict[
             continue
         codes = read_q4(t.data, t.type_name, t.shape)
         if lazy.row_heads:  # llama.cpp's per-head row order, undone as the dense load undoes it
-            order = _unpermute_rows(torch.arange(t.shape[0]), lazy.row_heads)
+            order = unpermute_rows(torch.arange(t.shape[0]), lazy.row_heads)
             codes = codes.take_rows(order)
         parts.setdefault(name, {})[part] = codes
     return parts
@@ -169,8 +168,6 @@ def _whole(module: nn.Module, found: dict[int, Q4Codes]) -> Q4Codes | None:
 
 
 def _linears(model: nn.Module):
-    from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
-
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             yield name, module
@@ -182,8 +179,6 @@ def pack_cpu_weights(model: nn.Module, bundle, weights_dtype: str = "auto") -> s
     Runs once, after loading and before the first step. Tensor-parallel ranks and other devices keep
     plain dense linears.
     """
-    from attnserve.distributed.state import parallel_state
-
     if weights_dtype not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weights dtype {weights_dtype!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
     params = [p for p in model.parameters() if p.is_floating_point()]
@@ -226,6 +221,4 @@ def pack_cpu_weights(model: nn.Module, bundle, weights_dtype: str = "auto") -> s
 
 
 def _gguf_tensors(source: str):
-    from attnserve.models.gguf_loader import GGUFFile
-
     return GGUFFile(source).tensor_list

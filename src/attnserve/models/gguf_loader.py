@@ -181,7 +181,7 @@ class GGUFSlice:
 
     def read(self) -> torch.Tensor:
         w = self._decode(self.t.data, self.shape)
-        return _unpermute_rows(w, self.row_heads) if self.row_heads else w
+        return unpermute_rows(w, self.row_heads) if self.row_heads else w
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -195,7 +195,7 @@ class GGUFSlice:
                 head_dim = shape[0] // self.row_heads
                 if start % head_dim or length % head_dim:
                     return self.read().narrow(0, start, length)
-                w = _unpermute_rows(w, length // head_dim)
+                w = unpermute_rows(w, length // head_dim)
             return w
         block, _type_size = GGML_QUANT_SIZES[GGMLQuantizationType[self.t.type_name]]
         if self.row_heads or start % block or length % block:
@@ -204,7 +204,7 @@ class GGUFSlice:
         return self._decode(data[:, start // block * per : (start + length) // block * per], (shape[0], length))
 
 
-def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head row order (pairs interleaved) back to HF's half-split order."""
     rows = w.shape[0]
     head_dim = rows // num_heads

@@ -9,16 +9,18 @@ CUDA graphs: init_graph_buffers() allocates fixed metadata buffers; plan_for_cap
 batch size's split dimension (enough splits for one request to fill the GPU) and plan_for_replay() rewrites
 the buffers' first rows for the step's lengths.
 
-triton is imported only inside methods: the registry imports this package to read `features` on machines
-without it.
+The kernel modules import triton, and the registry imports this package to read `features` on machines
+without it: the backends reach them through one accessor, `kernels()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +36,23 @@ from attnserve.transfers import to_device
 if TYPE_CHECKING:
     from attnserve.attention.layer import AttentionLayer
     from attnserve.kvcache.pool import KVPool
+
+
+
+@functools.cache
+def kernels() -> SimpleNamespace:
+    """attnserve's Triton kernel modules, imported on first use (they import triton)."""
+    require("triton", "the triton attention backend")
+    from attnserve.attention.kernels import common, extend_tiles, interpreter_compat, store
+    from attnserve.attention.kernels.mha import configs, decode, extend, prefill_tma
+    from attnserve.attention.kernels.mla import attention, extend_rows
+    from attnserve.attention.kernels.mla import extend as mla_extend
+
+    return SimpleNamespace(common=common, extend_tiles=extend_tiles, interpreter_compat=interpreter_compat,
+                           store=store, mha_configs=configs, mha_decode=decode, mha_extend=extend,
+                           prefill_tma=prefill_tma, mla_attention=attention, mla_extend=mla_extend,
+                           mla_extend_rows=extend_rows)
+
 
 COMMON_OPTIONS = frozenset({"num_sms", "split_waves", "min_split_tokens", "max_kv_splits"})
 FEATURES = BackendFeatures(
@@ -107,18 +126,14 @@ class TritonBackendBase(AttentionBackend):
 
     def __init__(self, pool: KVPool, **options):
         super().__init__(pool, **options)
-        require("triton", "the triton attention backend")
-        from attnserve.attention.kernels.common import interpreting
-
+        k = kernels()
         if pool.device.type != "cuda":
-            if not interpreting():
+            if not k.common.interpreting():
                 raise ValueError(
                     f"the triton backend runs on CUDA devices, the pool is on {pool.device} "
                     "(TRITON_INTERPRET=1 runs it on the CPU for tests)"
                 )
-            from attnserve.attention.kernels.interpreter_compat import let_interpreter_index_with_loaded_scalars
-
-            let_interpreter_index_with_loaded_scalars()  # loop bounds loaded from memory (tune's CPU race)
+            k.interpreter_compat.let_interpreter_index_with_loaded_scalars()  # loop bounds loaded from memory (tune's CPU race)
         unknown = set(options) - COMMON_OPTIONS - self.OPTIONS
         if unknown:
             raise ValueError(f"unknown triton backend options {sorted(unknown)}")
@@ -156,10 +171,8 @@ class TritonBackendBase(AttentionBackend):
 
     # ---- per step ------------------------------------------------------------------------------
     def _tiles_of(self, step: ExtendStep, positions: int):
-        from attnserve.attention.kernels.extend_tiles import build_extend_tiles
-
         if positions not in step.tiles:
-            step.tiles[positions] = build_extend_tiles(step.prefix_lens, step.extend_lens, positions, self.pool.device)
+            step.tiles[positions] = kernels().extend_tiles.build_extend_tiles(step.prefix_lens, step.extend_lens, positions, self.pool.device)
         return step.tiles[positions]
 
     def plan(self, fb: ForwardBatch) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnserve.attention.backends.triton.common import TritonBackendBase
+from attnserve.attention.backends.triton.common import TritonBackendBase, kernels
 from attnserve.attention.base import ForwardBatch
 from attnserve.attention.kernels.gpu_target import target_for
 from attnserve.attention.kernels.plan import KernelPlan, LayerSignature
@@ -71,24 +71,18 @@ class TritonMHABackend(TritonBackendBase):
 
     # ---- KV store --------------------------------------------------------------------------------
     def store_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        from attnserve.attention.kernels.store import store_kv
-
         lid = layer.layer_id
-        store_kv(self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), fb.out_cache_loc, k, v,
+        kernels().store.store_kv(self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), fb.out_cache_loc, k, v,
                  self.pool.k_scale[lid], self.pool.v_scale[lid])
 
     # ---- extend ----------------------------------------------------------------------------------
     def _extend_tiles(self, step: ExtendStep, group: int):
         """The step's tile list for this layer's GQA group (layers of one model share it)."""
-        from attnserve.attention.kernels.mha.extend import default_extend_config
-
-        cfg = self.extend_config or default_extend_config(self.pool.head_dim, self.pool.device)
+        cfg = self.extend_config or kernels().mha_extend.default_extend_config(self.pool.head_dim, self.pool.device)
         return self._tiles_of(step, cfg.positions_per_tile(group))
 
     def _prefill_tma_config(self, head_dim: int):
-        from attnserve.attention.kernels.mha.prefill_tma import default_prefill_tma_config
-
-        return self.prefill_tma_config or default_prefill_tma_config(head_dim, self.pool.device)
+        return self.prefill_tma_config or kernels().prefill_tma.default_prefill_tma_config(head_dim, self.pool.device)
 
     def _tma_key_rows(self, step: ExtendStep, q, k, v, layer: AttentionLayer):
         """((k_rows, v_rows, kv_starts), None) when this call takes the TMA path, else (None, why not).
@@ -96,25 +90,19 @@ class TritonMHABackend(TritonBackendBase):
         Fresh prompts read the call's own k and v; with a cached prefix every request's keys are gathered
         from the pool into contiguous rows once per layer.
         """
-        from attnserve.attention.kernels.common import interpreting
-        from attnserve.attention.kernels.mha.configs import fast_path_blocker
-        from attnserve.attention.kernels.mha.prefill_tma import (
-            gather_request_rows,
-            request_slots,
-            tma_rows_ok,
-        )
-
+        k_mod = kernels()
+        tma = k_mod.prefill_tma
         if self.prefill_tma is False:
             return None, "TMA path off"
         pool = self.pool
-        blocker = fast_path_blocker(head_dim=layer.head_dim, v_dim=layer.v_head_dim, q_dtype=q.dtype,
+        blocker = k_mod.mha_configs.fast_path_blocker(head_dim=layer.head_dim, v_dim=layer.v_head_dim, q_dtype=q.dtype,
                                     kv_dtype=pool.dtype, custom_mask=step.custom_mask, target=target_for(q.device),
-                                    interpreting=interpreting())
-        if blocker is None and not tma_rows_ok(q):
+                                    interpreting=k_mod.common.interpreting())
+        if blocker is None and not tma.tma_rows_ok(q):
             blocker = "q layout"
         rows = None
         if blocker is None:
-            if not any(step.prefix_lens) and tma_rows_ok(k) and tma_rows_ok(v):
+            if not any(step.prefix_lens) and tma.tma_rows_ok(k) and tma.tma_rows_ok(v):
                 rows = (k, v, step.meta.qo_indptr[:-1])
             else:
                 seq_total = sum(step.prefix_lens) + sum(step.extend_lens)
@@ -124,41 +112,35 @@ class TritonMHABackend(TritonBackendBase):
                 else:
                     if step.key_rows is None:
                         seq_lens = [p + e for p, e in zip(step.prefix_lens, step.extend_lens)]
-                        step.key_rows = request_slots(step.meta.kv_indptr, step.meta.kv_indices, seq_lens,
+                        step.key_rows = tma.request_slots(step.meta.kv_indptr, step.meta.kv_indices, seq_lens,
                                                       pool.page_size, pool.device)
                     slots, starts = step.key_rows
                     lid = layer.layer_id
-                    rows = (gather_request_rows(pool.get_key_buffer(lid), slots),
-                            gather_request_rows(pool.get_value_buffer(lid), slots), starts)
+                    rows = (tma.gather_request_rows(pool.get_key_buffer(lid), slots),
+                            tma.gather_request_rows(pool.get_value_buffer(lid), slots), starts)
         if rows is None and self.prefill_tma:
             raise ValueError(f"the TMA prefill path does not apply to this call: {blocker}")
         return rows, blocker
 
     def _extend_layer(self, q, k, v, out, layer: AttentionLayer, step: ExtendStep) -> torch.Tensor:
-        from attnserve.attention.kernels.mha.extend import extend_attention
-
         rows, blocker = self._tma_key_rows(step, q, k, v, layer)
         if rows is not None:
-            from attnserve.attention.kernels.mha.prefill_tma import prefill_tma_attention
-
             cfg = self._prefill_tma_config(layer.head_dim)
             self.extend_path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
             tiles = self._tiles_of(step, cfg.block_m)
-            return prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens,
+            return kernels().prefill_tma.prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens,
                                          self._params_of(layer), config=cfg)
         self.extend_path = f"paged ({blocker})"
         lid = layer.layer_id
-        return extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
+        return kernels().mha_extend.extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
                                 self._extend_rows(step, self._extend_tiles(step, layer.gqa_group)),
                                 self._params_of(layer), config=self.extend_config)
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
-        from attnserve.attention.kernels.mha.decode import decode_attention
-
         step = self._decode
         plan = self.decode_plan(layer, q.dtype)
         lid = layer.layer_id
-        return decode_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out, step.rows,
+        return kernels().mha_decode.decode_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out, step.rows,
                                 self._params_of(layer), partials=self._partials_for(step, layer),
                                 write_final=step.write_final, config=plan.config, target=plan.signature.target)
