@@ -15,7 +15,7 @@ from attnserve.server.uvicorn_server import UvicornServer
 @contextlib.contextmanager
 def running_server(llm, **settings):
     """Yields (base_url, state); stops the server and the engine loop afterwards."""
-    state = ServerState(llm, ServerSettings(**{"served_model_name": "test-model", **settings}))
+    state = ServerState(llm.engine, ServerSettings(**{"served_model_name": "test-model", **settings}))
     config = uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
                             timeout_graceful_shutdown=5)
     server = UvicornServer(config)

@@ -29,7 +29,8 @@ def _check_report(rep: dict, label: str) -> dict:
         assert m["usage_reported"] and m["output_tokens_mean"] == 4  # ignore_eos: exact output lengths
         assert m["output_tok_s"] > 0 and m["input_tok_s"] > 0
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-            assert set(m[key]) == {"mean", "p50", "p90", "p99"} and m[key]["p50"] > 0
+            assert set(m[key]) == {"mean", "p50", "p90", "p99"}
+            assert m[key]["p50"] > 0 or key == "itl_ms"  # chunks read together have no gap between them
             assert m[key]["p50"] <= m[key]["p90"] <= m[key]["p99"]
     return cfg
 

@@ -61,7 +61,7 @@ def run(args) -> int:
     settings = ServerSettings(served_model_name=args.served_model_name or served_name(args.model),
                               api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                               max_request_bytes=args.max_request_bytes)
-    state = ServerState(llm, settings)
+    state = ServerState(llm.engine, settings)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
                             access_log=args.log_requests, timeout_graceful_shutdown=args.graceful_shutdown_timeout)
     UvicornServer(config).run()  # a port it cannot bind exits 1 with uvicorn's message

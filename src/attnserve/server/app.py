@@ -22,9 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from attnserve.engine.llm import LLM
+from attnserve.engine.engine import Engine
 from attnserve.engine.loop import EngineLoop
 from attnserve.engine.outputs import RequestFailed, RequestOutput
+from attnserve.models.tokenizer import chat_prompt
 from attnserve.server import responses as R
 from attnserve.server.generation import Admission, ClientGone, Completion, CompletionGroup, ServerClosing
 from attnserve.server.info import static_info
@@ -46,9 +47,8 @@ class ServerSettings:
 class ServerState:
     """Everything the routes share: the engine loop, the settings, metrics and the fixed engine facts."""
 
-    def __init__(self, llm: LLM, settings: ServerSettings):
-        self.llm = llm
-        self.engine = llm.engine
+    def __init__(self, engine: Engine, settings: ServerSettings):
+        self.engine = engine
         self.settings = settings
         self.loop = EngineLoop(self.engine)
         self.info = static_info(self.engine, settings.served_model_name)
@@ -371,7 +371,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         req = await _parse(request, ChatCompletionRequest, state)
         try:
-            text = await asyncio.to_thread(state.llm.apply_chat_template, req.rendered_messages())
+            text = await asyncio.to_thread(chat_prompt, state.engine.tokenizer, state.engine.parts.model.chat_template,
+                                           req.rendered_messages())
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from None
         prompt_ids = await _prompt_ids(state, text)
