@@ -1,4 +1,4 @@
-"""torch_native's decode over K/V kept between steps (decode_mirror) against re-gathering and the general path.
+"""torch_native's decode over K/V kept between steps (contiguous_decode_kv) against re-gathering and the general path.
 
 Ragged prompts, requests finishing at different steps (the batch changes, so the copies are rebuilt),
 a cap small enough to be outgrown: every step's logits must match the general path (padded gather +
@@ -12,7 +12,7 @@ import torch
 from engine_helpers import prompts, shared_model
 from engine_runs import max_rel_err, run_engine
 
-from attnserve.attention.backends import decode_mirror
+from attnserve.attention.backends import contiguous_decode_kv
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.engine.sampling_params import SamplingParams
 
@@ -41,7 +41,7 @@ def _engine_runs(bundle, items):
 def test_kept_kv_matches_general_path_and_regather(monkeypatch):
     bundle, items = _runs([70, 9, 40, 1, 55])  # 70 steps outgrow the first cap (64 for these prompts)
     builds = []
-    real = decode_mirror.plan_decode_step
+    real = contiguous_decode_kv.plan_decode_step
 
     def counting(prev, fb, row_bytes, num_layers):
         step = real(prev, fb, row_bytes, num_layers)
@@ -54,7 +54,7 @@ def test_kept_kv_matches_general_path_and_regather(monkeypatch):
     assert builds.count(False) > 40, "an unchanged batch appends instead of gathering"
     monkeypatch.undo()
 
-    monkeypatch.setattr(decode_mirror, "MAX_MIRROR_BYTES", 0)  # every step gathers afresh
+    monkeypatch.setattr(contiguous_decode_kv, "MAX_MIRROR_BYTES", 0)  # every step gathers afresh
     regathered = _engine_runs(bundle, items)
     monkeypatch.undo()
 

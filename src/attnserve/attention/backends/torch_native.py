@@ -1,7 +1,7 @@
 """torch_native: attention over the paged pool in plain PyTorch; the CPU default.
 
 Decode runs torch's fused SDPA over the running batch's K/V kept contiguous between steps
-(decode_mirror: one row appended per request per step, a gather only when the batch changes),
+(contiguous_decode_kv: one row appended per request per step, a gather only when the batch changes),
 with the GQA group as the query length, so a layer costs a few kernel launches whatever the
 batch. Layers with a soft-cap, sinks or a sliding window, and scaled (FP8) or MLA pools, take the
 general path: one gather of every request's KV into a padded `[B, max_len, kv_heads, d]` tensor
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnserve.attention.backends.decode_mirror import DecodeMirror, DecodeStep, layer_kv, plan_decode_step
+from attnserve.attention.backends.contiguous_decode_kv import DecodeMirror, DecodeStep, layer_kv, plan_decode_step
 from attnserve.attention.base import ALL_KV_DTYPES, AttentionBackend, BackendFeatures, ForwardBatch
 
 
