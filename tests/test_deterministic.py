@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import make_engine, prompts
+from engine_helpers import prompts, tiny_llama
 
+from attnserve.engine.config import EngineConfig
+from attnserve.engine.engine import Engine
 from attnserve.engine.llm import LLM
 from attnserve.engine.sampling_params import SamplingParams
 
@@ -60,7 +62,10 @@ def _logits_of(engine, target: list[int], others: list[list[int]], params: Sampl
 
 def test_fp32_logits_are_bitwise_the_same_alone_and_in_a_batch():
     """On the fp32 path (a CPU without fast bf16) too: BLAS picks its kernel by the row count."""
-    engine = make_engine(enable_deterministic_inference=True, disable_overlap_schedule=True)
+    # its own model: the deterministic weight format is set on the model, which other tests' engines share
+    engine = Engine(EngineConfig(device="cpu", max_total_tokens=4096, chunked_prefill_size=None,
+                                 attention_backend="torch_native", enable_deterministic_inference=True,
+                                 disable_overlap_schedule=True), loaded=tiny_llama())
     target, *others = prompts(8, seed=5)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     alone = _logits_of(engine, target, [], params)
@@ -68,3 +73,19 @@ def test_fp32_logits_are_bitwise_the_same_alone_and_in_a_batch():
     assert len(alone) == len(batched) == 6
     assert all(torch.equal(a, b) for a, b in zip(alone, batched))
     assert engine.pages_leaked() == 0
+
+
+def test_a_shared_model_is_not_switched_to_the_deterministic_format_under_another_engine():
+    """The weight format lives on the model: an engine of the other mode must load its own copy."""
+    bundle = tiny_llama()
+    settings = dict(device="cpu", max_total_tokens=1024, attention_backend="torch_native")
+    Engine(EngineConfig(**settings), loaded=bundle)
+    with pytest.raises(ValueError, match="deterministic"):
+        Engine(EngineConfig(**settings, enable_deterministic_inference=True), loaded=bundle)
+
+
+def test_the_config_says_what_the_mode_turns_off():
+    """The start-up log and /server_info read these: no chunking, no prefix cache."""
+    config = EngineConfig(enable_deterministic_inference=True)
+    assert config.chunked_prefill_size is None and config.disable_radix_cache
+    assert EngineConfig().chunked_prefill_size == 2048 and not EngineConfig().disable_radix_cache

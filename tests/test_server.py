@@ -153,6 +153,8 @@ BAD_REQUESTS = [
                  id="lone-surrogate-echo"),
     pytest.param("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', 400,
                  "messages", id="lone-surrogate-chat"),
+    pytest.param("/v1/completions", b'{"prompt": "hi", "max_tokens": 4, "x\\ud800": 1}', 400, "x\\ud800",
+                 id="lone-surrogate-key"),
     pytest.param("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
                  id="deeply-nested-json"),
     # the router's own errors have the OpenAI shape too

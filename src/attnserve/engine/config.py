@@ -127,6 +127,9 @@ class EngineConfig:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         Topology(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)  # raises on a bad combination
+        if self.enable_deterministic_inference:  # what the mode turns off, so the log and /server_info say so
+            self.chunked_prefill_size = None
+            self.disable_radix_cache = True
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
         for name in (self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend):

@@ -36,7 +36,6 @@ from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from attnserve.engine.startup import EngineParts, build_parts
 from attnserve.engine.tensor_parallel import start_world
-from attnserve.models.cpu_weights import one_weight_format
 from attnserve.models.tokenizer import encode
 from attnserve.transfers import HostCopy, to_device
 
@@ -93,18 +92,16 @@ class Engine:
         self.eos_token_ids = set(p.model.eos_token_ids)
         self.vocab_size = p.model.vocab_size
         self.max_context_len = p.kv.max_context_len
-        det = config.enable_deterministic_inference
-        if det:
-            one_weight_format(p.model.module)
+        if config.enable_deterministic_inference:
             log.info("deterministic inference: no prefix-cache reuse, no prompt chunking, one CPU weight format "
                      "and the extend attention path for every step")
         self.scheduler = Scheduler(
             SchedulerConfig(
                 page_size=p.kv.pool.page_size,
-                chunked_prefill_size=None if det else config.chunked_prefill_size,
+                chunked_prefill_size=config.chunked_prefill_size,
                 max_prefill_tokens=config.max_prefill_tokens,
-                disable_radix_cache=config.disable_radix_cache or det,
-                deterministic=det,
+                disable_radix_cache=config.disable_radix_cache,
+                deterministic=config.enable_deterministic_inference,
             ),
             p.kv.allocator,
             p.kv.req_pool,

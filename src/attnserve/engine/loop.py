@@ -116,6 +116,8 @@ class EngineLoop:
             self._stopping = True
         self._commands.put(("shutdown",))
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine loop did not stop within %.0f s: its engine is still in use", timeout)
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                sink: Callable[[Item], None] | None = None) -> RequestHandle:

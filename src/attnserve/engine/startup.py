@@ -212,16 +212,25 @@ def load_model_setup(config: EngineConfig, loaded=None) -> ModelSetup:
 
 
 def _pack_weights(model: torch.nn.Module, loaded, config: EngineConfig) -> str:
-    """The CPU weight format (once per model: a bundle shared by several engines is packed by the first)."""
+    """The CPU weight format (once per model: a bundle shared by several engines is packed by the first,
+    and the others must ask for the same format, deterministic or not)."""
+    deterministic = config.enable_deterministic_inference
     done = getattr(model, "_weights_note", None)
     if done is not None:
         asked = getattr(model, "_weights_asked", "auto")
         if config.weights_dtype not in ("auto", asked):
             raise ValueError(f"weights_dtype {config.weights_dtype!r}: this model was already packed as "
                              f"{done}; load it again to hold its weights another way")
+        if getattr(model, "_weights_deterministic", False) != deterministic:
+            mode = "deterministic" if model._weights_deterministic else "default"
+            raise ValueError(f"enable_deterministic_inference={deterministic}: this model's weights are already "
+                             f"set up for {mode} inference by another engine; load it again for this one")
         return done
     note = cpu_weights.pack_cpu_weights(model, loaded, config.weights_dtype)
+    if deterministic:
+        cpu_weights.one_weight_format(model)
     model._weights_note, model._weights_asked = note, config.weights_dtype
+    model._weights_deterministic = deterministic
     return note
 
 

@@ -94,6 +94,7 @@ async def _parse(request: Request, model: type[BaseModel], state: ServerState):
         raise APIError(400, "the body must be a JSON object")
     bad = _field_with_lone_surrogate(data)
     if bad is not None:
+        bad = bad.encode("utf-8", "backslashreplace").decode("ascii")  # the field's own name may hold one
         raise APIError(400, f"{bad}: the text contains a lone UTF-16 surrogate (an escape such as \\ud800 "
                        "that is not half of a pair), which is not valid Unicode", bad)
     try:

@@ -40,6 +40,7 @@ def static_info(engine: Engine, served_model_name: str) -> dict:
         "max_running_requests": engine.config.max_running_requests,
         "chunked_prefill_size": engine.config.chunked_prefill_size,
         "radix_cache": not engine.config.disable_radix_cache,
+        "deterministic_inference": engine.config.enable_deterministic_inference,
         "startup_log": list(parts.startup_lines),
         "versions": versions(),
     }
