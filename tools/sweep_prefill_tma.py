@@ -1,4 +1,4 @@
-"""Sweep the TMA prefill kernel's tiles (kernels/prefill_tma.py) on the race's prefill/extend workloads.
+"""Sweep the TMA prefill kernel's tiles (attention/kernels/mha/prefill_tma.py) on the race's prefill/extend workloads.
 
 Each workload is first run on the paged extend kernel (the TMA path off): its time is the baseline
 of the same run and its output the reference every TMA config must match. Writes JSON with one row

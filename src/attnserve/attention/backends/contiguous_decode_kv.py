@@ -2,9 +2,8 @@
 gathering every request's whole history from the paged pool again.
 
 torch has no paged attention kernel for the CPU; its fused SDPA wants K/V as dense `[B, Hkv, L, D]`.
-Gathering that from the pool per layer per step copies all the K/V every step (and a 2-D advanced
-index is slow: ~100 us per layer for 8 requests x 100 tokens on a 2-core Xeon, against 7 us to append
-one token). So the backend keeps, per layer, `[B, Hkv, cap, D]` copies of the running batch's K/V:
+Gathering that from the pool per layer per step copies all the K/V every step (through a 2-D advanced
+index, far slower than appending one token). So the backend keeps, per layer, `[B, Hkv, cap, D]` copies of the running batch's K/V:
 
 - rebuilt (one gather per layer, from the pool) when the batch changes: other rows, a length that is not
   last step's plus one, a step that was not a decode (a prefill chunk may have joined), or `cap` reached;
@@ -28,7 +27,7 @@ _CAP_STEP = 64
 
 
 @dataclass
-class DecodeMirror:
+class ContiguousDecodeKV:
     rows: list[int]  # request rows, batch order
     lens: list[int]  # sequence lengths (this step's token included) the copies hold
     cap: int  # positions allocated per row
@@ -43,7 +42,7 @@ class DecodeMirror:
 class DecodeStep:
     """What every layer of one decode step shares."""
 
-    mirror: DecodeMirror
+    mirror: ContiguousDecodeKV
     slots: torch.Tensor | None  # [B * L] int64 pool slots (padding: slot 0), for rebuilding
     batch_index: torch.Tensor  # [B] int64: 0..B-1
     last_pos: torch.Tensor  # [B] int64: each request's new token's position
@@ -51,8 +50,8 @@ class DecodeStep:
     mask: torch.Tensor | None  # [B, 1, 1, L] bool (True: visible) unless every request has the same length
 
 
-def plan_decode_step(prev: DecodeMirror | None, fb, row_bytes: int, num_layers: int) -> DecodeStep:
-    """This step's mirror (reused and appended to, or fresh) and the indices every layer needs."""
+def plan_decode_step(prev: ContiguousDecodeKV | None, fb, row_bytes: int, num_layers: int) -> DecodeStep:
+    """This step's contiguous K/V (reused and appended to, or fresh) and the indices every layer needs."""
     rows = fb.req_pool_indices.tolist()
     lens = [int(x) for x in fb.seq_lens_cpu]
     max_len = max(lens, default=0)
@@ -69,7 +68,7 @@ def plan_decode_step(prev: DecodeMirror | None, fb, row_bytes: int, num_layers: 
     else:
         cap = -(-(max_len + max_len // 4 + 16) // _CAP_STEP) * _CAP_STEP
         keep = bs * cap * row_bytes * num_layers <= MAX_MIRROR_BYTES
-        mirror = DecodeMirror(rows, lens, cap, keep)
+        mirror = ContiguousDecodeKV(rows, lens, cap, keep)
         table = fb.req_to_token[rows_t, :max_len].long()  # [B, L]
         positions = torch.arange(max_len, device=device)
         slots = table.masked_fill(positions[None, :] >= lens_t[:, None], 0).reshape(-1)  # [B * L]
@@ -81,7 +80,7 @@ def plan_decode_step(prev: DecodeMirror | None, fb, row_bytes: int, num_layers: 
 
 
 def layer_kv(step: DecodeStep, pool, layer_id: int, k_new: torch.Tensor, v_new: torch.Tensor):
-    """This layer's K `[B, Hkv, L, D]` and V `[B, Hkv, L, Dv]` (views into the mirror) for the step.
+    """This layer's K `[B, Hkv, L, D]` and V `[B, Hkv, L, Dv]` (views into the contiguous copies) for the step.
 
     k_new / v_new `[B, Hkv, D]`: the step's new rows (already written to the pool)."""
     m = step.mirror
@@ -93,7 +92,7 @@ def layer_kv(step: DecodeStep, pool, layer_id: int, k_new: torch.Tensor, v_new: 
     else:
         slots = step.slots
         if slots is None:  # appending, but this layer's copies were never built (e.g. it took another path)
-            raise RuntimeError("decode mirror is missing a layer that the previous step built")
+            raise RuntimeError("the contiguous decode K/V is missing a layer that the previous step built")
         bs, length = len(m.rows), step.max_len
         # zeros, not empty: a shorter request's positions past its length are masked, but a masked
         # probability 0 times a NaN left in uninitialised memory is still NaN

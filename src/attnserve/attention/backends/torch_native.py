@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnserve.attention.backends.contiguous_decode_kv import DecodeMirror, DecodeStep, layer_kv, plan_decode_step
+from attnserve.attention.backends.contiguous_decode_kv import ContiguousDecodeKV, DecodeStep, layer_kv, plan_decode_step
 from attnserve.attention.base import ALL_KV_DTYPES, AttentionBackend, BackendFeatures, ForwardBatch
 
 
@@ -62,7 +62,7 @@ class TorchNativeBackend(AttentionBackend):
         devices=frozenset({"cpu", "cuda", "mps"}),
     )
 
-    _mirror: DecodeMirror | None = None  # the decode batch's K/V copies, kept from step to step
+    _mirror: ContiguousDecodeKV | None = None  # the decode batch's K/V copies, kept from step to step
     _step: DecodeStep | None = None  # this step's share of them (set by plan)
     _decode_plan = None
     _decode_fb: ForwardBatch | None = None

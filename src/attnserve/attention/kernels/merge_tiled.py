@@ -78,7 +78,7 @@ def _merge_tiled_kernel(
 
 def merge_splits_tiled(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: torch.Tensor,
                        num_splits: torch.Tensor, max_splits: int, v_scale: float) -> None:
-    """Stage 2 as decode.merge_splits (no sinks): out `[B, H, Dv]` from partial_o `[B, H, S, Dv]` (normalised)
+    """Stage 2 as mha.decode.merge_splits (no sinks): out `[B, H, Dv]` from partial_o `[B, H, S, Dv]` (normalised)
     and partial_lse `[B, H, S]` (base 2), the first num_splits[b] splits of request b. A float16 partial_o is
     `[B, H, S, Dv + 8]`, each row scaled by a power of two 2^k held in its column Dv (mla/attention.py says why)."""
     batch, num_heads, v_dim = out.shape

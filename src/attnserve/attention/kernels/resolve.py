@@ -1,7 +1,7 @@
 """Resolving a KernelPlan (plan.py) per backend and layer signature, and naming it without a GPU.
 
 `plan_mla_decode` and `plan_mha_decode` resolve a signature once, from the shipped tables
-(mla/decode_table.json, mha/configs.py) and the same fallbacks the kernels have always had: a Gluon kernel that
+(mla/decode_table.json, mha/configs.py) and the kernels' fallbacks: a Gluon kernel that
 cannot take the signature (an FP8 latent, a GPU other than Hopper, a latent other than 512 + 64) gives way to the
 Triton kernel on the same tile with float32 partials, and a Triton tile drops pipeline stages until it fits the
 GPU's shared memory. The backend keeps the plan and hands it to every launch; nothing is decided again per call.

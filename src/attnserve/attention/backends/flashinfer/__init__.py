@@ -5,8 +5,8 @@
 - csr.py: the host-side page tables both hand to FlashInfer's plan(), and the graph page-id buffer.
 - common.py: the features both declare, the `flashinfer` accessor and the workspace.
 
-The registry name `flashinfer` resolves to the class that fits the pool (`backend_class`);
-`FlashInferBackend(pool, **options)` builds that class directly. The `flashinfer` package is
+The registry name `flashinfer` resolves to the class that fits the pool; `backend_class(pool)` and
+`FlashInferBackend(pool, **options)` do the same for code that holds a pool. The `flashinfer` package is
 imported only when a backend object is built.
 """
 

@@ -1,8 +1,8 @@
 """triton: attnserve's own Triton kernels behind the backend contract, one class per attention family.
 
 `TritonMHABackend` (mha.py) serves MHA / GQA pools, `TritonMLABackend` (mla.py) MLA latent pools; common.py
-holds what they share. `TritonBackend(pool, **options)` builds the class that fits the pool, so one registry
-name serves both.
+holds what they share. The registry's `triton` name resolves to the class that fits the pool;
+`TritonBackend(pool, **options)` does the same for code that holds a pool.
 """
 
 from __future__ import annotations

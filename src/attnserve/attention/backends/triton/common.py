@@ -166,7 +166,7 @@ class TritonBackendBase(AttentionBackend):
         raise NotImplementedError
 
     def kernel_plans(self) -> list[KernelPlan]:
-        """The kernel plans resolved so far, one per layer signature (what `describe` reports)."""
+        """The kernel plans resolved so far, one per layer signature."""
         return list(self._kernel_plans.values())
 
     # ---- per step ------------------------------------------------------------------------------

@@ -98,9 +98,9 @@ def check_warp_specialized(config: PrefillTmaConfig, head_dim: int) -> None:
         problems.append("host descriptors (the kernel hangs)")
     if (config.block_m, config.block_n, config.num_stages) != (128, 128, 2):
         problems.append(f"tiles {config.block_m}x{config.block_n} over {config.num_stages} stages "
-                        "(only 128x128 over 2 stages was measured correct; 128x64 over 3 gave NaN)")
+                        "(only 128x128 over 2 stages is correct here; 128x64 over 3 gives NaN)")
     if head_dim != 128:
-        problems.append(f"head_dim {head_dim} (measured at 128 only)")
+        problems.append(f"head_dim {head_dim} (checked at 128 only)")
     if not config.mask_every_tile:
         problems.append("mask_every_tile=False (a run-time branch in the key loop is not specialised)")
     if problems:

@@ -105,7 +105,7 @@ def mla_decode_split_kernel(
         k_pe = tl.load(row + LATENT + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         if DEFER_PV:  # the latent dot, the larger, must be the one that feeds no dot (common.dot_qk_into)
             s = dot_qk_into(q_c, c, dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_H, BLOCK_N]
-        else:  # summed as before the deferred PV: same layouts (ptxas), and the same rounding as what was tested
+        else:  # both dots, then their sum: the layouts ptxas keeps apart from the deferred PV
             s = dot_qk(q_c, c, DOT_F32) + dot_qk(q_r, k_pe, DOT_F32)
         p, alpha, m_i, l_i = online_softmax_tile(s, n_mask[None, :], m_i, l_i, qk_scale_log2, 1.0, 1.0,
                                                  False, True)

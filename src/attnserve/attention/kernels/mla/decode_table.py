@@ -23,7 +23,7 @@ TABLE_PACKAGE = "attnserve.attention.kernels.mla"
 KERNELS = ("triton", "gluon_seesaw", "gluon_scorer", "gluon_narrow")
 # the Gluon kernels' fixed tiles: (heads per CTA allowed, block_n, num_warps, num_stages), no deferred PV
 GLUON_TILES = {"gluon_seesaw": ((64,), 64, 8, 2), "gluon_scorer": ((64,), 64, 8, 2), "gluon_narrow": ((16, 32), 64, 8, 2)}
-# the kernels that store float16 partials (each row scaled by a power of two: decode.py says why)
+# the kernels that store float16 partials (each row scaled by a power of two: attention.py says why)
 SCALED_PARTIAL_KERNELS = ("gluon_scorer",)
 # the Gluon kernels' latent and rope widths (DeepSeek's 512 + 64): what they are compiled for
 GLUON_LATENT = 512
@@ -49,7 +49,7 @@ class MLADecodeConfig:
     # and the other copying, both multiplying; "gluon_seesaw" (gluon/seesaw.py) 64 heads, each warpgroup its own
     # tile of a round; "gluon_narrow" (gluon/narrow.py) 16 or 32 heads as the columns of keys-major wgmmas
     kernel: str = "triton"
-    # the split partials (decode.py says why): "float16", each row scaled by a power of two (the scorer kernel's
+    # the split partials (attention.py says why): "float16", each row scaled by a power of two (the scorer kernel's
     # alone), or "float32"
     partials: str = "float32"
 
@@ -151,7 +151,7 @@ def tokens_per_cta(num_heads: int) -> int:
 
 # ---- from a sweep to the table -------------------------------------------------------------------------
 CONFIG_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "defer_pv", "split_waves", "kernel", "partials")
-CONFIG_DEFAULTS = {"defer_pv": False, "split_waves": 0.0, "kernel": "triton", "partials": "float32"}  # what a sweep row made before a key existed ran with
+CONFIG_DEFAULTS = {"defer_pv": False, "split_waves": 0.0, "kernel": "triton", "partials": "float32"}  # what a sweep row without the key means
 
 
 def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> list[dict]:
