@@ -41,8 +41,8 @@ class TritonMLABackend(TritonBackendBase):
         mla_decode_config (kernels.mla.decode_table.MLADecodeConfig), mla_extend_config
         (kernels.mla.extend.MLAExtendConfig), mla_extend_rows (absorbed MLA extend through the decode kernel, a
         decode row per new token: None, the default, wherever the Gluon kernel runs and no mla_extend_config is
-        given; False: never; True: always, on the decode tile where Gluon cannot run; custom masks then raise),
-        extend_config (the expanded prefill's MHA tile). The other MHA options are accepted and unused."""
+        given; False: never; True: always, on the decode tile where Gluon cannot run; custom masks then raise).
+        The MHA options (decode_config, extend_config, prefill_tma*) are accepted and unused."""
         super().__init__(pool, **options)
         if not pool.is_mla:
             raise ValueError("TritonMLABackend serves MLA pools; an MHA / GQA pool takes TritonMHABackend")
@@ -52,7 +52,6 @@ class TritonMLABackend(TritonBackendBase):
         self.mla_decode_config = options.get("mla_decode_config")
         self.mla_extend_config = options.get("mla_extend_config")
         self.mla_extend_rows = options.get("mla_extend_rows")
-        self.extend_config = options.get("extend_config")
         # programs per (request, split): head groups of the current decode plan (1 until the first layer's)
         self._head_groups = 1
         self._rows_plans: dict = {}  # (heads, q dtype) -> (extend rows' KernelPlan, tokens a CTA, None) or why not

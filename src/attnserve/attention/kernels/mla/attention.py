@@ -45,6 +45,8 @@ def mla_decode_attention(
     """
     kv_lora_rank = plan.signature.kv_lora_rank
     check_mla_shapes(q, kv_buffer, out, kv_lora_rank)
+    if q.shape[1] != plan.signature.num_heads:  # the grid comes from the plan: other heads would go uncomputed
+        raise ValueError(f"q has {q.shape[1]} heads, the plan was resolved for {plan.signature.num_heads}")
     if q.shape[0] == 0:
         return out
     token_groups, max_splits = rows.token_groups, rows.max_splits
