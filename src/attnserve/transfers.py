@@ -55,10 +55,6 @@ class HostCopy:
         else:  # host memory already, computed synchronously: nothing to wait for
             self._host = {k: t.detach() for k, t in tensors.items()}
 
-    def ready(self) -> bool:
-        """True once `wait()` would return at once."""
-        return self._event is None or self._event.query()
-
     def wait(self) -> dict[str, torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()

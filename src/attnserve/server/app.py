@@ -144,7 +144,7 @@ async def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
         return prompt
     try:
         return await asyncio.to_thread(state.engine.tokenize, prompt)
-    except (ValueError, TypeError) as exc:  # the tokenizer's TypeError: text it cannot take
+    except ValueError as exc:
         raise APIError(400, str(exc), "prompt") from None
 
 
@@ -290,9 +290,12 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="attnserve", lifespan=lifespan)
     app.state.end_open_requests = state.end_open_requests  # UvicornServer calls it when the grace period ends
 
+    def error_response(err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return error_response(exc)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -301,14 +304,13 @@ def create_app(state: ServerState) -> FastAPI:
         message, code = {404: (f"no such route: {where}", "not_found"),
                          405: (f"method not allowed: {where}", "method_not_allowed")}.get(
                              exc.status_code, (f"{where}: {exc.detail}", None))
-        err = APIError(exc.status_code, message, code=code, headers=exc.headers)
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        return error_response(APIError(exc.status_code, message, code=code, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        err = APIError(500, f"internal server error: {type(exc).__name__}", kind="server_error", code="internal_error")
-        return JSONResponse(err.body(), status_code=500)
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}", kind="server_error",
+                                       code="internal_error"))
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
