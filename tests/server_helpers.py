@@ -1,34 +1,55 @@
-"""An attnserve server on 127.0.0.1 and a free port, in this process (one model load serves many tests)."""
+"""An attnserve server on 127.0.0.1 and a free port: HTTP in a thread of this process, the engine in the engine
+process it spawns (one model load serves many tests)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
 from attnserve.server.app import ServerSettings, ServerState, create_app
+from attnserve.server.engine_client import EngineClient
 from attnserve.server.uvicorn_server import UvicornServer
 
 
 @contextlib.contextmanager
-def running_server(llm, **settings):
-    """Yields (base_url, state); stops the server and the engine loop afterwards."""
-    state = ServerState(llm.engine, ServerSettings(**{"served_model_name": "test-model", **settings}))
-    config = uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
-                            timeout_graceful_shutdown=5)
-    server = UvicornServer(config)
-    thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: no signal handlers
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
+def running_server(config, setup=None, **settings):
+    """Yields (base_url, state) for a server over an engine process built from `config` (an EngineConfig);
+    `setup(engine)` runs in the engine process once its engine is built. Stops both afterwards."""
+    engine = EngineClient.start(config, setup)
     try:
-        yield f"http://127.0.0.1:{port}", state
+        state = ServerState(engine, ServerSettings(**{"served_model_name": "test-model", **settings}))
+        config = uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
+                                timeout_graceful_shutdown=5)
+        server = UvicornServer(config)
+        thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: no signal handlers
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            yield f"http://127.0.0.1:{port}", state
+        finally:
+            server.should_exit = True
+            thread.join(30)
+            assert not thread.is_alive(), "the test server did not stop"
     finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive(), "the test server did not stop"
+        engine.release()
+    assert not engine.process.is_alive()
+
+
+def fail_steps_once_file_exists(flag: Path, engine) -> None:
+    """Engine-process setup: every forward pass raises "device lost" once `flag` exists (a test creates it)."""
+    real_forward = engine.runner.forward
+
+    def forward(batch):
+        if flag.exists():
+            raise RuntimeError("device lost")
+        return real_forward(batch)
+
+    engine.runner.forward = forward

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server on the embedded SmolLM2, driven by the real `openai` client and raw HTTP."""
+"""The OpenAI-compatible server on the embedded SmolLM2 (HTTP here, the engine in its own process), driven by the
+real `openai` client and raw HTTP."""
 
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ def served():
         "greedy": [o.text for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX))],
         "logprobs": llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, logprobs=5))[0].logprobs,
     }
-    llm.engine.flush_cache()
-    with running_server(llm) as (url, state):
+    with running_server(llm.engine.config) as (url, state):
         yield url, state, reference
 
 

@@ -1,9 +1,14 @@
 """`attnserve serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
 
-The engine is built before the port is bound, so a model or backend that
-cannot run is refused with its reason and a non-zero exit, never a server that
-answers with errors. SIGINT/SIGTERM stop accepting, let open streams finish
-(up to --graceful-shutdown-timeout, then abort them), stop the engine and exit 0.
+Two processes, as SGLang runs them: this one serves HTTP, tokenizes and
+detokenizes; the engine process it spawns runs the scheduler and the model
+(server/engine_process.py). The engine is built before the port is bound, so a
+model or backend that cannot run is refused with its reason and a non-zero
+exit, never a server that answers with errors. SIGINT/SIGTERM stop accepting,
+let open streams finish (up to --graceful-shutdown-timeout, then abort them),
+stop the engine process and exit 0. Neither process outlives the other: the
+engine process exits when this one is gone (even killed), and this one turns
+/health to 503 and ends open requests with an error when the engine process dies.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from pathlib import Path
 import uvicorn
 
 from attnserve.commands.engine_args import add_engine_arguments, engine_config, run_other_node
-from attnserve.engine.llm import LLM
 from attnserve.server.app import ServerSettings, ServerState, create_app
+from attnserve.server.engine_client import EngineClient
 from attnserve.server.uvicorn_server import UvicornServer
 
 
@@ -57,12 +62,16 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.node_rank != 0:
         return run_other_node(args)  # node 0 serves; this machine only runs ranks
-    llm = LLM(config=engine_config(args))  # refuses a model or backend that cannot run, before the port is bound
-    settings = ServerSettings(served_model_name=args.served_model_name or served_name(args.model),
-                              api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                              max_request_bytes=args.max_request_bytes)
-    state = ServerState(llm.engine, settings)
-    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
-                            access_log=args.log_requests, timeout_graceful_shutdown=args.graceful_shutdown_timeout)
-    UvicornServer(config).run()  # a port it cannot bind exits 1 with uvicorn's message
+    # the engine process refuses a model or backend that cannot run, before the port is bound
+    engine = EngineClient.start(engine_config(args))
+    try:
+        settings = ServerSettings(served_model_name=args.served_model_name or served_name(args.model),
+                                  api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                                  max_request_bytes=args.max_request_bytes)
+        config = uvicorn.Config(create_app(ServerState(engine, settings)), host=args.host, port=args.port,
+                                log_level="warning", access_log=args.log_requests,
+                                timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+        UvicornServer(config).run()  # a port it cannot bind exits 1 with uvicorn's message
+    finally:
+        engine.release()
     return 0

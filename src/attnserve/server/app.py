@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over one EngineLoop: routes, auth, errors.
+"""The OpenAI-compatible HTTP API over the engine process: routes, auth, errors.
 
 Every error is an OpenAI-style body ({"error": {"message", "type", "param",
 "code"}}) with a 4xx for bad input and a 5xx for the server's own failures;
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,13 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from attnserve.engine.engine import Engine
-from attnserve.engine.loop import EngineLoop
 from attnserve.engine.outputs import RequestFailed, RequestOutput
 from attnserve.models.tokenizer import chat_prompt
 from attnserve.server import responses as R
+from attnserve.server.engine_client import EngineClient
 from attnserve.server.generation import Admission, ClientGone, Completion, CompletionGroup, ServerClosing
-from attnserve.server.info import static_info
 from attnserve.server.metrics import ServerMetrics
 from attnserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -45,28 +44,23 @@ class ServerSettings:
 
 
 class ServerState:
-    """Everything the routes share: the engine loop, the settings, metrics and the fixed engine facts."""
+    """Everything the routes share: the engine client, the settings, metrics and the fixed engine facts."""
 
-    def __init__(self, engine: Engine, settings: ServerSettings):
+    def __init__(self, engine: EngineClient, settings: ServerSettings):
         self.engine = engine
         self.settings = settings
-        self.loop = EngineLoop(self.engine)
-        self.info = static_info(self.engine, settings.served_model_name)
+        self.info = {"model": settings.served_model_name, **engine.info}
         self.metrics = ServerMetrics(settings.served_model_name, self.info["attention_backend"]["prefill"],
                                      self.info["attention_backend"]["decode"])
         self.admission = Admission(settings.max_queued_requests)
-        self.token_text = R.TokenText(self.engine.tokenizer)
-        scheduler = self.engine.scheduler
-        self.pool_tokens = scheduler.allocator.total * scheduler.page_size  # the most one request can hold
+        self.token_text = R.TokenText(engine.tokenizer)
+        self.pool_tokens = engine.pool_tokens  # the most one request can hold
         self.created = int(time.time())
         self.closing = asyncio.Event()  # set when shutdown's grace period is over: open requests end now
 
     def end_open_requests(self) -> None:
         """Cut every open request short: a stream gets an error event and [DONE], a plain request a 503."""
         self.closing.set()
-
-    async def engine_state(self) -> dict:
-        return await asyncio.to_thread(self.loop.query, lambda engine: engine.state())
 
 
 # ---- request parsing --------------------------------------------------------------------------------
@@ -165,14 +159,14 @@ def _max_new_tokens(state: ServerState, prompt_len: int, requested: int | None) 
     return requested
 
 
-def _group(state: ServerState, completions: list[Completion]) -> CompletionGroup:
-    if not state.loop.alive:
-        raise APIError(503, f"the engine is not running: {state.loop.error!r}", kind="server_error")
+async def _group(state: ServerState, completions: list[Completion]) -> CompletionGroup:
+    if not state.engine.alive:
+        raise APIError(503, f"the engine is not running: {state.engine.error}", kind="server_error")
     try:
-        return CompletionGroup(state.loop, completions, state.admission, state.closing)
+        return await CompletionGroup.submit(state.engine, completions, state.admission, state.closing)
     except ValueError as exc:
         raise _value_error(exc) from None
-    except RuntimeError as exc:  # the loop died meanwhile
+    except RuntimeError as exc:  # the engine died meanwhile
         raise APIError(503, str(exc), kind="server_error") from None
 
 
@@ -281,11 +275,11 @@ class _ChatChunks:
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.loop.start()
+        await state.engine.connect()
         try:
             yield
         finally:
-            await asyncio.to_thread(state.loop.stop)
+            await state.engine.aclose()
 
     app = FastAPI(title="attnserve", lifespan=lifespan)
     app.state.end_open_requests = state.end_open_requests  # UvicornServer calls it when the grace period ends
@@ -324,9 +318,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.loop.alive:
+        if state.engine.alive:
             return Response(status_code=200)
-        return JSONResponse(APIError(503, f"the engine loop is not running: {state.loop.error!r}",
+        return JSONResponse(APIError(503, f"the engine is not running: {state.engine.error or 'it has stopped'}",
                                      kind="server_error").body(), status_code=503)
 
     @app.get("/v1/models")
@@ -337,13 +331,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/server_info")
     async def server_info():
-        live = await state.engine_state()
+        live = await state.engine.state()
         return {**state.info, "kv_cache": live["kv_cache"], "running": live["running"], "waiting": live["waiting"],
-                "queued_in_server": state.admission.queued, "prefix_cache": live["prefix_cache"]}
+                "queued_in_server": state.admission.queued, "prefix_cache": live["prefix_cache"],
+                "processes": {"http": os.getpid(), "engine": state.engine.pid}}
 
     @app.get("/metrics")
     async def metrics():
-        body = state.metrics.render(await state.engine_state())
+        body = state.metrics.render(await state.engine.state())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
@@ -359,7 +354,7 @@ def create_app(state: ServerState) -> FastAPI:
                             for j in range(req.n)]
         echo = {i: (p if isinstance(p, str) else state.engine.tokenizer.decode(p))
                 for i, p in enumerate(prompts)} if req.echo and state.engine.tokenizer is not None else {}
-        group = _group(state, completions)
+        group = await _group(state, completions)
         rid = R.new_id("cmpl")
         if req.stream:
             chunks = _CompletionChunks(rid, state, req, echo, len(completions))
@@ -374,7 +369,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         req = await _parse(request, ChatCompletionRequest, state)
         try:
-            text = await asyncio.to_thread(chat_prompt, state.engine.tokenizer, state.engine.parts.model.chat_template,
+            text = await asyncio.to_thread(chat_prompt, state.engine.tokenizer, state.engine.chat_template,
                                            req.rendered_messages())
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from None
@@ -383,7 +378,7 @@ def create_app(state: ServerState) -> FastAPI:
         params = req.sampling_params(budget, req.num_top_logprobs)
         completions = [Completion(j, prompt_ids, params.for_completion(j) if req.n > 1 else params)
                        for j in range(req.n)]
-        group = _group(state, completions)
+        group = await _group(state, completions)
         rid = R.new_id("chatcmpl")
         if req.stream:
             chunks = _ChatChunks(rid, state, req, len(completions))

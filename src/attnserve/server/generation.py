@@ -1,10 +1,11 @@
-"""Running requests from asyncio: the bridge between HTTP coroutines and the engine loop's thread.
+"""Running requests from asyncio: the completions of one HTTP request, sent to the engine process.
 
-Each completion is submitted to the EngineLoop with a sink that hops its items
-onto the event loop (call_soon_threadsafe), so a coroutine awaits tokens without
-a thread per request. The completions of one HTTP request (several prompts, n
-each) share one queue and come out merged, tagged with their choice index.
-Submitting is separate from reading, so bad input is refused before a stream's
+Each completion is submitted to the EngineClient with a sink that puts its
+items (token deltas from the engine process, read on this event loop) on a
+queue, so a coroutine awaits tokens without a thread per request. The
+completions of one HTTP request (several prompts, n each) share one queue and
+come out merged, tagged with their choice index. Submitting waits until the
+engine accepted every completion, so bad input is refused before a stream's
 headers are sent. Whatever ends the reading early (the client going away, an
 error, shutdown) aborts every completion still running, which frees its pages
 in the next engine step.
@@ -16,9 +17,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from attnserve.engine.loop import EngineLoop, RequestHandle
 from attnserve.engine.outputs import StreamEvent
 from attnserve.engine.sampling_params import SamplingParams
+from attnserve.server.engine_client import EngineClient, RemoteRequest
 from attnserve.server.protocol import APIError
 
 
@@ -60,32 +61,39 @@ async def _disconnected(receive) -> None:
 class CompletionGroup:
     """The completions of one HTTP request, submitted together and read as one merged stream."""
 
-    def __init__(self, loop: EngineLoop, completions: list[Completion], admission: Admission,
+    def __init__(self, engine: EngineClient, completions: list[Completion], admission: Admission,
                  closing: asyncio.Event | None = None):
         """`closing`: set when the server cuts open requests short (the reader gets ServerClosing)."""
-        self.loop = loop
+        self.engine = engine
         self.admission = admission
         self.closing = closing
         self.failed: set[int] = set()  # choices that failed in the engine
         self._inbox: asyncio.Queue = asyncio.Queue()
-        self._aio = asyncio.get_running_loop()
-        self.handles: dict[int, RequestHandle] = {}
+        self.handles: dict[int, RemoteRequest] = {}
         admission.admit(len(completions))
         self._starting = {c.choice for c in completions}  # counted as queued until their first item
         try:
-            for c in completions:  # raises ValueError for input the engine refuses
-                self.handles[c.choice] = loop.submit(c.prompt_ids, c.params, sink=self._sink(c.choice))
+            for c in completions:
+                self.handles[c.choice] = engine.submit(c.prompt_ids, c.params, self._sink(c.choice))
         except BaseException:
             self.close()
             raise
 
+    @classmethod
+    async def submit(cls, engine: EngineClient, completions: list[Completion], admission: Admission,
+                     closing: asyncio.Event | None = None) -> CompletionGroup:
+        """The group once the engine accepted every completion; raises ValueError for input it refused,
+        RuntimeError when it is not running."""
+        group = cls(engine, completions, admission, closing)
+        results = await asyncio.gather(*(h.accepted for h in group.handles.values()), return_exceptions=True)
+        refusal = next((r for r in results if isinstance(r, BaseException)), None)
+        if refusal is not None:
+            group.close()
+            raise refusal
+        return group
+
     def _sink(self, choice: int):
-        def sink(item) -> None:  # called on the engine loop's thread
-            try:
-                self._aio.call_soon_threadsafe(self._inbox.put_nowait, (choice, item))
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
-        return sink
+        return lambda item: self._inbox.put_nowait((choice, item))
 
     async def events(self, receive=None) -> AsyncIterator[tuple[int, StreamEvent]]:
         """(choice, event) until every completion finished. Raises RequestFailed / RuntimeError when a
@@ -132,7 +140,7 @@ class CompletionGroup:
     def unfinished_reasons(self) -> list[str]:
         """The finish reason of each completion that ended without an output: "error" where it (or the
         engine) failed, "abort" where it was cut short (a disconnect, another completion's failure, shutdown)."""
-        engine_failed = self.loop.error is not None
+        engine_failed = self.engine.error is not None
         return ["error" if choice in self.failed or engine_failed else "abort"
                 for choice, handle in self.handles.items() if not handle.stream.finished]
 
@@ -147,4 +155,4 @@ class CompletionGroup:
         self._starting.clear()
         for handle in self.handles.values():
             if not handle.stream.finished:
-                self.loop.abort(handle.rid)
+                self.engine.abort(handle.rid)

@@ -1,4 +1,5 @@
-"""What /server_info reports: the engine's fixed choices (read once) and its state (read per call)."""
+"""What /server_info reports: the engine's fixed choices (read once, in the engine process) and its state
+(read per call over the engine channel)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,9 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def static_info(engine: Engine, served_model_name: str) -> dict:
+def static_info(engine: Engine) -> dict:
     parts = engine.parts
     return {
-        "model": served_model_name,
         "model_path": engine.config.model,
         "device": str(parts.model.device),
         "dtype": str(parts.model.dtype).removeprefix("torch."),

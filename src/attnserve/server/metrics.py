@@ -1,19 +1,39 @@
 """Prometheus metrics of the server, written by prometheus_client in its text format.
 
-Latency histograms and token counters are updated as requests finish; gauges
-of the engine's state (requests, KV pages, prefix-cache hit rate) are read from
-the engine loop when /metrics is scraped, so they are never stale. Each server
-has its own registry (tests run several in one process).
+Latency histograms and token counters are updated in the HTTP process as
+requests finish; gauges of the engine's state (requests, KV pages, prefix-cache
+hit rate) and the engine's own counters (steps, prefill and decode tokens,
+preemptions) are read from the engine process when /metrics is scraped, so
+they are never stale. Each server has its own registry (tests run several in
+one process).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from attnserve.engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                     2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineCounters:
+    """The engine process's cumulative counters (Engine.stats()), as of the last state read."""
+
+    HELP = {"steps": "Engine steps", "mixed_steps": "Engine steps that prefilled and decoded together",
+            "prefill_tokens": "Prompt tokens prefilled", "decode_tokens": "Tokens decoded",
+            "preemptions": "Requests preempted for lack of KV pages", "finished": "Requests the engine finished",
+            "aborted": "Requests the engine aborted"}
+
+    def __init__(self):
+        self.stats: dict = {}
+
+    def collect(self):
+        for key, doc in self.HELP.items():
+            if key in self.stats:
+                yield CounterMetricFamily(f"attnserve:engine_{key}", doc, value=self.stats[key])
 
 
 class ServerMetrics:
@@ -42,6 +62,8 @@ class ServerMetrics:
                               registry=r)
         self.info = Info("attnserve:backend", "The model and the resolved attention backends", registry=r)
         self.info.info({"model": model, "prefill_backend": prefill_backend, "decode_backend": decode_backend})
+        self.engine_counters = EngineCounters()
+        r.register(self.engine_counters)
 
     def observe(self, output: RequestOutput) -> None:
         self.requests.labels(output.finish_reason).inc()
@@ -63,10 +85,12 @@ class ServerMetrics:
             self.requests.labels(reason).inc()
 
     def render(self, state: dict) -> bytes:
-        """The text exposition, with the gauges set from `state` (EngineState.snapshot())."""
+        """The text exposition, with the gauges and engine counters set from `state` (the engine process's
+        Engine.state() and its Engine.stats())."""
         self.running.set(state["running"])
         self.waiting.set(state["waiting"])
         for key in ("total", "free", "cached", "in_use"):
             self.pages.labels(key).set(state["kv_cache"][f"pages_{key}"])
         self.hit_rate.set(state["prefix_cache"].get("hit_rate", 0.0))
+        self.engine_counters.stats = state.get("stats", {})
         return generate_latest(self.registry)
