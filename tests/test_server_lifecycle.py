@@ -1,7 +1,9 @@
-"""The server's start and end: refusing a backend that cannot run, a dying engine, SIGTERM mid-stream."""
+"""The server's start and end: refusing a backend that cannot run, a failing or killed engine process, a killed
+HTTP process, SIGTERM mid-stream; no process is ever left behind."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -9,12 +11,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
-from engine_helpers import shared_model
-from server_helpers import running_server
+from server_helpers import fail_steps_once_file_exists, running_server
 
-from attnserve.engine.llm import LLM
+from attnserve.engine.config import EngineConfig
 
 
 def _serve(*flags: str) -> subprocess.Popen:
@@ -30,23 +32,14 @@ def test_unknown_backend_is_refused_before_the_port_is_bound():
     assert "no_such_backend" in err and "serving on" not in err
 
 
-def test_a_failing_engine_turns_health_to_503_and_open_requests_to_500():
-    llm = LLM(loaded=shared_model(), device="cpu", max_total_tokens=1024, attention_backend="torch_native")
-    engine = llm.engine
-    real_forward = engine.runner.forward
-    broken = threading.Event()
-
-    def forward(batch):
-        if broken.is_set():
-            raise RuntimeError("device lost")
-        return real_forward(batch)
-
-    engine.runner.forward = forward
-    with running_server(llm) as (url, state):
+def test_a_failing_engine_turns_health_to_503_and_open_requests_to_500(tmp_path):
+    flag = tmp_path / "break"
+    config = EngineConfig(device="cpu", max_total_tokens=1024, attention_backend="torch_native")
+    with running_server(config, setup=functools.partial(fail_steps_once_file_exists, flag)) as (url, state):
         ok = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True},
                         timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-        broken.set()
+        flag.touch()
         r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
         assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
         health = httpx.get(url + "/health", timeout=10)
@@ -55,10 +48,40 @@ def test_a_failing_engine_turns_health_to_503_and_open_requests_to_500():
         assert again.status_code == 503  # refused at once, never hung
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'attnserve:requests_total{finish_reason="error"} 1.0' in metrics  # the failed one is counted
+        state.engine.process.join(30)
+        assert state.engine.process.exitcode == 1  # a failed engine process exits
+
+
+def test_a_killed_engine_process_ends_open_requests_and_turns_health_to_503():
+    config = EngineConfig(device="cpu", max_total_tokens=2048, attention_backend="torch_native")
+    with running_server(config) as (url, state):
+        long = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
+        plain: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: plain.append(
+            httpx.post(url + "/v1/completions", json=long, timeout=120)))
+        waiter.start()
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        _wait_running(url, 2)  # the plain request is generating too
+                        os.kill(state.engine.pid, signal.SIGKILL)  # mid-stream
+        waiter.join(60)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and "SIGKILL" in error["message"]
+        assert plain[0].status_code == 500 and "SIGKILL" in plain[0].json()["error"]["message"]
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and "killed by SIGKILL" in health.json()["error"]["message"]
+        assert httpx.post(url + "/v1/completions", json=long, timeout=60).status_code == 503
+        assert httpx.get(url + "/server_info", timeout=10).status_code == 200  # the last state read
+    assert not _running(state.engine.pid)
 
 
 def test_sigterm_during_a_stream_exits_cleanly():
-    proc = _serve("--max-total-tokens", "2048")
+    proc = _serve("--max-total-tokens", "2048", "--graceful-shutdown-timeout", "120")  # room for a busy machine
     lines: list[str] = []
     try:
         port = None
@@ -69,6 +92,7 @@ def test_sigterm_during_a_stream_exits_cleanly():
                 port = int(m.group(1))
                 break
         assert port is not None, "".join(lines)
+        engine_pid = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json()["processes"]["engine"]
         body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
         events = []
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
@@ -81,6 +105,7 @@ def test_sigterm_during_a_stream_exits_cleanly():
         finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if e.startswith("{")]
         assert finishes[-1] == "length"  # the open stream was allowed to finish
         assert proc.wait(timeout=60) == 0
+        assert not _running(engine_pid)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -110,6 +135,40 @@ def test_sigterm_past_the_graceful_timeout_ends_open_streams_with_an_error_and_d
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_a_killed_http_process_takes_the_engine_process_with_it():
+    proc = _serve("--max-total-tokens", "2048")
+    try:
+        port = _port(proc, [])
+        engine_pid = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json()["processes"]["engine"]
+        assert _running(engine_pid)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while _running(engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(engine_pid), "the engine process outlived its HTTP process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _wait_running(url: str, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/server_info", timeout=10).json()["running"] < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests running"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie waiting for its reaper counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _port(proc: subprocess.Popen, lines: list[str]) -> int:
