@@ -234,9 +234,11 @@ class EngineClient:
                 item = event[2]
                 if item is None:
                     del self._handles[event[1]]
-                elif not handle.accepted.done():  # refused: only an error comes before the acceptance
-                    handle.accepted.set_exception(item)
-                    continue
+                elif not handle.accepted.done():
+                    if isinstance(item, BaseException):  # refused
+                        handle.accepted.set_exception(item)
+                        continue
+                    handle.accepted.set_result(None)  # queued as the engine stopped: it ends aborted
                 handle.deliver(item)
             elif kind == "accepted":
                 handle = self._handles.get(event[1])

@@ -170,6 +170,9 @@ def run_engine_process(config: EngineConfig, addresses: tuple[str, str], conn, s
     bound; `conn`: this end of the pipe; `setup(engine)`: run once the engine is built (tests inject faults)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the HTTP process stops us
+    parent_gone = threading.Event()
+    threading.Thread(target=_watch_parent, args=(conn, parent_gone), name="attnserve-parent-watch",
+                     daemon=True).start()  # from the start: a parent killed during the model load counts too
     try:
         from attnserve.engine.llm import LLM
 
@@ -178,12 +181,13 @@ def run_engine_process(config: EngineConfig, addresses: tuple[str, str], conn, s
             setup(engine)
         facts = ready_facts(engine)
     except BaseException as exc:  # noqa: BLE001 - the HTTP process reports it and exits
+        if not isinstance(exc, (ValueError, FileNotFoundError, ImportError)):  # not a refusal: keep the traceback
+            log.error("the engine failed to start", exc_info=exc)
         try:
             conn.send(("failed", exc))
         except Exception:  # noqa: BLE001 - an exception that does not pickle
             conn.send(("failed", RuntimeError(repr(exc))))
         sys.exit(1)
-    parent_gone = threading.Event()
     context = zmq.Context()
     commands, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     for sock, address in ((commands, addresses[0]), (outputs, addresses[1])):
@@ -191,8 +195,6 @@ def run_engine_process(config: EngineConfig, addresses: tuple[str, str], conn, s
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.connect(address)
     conn.send(("ready", facts))
-    threading.Thread(target=_watch_parent, args=(conn, parent_gone), name="attnserve-parent-watch",
-                     daemon=True).start()
     loop = ProcessLoop(engine, commands, outputs, parent_gone)
     try:
         loop.run()
