@@ -6,7 +6,9 @@ commands (add, abort, stop, query) on a queue and read their request's events,
 so the scheduler's state is touched by one thread alone. The step thread works
 in token ids only: prompts are tokenized and validated by the submitting thread
 (`submit` raises ValueError for bad input before anything is queued), and text
-is decoded by each request's consumer (`RequestHandle`).
+is decoded by each request's consumer (`RequestHandle`). The server runs the
+loop on the main thread of its engine process instead, with commands read from
+the HTTP process's socket (server/engine_process.py).
 
 Failures: a request that fails inside a step is failed alone (its consumer gets
 `RequestFailed` with the reason, its pages are freed); only a failure of the
