@@ -51,6 +51,8 @@ class RemoteRequest(RequestHandle):
     def __init__(self, client: EngineClient, rid: int, stream: RequestStream, sink: Callable[[Item], None]):
         super().__init__(client, rid, stream, sink)
         self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        # a refusal that nobody awaits (its group failed earlier) is not an error worth a warning
+        self.accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def exit_description(code: int | None) -> str:
@@ -60,6 +62,8 @@ def exit_description(code: int | None) -> str:
 
 
 class EngineClient:
+    """One engine process and its channel; used from the HTTP server's event loop once `connect`ed."""
+
     def __init__(self, process, conn, ipc_dir: str, context: zmq.Context, commands: zmq.Socket,
                  outputs: zmq.Socket, facts: dict):
         self.process = process
