@@ -109,6 +109,27 @@ class EngineConfig:
     disable_fused_ops: bool = knob(
         False, "--disable-fused-ops",
         help="run the unfused torch ops (RMSNorm, SiLU x up, RoPE, K/V store) on the GPU too")
+    speculative_algorithm: str | None = knob(
+        None, "--speculative-algorithm", metavar="NAME",
+        help="speculative decoding: ngram (drafts by prompt lookup over each request's prompt and output, "
+        "verified by the model in one step; case-insensitive); default: off")
+    speculative_num_draft_tokens: int = knob(
+        4, "--speculative-num-draft-tokens",
+        help="draft tokens verified per request per step, the last token excluded (default: 4)")
+    speculative_num_steps: int | None = knob(
+        None, "--speculative-num-steps", help="deepest draft in a tree (default: --speculative-num-draft-tokens)")
+    speculative_eagle_topk: int = knob(
+        1, "--speculative-eagle-topk",
+        help="draft tree branching: continuations merged into one tree (default: 1, a chain)")
+    speculative_ngram_min_match_window_size: int = knob(
+        2, "--speculative-ngram-min-match-window-size",
+        help="ngram: shortest suffix of a request's tokens matched against its earlier tokens (default: 2)")
+    speculative_ngram_max_match_window_size: int = knob(
+        12, "--speculative-ngram-max-match-window-size",
+        help="ngram: longest suffix matched, tried first (default: 12)")
+    speculative_attention_mode: str = knob(
+        "prefill", "--speculative-attention-mode", choices=("prefill", "decode"),
+        help="which backend runs the verify step when prefill and decode backends differ (default: prefill)")
     seed: int = 0  # random weights' seed (with random_weights)
 
     def __post_init__(self):
@@ -132,6 +153,34 @@ class EngineConfig:
             self.disable_radix_cache = True
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
+        self._check_speculative()
         for name in (self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend):
             if name is not None:
                 resolve_name(name)  # an unknown name fails here, before any weights load
+
+    @property
+    def speculative_topk(self) -> int:
+        """The draft tree's branching as the backend selection sees it (0: no speculative decoding)."""
+        return self.speculative_eagle_topk if self.speculative_algorithm else 0
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm is not None:
+            algo = self.speculative_algorithm.lower()
+            if algo in ("", "none"):
+                algo = None
+            elif algo != "ngram":
+                raise ValueError(f"speculative_algorithm must be ngram (or None), got {self.speculative_algorithm!r}")
+            self.speculative_algorithm = algo
+        for name in ("speculative_num_draft_tokens", "speculative_eagle_topk",
+                     "speculative_ngram_min_match_window_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
+        if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
+            raise ValueError(
+                f"speculative_ngram_max_match_window_size {self.speculative_ngram_max_match_window_size} is below "
+                f"the min {self.speculative_ngram_min_match_window_size}")
+        if self.speculative_attention_mode not in ("prefill", "decode"):
+            raise ValueError(f"speculative_attention_mode must be prefill or decode, got "
+                             f"{self.speculative_attention_mode!r}")

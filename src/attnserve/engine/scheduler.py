@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from attnserve.attention.base import ForwardMode
 from attnserve.engine.request import FinishReason, Request, RequestStatus
+from attnserve.engine.speculative.draft_tree import DraftTree
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.pool import ReqToTokenPool
 from attnserve.kvcache.radix import RadixCache
@@ -67,6 +68,7 @@ class ScheduleBatch:
     sample: list[bool]  # True when this step computes the request's last uncomputed token
     mode: ForwardMode
     num_decodes: int = 0  # reqs[:num_decodes] decode: their input token is their last sampled one
+    drafts: list | None = None  # TARGET_VERIFY: each request's DraftTree, padded to the step's draft count
 
     @property
     def num_tokens(self) -> int:
@@ -256,6 +258,43 @@ class Scheduler:
                         taken += n
                 return decoding
             self.preempt(max(self.running, key=lambda r: r.admit_order))
+
+    # ---- speculative verify ---------------------------------------------------------------------
+    def schedule_verify(self, propose, num_draft_tokens: int) -> ScheduleBatch | None:
+        """A TARGET_VERIFY step over every decoding request, each with 1 + `num_draft_tokens` tokens (its last
+        token, then its drafts from `propose(req)`, padded), so the step's shape depends on the batch size
+        alone. None when no request has drafts, or when their pages or context do not fit: the step then
+        decodes as usual. It never preempts: speculation only uses room the pool has."""
+        k = num_draft_tokens
+        decoding = [r for r in self.running if r.num_uncomputed == 1 and r.num_generated and not r.num_pending]
+        if not decoding or any(r.kv_len + 1 + k > self.req_pool.max_context_len for r in decoding):
+            return None
+        trees = [propose(r) for r in decoding]
+        if not any(t is not None and len(t) for t in trees):
+            return None
+        needs = [self._pages_for(r, 1 + k) for r in decoding]
+        if not self._ensure_free(sum(needs)):
+            return None
+        pages = self.allocator.alloc(sum(needs))
+        taken = 0
+        for r, n in zip(decoding, needs):
+            r.pages.extend(pages[taken : taken + n])
+            taken += n
+        empty = DraftTree((), ())
+        drafts = [(t or empty).padded(k, pad_token=r.output_ids[-1]) for r, t in zip(decoding, trees)]
+        self.counters.steps += 1
+        return ScheduleBatch(decoding, [1 + k] * len(decoding), [r.kv_len for r in decoding],
+                             [True] * len(decoding), ForwardMode.TARGET_VERIFY, drafts=drafts)
+
+    def settle_verify(self, req: Request, emitted: int) -> None:
+        """After a verify step that gave `req` `emitted` tokens: a request still running keeps `req.kv_len`
+        computed tokens, and the pages past the one its next token goes to return to the pool (a finished
+        one has already handed everything back)."""
+        self.counters.decode_tokens += emitted
+        keep = -(-(req.kv_len + 1) // self.page_size)
+        if len(req.pages) > keep:
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]
 
     def _take_chunk(self, req: Request, budget: int, reserve: int, first: bool) -> int:
         """Allocate pages for as many of `req`'s uncomputed tokens as budget and pool allow; returns the count."""
