@@ -361,11 +361,12 @@ class Engine:
         """Move the accepted branch's K/V next to the prefix, then append the tokens one by one with the usual
         stop checks (the first finish cuts the rest); kv_len covers the root and the accepted drafts."""
         accepted = len(acc.path)
-        self.drafter.observe(r, tree, accepted)
-        r.spec_verify_steps += 1
-        r.spec_draft_tokens += tree.num_real
-        r.spec_accepted_tokens += accepted
-        self.spec_stats.record(tree.num_real, accepted)
+        if tree.num_real:  # a request without drafts rides along on padding: nothing to count
+            self.drafter.observe(r, tree, accepted)
+            r.spec_verify_steps += 1
+            r.spec_draft_tokens += tree.num_real
+            r.spec_accepted_tokens += accepted
+            self.spec_stats.record(tree.num_real, accepted)
         old = r.kv_len
         moved = [(old + 1 + node, old + depth) for depth, node in enumerate(acc.path, 1) if node + 1 != depth]
         if moved:

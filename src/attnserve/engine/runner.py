@@ -22,6 +22,7 @@ from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from attnserve.distributed.state import broadcast_object, broadcast_tensor, parallel_state
 from attnserve.engine.cuda_graph import CudaGraphRunner
 from attnserve.engine.scheduler import ScheduleBatch
+from attnserve.engine.speculative.draft_tree import verify_masks
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool
 from attnserve.transfers import to_device
 
@@ -197,10 +198,7 @@ class ModelRunner:
         custom_mask = tree_mask = None
         spec_topk = 1
         if not all(t.is_chain for t in batch.drafts):
-            tree_mask = np.stack([t.tree_mask() for t in batch.drafts])  # [B, q, q] bool
-            custom_mask = np.concatenate([
-                np.concatenate([np.ones((q, p), dtype=bool), m], axis=1).ravel()  # [q * (p + q)]
-                for p, m in zip(batch.prefix_lens, tree_mask)])
+            tree_mask, custom_mask = verify_masks(batch.drafts, batch.prefix_lens)  # [B, q, q], flat
             spec_topk = max(max((len(c) for c in t.children()), default=1) for t in batch.drafts)
         return StepInputs(
             mode=ForwardMode.TARGET_VERIFY, host=host, num_tokens=num_tokens, num_decodes=0,
