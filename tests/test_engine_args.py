@@ -41,6 +41,13 @@ OLD_ENGINE_FLAGS = [
     (("--enable-deterministic-inference",), "enable_deterministic_inference", False, None, True),
     (("--cuda-graph-max-bs",), "cuda_graph_max_bs", None, "32", 32),
     (("--disable-fused-ops",), "disable_fused_ops", False, None, True),
+    (("--speculative-algorithm",), "speculative_algorithm", None, "NGRAM", "ngram"),
+    (("--speculative-num-draft-tokens",), "speculative_num_draft_tokens", 4, "6", 6),
+    (("--speculative-num-steps",), "speculative_num_steps", None, "3", 3),
+    (("--speculative-eagle-topk",), "speculative_eagle_topk", 1, "2", 2),
+    (("--speculative-ngram-min-match-window-size",), "speculative_ngram_min_match_window_size", 2, "1", 1),
+    (("--speculative-ngram-max-match-window-size",), "speculative_ngram_max_match_window_size", 12, "8", 8),
+    (("--speculative-attention-mode",), "speculative_attention_mode", "prefill", "decode", "decode"),
 ]
 COMMAND = {"generate": ["generate", "hi"], "serve": ["serve"]}
 IMPLIED = {"enable_deterministic_inference": {"chunked_prefill_size", "disable_radix_cache"}}  # the mode sets them

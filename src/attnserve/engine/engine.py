@@ -219,8 +219,9 @@ class Engine:
         reason in `Request.error`, frees its pages, and the others go on.
         """
         if not self.overlap or self.drafter is not None:
+            done = self.drain()  # a step launched with overlap before a drafter was set
             launched = self._launch(in_flight=False)
-            return self._complete(launched) if launched is not None else []
+            return done + (self._complete(launched) if launched is not None else [])
         previous, self._in_flight = self._in_flight, None
         try:
             self._in_flight = self._launch(in_flight=previous is not None)
