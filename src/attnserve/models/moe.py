@@ -6,6 +6,10 @@ the two published schemes: V2's softmax scores (greedy or group-limited top-k)
 and V3's sigmoid scores with a bias used only for choosing (noaux_tc).
 
 Which expert path runs, and where it is safe inside a CUDA graph (no host sync):
+- where the model's op set has the fused MoE kernel (Triton on CUDA, unless `--disable-fused-ops`), every
+  batch goes through it (ops/kernels/fused_moe.py): two grouped GEMMs over the pairs aligned by expert, SiLU x
+  up and the routing weights in their epilogues, only the chosen experts' weights read. Graph-safe at any size.
+  Otherwise (the CPU, and the oracles of that kernel):
 - fewer (token, choice) pairs than experts (decode): a grouped GEMM over the pairs
   sorted by expert reads only the chosen experts' weights in place. Graph-safe on
   CUDA where torch's grouped GEMM has its device kernel (SM90/SM100, bf16, widths
@@ -31,6 +35,7 @@ from attnserve.distributed.shard import take, unit_slice
 from attnserve.distributed.state import all_reduce, tp_rank, tp_size
 from attnserve.models.config import ModelConfig
 from attnserve.models.layers import GatedMLP, activation
+from attnserve.ops import TORCH_OPS, OpSet
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -96,6 +101,7 @@ class Experts(nn.Module):
     """
 
     reads_slices = True  # the loader may hand a lazy checkpoint tensor
+    ops: OpSet = TORCH_OPS  # set for the whole model by use_ops
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
         super().__init__()
@@ -142,6 +148,8 @@ class Experts(nn.Module):
     GROUPED_MIN_PAIRS = 8192
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.fused_applies(x):
+            return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
         few = ids.numel() < self.num_experts  # a few tokens: read only the chosen experts
         pairs = x.shape[0] * self.num_experts
         if self.grouped_mm_applies(x) and (few or (pairs >= self.GROUPED_MIN_PAIRS and _on_gpu(x))):
@@ -151,6 +159,11 @@ class Experts(nn.Module):
         if pairs <= self.DENSE_MAX_PAIRS:
             return self.forward_dense(x, weights, ids)
         return self.forward_sparse(x, weights, ids)
+
+    def fused_applies(self, x: torch.Tensor) -> bool:
+        """Whether the op set's fused MoE kernel runs this batch: it computes SiLU experts in one dtype."""
+        return (self.ops.fused_moe is not None and self.act is F.silu and x.dtype == self.gate_up_proj.dtype
+                and x.stride(-1) == 1)
 
     def grouped_mm_applies(self, x: torch.Tensor) -> bool:
         """Whether forward_grouped runs here without a host sync (so inside CUDA graphs too)."""

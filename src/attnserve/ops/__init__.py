@@ -1,4 +1,4 @@
-"""Fused non-attention kernels (residual add + RMSNorm, SiLU x up, RoPE + K/V store).
+"""Fused non-attention kernels (residual add + RMSNorm, SiLU x up, RoPE + K/V store, routed experts).
 
 Each op has a Triton kernel (ops/kernels/, imported only where Triton is) and the unfused
 torch composition it replaces (ops/reference.py), which the CPU runs and the tests compare

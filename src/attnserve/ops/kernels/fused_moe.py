@@ -1,0 +1,199 @@
+"""Routed experts as two grouped GEMMs over the (token, choice) pairs sorted by expert.
+
+The pairs are aligned so that each block of block_m rows belongs to one expert (ops/moe_align.py); a program
+takes one row block and one tile of output columns, reads its expert's weights where they lie and gathers
+its tokens' activations. Only the experts a batch chose are read: one token over top-6 runs six row blocks.
+
+1. gate and up: both halves of the expert's gate_up_proj against the same activation tile, and SiLU(gate) *
+   up in the epilogue, so the [pairs, 2I] projection is never written;
+2. down: the activated rows against down_proj, scaled by each pair's routing weight in the epilogue.
+
+The top-k sum is one torch reduction over the weighted rows (a fixed order, so a step's output does not
+depend on which program finished first, as atomics would). Rounding follows the torch paths of
+models/moe.py: each projection is rounded to the activation dtype, SiLU is rounded before the product, the
+weighted sum is in float32. Every launch's grid depends on the number of tokens alone: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from attnserve.attention.kernels.common import dot_dtype_is_f32, interpreting
+from attnserve.attention.kernels.gpu_target import target_for
+from attnserve.ops.moe_align import align_by_expert
+from attnserve.ops.moe_tiles import INTERPRETER_TILES, MoETiles, tiles_for
+
+
+@triton.jit
+def _expert_rows(SortedPairs, BlockExpert, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """This row block's expert and pair ids, and which rows are real pairs (the rest is padding)."""
+    expert = tl.load(BlockExpert + pid_m).to(tl.int64)
+    pairs = tl.load(SortedPairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
+    return expert, pairs, pairs < num_pairs
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:  # float32 models, and the interpreter (which misreads bf16 inside tl.dot)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gate_up_silu_kernel(
+    X, W, Out, SortedPairs, BlockExpert,
+    stride_xm, stride_we, stride_wn, stride_om,
+    num_pairs, K, N,
+    TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, N + n]) for this block's pairs, N channels."""
+    pid_m = tl.program_id(0)
+    expert, pairs, row_ok = _expert_rows(SortedPairs, BlockExpert, pid_m, num_pairs, BLOCK_M)
+    if expert >= NUM_EXPERTS:  # past the last expert's rows: this batch's routing needs fewer blocks
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + (pairs // TOP_K)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    gate_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    up_ptrs = gate_ptrs + N * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            if EVEN_N:
+                gate = tl.load(gate_ptrs)
+                up = tl.load(up_ptrs)
+            else:
+                gate = tl.load(gate_ptrs, mask=col_ok[None, :], other=0.0)
+                up = tl.load(up_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            gate = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc_gate = _dot(x, gate, acc_gate, DOT_F32)
+        acc_up = _dot(x, up, acc_up, DOT_F32)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    dtype = Out.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    out_ptrs = Out + pairs[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, (act * up).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_weighted_kernel(
+    H, W, Out, RoutingWeights, SortedPairs, BlockExpert,
+    stride_hm, stride_we, stride_wn, stride_om,
+    num_pairs, K, N,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Out[pair, n] (float32) = routing_weight[pair] * round(h[pair] . W[e, n]) for this block's pairs."""
+    pid_m = tl.program_id(0)
+    expert, pairs, row_ok = _expert_rows(SortedPairs, BlockExpert, pid_m, num_pairs, BLOCK_M)
+    if expert >= NUM_EXPERTS:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = H + pairs[:, None] * stride_hm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = _dot(h, w, acc, DOT_F32)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    routing = tl.load(RoutingWeights + pairs, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
+    y = acc.to(H.dtype.element_ty).to(tl.float32) * routing[:, None]
+    tl.store(Out + pairs[:, None] * stride_om + offs_n[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.lru_cache(maxsize=256)
+def _shipped_tiles(arch: str, tokens: int, shape: tuple[tuple[str, int], ...]) -> MoETiles:
+    return tiles_for(arch, tokens, dict(shape))
+
+
+def moe_tiles(device: torch.device, tokens: int, experts: int, hidden: int, intermediate: int,
+              top_k: int) -> MoETiles:
+    """The shipped table's tiles for this GPU, batch and expert shape; the interpreter's small ones on the CPU."""
+    target = target_for(device)
+    if target is None or interpreting():
+        return INTERPRETER_TILES
+    shape = (("experts", experts), ("hidden", hidden), ("intermediate", intermediate), ("top_k", top_k))
+    return _shipped_tiles(target.arch, tokens, shape)
+
+
+def _check(x, gate_up_proj, down_proj, weights, ids) -> None:
+    experts, two_i, hidden = gate_up_proj.shape
+    if (x.dim() != 2 or x.shape[1] != hidden or down_proj.shape != (experts, hidden, two_i // 2)
+            or weights.shape != ids.shape or ids.shape[0] != x.shape[0]):
+        raise ValueError(f"fused_experts needs x [T, hidden], gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I], "
+                         f"weights and ids [T, top_k]; got x {tuple(x.shape)}, gate_up {tuple(gate_up_proj.shape)}, "
+                         f"down {tuple(down_proj.shape)}, weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
+    if x.dtype != gate_up_proj.dtype or x.dtype != down_proj.dtype:
+        raise ValueError(f"fused_experts needs one dtype for x and the weights; got {x.dtype}, "
+                         f"{gate_up_proj.dtype}, {down_proj.dtype}")
+    if x.stride(-1) != 1 or gate_up_proj.stride(-1) != 1 or down_proj.stride(-1) != 1:
+        raise ValueError("fused_experts needs x and the weights contiguous in their last dimension")
+
+
+def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, tiles: MoETiles | None = None) -> torch.Tensor:
+    """x [T, hidden], gate_up_proj [E, 2I, hidden] (gate rows first), down_proj [E, hidden, I], routing weights
+    and expert ids [T, top_k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, hidden] in x's dtype (SiLU)."""
+    _check(x, gate_up_proj, down_proj, weights, ids)
+    tokens, top_k = ids.shape
+    num_experts, two_i, hidden = gate_up_proj.shape
+    channels = two_i // 2
+    if tokens == 0:
+        return torch.zeros_like(x)
+    tiles = tiles or moe_tiles(x.device, tokens, num_experts, hidden, channels, top_k)
+    align = align_by_expert(ids, num_experts, tiles.block_m)
+    blocks = align.block_expert.numel()
+    pairs = tokens * top_k
+    dot_f32 = dot_dtype_is_f32(x)
+    activated = x.new_empty(pairs, channels)  # [P, I], rows in (token, choice) order
+    gu = tiles.gate_up
+    _gate_up_silu_kernel[(blocks, triton.cdiv(channels, gu.block_n))](
+        x, gate_up_proj, activated, align.sorted_pairs, align.block_expert,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0),
+        pairs, hidden, channels,
+        TOP_K=top_k, NUM_EXPERTS=num_experts, BLOCK_M=tiles.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+        EVEN_K=hidden % gu.block_k == 0, EVEN_N=channels % gu.block_n == 0, DOT_F32=dot_f32,
+        num_warps=gu.num_warps, num_stages=gu.num_stages,
+    )
+    weighted = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [P, hidden]
+    routing = weights.reshape(-1).float().contiguous()  # [P]
+    dn = tiles.down
+    _down_weighted_kernel[(blocks, triton.cdiv(hidden, dn.block_n))](
+        activated, down_proj, weighted, routing, align.sorted_pairs, align.block_expert,
+        activated.stride(0), down_proj.stride(0), down_proj.stride(1), weighted.stride(0),
+        pairs, channels, hidden,
+        NUM_EXPERTS=num_experts, BLOCK_M=tiles.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
+        EVEN_K=channels % dn.block_k == 0, EVEN_N=hidden % dn.block_n == 0, DOT_F32=dot_f32,
+        num_warps=dn.num_warps, num_stages=dn.num_stages,
+    )
+    return weighted.view(tokens, top_k, hidden).sum(1).to(x.dtype)

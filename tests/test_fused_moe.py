@@ -1,0 +1,166 @@
+"""The fused MoE kernel against the dense torch path, and the expert alignment it runs on.
+
+On the CPU the kernel runs under TRITON_INTERPRET=1 at tiny shapes (8 experts, top-2, hidden 64, 32 channels);
+on a GPU also at DeepSeek-V2-Lite's expert shapes, eagerly and replayed from a CUDA graph with new routing.
+The interpreter rounds float32 to bfloat16 towards zero, so bfloat16 tolerances on the CPU are looser than
+the GPU's.
+"""
+
+import pytest
+import torch
+from test_models_moe import HOST_SYNC_OPS, _Recorder
+
+from attnserve.models.moe import Experts
+from attnserve.ops.moe_align import align_by_expert, max_blocks
+from attnserve.ops.moe_tiles import GemmTile, MoETiles
+
+triton = pytest.importorskip("triton")
+from attnserve.ops.kernels.fused_moe import fused_experts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HIDDEN, INTER, NUM_EXPERTS, TOP_K = 64, 32, 8, 2
+
+
+def _experts(num_experts, hidden, inter, dtype, device=DEVICE, seed=0):
+    experts = Experts(num_experts, hidden, inter, "silu")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * hidden**-0.5)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * inter**-0.5)
+    return experts.to(device=device, dtype=dtype)
+
+
+def _routing(tokens, num_experts, top_k, hidden, dtype, device=DEVICE, seed=1):
+    """x [T, hidden], routing weights [T, k] float32 (normalised) and distinct expert ids [T, k]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
+    weights, ids = torch.rand(tokens, num_experts, generator=g).topk(top_k, dim=-1)
+    return x, (weights / weights.sum(-1, keepdim=True)).to(device), ids.to(device)
+
+
+def _float64_oracle(experts, x, weights, ids):
+    """The dense path (every expert on every token, weighted by 0 where unrouted) in float64."""
+    ref = Experts(experts.num_experts, x.shape[1], experts.intermediate_size, "silu").double()
+    ref.load_state_dict({k: v.double().cpu() for k, v in experts.state_dict().items()})
+    return ref.forward_dense(x.double().cpu(), weights.double().cpu(), ids.cpu())
+
+
+def _rel_err(out, ref):
+    return ((out.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm()).item()
+
+
+# ---- alignment -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens,top_k,num_experts,block_m", [(1, 6, 64, 16), (3, 2, 8, 16), (17, 2, 8, 16),
+                                                              (40, 3, 4, 32)])
+def test_alignment_groups_every_pair_once_by_expert_in_token_order(tokens, top_k, num_experts, block_m):
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])  # [T, k]
+    a = align_by_expert(ids, num_experts, block_m)
+    pairs = tokens * top_k
+    blocks = max_blocks(pairs, num_experts, block_m)
+    assert a.sorted_pairs.shape == (blocks * block_m,) and a.block_expert.shape == (blocks,)
+    rows = a.sorted_pairs.view(blocks, block_m)
+    real = rows < pairs
+    assert sorted(rows[real].tolist()) == list(range(pairs))  # every pair exactly once, padding = pairs
+    flat = ids.reshape(-1)
+    used = 0
+    for b in range(blocks):
+        e = int(a.block_expert[b])
+        if e == num_experts:  # past the last group: no pairs
+            assert not real[b].any()
+            continue
+        used += 1
+        members = rows[b][real[b]]
+        assert (flat[members.long()] == e).all()  # one expert per block
+        assert members.tolist() == sorted(members.tolist())  # stable: token order kept
+        assert real[b][: len(members)].all()  # padding only at a group's end
+    assert used == sum(-(-int((flat == e).sum()) // block_m) for e in range(num_experts))
+    assert a.block_expert.tolist() == sorted(a.block_expert.tolist())
+
+
+def test_one_token_touches_only_its_experts():
+    """Decode at batch 1: as many row blocks as chosen experts, whatever the expert count."""
+    ids = torch.tensor([[60, 3, 17, 41, 8, 29]])  # [1, 6]
+    a = align_by_expert(ids, 64, 16)
+    assert a.block_expert.tolist() == [3, 8, 17, 29, 41, 60]
+
+
+def test_alignment_reads_nothing_back_to_the_host():
+    ids = torch.randint(0, 8, (5, 2))
+    with _Recorder() as rec:
+        align_by_expert(ids, 8, 16)
+    assert not rec.ops & HOST_SYNC_OPS, rec.ops & HOST_SYNC_OPS
+
+
+# ---- the kernel against the dense path -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2 if DEVICE == "cpu" else 1e-2)])
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_fused_experts_match_the_dense_path(tokens, dtype, tol):
+    experts = _experts(NUM_EXPERTS, HIDDEN, INTER, dtype)
+    x, weights, ids = _routing(tokens, NUM_EXPERTS, TOP_K, HIDDEN, dtype)
+    out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    assert out.shape == x.shape and out.dtype == dtype
+    ref = _float64_oracle(experts, x, weights, ids)
+    assert _rel_err(out, ref) < tol
+    assert _rel_err(out, experts.forward_dense(x, weights, ids)) < tol
+
+
+def test_uneven_widths_and_wider_row_blocks():
+    """Channels and hidden size that no tile divides (masked loads), and 32-row blocks over shared experts."""
+    experts = _experts(4, 48, 24, torch.float32)
+    x, weights, ids = _routing(9, 4, 3, 48, torch.float32)
+    tiles = MoETiles(32, GemmTile(16, 32, 4, 1), GemmTile(32, 16, 4, 1))
+    out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, tiles=tiles)
+    assert _rel_err(out, _float64_oracle(experts, x, weights, ids)) < 1e-5
+
+
+def test_no_tokens_and_bad_shapes():
+    experts = _experts(NUM_EXPERTS, HIDDEN, INTER, torch.float32)
+    x, weights, ids = _routing(0, NUM_EXPERTS, TOP_K, HIDDEN, torch.float32)
+    assert fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids).shape == (0, HIDDEN)
+    x, weights, ids = _routing(2, NUM_EXPERTS, TOP_K, HIDDEN, torch.float32)
+    with pytest.raises(ValueError, match="one dtype"):
+        fused_experts(x.double(), experts.gate_up_proj, experts.down_proj, weights, ids)
+    with pytest.raises(ValueError, match="down_proj"):
+        fused_experts(x, experts.gate_up_proj, experts.down_proj.transpose(1, 2), weights, ids)
+
+
+# ---- GPU: DeepSeek-V2-Lite's expert shapes, CUDA graphs --------------------------------------------------
+
+V2_LITE = {"num_experts": 64, "hidden": 2048, "inter": 1408, "top_k": 6}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
+def test_fused_experts_at_deepseek_v2_lite_shapes(tokens):
+    experts = _experts(V2_LITE["num_experts"], V2_LITE["hidden"], V2_LITE["inter"], torch.bfloat16)
+    x, weights, ids = _routing(tokens, V2_LITE["num_experts"], V2_LITE["top_k"], V2_LITE["hidden"], torch.bfloat16)
+    out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    assert _rel_err(out, experts.forward_dense(x, weights, ids)) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_fused_experts_replay_from_a_cuda_graph_with_new_routing():
+    """Captured once, replayed with other routing in the same buffers: the result follows the routing."""
+    experts = _experts(V2_LITE["num_experts"], 256, 128, torch.bfloat16)
+    x, weights, ids = _routing(4, V2_LITE["num_experts"], V2_LITE["top_k"], 256, torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    for seed in (2, 3):
+        new_x, new_weights, new_ids = _routing(4, V2_LITE["num_experts"], V2_LITE["top_k"], 256, torch.bfloat16,
+                                               seed=seed)
+        x.copy_(new_x), weights.copy_(new_weights), ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(out, experts.forward_dense(x, weights, ids)) < 1e-2
