@@ -15,7 +15,9 @@ from attnserve.ops.moe_align import align_by_expert, max_blocks
 from attnserve.ops.moe_tiles import GemmTile, MoETiles
 
 triton = pytest.importorskip("triton")
+from attnserve.ops.kernels import fused_moe  # noqa: E402
 from attnserve.ops.kernels.fused_moe import fused_experts  # noqa: E402
+from attnserve.ops.kernels.moe_align import align_in_one_program  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 64, 32, 8, 2
@@ -51,11 +53,17 @@ def _rel_err(out, ref):
 
 # ---- alignment -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tokens,top_k,num_experts,block_m", [(1, 6, 64, 16), (3, 2, 8, 16), (17, 2, 8, 16),
-                                                              (40, 3, 4, 32)])
-def test_alignment_groups_every_pair_once_by_expert_in_token_order(tokens, top_k, num_experts, block_m):
+ALIGN_CASES = [(1, 6, 64, 16), (3, 2, 8, 16), (17, 2, 8, 16), (40, 3, 4, 32), (30, 4, 5, 16)]
+
+
+def _ids(tokens, top_k, num_experts):
     g = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])  # [T, k]
+    return torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])  # [T, k]
+
+
+@pytest.mark.parametrize("tokens,top_k,num_experts,block_m", ALIGN_CASES)
+def test_alignment_groups_every_pair_once_by_expert_in_token_order(tokens, top_k, num_experts, block_m):
+    ids = _ids(tokens, top_k, num_experts)
     a = align_by_expert(ids, num_experts, block_m)
     pairs = tokens * top_k
     blocks = max_blocks(pairs, num_experts, block_m)
@@ -77,6 +85,14 @@ def test_alignment_groups_every_pair_once_by_expert_in_token_order(tokens, top_k
         assert real[b][: len(members)].all()  # padding only at a group's end
     assert used == sum(-(-int((flat == e).sum()) // block_m) for e in range(num_experts))
     assert a.block_expert.tolist() == sorted(a.block_expert.tolist())
+
+
+@pytest.mark.parametrize("tokens,top_k,num_experts,block_m", ALIGN_CASES)
+def test_one_program_alignment_equals_the_torch_ops(tokens, top_k, num_experts, block_m):
+    """More pairs than the program's chunk, and an expert count that is not a power of two."""
+    ids = _ids(tokens, top_k, num_experts).to(DEVICE)
+    a, b = align_by_expert(ids, num_experts, block_m), align_in_one_program(ids, num_experts, block_m)
+    assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_expert, b.block_expert)
 
 
 def test_one_token_touches_only_its_experts():
@@ -107,8 +123,9 @@ def test_fused_experts_match_the_dense_path(tokens, dtype, tol):
     assert _rel_err(out, experts.forward_dense(x, weights, ids)) < tol
 
 
-def test_uneven_widths_and_wider_row_blocks():
-    """Channels and hidden size that no tile divides (masked loads), and 32-row blocks over shared experts."""
+def test_uneven_widths_and_wider_row_blocks(monkeypatch):
+    """Channels and hidden size that no tile divides (masked loads), 32-row blocks, the torch alignment."""
+    monkeypatch.setattr(fused_moe, "ONE_PROGRAM_ALIGN_MAX_PAIRS", 0)
     experts = _experts(4, 48, 24, torch.float32)
     x, weights, ids = _routing(9, 4, 3, 48, torch.float32)
     tiles = MoETiles(32, GemmTile(16, 32, 4, 1), GemmTile(32, 16, 4, 1))

@@ -24,8 +24,13 @@ import triton.language as tl
 
 from attnserve.attention.kernels.common import dot_dtype_is_f32, interpreting
 from attnserve.attention.kernels.gpu_target import target_for
+from attnserve.ops.kernels.moe_align import align_in_one_program
 from attnserve.ops.moe_align import align_by_expert
 from attnserve.ops.moe_tiles import INTERPRETER_TILES, MoETiles, tiles_for
+
+# up to this many (token, choice) pairs the alignment is one single-program launch (kernels/moe_align.py);
+# above it, the torch ops of ops/moe_align.py, whose launches no longer dominate
+ONE_PROGRAM_ALIGN_MAX_PAIRS = 1024
 
 
 @triton.jit
@@ -171,9 +176,10 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     if tokens == 0:
         return torch.zeros_like(x)
     tiles = tiles or moe_tiles(x.device, tokens, num_experts, hidden, channels, top_k)
-    align = align_by_expert(ids, num_experts, tiles.block_m)
-    blocks = align.block_expert.numel()
     pairs = tokens * top_k
+    align = (align_in_one_program if pairs <= ONE_PROGRAM_ALIGN_MAX_PAIRS else align_by_expert)(
+        ids, num_experts, tiles.block_m)
+    blocks = align.block_expert.numel()
     dot_f32 = dot_dtype_is_f32(x)
     activated = x.new_empty(pairs, channels)  # [P, I], rows in (token, choice) order
     gu = tiles.gate_up
