@@ -112,21 +112,23 @@ INTERPRETER_TILES = MoETiles(16, GemmTile(16, 16, 4, 1), GemmTile(16, 16, 4, 1))
 
 
 def rules_from_sweep(best: list[dict], shape: dict[str, int]) -> list[dict]:
-    """Table rules (JSON rows) from a sweep's best tiles per token count `[{"tokens", "tiles"}]` for one expert
-    shape: neighbouring token counts with the same tiles share a rule, and the largest count's tiles close the
-    list for every batch (without a shape: the default of other shapes too)."""
-    best = sorted(best, key=lambda r: r["tokens"])
+    """Table rules (JSON rows) from a sweep's best tiles per token count `[{"tokens", "tiles", "measured_us"}]`
+    at one expert shape: neighbouring token counts with the same tiles share a rule. The rules come twice: for
+    the shape swept, then for any shape (the measured tiles are a better guess for other experts than none),
+    the largest count's rule open-ended to close the list."""
     out: list[dict] = []
-    for row in best:
+    for row in sorted(best, key=lambda r: r["tokens"]):
         if out and out[-1]["tiles"] == row["tiles"]:
             out[-1]["max_tokens"] = row["tokens"]
             out[-1]["measured_us"].update(row.get("measured_us", {}))
         else:
             out.append({"max_tokens": row["tokens"], "shape": dict(shape), "tiles": row["tiles"],
                         "measured_us": dict(row.get("measured_us", {}))})
-    if out:
-        out.append({"tiles": out[-1]["tiles"]})
-    return out
+    if not out:
+        return []
+    any_shape = [{"max_tokens": r["max_tokens"], "tiles": r["tiles"]} for r in out]
+    del any_shape[-1]["max_tokens"]
+    return out + any_shape
 
 
 def write_rules(arch: str, rules: list[dict], source: str, path: Path | None = None) -> Path:

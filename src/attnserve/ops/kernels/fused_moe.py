@@ -25,8 +25,8 @@ import triton.language as tl
 from attnserve.attention.kernels.common import dot_dtype_is_f32, interpreting
 from attnserve.attention.kernels.gpu_target import target_for
 from attnserve.ops.kernels.moe_align import align_in_one_program
-from attnserve.ops.moe_align import align_by_expert
-from attnserve.ops.moe_tiles import INTERPRETER_TILES, MoETiles, tiles_for
+from attnserve.ops.moe_align import ExpertAlignment, align_by_expert
+from attnserve.ops.moe_tiles import INTERPRETER_TILES, GemmTile, MoETiles, tiles_for
 
 # up to this many (token, choice) pairs the alignment is one single-program launch (kernels/moe_align.py);
 # above it, the torch ops of ops/moe_align.py, whose launches no longer dominate
@@ -165,6 +165,45 @@ def _check(x, gate_up_proj, down_proj, weights, ids) -> None:
         raise ValueError("fused_experts needs x and the weights contiguous in their last dimension")
 
 
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+    """The pairs aligned by expert: one program for decode-sized batches, the torch ops above."""
+    fn = align_in_one_program if ids.numel() <= ONE_PROGRAM_ALIGN_MAX_PAIRS else align_by_expert
+    return fn(ids, num_experts, block_m)
+
+
+def gate_up_silu(x: torch.Tensor, gate_up_proj: torch.Tensor, a: ExpertAlignment, top_k: int,
+                 tile: GemmTile) -> torch.Tensor:
+    """-> silu(gate) * up [P, I] in x's dtype, rows in (token, choice) order."""
+    num_experts, two_i, hidden = gate_up_proj.shape
+    channels = two_i // 2
+    activated = x.new_empty(a.num_pairs, channels)  # [P, I]
+    _gate_up_silu_kernel[(a.block_expert.numel(), triton.cdiv(channels, tile.block_n))](
+        x, gate_up_proj, activated, a.sorted_pairs, a.block_expert,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0),
+        a.num_pairs, hidden, channels,
+        TOP_K=top_k, NUM_EXPERTS=num_experts, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=hidden % tile.block_k == 0, EVEN_N=channels % tile.block_n == 0, DOT_F32=dot_dtype_is_f32(x),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return activated
+
+
+def down_weighted(activated: torch.Tensor, down_proj: torch.Tensor, routing: torch.Tensor, a: ExpertAlignment,
+                  tile: GemmTile) -> torch.Tensor:
+    """activated [P, I], routing weights [P] float32 -> weight * down(activated) [P, hidden] float32."""
+    num_experts, hidden, channels = down_proj.shape
+    weighted = torch.empty(a.num_pairs, hidden, dtype=torch.float32, device=activated.device)  # [P, hidden]
+    _down_weighted_kernel[(a.block_expert.numel(), triton.cdiv(hidden, tile.block_n))](
+        activated, down_proj, weighted, routing, a.sorted_pairs, a.block_expert,
+        activated.stride(0), down_proj.stride(0), down_proj.stride(1), weighted.stride(0),
+        a.num_pairs, channels, hidden,
+        NUM_EXPERTS=num_experts, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=channels % tile.block_k == 0, EVEN_N=hidden % tile.block_n == 0,
+        DOT_F32=dot_dtype_is_f32(activated), num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return weighted
+
+
 def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, tiles: MoETiles | None = None) -> torch.Tensor:
     """x [T, hidden], gate_up_proj [E, 2I, hidden] (gate rows first), down_proj [E, hidden, I], routing weights
@@ -172,34 +211,10 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     _check(x, gate_up_proj, down_proj, weights, ids)
     tokens, top_k = ids.shape
     num_experts, two_i, hidden = gate_up_proj.shape
-    channels = two_i // 2
     if tokens == 0:
         return torch.zeros_like(x)
-    tiles = tiles or moe_tiles(x.device, tokens, num_experts, hidden, channels, top_k)
-    pairs = tokens * top_k
-    align = (align_in_one_program if pairs <= ONE_PROGRAM_ALIGN_MAX_PAIRS else align_by_expert)(
-        ids, num_experts, tiles.block_m)
-    blocks = align.block_expert.numel()
-    dot_f32 = dot_dtype_is_f32(x)
-    activated = x.new_empty(pairs, channels)  # [P, I], rows in (token, choice) order
-    gu = tiles.gate_up
-    _gate_up_silu_kernel[(blocks, triton.cdiv(channels, gu.block_n))](
-        x, gate_up_proj, activated, align.sorted_pairs, align.block_expert,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0),
-        pairs, hidden, channels,
-        TOP_K=top_k, NUM_EXPERTS=num_experts, BLOCK_M=tiles.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-        EVEN_K=hidden % gu.block_k == 0, EVEN_N=channels % gu.block_n == 0, DOT_F32=dot_f32,
-        num_warps=gu.num_warps, num_stages=gu.num_stages,
-    )
-    weighted = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [P, hidden]
-    routing = weights.reshape(-1).float().contiguous()  # [P]
-    dn = tiles.down
-    _down_weighted_kernel[(blocks, triton.cdiv(hidden, dn.block_n))](
-        activated, down_proj, weighted, routing, align.sorted_pairs, align.block_expert,
-        activated.stride(0), down_proj.stride(0), down_proj.stride(1), weighted.stride(0),
-        pairs, channels, hidden,
-        NUM_EXPERTS=num_experts, BLOCK_M=tiles.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
-        EVEN_K=channels % dn.block_k == 0, EVEN_N=hidden % dn.block_n == 0, DOT_F32=dot_f32,
-        num_warps=dn.num_warps, num_stages=dn.num_stages,
-    )
+    tiles = tiles or moe_tiles(x.device, tokens, num_experts, hidden, two_i // 2, top_k)
+    a = align(ids, num_experts, tiles.block_m)
+    activated = gate_up_silu(x, gate_up_proj, a, top_k, tiles.gate_up)
+    weighted = down_weighted(activated, down_proj, weights.reshape(-1).float().contiguous(), a, tiles.down)
     return weighted.view(tokens, top_k, hidden).sum(1).to(x.dtype)
