@@ -142,6 +142,16 @@ def test_no_tokens_and_bad_shapes():
         fused_experts(x.double(), experts.gate_up_proj, experts.down_proj, weights, ids)
     with pytest.raises(ValueError, match="down_proj"):
         fused_experts(x, experts.gate_up_proj, experts.down_proj.transpose(1, 2), weights, ids)
+    with pytest.raises(ValueError, match="adds a contiguous"):
+        fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, add=x[:1])
+
+
+def test_the_shared_experts_output_is_added_in_the_last_pass():
+    experts = _experts(NUM_EXPERTS, HIDDEN, INTER, torch.float32)
+    x, weights, ids = _routing(3, NUM_EXPERTS, TOP_K, HIDDEN, torch.float32)
+    shared = torch.randn(x.shape).to(DEVICE)  # [T, hidden]
+    out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, add=shared)
+    assert _rel_err(out, _float64_oracle(experts, x, weights, ids) + shared.double().cpu()) < 1e-5
 
 
 # ---- GPU: DeepSeek-V2-Lite's expert shapes, CUDA graphs --------------------------------------------------

@@ -181,7 +181,7 @@ def test_every_batch_takes_the_fused_kernel_where_the_op_set_has_it(monkeypatch)
 
     experts = _experts()
     called = []
-    monkeypatch.setattr(experts, "ops", dataclasses.replace(TORCH_OPS, fused_moe=lambda x, *a: called.append(len(x)) or x))
+    monkeypatch.setattr(experts, "ops", dataclasses.replace(TORCH_OPS, fused_moe=lambda x, *a, **k: called.append(len(x)) or x))
     for tokens in (1, 8, 600):
         experts(*_overlapping_batch(tokens=tokens))
     assert called == [1, 8, 600]

@@ -147,9 +147,16 @@ class Experts(nn.Module):
     # the GPU; below it the dense bmm reads each expert's weights once for the whole batch and is faster
     GROUPED_MIN_PAIRS = 8192
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum [T, hidden], plus `add` (the shared experts' output) where given:
+        the fused kernel adds it in the pass that sums over the top-k."""
         if self.fused_applies(x):
-            return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+            return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, add=add)
+        out = self._forward_torch(x, weights, ids)
+        return out if add is None else out + add
+
+    def _forward_torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         few = ids.numel() < self.num_experts  # a few tokens: read only the chosen experts
         pairs = x.shape[0] * self.num_experts
         if self.grouped_mm_applies(x) and (few or (pairs >= self.GROUPED_MIN_PAIRS and _on_gpu(x))):
@@ -242,7 +249,5 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return all_reduce(out)  # routed and shared experts' partial sums over the ranks, in one reduce
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return all_reduce(self.experts(x, weights, ids, add=shared))  # routed and shared experts' partial sums over the ranks, in one reduce

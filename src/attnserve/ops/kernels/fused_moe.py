@@ -6,12 +6,13 @@ its tokens' activations. Only the experts a batch chose are read: one token over
 
 1. gate and up: both halves of the expert's gate_up_proj against the same activation tile, and SiLU(gate) *
    up in the epilogue, so the [pairs, 2I] projection is never written;
-2. down: the activated rows against down_proj, scaled by each pair's routing weight in the epilogue.
+2. down: the activated rows against down_proj, scaled by each pair's routing weight in the epilogue;
+3. the top-k sum: each token's weighted rows in a fixed order (so a step's output does not depend on which
+   program finished first, as with atomics), cast once, plus the shared experts' output where given.
 
-The top-k sum is one torch reduction over the weighted rows (a fixed order, so a step's output does not
-depend on which program finished first, as atomics would). Rounding follows the torch paths of
-models/moe.py: each projection is rounded to the activation dtype, SiLU is rounded before the product, the
-weighted sum is in float32. Every launch's grid depends on the number of tokens alone: CUDA-graph safe.
+Rounding follows the torch paths of models/moe.py: each projection is rounded to the activation dtype, SiLU
+is rounded before the product, the weighted sum is in float32 and rounded once before the shared experts'
+output is added. Every launch's grid depends on the number of tokens alone: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from attnserve.ops.moe_tiles import INTERPRETER_TILES, GemmTile, MoETiles, tiles
 # up to this many (token, choice) pairs the alignment is one single-program launch (kernels/moe_align.py);
 # above it, the torch ops of ops/moe_align.py, whose launches no longer dominate
 ONE_PROGRAM_ALIGN_MAX_PAIRS = 1024
+SUM_BLOCK = 1024  # hidden columns per program of the top-k sum
 
 
 @triton.jit
@@ -136,6 +138,21 @@ def _down_weighted_kernel(
     tl.store(Out + pairs[:, None] * stride_om + offs_n[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _sum_top_k_kernel(Weighted, Add, Out, N, TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_ADD: tl.constexpr):
+    """Out[t] = round(sum_j Weighted[t * TOP_K + j]) (+ Add[t], rounded once more), as the torch paths round."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(Weighted + (token * TOP_K + j) * N + offs, mask=mask, other=0.0)
+    y = acc.to(Out.dtype.element_ty)
+    if HAS_ADD:
+        y = (y.to(tl.float32) + tl.load(Add + token * N + offs, mask=mask, other=0.0).to(tl.float32))
+    tl.store(Out + token * N + offs, y.to(Out.dtype.element_ty), mask=mask)
+
+
 @functools.lru_cache(maxsize=256)
 def _shipped_tiles(arch: str, tokens: int, shape: tuple[tuple[str, int], ...]) -> MoETiles:
     return tiles_for(arch, tokens, dict(shape))
@@ -204,17 +221,30 @@ def down_weighted(activated: torch.Tensor, down_proj: torch.Tensor, routing: tor
     return weighted
 
 
+def sum_top_k(weighted: torch.Tensor, top_k: int, dtype: torch.dtype, add: torch.Tensor | None) -> torch.Tensor:
+    """weighted [T * top_k, hidden] float32 -> the sum of each token's rows [T, hidden] in dtype, + add [T, hidden]."""
+    pairs, hidden = weighted.shape
+    out = torch.empty(pairs // top_k, hidden, dtype=dtype, device=weighted.device)  # [T, hidden]
+    if add is not None and (add.shape != out.shape or not add.is_contiguous()):
+        raise ValueError(f"fused_experts adds a contiguous [T, hidden] {tuple(out.shape)}, got {tuple(add.shape)}")
+    _sum_top_k_kernel[(out.shape[0], triton.cdiv(hidden, SUM_BLOCK))](
+        weighted, add if add is not None else out, out, hidden, TOP_K=top_k, BLOCK=SUM_BLOCK, HAS_ADD=add is not None,
+        num_warps=4)
+    return out
+
+
 def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, tiles: MoETiles | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, tiles: MoETiles | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, hidden], gate_up_proj [E, 2I, hidden] (gate rows first), down_proj [E, hidden, I], routing weights
-    and expert ids [T, top_k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, hidden] in x's dtype (SiLU)."""
+    and expert ids [T, top_k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, hidden] in x's dtype (SiLU),
+    plus `add` [T, hidden] (the shared experts' output) in the same pass."""
     _check(x, gate_up_proj, down_proj, weights, ids)
     tokens, top_k = ids.shape
     num_experts, two_i, hidden = gate_up_proj.shape
     if tokens == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add.clone()
     tiles = tiles or moe_tiles(x.device, tokens, num_experts, hidden, two_i // 2, top_k)
     a = align(ids, num_experts, tiles.block_m)
     activated = gate_up_silu(x, gate_up_proj, a, top_k, tiles.gate_up)
     weighted = down_weighted(activated, down_proj, weights.reshape(-1).float().contiguous(), a, tiles.down)
-    return weighted.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+    return sum_top_k(weighted, top_k, x.dtype, add)
