@@ -130,7 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="deepseek-v2-lite")
     ap.add_argument("--tokens", default="1,8,64,512")
-    ap.add_argument("--sweep-budget-s", type=float, default=110.0, help="0: no sweep")
+    ap.add_argument("--sweep-budget-s", type=float, default=90.0, help="0: no sweep")
     ap.add_argument("--sweep-tokens", default=None, help="default: tools/sweep_fused_moe.py's list")
     ap.add_argument("--out-dir", default="benchmarks/results/moe_fused_h200")
     ap.add_argument("--device", default="cuda", help="cpu: check the script under TRITON_INTERPRET=1 with a tiny "
