@@ -29,10 +29,11 @@ from attnserve.ops.moe_tiles import GemmTile, MoETiles, rules_from_sweep, write_
 
 # token counts, most important first (a budget may end the list): decode at 1 and 64 requests, then the rest
 TOKENS = (1, 64, 8, 512, 16, 32, 128, 256, 2, 4, 1024, 2048, 4096)
-# (block_n, block_k, num_warps, num_stages) tried for each kernel
+# tried for each kernel: narrow columns (many programs per expert, for a few tokens) to wide ones; the first
+# must fit every shape and block_m (it is the reference the others are checked against)
 GEMM_TILES = tuple(GemmTile(*t) for t in (
-    (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 2),
-    (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)))
+    (64, 64, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4),
+    (64, 256, 4, 2), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)))
 ROUTINGS = 4  # routing sets cycled through in a graph: four top-6 batches of one token touch ~24 of 64 experts
 
 
@@ -92,9 +93,9 @@ def sweep_tokens(experts, tokens: int, top_k: int, deadline: float, log) -> list
     for block_m in block_ms(tokens, top_k, num_experts):
         aligned = [align(ids, num_experts, block_m) for _, _, ids in sets]
         routing = [w.reshape(-1).float().contiguous() for _, w, _ in sets]
-        activated = [gate_up_silu(x, experts.gate_up_proj, a, top_k, GEMM_TILES[2]) for (x, _, _), a in
+        activated = [gate_up_silu(x, experts.gate_up_proj, a, top_k, GEMM_TILES[0]) for (x, _, _), a in
                      zip(sets, aligned)]
-        first = down_weighted(activated[0], experts.down_proj, routing[0], aligned[0], GEMM_TILES[2])
+        first = down_weighted(activated[0], experts.down_proj, routing[0], aligned[0], GEMM_TILES[0])
         err = _rel(first.view(tokens, top_k, hidden).sum(1), dense)
         if err > 2e-2:
             raise AssertionError(f"fused MoE at {tokens} tokens, block_m {block_m}: {err:.3g} from the dense path")

@@ -90,7 +90,9 @@ class Router(nn.Module):
             weights, ids = scores.topk(self.top_k, dim=-1, sorted=False)
         if self.norm_topk_prob and self.top_k > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+        if self.routed_scaling_factor != 1.0:  # V2-Lite's is 1: no launch for an exact no-op
+            weights = weights * self.routed_scaling_factor
+        return weights, ids
 
 
 class Experts(nn.Module):
