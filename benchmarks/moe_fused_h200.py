@@ -61,42 +61,57 @@ def _bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def expert_rows(sweep, experts, tokens: int, top_k: int, tbps: float, tiles=None) -> dict:
-    """Check and time the routed experts at one batch size."""
+def _routing(sweep, experts, tokens: int, top_k: int, tbps: float):
+    """The routing sets of a batch and the row every case starts from: the touched experts' read time."""
+    num_experts, _, hidden = experts.gate_up_proj.shape
+    sets = sweep.routing_sets(tokens, num_experts, top_k, hidden, experts.gate_up_proj.device)
+    touched = sum(ids.unique().numel() for _, _, ids in sets) / len(sets)
+    roofline = touched * _bytes(experts) / num_experts / tbps / 1e6
+    return sets, {"tokens": tokens, "experts_touched_mean": touched, "roofline_us": round(roofline, 2)}
+
+
+def _check_and_time(sweep, row: dict, sets, paths: dict, dense: torch.Tensor) -> None:
+    for name, fn in paths.items():
+        if name != "dense":
+            row[f"{name}_vs_dense_rel_err"] = _rel(fn(*sets[0]), dense)
+        row[f"{name}_us"] = round(sweep.time_cycling([lambda s=s, fn=fn: fn(*s) for s in sets]), 2)
+        row[f"{name}_fraction_of_roofline"] = round(row["roofline_us"] / row[f"{name}_us"], 3)
+
+
+def expert_rows(sweep, experts, tokens: int, top_k: int, tbps: float) -> dict:
+    """Check and time the routed experts at one batch size: dense, torch's grouped GEMM, fused; the alignments."""
     from attnserve.ops.kernels.fused_moe import align, fused_experts, moe_tiles
-    from attnserve.ops.moe_align import align_by_expert
     from attnserve.ops.kernels.moe_align import align_in_one_program
+    from attnserve.ops.moe_align import align_by_expert
 
     num_experts, two_i, hidden = experts.gate_up_proj.shape
-    device = experts.gate_up_proj.device
-    sets = sweep.routing_sets(tokens, num_experts, top_k, hidden, device)
-    per_expert = _bytes(experts) / num_experts
-    touched = sum(ids.unique().numel() for _, _, ids in sets) / len(sets)
-    shipped = moe_tiles(device, tokens, num_experts, hidden, two_i // 2, top_k)
-    row = {"tokens": tokens, "experts_touched_mean": touched, "roofline_us": round(touched * per_expert / tbps / 1e6, 2),
-           "shipped_tiles": shipped.to_json()}
+    sets, row = _routing(sweep, experts, tokens, top_k, tbps)
+    shipped = moe_tiles(experts.gate_up_proj.device, tokens, num_experts, hidden, two_i // 2, top_k)
+    row["shipped_tiles"] = shipped.to_json()
+    paths = {"dense": experts.forward_dense,
+             "fused": lambda x, w, i: fused_experts(x, experts.gate_up_proj, experts.down_proj, w, i)}
+    if experts.grouped_mm_applies(sets[0][0]):
+        paths["grouped"] = experts.forward_grouped
     with torch.no_grad():
-        dense = experts.forward_dense(*sets[0])
-        row["fused_vs_dense_rel_err"] = _rel(fused_experts(x := sets[0][0], experts.gate_up_proj, experts.down_proj,
-                                                           sets[0][1], sets[0][2]), dense)
-        paths = {"dense": experts.forward_dense,
-                 "fused": lambda x, w, i: fused_experts(x, experts.gate_up_proj, experts.down_proj, w, i)}
-        if experts.grouped_mm_applies(x):
-            paths["grouped"] = experts.forward_grouped
-            row["grouped_vs_dense_rel_err"] = _rel(experts.forward_grouped(*sets[0]), dense)
-        if tiles is not None:
-            paths["fused_swept"] = lambda x, w, i: fused_experts(x, experts.gate_up_proj, experts.down_proj, w, i,
-                                                                 tiles=tiles)
-        for name, fn in paths.items():
-            row[f"{name}_us"] = round(sweep.time_cycling([lambda s=s, fn=fn: fn(*s) for s in sets]), 2)
+        _check_and_time(sweep, row, sets, paths, experts.forward_dense(*sets[0]))
         for name, fn in (("align_torch", align_by_expert), ("align_one_program", align_in_one_program),
                          ("align_picked", align)):
             row[f"{name}_us"] = round(sweep.time_cycling([lambda i=i, fn=fn: fn(i, num_experts, shipped.block_m)
                                                           for _, _, i in sets]), 2)
-    for name in ("dense", "grouped", "fused", "fused_swept"):
-        if f"{name}_us" in row:
-            row[f"{name}_fraction_of_roofline"] = round(row["roofline_us"] / row[f"{name}_us"], 3)
     row["fused_speedup_vs_dense"] = round(row["dense_us"] / row["fused_us"], 2)
+    return row
+
+
+def swept_tiles_row(sweep, experts, tokens: int, top_k: int, tbps: float, tiles) -> dict:
+    """The fused kernel again, with the sweep's best tiles for this batch size."""
+    from attnserve.ops.kernels.fused_moe import fused_experts
+
+    sets, row = _routing(sweep, experts, tokens, top_k, tbps)
+    row["tiles"] = tiles.to_json()
+    paths = {"fused_swept": lambda x, w, i: fused_experts(x, experts.gate_up_proj, experts.down_proj, w, i,
+                                                          tiles=tiles)}
+    with torch.no_grad():
+        _check_and_time(sweep, row, sets, paths, experts.forward_dense(*sets[0]))
     return row
 
 
@@ -203,7 +218,7 @@ def main() -> None:
             best = {b["tokens"]: MoETiles.from_json(b["tiles"]) for b in result["best"]}
             report["routed_experts_swept_tiles"] = [
                 row for t in tokens if t in best
-                and (row := attempt(f"swept {t}", expert_rows, sweep, experts, t, top_k, tbps, best[t]))]
+                and (row := attempt(f"swept {t}", swept_tiles_row, sweep, experts, t, top_k, tbps, best[t]))]
         except Exception as exc:  # noqa: BLE001
             report["errors"]["sweep"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
