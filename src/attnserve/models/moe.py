@@ -1,15 +1,16 @@
 """DeepSeek mixture-of-experts in plain PyTorch: a router, routed experts, shared experts.
 
-Expert weights live in two stacked tensors so a fused kernel can replace the
-per-expert loop later without changing the checkpoint mapping. Routing follows
+Expert weights live in two stacked tensors, which the fused MoE kernel reads in
+place (the checkpoint mapping is the same for every path). Routing follows
 the two published schemes: V2's softmax scores (greedy or group-limited top-k)
 and V3's sigmoid scores with a bias used only for choosing (noaux_tc).
 
 Which expert path runs, and where it is safe inside a CUDA graph (no host sync):
 - where the model's op set has the fused MoE kernel (Triton on CUDA, unless `--disable-fused-ops`), every
   batch goes through it (ops/kernels/fused_moe.py): two grouped GEMMs over the pairs aligned by expert, SiLU x
-  up and the routing weights in their epilogues, only the chosen experts' weights read. Graph-safe at any size.
-  Otherwise (the CPU, and the oracles of that kernel):
+  up and the routing weights in their epilogues, only the chosen experts' weights read, the shared experts'
+  output added in the pass that sums the top-k. Graph-safe at any size.
+  Otherwise (the CPU, a GPU without Triton, and the oracles of that kernel):
 - fewer (token, choice) pairs than experts (decode): a grouped GEMM over the pairs
   sorted by expert reads only the chosen experts' weights in place. Graph-safe on
   CUDA where torch's grouped GEMM has its device kernel (SM90/SM100, bf16, widths
