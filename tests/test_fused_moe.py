@@ -146,6 +146,24 @@ def test_no_tokens_and_bad_shapes():
         fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, add=x[:1])
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_shared_experts_run_as_more_experts_of_the_same_gemms(tokens):
+    """A shared MLP of 2 x 32 channels is two more experts every token takes with weight 1."""
+    experts = _experts(NUM_EXPERTS, HIDDEN, INTER, torch.float32)
+    x, weights, ids = _routing(tokens, NUM_EXPERTS, TOP_K, HIDDEN, torch.float32)
+    g = torch.Generator().manual_seed(9)
+    shared_gate_up = (torch.randn(4 * INTER, HIDDEN, generator=g) * HIDDEN**-0.5).to(DEVICE)  # [2 * 2I, hidden]
+    shared_down = (torch.randn(HIDDEN, 2 * INTER, generator=g) * INTER**-0.5).to(DEVICE)  # [hidden, 2I]
+    out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared_gate_up=shared_gate_up,
+                        shared_down=shared_down)
+    gate, up = (x.double().cpu() @ shared_gate_up.double().cpu().T).chunk(2, dim=-1)  # each [T, 2I]
+    shared = (torch.nn.functional.silu(gate) * up) @ shared_down.double().cpu().T  # [T, hidden]
+    assert _rel_err(out, _float64_oracle(experts, x, weights, ids) + shared) < 1e-5
+    with pytest.raises(ValueError, match="multiple of 32 channels"):
+        fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared_gate_up=shared_gate_up[:-2],
+                      shared_down=shared_down[:, :-1])
+
+
 def test_the_shared_experts_output_is_added_in_the_last_pass():
     experts = _experts(NUM_EXPERTS, HIDDEN, INTER, torch.float32)
     x, weights, ids = _routing(3, NUM_EXPERTS, TOP_K, HIDDEN, torch.float32)

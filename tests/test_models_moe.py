@@ -216,6 +216,12 @@ def test_moe_layer_with_shared_experts_same_with_fused_ops_on_and_off(dtype, tol
     x = torch.randn(5, HIDDEN, generator=g).to(dtype)  # [T, hidden]
     unfused = layer(x)
     use_ops(layer, triton_ops())
-    assert layer.experts.fused_applies(x)
+    assert layer.experts.fused_applies(x) and layer.experts.shared_fits(layer.shared_experts, x)
     fused = layer(x)
     assert _rel_err(fused, unfused.double()) < tol
+    layer.shared_experts.act = F.gelu  # shared experts the kernel cannot run: their output is added
+    assert not layer.experts.shared_fits(layer.shared_experts, x)
+    layer.experts.ops = TORCH_OPS
+    unfused = layer(x)
+    layer.experts.ops = triton_ops()
+    assert _rel_err(layer(x), unfused.double()) < tol

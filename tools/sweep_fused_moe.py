@@ -84,18 +84,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def sweep_tokens(experts, tokens: int, top_k: int, deadline: float, log) -> list[dict]:
     """Rows {"tokens", "block_m", "kernel", tile fields, "us" | "error"} for one token count."""
-    from attnserve.ops.kernels.fused_moe import align, down_weighted, gate_up_silu
+    from attnserve.ops.kernels.fused_moe import ExpertWeights, align, down_weighted, gate_up_silu
 
     num_experts, hidden = experts.num_experts, experts.gate_up_proj.shape[2]
+    weights = ExpertWeights(experts.gate_up_proj, experts.down_proj)
     sets = routing_sets(tokens, num_experts, top_k, hidden, experts.gate_up_proj.device)
     dense = experts.forward_dense(*sets[0])
     rows = []
     for block_m in block_ms(tokens, top_k, num_experts):
         aligned = [align(ids, num_experts, block_m) for _, _, ids in sets]
-        routing = [w.reshape(-1).float().contiguous() for _, w, _ in sets]
-        activated = [gate_up_silu(x, experts.gate_up_proj, a, top_k, GEMM_TILES[0]) for (x, _, _), a in
-                     zip(sets, aligned)]
-        first = down_weighted(activated[0], experts.down_proj, routing[0], aligned[0], GEMM_TILES[0])
+        routing = [w.float().contiguous() for _, w, _ in sets]
+        activated = [gate_up_silu(x, weights, a, top_k, GEMM_TILES[0]) for (x, _, _), a in zip(sets, aligned)]
+        first = down_weighted(activated[0], weights, routing[0], aligned[0], top_k, GEMM_TILES[0])
         err = _rel(first.view(tokens, top_k, hidden).sum(1), dense)
         if err > 2e-2:
             raise AssertionError(f"fused MoE at {tokens} tokens, block_m {block_m}: {err:.3g} from the dense path")
@@ -105,11 +105,11 @@ def sweep_tokens(experts, tokens: int, top_k: int, deadline: float, log) -> list
             row = {"tokens": tokens, "block_m": block_m, "kernel": kernel, **dataclasses.asdict(tile)}
             try:
                 if kernel == "gate_up":
-                    calls = [lambda x=x, a=a, tile=tile: gate_up_silu(x, experts.gate_up_proj, a, top_k, tile)
+                    calls = [lambda x=x, a=a, tile=tile: gate_up_silu(x, weights, a, top_k, tile)
                              for (x, _, _), a in zip(sets, aligned)]
                     check = _rel(calls[0](), activated[0])
                 else:
-                    calls = [lambda h=h, r=r, a=a, tile=tile: down_weighted(h, experts.down_proj, r, a, tile)
+                    calls = [lambda h=h, r=r, a=a, tile=tile: down_weighted(h, weights, r, a, top_k, tile)
                              for h, r, a in zip(activated, routing, aligned)]
                     check = _rel(calls[0](), first)
                 if check > 1e-2:

@@ -8,8 +8,8 @@ and V3's sigmoid scores with a bias used only for choosing (noaux_tc).
 Which expert path runs, and where it is safe inside a CUDA graph (no host sync):
 - where the model's op set has the fused MoE kernel (Triton on CUDA, unless `--disable-fused-ops`), every
   batch goes through it (ops/kernels/fused_moe.py): two grouped GEMMs over the pairs aligned by expert, SiLU x
-  up and the routing weights in their epilogues, only the chosen experts' weights read, the shared experts'
-  output added in the pass that sums the top-k. Graph-safe at any size.
+  up and the routing weights in their epilogues, only the chosen experts' weights read, the shared experts
+  run as more experts of the same two GEMMs. Graph-safe at any size.
   Otherwise (the CPU, a GPU without Triton, and the oracles of that kernel):
 - fewer (token, choice) pairs than experts (decode): a grouped GEMM over the pairs
   sorted by expert reads only the chosen experts' weights in place. Graph-safe on
@@ -151,13 +151,28 @@ class Experts(nn.Module):
     GROUPED_MIN_PAIRS = 8192
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                add: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts' weighted sum [T, hidden], plus `add` (the shared experts' output) where given:
-        the fused kernel adds it in the pass that sums over the top-k."""
+                shared: GatedMLP | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum [T, hidden], plus the shared experts' output where given. The fused
+        kernel runs shared experts as more experts of its two GEMMs where their weights allow (shared_fits), else
+        adds their output in the pass that sums the top-k."""
         if self.fused_applies(x):
-            return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, add=add)
+            if shared is not None and self.shared_fits(shared, x):
+                return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                          shared_gate_up=shared.gate_up_proj.weight, shared_down=shared.down_proj.weight)
+            return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                      add=None if shared is None else shared(x))
         out = self._forward_torch(x, weights, ids)
-        return out if add is None else out + add
+        return out if shared is None else out + shared(x)
+
+    def shared_fits(self, shared: GatedMLP, x: torch.Tensor) -> bool:
+        """Whether the shared MLP is S experts of this width: SiLU, no bias, its channels a multiple of ours,
+        plain weights in x's dtype (DeepSeek's n_shared_experts x moe_intermediate_size always is)."""
+        gate_up, down = shared.gate_up_proj, shared.down_proj
+        return (shared.act is F.silu and gate_up.bias is None and down.bias is None
+                and gate_up.cpu_matmul is None and down.cpu_matmul is None
+                and down.weight.shape[1] % self.intermediate_size == 0
+                and gate_up.weight.dtype == down.weight.dtype == x.dtype
+                and gate_up.weight.stride(-1) == 1 and down.weight.stride(-1) == 1)
 
     def _forward_torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         few = ids.numel() < self.num_experts  # a few tokens: read only the chosen experts
@@ -252,5 +267,4 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return all_reduce(self.experts(x, weights, ids, add=shared))  # routed and shared experts' partial sums over the ranks, in one reduce
+        return all_reduce(self.experts(x, weights, ids, shared=self.shared_experts))  # routed and shared experts' partial sums over the ranks, in one reduce

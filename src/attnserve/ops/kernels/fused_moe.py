@@ -18,6 +18,7 @@ output is added. Every launch's grid depends on the number of tokens alone: CUDA
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -52,24 +53,29 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _gate_up_silu_kernel(
-    X, W, Out, SortedPairs, BlockExpert,
-    stride_xm, stride_we, stride_wn, stride_om,
+    X, W, WS, Out, SortedPairs, BlockExpert,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, shared_up_rows, stride_om,
     num_pairs, K, N,
-    TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    CHOICES: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, N + n]) for this block's pairs, N channels."""
+    """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, N + n]) for this block's pairs, N channels.
+    Experts from NUM_EXPERTS on are the shared ones, in WS: gate rows (e - E) * N.., up rows shared_up_rows on."""
     pid_m = tl.program_id(0)
     expert, pairs, row_ok = _expert_rows(SortedPairs, BlockExpert, pid_m, num_pairs, BLOCK_M)
-    if expert >= NUM_EXPERTS:  # past the last expert's rows: this batch's routing needs fewer blocks
+    if expert >= NUM_EXPERTS + NUM_SHARED:  # past the last expert's rows: this batch's routing needs fewer blocks
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + (pairs // TOP_K)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    gate_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    up_ptrs = gate_ptrs + N * stride_wn
+    x_ptrs = X + (pairs // CHOICES)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    if expert < NUM_EXPERTS:
+        gate_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        up_ptrs = gate_ptrs + N * stride_wn
+    else:
+        gate_ptrs = WS + (expert - NUM_EXPERTS) * stride_se + offs_n[None, :] * stride_sn + offs_k[:, None]
+        up_ptrs = gate_ptrs + shared_up_rows * stride_sn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -101,23 +107,27 @@ def _gate_up_silu_kernel(
 
 @triton.jit
 def _down_weighted_kernel(
-    H, W, Out, RoutingWeights, SortedPairs, BlockExpert,
-    stride_hm, stride_we, stride_wn, stride_om,
+    H, W, WS, Out, RoutingWeights, SortedPairs, BlockExpert,
+    stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     num_pairs, K, N,
-    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """Out[pair, n] (float32) = routing_weight[pair] * round(h[pair] . W[e, n]) for this block's pairs."""
+    """Out[pair, n] (float32) = routing_weight[pair] * round(h[pair] . W[e, n]) for this block's pairs; a
+    token's choices past its TOP_K routed ones are the shared experts (weight 1, columns (e - E) * K.. of WS)."""
     pid_m = tl.program_id(0)
     expert, pairs, row_ok = _expert_rows(SortedPairs, BlockExpert, pid_m, num_pairs, BLOCK_M)
-    if expert >= NUM_EXPERTS:
+    if expert >= NUM_EXPERTS + NUM_SHARED:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = H + pairs[:, None] * stride_hm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    if expert < NUM_EXPERTS:
+        w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    else:
+        w_ptrs = WS + (expert - NUM_EXPERTS) * stride_se + offs_n[None, :] * stride_sn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -133,7 +143,9 @@ def _down_weighted_kernel(
         acc = _dot(h, w, acc, DOT_F32)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    routing = tl.load(RoutingWeights + pairs, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
+    choice = pairs % CHOICES
+    routing = tl.load(RoutingWeights + (pairs // CHOICES) * TOP_K + choice, mask=row_ok & (choice < TOP_K),
+                      other=1.0).to(tl.float32)  # [BLOCK_M]
     y = acc.to(H.dtype.element_ty).to(tl.float32) * routing[:, None]
     tl.store(Out + pairs[:, None] * stride_om + offs_n[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -168,17 +180,29 @@ def moe_tiles(device: torch.device, tokens: int, experts: int, hidden: int, inte
     return _shipped_tiles(target.arch, tokens, shape)
 
 
-def _check(x, gate_up_proj, down_proj, weights, ids) -> None:
-    experts, two_i, hidden = gate_up_proj.shape
-    if (x.dim() != 2 or x.shape[1] != hidden or down_proj.shape != (experts, hidden, two_i // 2)
+def _check(x, w: ExpertWeights, weights, ids) -> None:
+    experts, two_i, hidden = w.gate_up.shape
+    if (x.dim() != 2 or x.shape[1] != hidden or w.down.shape != (experts, hidden, two_i // 2)
             or weights.shape != ids.shape or ids.shape[0] != x.shape[0]):
         raise ValueError(f"fused_experts needs x [T, hidden], gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I], "
-                         f"weights and ids [T, top_k]; got x {tuple(x.shape)}, gate_up {tuple(gate_up_proj.shape)}, "
-                         f"down {tuple(down_proj.shape)}, weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
-    if x.dtype != gate_up_proj.dtype or x.dtype != down_proj.dtype:
+                         f"weights and ids [T, top_k]; got x {tuple(x.shape)}, gate_up {tuple(w.gate_up.shape)}, "
+                         f"down {tuple(w.down.shape)}, weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
+    tensors = [w.gate_up, w.down]
+    if (w.shared_gate_up is None) != (w.shared_down is None):
+        raise ValueError("fused_experts takes the shared experts' gate_up and down weights together")
+    if w.shared_down is not None:
+        channels = two_i // 2
+        s_channels = w.shared_down.shape[1]
+        if (s_channels % channels or w.shared_down.shape[0] != hidden
+                or w.shared_gate_up.shape != (2 * s_channels, hidden)):
+            raise ValueError(f"fused_experts runs shared experts of a multiple of {channels} channels: shared gate_up "
+                             f"[2 * S * {channels}, {hidden}] and down [{hidden}, S * {channels}]; got "
+                             f"{tuple(w.shared_gate_up.shape)} and {tuple(w.shared_down.shape)}")
+        tensors += [w.shared_gate_up, w.shared_down]
+    if any(t.dtype != x.dtype for t in tensors):
         raise ValueError(f"fused_experts needs one dtype for x and the weights; got {x.dtype}, "
-                         f"{gate_up_proj.dtype}, {down_proj.dtype}")
-    if x.stride(-1) != 1 or gate_up_proj.stride(-1) != 1 or down_proj.stride(-1) != 1:
+                         f"{', '.join(str(t.dtype) for t in tensors)}")
+    if x.stride(-1) != 1 or any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("fused_experts needs x and the weights contiguous in their last dimension")
 
 
@@ -188,33 +212,54 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
     return fn(ids, num_experts, block_m)
 
 
-def gate_up_silu(x: torch.Tensor, gate_up_proj: torch.Tensor, a: ExpertAlignment, top_k: int,
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The routed experts' stacked weights, and shared experts run as NUM_SHARED more experts of the same width
+    (a shared MLP of S * I channels is S experts of I: the sum over its channels splits into S sums)."""
+
+    gate_up: torch.Tensor  # [E, 2I, hidden], gate rows first
+    down: torch.Tensor  # [E, hidden, I]
+    shared_gate_up: torch.Tensor | None = None  # [2 * S * I, hidden]: the S experts' gate rows, then their up rows
+    shared_down: torch.Tensor | None = None  # [hidden, S * I]
+
+    @property
+    def num_shared(self) -> int:
+        return 0 if self.shared_down is None else self.shared_down.shape[1] // self.down.shape[2]
+
+
+def gate_up_silu(x: torch.Tensor, w: ExpertWeights, a: ExpertAlignment, choices: int,
                  tile: GemmTile) -> torch.Tensor:
-    """-> silu(gate) * up [P, I] in x's dtype, rows in (token, choice) order."""
-    num_experts, two_i, hidden = gate_up_proj.shape
+    """-> silu(gate) * up [P, I] in x's dtype, rows in (token, choice) order; `choices` per token."""
+    num_experts, two_i, hidden = w.gate_up.shape
     channels = two_i // 2
+    shared = w.shared_gate_up if w.num_shared else w.gate_up[0]  # [rows, hidden]; a placeholder without shared
     activated = x.new_empty(a.num_pairs, channels)  # [P, I]
     _gate_up_silu_kernel[(a.block_expert.numel(), triton.cdiv(channels, tile.block_n))](
-        x, gate_up_proj, activated, a.sorted_pairs, a.block_expert,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0),
+        x, w.gate_up, shared, activated, a.sorted_pairs, a.block_expert,
+        x.stride(0), w.gate_up.stride(0), w.gate_up.stride(1), channels * shared.stride(0), shared.stride(0),
+        w.num_shared * channels, activated.stride(0),
         a.num_pairs, hidden, channels,
-        TOP_K=top_k, NUM_EXPERTS=num_experts, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        CHOICES=choices, NUM_EXPERTS=num_experts, NUM_SHARED=w.num_shared,
+        BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         EVEN_K=hidden % tile.block_k == 0, EVEN_N=channels % tile.block_n == 0, DOT_F32=dot_dtype_is_f32(x),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return activated
 
 
-def down_weighted(activated: torch.Tensor, down_proj: torch.Tensor, routing: torch.Tensor, a: ExpertAlignment,
-                  tile: GemmTile) -> torch.Tensor:
-    """activated [P, I], routing weights [P] float32 -> weight * down(activated) [P, hidden] float32."""
-    num_experts, hidden, channels = down_proj.shape
+def down_weighted(activated: torch.Tensor, w: ExpertWeights, routing: torch.Tensor, a: ExpertAlignment,
+                  choices: int, tile: GemmTile) -> torch.Tensor:
+    """activated [P, I], routing weights [T, top_k] float32 contiguous -> weight * down(activated) [P, hidden]
+    float32; a token's choices past top_k (the shared experts) weigh 1."""
+    num_experts, hidden, channels = w.down.shape
+    shared = w.shared_down if w.num_shared else w.down[0]  # [hidden, S * I]; a placeholder without shared
     weighted = torch.empty(a.num_pairs, hidden, dtype=torch.float32, device=activated.device)  # [P, hidden]
     _down_weighted_kernel[(a.block_expert.numel(), triton.cdiv(hidden, tile.block_n))](
-        activated, down_proj, weighted, routing, a.sorted_pairs, a.block_expert,
-        activated.stride(0), down_proj.stride(0), down_proj.stride(1), weighted.stride(0),
+        activated, w.down, shared, weighted, routing, a.sorted_pairs, a.block_expert,
+        activated.stride(0), w.down.stride(0), w.down.stride(1), channels, shared.stride(0), weighted.stride(0),
         a.num_pairs, channels, hidden,
-        NUM_EXPERTS=num_experts, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        TOP_K=routing.shape[1], CHOICES=choices, NUM_EXPERTS=num_experts, NUM_SHARED=w.num_shared,
+        BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         EVEN_K=channels % tile.block_k == 0, EVEN_N=hidden % tile.block_n == 0,
         DOT_F32=dot_dtype_is_f32(activated), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
@@ -234,17 +279,26 @@ def sum_top_k(weighted: torch.Tensor, top_k: int, dtype: torch.dtype, add: torch
 
 
 def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, tiles: MoETiles | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, tiles: MoETiles | None = None, add: torch.Tensor | None = None,
+                  shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, hidden], gate_up_proj [E, 2I, hidden] (gate rows first), down_proj [E, hidden, I], routing weights
-    and expert ids [T, top_k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, hidden] in x's dtype (SiLU),
-    plus `add` [T, hidden] (the shared experts' output) in the same pass."""
-    _check(x, gate_up_proj, down_proj, weights, ids)
+    and expert ids [T, top_k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, hidden] in x's dtype (SiLU).
+
+    Shared experts join either as weights (shared_gate_up [2 * S * I, hidden], gate rows first, and shared_down
+    [hidden, S * I]: S more experts every token chooses with weight 1, read by the same two GEMMs) or as an
+    output `add` [T, hidden] added in the pass that sums the top-k."""
+    w = ExpertWeights(gate_up_proj, down_proj, shared_gate_up, shared_down)
+    _check(x, w, weights, ids)
     tokens, top_k = ids.shape
     num_experts, two_i, hidden = gate_up_proj.shape
     if tokens == 0:
         return torch.zeros_like(x) if add is None else add.clone()
     tiles = tiles or moe_tiles(x.device, tokens, num_experts, hidden, two_i // 2, top_k)
-    a = align(ids, num_experts, tiles.block_m)
-    activated = gate_up_silu(x, gate_up_proj, a, top_k, tiles.gate_up)
-    weighted = down_weighted(activated, down_proj, weights.reshape(-1).float().contiguous(), a, tiles.down)
-    return sum_top_k(weighted, top_k, x.dtype, add)
+    choices = top_k + w.num_shared
+    if w.num_shared:  # every token's last choices: the shared experts E, E + 1, ...
+        shared_ids = torch.arange(num_experts, num_experts + w.num_shared, device=ids.device)  # [S]
+        ids = torch.cat((ids, shared_ids.expand(tokens, w.num_shared).to(ids.dtype)), dim=1)  # [T, top_k + S]
+    a = align(ids, num_experts + w.num_shared, tiles.block_m)
+    activated = gate_up_silu(x, w, a, choices, tiles.gate_up)
+    weighted = down_weighted(activated, w, weights.float().contiguous(), a, choices, tiles.down)
+    return sum_top_k(weighted, choices, x.dtype, add)
