@@ -146,19 +146,29 @@ def test_no_tokens_and_bad_shapes():
         fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, add=x[:1])
 
 
+def _shared_weights(hidden, inter, count, dtype=torch.float32, seed=9):
+    """A shared MLP of count x inter channels: gate_up [2 * count * inter, hidden] (gate rows first), down."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(2 * count * inter, hidden, generator=g) * hidden**-0.5
+    down = torch.randn(hidden, count * inter, generator=g) * (count * inter) ** -0.5  # [hidden, count * inter]
+    return gate_up.to(device=DEVICE, dtype=dtype), down.to(device=DEVICE, dtype=dtype)
+
+
+def _shared_oracle(x, gate_up, down):
+    gate, up = (x.double().cpu() @ gate_up.double().cpu().T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ down.double().cpu().T  # [T, hidden]
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_shared_experts_run_as_more_experts_of_the_same_gemms(tokens):
     """A shared MLP of 2 x 32 channels is two more experts every token takes with weight 1."""
     experts = _experts(NUM_EXPERTS, HIDDEN, INTER, torch.float32)
     x, weights, ids = _routing(tokens, NUM_EXPERTS, TOP_K, HIDDEN, torch.float32)
-    g = torch.Generator().manual_seed(9)
-    shared_gate_up = (torch.randn(4 * INTER, HIDDEN, generator=g) * HIDDEN**-0.5).to(DEVICE)  # [2 * 2I, hidden]
-    shared_down = (torch.randn(HIDDEN, 2 * INTER, generator=g) * INTER**-0.5).to(DEVICE)  # [hidden, 2I]
+    shared_gate_up, shared_down = _shared_weights(HIDDEN, INTER, 2)
     out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared_gate_up=shared_gate_up,
                         shared_down=shared_down)
-    gate, up = (x.double().cpu() @ shared_gate_up.double().cpu().T).chunk(2, dim=-1)  # each [T, 2I]
-    shared = (torch.nn.functional.silu(gate) * up) @ shared_down.double().cpu().T  # [T, hidden]
-    assert _rel_err(out, _float64_oracle(experts, x, weights, ids) + shared) < 1e-5
+    ref = _float64_oracle(experts, x, weights, ids) + _shared_oracle(x, shared_gate_up, shared_down)
+    assert _rel_err(out, ref) < 1e-5
     with pytest.raises(ValueError, match="multiple of 32 channels"):
         fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared_gate_up=shared_gate_up[:-2],
                       shared_down=shared_down[:, :-1])
@@ -182,30 +192,44 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @gpu
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512])
 def test_fused_experts_at_deepseek_v2_lite_shapes(tokens):
+    """Routed experts alone, and with the two shared experts as more experts of the same GEMMs."""
     experts = _experts(V2_LITE["num_experts"], V2_LITE["hidden"], V2_LITE["inter"], torch.bfloat16)
     x, weights, ids = _routing(tokens, V2_LITE["num_experts"], V2_LITE["top_k"], V2_LITE["hidden"], torch.bfloat16)
     out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
-    assert _rel_err(out, experts.forward_dense(x, weights, ids)) < 1e-2
+    routed = experts.forward_dense(x, weights, ids)  # bf16 on the GPU: a float64 oracle on the host takes seconds
+    assert _rel_err(out, routed) < 1e-2
+    shared = _shared_weights(V2_LITE["hidden"], V2_LITE["inter"], 2, torch.bfloat16)
+    out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared_gate_up=shared[0],
+                        shared_down=shared[1])
+    assert _rel_err(out, routed.double().cpu() + _shared_oracle(x, *shared)) < 1e-2
 
 
 @pytest.mark.gpu
 @gpu
 def test_fused_experts_replay_from_a_cuda_graph_with_new_routing():
-    """Captured once, replayed with other routing in the same buffers: the result follows the routing."""
+    """Captured once (shared experts included), replayed with other routing in the same buffers: the result
+    follows the routing."""
     experts = _experts(V2_LITE["num_experts"], 256, 128, torch.bfloat16)
+    shared = _shared_weights(256, 128, 2, torch.bfloat16)
     x, weights, ids = _routing(4, V2_LITE["num_experts"], V2_LITE["top_k"], 256, torch.bfloat16)
+
+    def run():
+        return fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared_gate_up=shared[0],
+                             shared_down=shared[1])
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)  # compile outside the capture
+        run()  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+        out = run()
     for seed in (2, 3):
         new_x, new_weights, new_ids = _routing(4, V2_LITE["num_experts"], V2_LITE["top_k"], 256, torch.bfloat16,
                                                seed=seed)
         x.copy_(new_x), weights.copy_(new_weights), ids.copy_(new_ids)
         graph.replay()
         torch.cuda.synchronize()
-        assert _rel_err(out, experts.forward_dense(x, weights, ids)) < 1e-2
+        ref = _float64_oracle(experts, x, weights, ids) + _shared_oracle(x, *shared)
+        assert _rel_err(out, ref) < 1e-2
