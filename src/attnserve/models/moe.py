@@ -158,7 +158,8 @@ class Experts(nn.Module):
         if self.fused_applies(x):
             if shared is not None and self.shared_fits(shared, x):
                 return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
-                                          shared_gate_up=shared.gate_up_proj.weight, shared_down=shared.down_proj.weight)
+                                          shared_gate_up=shared.gate_up_proj.weight,
+                                          shared_down=shared.down_proj.weight)
             return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
                                       add=None if shared is None else shared(x))
         out = self._forward_torch(x, weights, ids)
@@ -267,4 +268,5 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return all_reduce(self.experts(x, weights, ids, shared=self.shared_experts))  # routed and shared experts' partial sums over the ranks, in one reduce
+        out = self.experts(x, weights, ids, shared=self.shared_experts)
+        return all_reduce(out)  # routed and shared experts' partial sums over the ranks, in one reduce

@@ -3,16 +3,18 @@
 The pairs are aligned so that each block of block_m rows belongs to one expert (ops/moe_align.py); a program
 takes one row block and one tile of output columns, reads its expert's weights where they lie and gathers
 its tokens' activations. Only the experts a batch chose are read: one token over top-6 runs six row blocks.
+Shared experts (DeepSeek's) are S more experts that every token takes with weight 1: a shared MLP of S * I
+channels is a sum of S experts of I channels, read in place by the same two GEMMs.
 
 1. gate and up: both halves of the expert's gate_up_proj against the same activation tile, and SiLU(gate) *
    up in the epilogue, so the [pairs, 2I] projection is never written;
 2. down: the activated rows against down_proj, scaled by each pair's routing weight in the epilogue;
 3. the top-k sum: each token's weighted rows in a fixed order (so a step's output does not depend on which
-   program finished first, as with atomics), cast once, plus the shared experts' output where given.
+   program finished first, as with atomics), cast once (plus an output to add, where given).
 
 Rounding follows the torch paths of models/moe.py: each projection is rounded to the activation dtype, SiLU
-is rounded before the product, the weighted sum is in float32 and rounded once before the shared experts'
-output is added. Every launch's grid depends on the number of tokens alone: CUDA-graph safe.
+is rounded before the product, the weighted sum is in float32. Every launch's grid depends on the number of
+tokens alone: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -34,6 +36,21 @@ from attnserve.ops.moe_tiles import INTERPRETER_TILES, GemmTile, MoETiles, tiles
 # above it, the torch ops of ops/moe_align.py, whose launches no longer dominate
 ONE_PROGRAM_ALIGN_MAX_PAIRS = 1024
 SUM_BLOCK = 1024  # hidden columns per program of the top-k sum
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The routed experts' stacked weights, and shared experts run as NUM_SHARED more experts of the same width
+    (a shared MLP of S * I channels is S experts of I: the sum over its channels splits into S sums)."""
+
+    gate_up: torch.Tensor  # [E, 2I, hidden], gate rows first
+    down: torch.Tensor  # [E, hidden, I]
+    shared_gate_up: torch.Tensor | None = None  # [2 * S * I, hidden]: the S experts' gate rows, then their up rows
+    shared_down: torch.Tensor | None = None  # [hidden, S * I]
+
+    @property
+    def num_shared(self) -> int:
+        return 0 if self.shared_down is None else self.shared_down.shape[1] // self.down.shape[2]
 
 
 @triton.jit
@@ -210,21 +227,6 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
     """The pairs aligned by expert: one program for decode-sized batches, the torch ops above."""
     fn = align_in_one_program if ids.numel() <= ONE_PROGRAM_ALIGN_MAX_PAIRS else align_by_expert
     return fn(ids, num_experts, block_m)
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    """The routed experts' stacked weights, and shared experts run as NUM_SHARED more experts of the same width
-    (a shared MLP of S * I channels is S experts of I: the sum over its channels splits into S sums)."""
-
-    gate_up: torch.Tensor  # [E, 2I, hidden], gate rows first
-    down: torch.Tensor  # [E, hidden, I]
-    shared_gate_up: torch.Tensor | None = None  # [2 * S * I, hidden]: the S experts' gate rows, then their up rows
-    shared_down: torch.Tensor | None = None  # [hidden, S * I]
-
-    @property
-    def num_shared(self) -> int:
-        return 0 if self.shared_down is None else self.shared_down.shape[1] // self.down.shape[2]
 
 
 def gate_up_silu(x: torch.Tensor, w: ExpertWeights, a: ExpertAlignment, choices: int,
