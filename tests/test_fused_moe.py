@@ -182,6 +182,16 @@ def test_the_shared_experts_output_is_added_in_the_last_pass():
     assert _rel_err(out, _float64_oracle(experts, x, weights, ids) + shared.double().cpu()) < 1e-5
 
 
+def test_the_triton_op_set_carries_the_kernel_and_says_so():
+    """What the engine picks on CUDA has it (and the start-up line names it); the CPU's and
+    `--disable-fused-ops`' sets do not."""
+    from attnserve.ops import select_ops, triton_ops
+
+    ops = triton_ops()
+    assert ops.fused_moe is fused_experts and "MoE experts as two grouped GEMMs" in ops.describe()
+    assert select_ops("cpu").fused_moe is None and select_ops("cuda", fused=False).fused_moe is None
+
+
 # ---- GPU: DeepSeek-V2-Lite's expert shapes, CUDA graphs --------------------------------------------------
 
 V2_LITE = {"num_experts": 64, "hidden": 2048, "inter": 1408, "top_k": 6}
