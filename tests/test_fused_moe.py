@@ -53,7 +53,9 @@ def _rel_err(out, ref):
 
 # ---- alignment -------------------------------------------------------------------------------------------
 
-ALIGN_CASES = [(1, 6, 64, 16), (3, 2, 8, 16), (17, 2, 8, 16), (40, 3, 4, 32), (30, 4, 5, 16)]
+# (tokens, top_k, experts, block_m, shared experts)
+ALIGN_CASES = [(1, 6, 64, 16, 0), (1, 6, 64, 16, 2), (3, 2, 8, 16, 0), (17, 2, 8, 16, 1), (40, 3, 4, 32, 0),
+               (30, 4, 5, 16, 2)]
 
 
 def _ids(tokens, top_k, num_experts):
@@ -61,17 +63,18 @@ def _ids(tokens, top_k, num_experts):
     return torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])  # [T, k]
 
 
-@pytest.mark.parametrize("tokens,top_k,num_experts,block_m", ALIGN_CASES)
-def test_alignment_groups_every_pair_once_by_expert_in_token_order(tokens, top_k, num_experts, block_m):
+@pytest.mark.parametrize("tokens,top_k,num_experts,block_m,shared", ALIGN_CASES)
+def test_alignment_groups_every_pair_once_by_expert_in_token_order(tokens, top_k, num_experts, block_m, shared):
     ids = _ids(tokens, top_k, num_experts)
-    a = align_by_expert(ids, num_experts, block_m)
-    pairs = tokens * top_k
+    a = align_by_expert(ids, num_experts, block_m, shared)
+    shared_ids = torch.arange(num_experts, num_experts + shared).expand(tokens, shared)  # [T, S]
+    flat = torch.cat((ids, shared_ids), dim=1).reshape(-1)  # [P] every pair's expert, shared ones last
+    pairs, num_experts = flat.numel(), num_experts + shared
     blocks = max_blocks(pairs, num_experts, block_m)
     assert a.sorted_pairs.shape == (blocks * block_m,) and a.block_expert.shape == (blocks,)
     rows = a.sorted_pairs.view(blocks, block_m)
     real = rows < pairs
     assert sorted(rows[real].tolist()) == list(range(pairs))  # every pair exactly once, padding = pairs
-    flat = ids.reshape(-1)
     used = 0
     for b in range(blocks):
         e = int(a.block_expert[b])
@@ -87,11 +90,12 @@ def test_alignment_groups_every_pair_once_by_expert_in_token_order(tokens, top_k
     assert a.block_expert.tolist() == sorted(a.block_expert.tolist())
 
 
-@pytest.mark.parametrize("tokens,top_k,num_experts,block_m", ALIGN_CASES)
-def test_one_program_alignment_equals_the_torch_ops(tokens, top_k, num_experts, block_m):
-    """More pairs than the program's chunk, and an expert count that is not a power of two."""
+@pytest.mark.parametrize("tokens,top_k,num_experts,block_m,shared", ALIGN_CASES)
+def test_one_program_alignment_equals_the_torch_ops(tokens, top_k, num_experts, block_m, shared):
+    """More pairs than the program's chunk, an expert count that is not a power of two, shared experts."""
     ids = _ids(tokens, top_k, num_experts).to(DEVICE)
-    a, b = align_by_expert(ids, num_experts, block_m), align_in_one_program(ids, num_experts, block_m)
+    a = align_by_expert(ids, num_experts, block_m, shared)
+    b = align_in_one_program(ids, num_experts, block_m, shared)
     assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_expert, b.block_expert)
 
 

@@ -32,8 +32,15 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
-    """ids [T, top_k] expert ids -> the pairs sorted by expert (stable: a group keeps token order), padded."""
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0) -> ExpertAlignment:
+    """ids [T, top_k] expert ids -> the pairs sorted by expert (stable: a group keeps token order), padded.
+
+    num_shared: every token also takes the shared experts E .. E + S - 1 as its last choices (a pair is then
+    token * (top_k + S) + choice), and the blocks past the last group are E + S's."""
+    if num_shared:
+        shared = torch.arange(num_experts, num_experts + num_shared, device=ids.device)  # [S]
+        ids = torch.cat((ids, shared.expand(ids.shape[0], num_shared).to(ids.dtype)), dim=1)  # [T, top_k + S]
+        num_experts += num_shared
     flat = ids.reshape(-1).to(torch.int64)  # [P]
     num_pairs = flat.numel()
     blocks = max_blocks(num_pairs, num_experts, block_m)

@@ -223,10 +223,11 @@ def _check(x, w: ExpertWeights, weights, ids) -> None:
         raise ValueError("fused_experts needs x and the weights contiguous in their last dimension")
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+def align(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0) -> ExpertAlignment:
     """The pairs aligned by expert: one program for decode-sized batches, the torch ops above."""
-    fn = align_in_one_program if ids.numel() <= ONE_PROGRAM_ALIGN_MAX_PAIRS else align_by_expert
-    return fn(ids, num_experts, block_m)
+    pairs = ids.shape[0] * (ids.shape[1] + num_shared)
+    fn = align_in_one_program if pairs <= ONE_PROGRAM_ALIGN_MAX_PAIRS else align_by_expert
+    return fn(ids, num_experts, block_m, num_shared)
 
 
 def gate_up_silu(x: torch.Tensor, w: ExpertWeights, a: ExpertAlignment, choices: int,
@@ -296,11 +297,8 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     if tokens == 0:
         return torch.zeros_like(x) if add is None else add.clone()
     tiles = tiles or moe_tiles(x.device, tokens, num_experts, hidden, two_i // 2, top_k)
-    choices = top_k + w.num_shared
-    if w.num_shared:  # every token's last choices: the shared experts E, E + 1, ...
-        shared_ids = torch.arange(num_experts, num_experts + w.num_shared, device=ids.device)  # [S]
-        ids = torch.cat((ids, shared_ids.expand(tokens, w.num_shared).to(ids.dtype)), dim=1)  # [T, top_k + S]
-    a = align(ids, num_experts + w.num_shared, tiles.block_m)
+    choices = top_k + w.num_shared  # every token's last choices: the shared experts E, E + 1, ...
+    a = align(ids, num_experts, tiles.block_m, w.num_shared)
     activated = gate_up_silu(x, w, a, choices, tiles.gate_up)
     weighted = down_weighted(activated, w, weights.float().contiguous(), a, choices, tiles.down)
     return sum_top_k(weighted, choices, x.dtype, add)

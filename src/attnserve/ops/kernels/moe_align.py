@@ -19,15 +19,26 @@ CHUNK = 64  # pairs (and blocks, and padded slots) per step of the program's loo
 
 
 @triton.jit
+def _pair_experts(Ids, offs, num_pairs, TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_ROUTED: tl.constexpr,
+                  E_PAD: tl.constexpr):
+    """The expert of each pair id in offs: a routed choice from Ids, a shared expert past the top_k, E_PAD
+    (no expert) past the last pair."""
+    choice = offs % CHOICES
+    routed = tl.load(Ids + (offs // CHOICES) * TOP_K + choice, mask=(offs < num_pairs) & (choice < TOP_K), other=0)
+    e = tl.where(choice < TOP_K, routed.to(tl.int32), NUM_ROUTED + choice - TOP_K)
+    return tl.where(offs < num_pairs, e, E_PAD)
+
+
+@triton.jit
 def _align_kernel(
     Ids, SortedPairs, BlockExpert, num_pairs, num_blocks,
-    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_ROUTED: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
 ):
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for p0 in range(0, num_pairs, CHUNK):
-        offs = p0 + tl.arange(0, CHUNK)
-        e = tl.load(Ids + offs, mask=offs < num_pairs, other=E_PAD).to(tl.int32)  # E_PAD: no expert
+        e = _pair_experts(Ids, p0 + tl.arange(0, CHUNK), num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD)
         counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
     padded_end = tl.cumsum(padded, axis=0)
@@ -44,7 +55,7 @@ def _align_kernel(
     cursor = padded_end - padded  # [E_PAD] the next free slot of each group
     for p0 in range(0, num_pairs, CHUNK):
         offs = p0 + tl.arange(0, CHUNK)
-        e = tl.load(Ids + offs, mask=offs < num_pairs, other=E_PAD).to(tl.int32)
+        e = _pair_experts(Ids, offs, num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD)
         onehot = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
         before = tl.cumsum(onehot, axis=0) - onehot  # this chunk's earlier pairs of the same expert
         slot = tl.sum((cursor[None, :] + before) * onehot, axis=1)  # [CHUNK]
@@ -52,14 +63,18 @@ def _align_kernel(
         cursor += tl.sum(onehot, axis=0)
 
 
-def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
-    """ids [T, top_k] -> ops.moe_align.align_by_expert's alignment, from one single-program launch."""
-    flat = ids.reshape(-1).contiguous()  # [P]
-    num_pairs = flat.numel()
-    blocks = max_blocks(num_pairs, num_experts, block_m)
+def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0) -> ExpertAlignment:
+    """ids [T, top_k] -> ops.moe_align.align_by_expert's alignment (shared experts included), from one
+    single-program launch."""
+    tokens, top_k = ids.shape
+    ids = ids.contiguous()
+    num_pairs = tokens * (top_k + num_shared)
+    experts = num_experts + num_shared
+    blocks = max_blocks(num_pairs, experts, block_m)
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)  # [blocks * block_m]
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)  # [blocks]
     if num_pairs:
-        _align_kernel[(1,)](flat, sorted_pairs, block_expert, num_pairs, blocks, NUM_EXPERTS=num_experts,
-                            E_PAD=next_pow2(num_experts), BLOCK_M=block_m, CHUNK=CHUNK, num_warps=4)
+        _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_pairs, blocks, TOP_K=top_k,
+                            CHOICES=top_k + num_shared, NUM_ROUTED=num_experts, NUM_EXPERTS=experts,
+                            E_PAD=next_pow2(experts), BLOCK_M=block_m, CHUNK=CHUNK, num_warps=4)
     return ExpertAlignment(sorted_pairs, block_expert, block_m, num_pairs)
