@@ -115,11 +115,11 @@ def _gate_up_silu_kernel(
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     dtype = Out.dtype.element_ty
-    gate = acc_gate.to(dtype).to(tl.float32)
-    up = acc_up.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    gate_out = acc_gate.to(dtype).to(tl.float32)
+    up_out = acc_up.to(dtype).to(tl.float32)
+    act = (gate_out / (1.0 + tl.exp(-gate_out))).to(dtype).to(tl.float32)
     out_ptrs = Out + pairs[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, (act * up).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptrs, (act * up_out).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -178,8 +178,9 @@ def _sum_top_k_kernel(Weighted, Add, Out, N, TOP_K: tl.constexpr, BLOCK: tl.cons
         acc += tl.load(Weighted + (token * TOP_K + j) * N + offs, mask=mask, other=0.0)
     y = acc.to(Out.dtype.element_ty)
     if HAS_ADD:
-        y = (y.to(tl.float32) + tl.load(Add + token * N + offs, mask=mask, other=0.0).to(tl.float32))
-    tl.store(Out + token * N + offs, y.to(Out.dtype.element_ty), mask=mask)
+        add = tl.load(Add + token * N + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + add).to(Out.dtype.element_ty)
+    tl.store(Out + token * N + offs, y, mask=mask)
 
 
 @functools.lru_cache(maxsize=256)
