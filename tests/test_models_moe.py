@@ -211,17 +211,18 @@ def test_moe_layer_with_shared_experts_same_with_fused_ops_on_and_off(dtype, tol
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-    layer = layer.to(dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the kernel under the interpreter
+    layer = layer.to(device=device, dtype=dtype)
     layer.gate.float()  # the router stays float32, as the model keeps it
-    x = torch.randn(5, HIDDEN, generator=g).to(dtype)  # [T, hidden]
+    x = torch.randn(5, HIDDEN, generator=g).to(device=device, dtype=dtype)  # [T, hidden]
     unfused = layer(x)
     use_ops(layer, triton_ops())
     assert layer.experts.fused_applies(x) and layer.experts.shared_fits(layer.shared_experts, x)
     fused = layer(x)
-    assert _rel_err(fused, unfused.double()) < tol
+    assert _rel_err(fused, unfused.double().cpu()) < tol
     layer.shared_experts.act = F.gelu  # shared experts the kernel cannot run: their output is added
     assert not layer.experts.shared_fits(layer.shared_experts, x)
     layer.experts.ops = TORCH_OPS
     unfused = layer(x)
     layer.experts.ops = triton_ops()
-    assert _rel_err(layer(x), unfused.double()) < tol
+    assert _rel_err(layer(x), unfused.double().cpu()) < tol
