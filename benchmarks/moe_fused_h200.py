@@ -146,6 +146,8 @@ def main() -> None:
     ap.add_argument("--preset", default="deepseek-v2-lite")
     ap.add_argument("--tokens", default="1,8,64,512")
     ap.add_argument("--sweep-budget-s", type=float, default=90.0, help="0: no sweep")
+    ap.add_argument("--budget-s", type=float, default=220.0,
+                    help="the whole run's: the sweep gets what is left of it, less 30 s to re-time its tiles")
     ap.add_argument("--sweep-tokens", default=None, help="default: tools/sweep_fused_moe.py's list")
     ap.add_argument("--out-dir", default="benchmarks/results/moe_fused_h200")
     ap.add_argument("--device", default="cuda", help="cpu: check the script under TRITON_INTERPRET=1 with a tiny "
@@ -205,11 +207,13 @@ def main() -> None:
             if row:
                 report[key].append(row)
         save()
-    if args.sweep_budget_s > 0:
+    sweep_budget = min(args.sweep_budget_s, args.budget_s - (time.monotonic() - t0) - 30)
+    report["sweep_budget_s"] = round(sweep_budget, 1)
+    if sweep_budget > 0:
         sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")] if args.sweep_tokens else list(sweep.TOKENS)
         try:
             result = sweep.run(experts.num_experts, experts.gate_up_proj.shape[2], experts.intermediate_size, top_k,
-                               sweep_tokens, args.sweep_budget_s, log=lambda r: None, device=args.device)
+                               sweep_tokens, sweep_budget, log=lambda r: None, device=args.device)
             (out_dir / "sweep_fused_moe.json").write_text(json.dumps(result, indent=1))
             report["sweep"] = {"file": "sweep_fused_moe.json", "tokens_swept": result["tokens_swept"],
                                "best": result["best"], "errors": result["errors"]}

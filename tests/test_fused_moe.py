@@ -14,7 +14,7 @@ from attnserve.models.moe import Experts
 from attnserve.ops.moe_align import align_by_expert, max_blocks
 from attnserve.ops.moe_tiles import GemmTile, MoETiles
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 from attnserve.ops.kernels import fused_moe  # noqa: E402
 from attnserve.ops.kernels.fused_moe import fused_experts  # noqa: E402
 from attnserve.ops.kernels.moe_align import align_in_one_program  # noqa: E402
