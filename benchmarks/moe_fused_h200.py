@@ -162,9 +162,9 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     sweep = _sweep_module()
-    from attnserve.bench.timing import copy_bandwidth_tbps
-
     import triton
+
+    from attnserve.bench.timing import copy_bandwidth_tbps
 
     tbps = copy_bandwidth_tbps(device=args.device) if cuda else copy_bandwidth_tbps(64 << 20, "cpu")
     layer = _moe_layer(args.preset, args.device)

@@ -15,9 +15,9 @@ from attnserve.ops.moe_align import align_by_expert, max_blocks
 from attnserve.ops.moe_tiles import GemmTile, MoETiles
 
 pytest.importorskip("triton")
-from attnserve.ops.kernels import fused_moe  # noqa: E402
-from attnserve.ops.kernels.fused_moe import fused_experts  # noqa: E402
-from attnserve.ops.kernels.moe_align import align_in_one_program  # noqa: E402
+from attnserve.ops.kernels import fused_moe
+from attnserve.ops.kernels.fused_moe import fused_experts
+from attnserve.ops.kernels.moe_align import align_in_one_program
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 64, 32, 8, 2

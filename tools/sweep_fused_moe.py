@@ -22,6 +22,7 @@ import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -181,7 +182,7 @@ def run(experts_n: int, hidden: int, intermediate: int, top_k: int, tokens: list
 
 
 def apply(path: str) -> int:
-    sweep = json.loads(open(path).read())
+    sweep = json.loads(Path(path).read_text())
     if not sweep.get("tile_rules") or sweep["gpu"] == "cpu":
         sys.exit(f"{path}: no GPU tiles to apply (a CPU check, or nothing timed)")
     written = write_rules(sweep["arch"], sweep["tile_rules"], f"tools/sweep_fused_moe.py on {sweep['gpu']}, "
