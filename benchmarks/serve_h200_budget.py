@@ -100,11 +100,18 @@ def _c_point(cfg: dict, concurrency: int) -> dict | None:
     return None
 
 
+def _num(x) -> float | None:
+    """A measured number, or None (absent, or NaN: e.g. no full-batch decode step to take the median of)."""
+    return None if x is None or x != x else x
+
+
 def _ratio(a, b) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def budget_rows(budgets: list[int], served: dict[int, dict], offline: dict | None, concurrency: int) -> list[dict]:
+def budget_rows(
+    budgets: list[int], served: dict[int, dict], offline: dict | None, concurrency: int
+) -> list[dict]:
     """One row per budget: the server at c=`concurrency` beside the offline engine with the same settings."""
     off = {r.get("max_num_batched_tokens"): r for r in (offline or {}).get("results", [])}
     rows = []
@@ -119,7 +126,9 @@ def budget_rows(budgets: list[int], served: dict[int, dict], offline: dict | Non
                 completed=m["completed"],
             )
         if o:
-            row.update(offline_out_tok_s=o["output_tok_per_s"], offline_step_ms=o["decode_step_ms_median"])
+            row.update(
+                offline_out_tok_s=_num(o["output_tok_per_s"]), offline_step_ms=_num(o["decode_step_ms_median"])
+            )
         row["out_vs_offline"] = _ratio(row.get("out_tok_s"), row.get("offline_out_tok_s"))
         row["tpot_p50_vs_offline_step"] = _ratio(row.get("tpot_p50_ms"), row.get("offline_step_ms"))
         row["itl_p99_over_p50"] = _ratio(row.get("itl_p99_ms"), row.get("itl_p50_ms"))
@@ -137,7 +146,8 @@ def poisson_rows(default_cfg: dict | None) -> tuple[list[dict], float | None]:
         row = {
             "rate": p["value"], "completed": m["completed"], "out_tok_s": m["output_tok_s"],
             "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"],
-            "tpot_p50_ms": m["tpot_ms"]["p50"], "itl_p50_ms": m["itl_ms"]["p50"], "itl_p99_ms": m["itl_ms"]["p99"],
+            "tpot_p50_ms": m["tpot_ms"]["p50"], "itl_p50_ms": m["itl_ms"]["p50"],
+            "itl_p99_ms": m["itl_ms"]["p99"],
             "goodput_req_s": (m.get("goodput") or {}).get("request_goodput"),
         }
         row["within_slo"] = (row["ttft_p99_ms"] is not None and row["ttft_p99_ms"] <= SLO["ttft"]
@@ -171,7 +181,8 @@ def plot_budgets(rows: list[dict], path: Path) -> None:
     for key, style, label in (("out_tok_s", "o-", "server"), ("offline_out_tok_s", "s--", "offline engine")):
         left.plot(x, [r.get(key, float("nan")) or float("nan") for r in rows], style, label=label)
     left.set_ylabel("output tok/s")
-    for key, style in (("itl_p50_ms", "o-"), ("itl_p99_ms", "s--"), ("tpot_p50_ms", "^:"), ("offline_step_ms", "x-.")):
+    lines = (("itl_p50_ms", "o-"), ("itl_p99_ms", "s--"), ("tpot_p50_ms", "^:"), ("offline_step_ms", "x-."))
+    for key, style in lines:
         right.plot(x, [r.get(key, float("nan")) or float("nan") for r in rows], style, label=key)
     right.set_ylabel("ms")
     right.set_yscale("log")
@@ -192,7 +203,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny CPU dry run on the embedded model")
     ap.add_argument("--budgets", help="--max-num-batched-tokens values, the default configuration's first")
     ap.add_argument("--rates", help="Poisson request rates of the default configuration")
-    ap.add_argument("--server-flags", help="flags of every launched server (besides model, lengths, budget)")
+    ap.add_argument("--server-flags", help="flags of every launched server besides model, chunk and budget "
+                    "(the offline engine runs triton-graphs: keep the backends alike)")
     ap.add_argument("--deadline-s", type=float, help="seconds for the whole run")
     args = ap.parse_args()
     p = dict(QUICK if args.quick else GPU)
@@ -219,16 +231,18 @@ def main() -> int:
     offline_json = out / "offline.json"
     run([py, "benchmarks/engine_gpu_decode.py", *shlex.split(p["offline"]), "--workloads", f"{c}x{n_in}x{n_out}",
          "--chunked-prefill-size", str(p["chunk"]), "--max-num-batched-tokens", p["budgets"],
-         "--out", str(offline_json)], logs / "offline.log", min(150, clock.left() - 200), "offline engine", notes)
+         "--out", str(offline_json)],
+        logs / "offline.log", min(150, clock.left() - 200), "offline engine", notes)
 
     common = ["-m", "attnserve", "bench", "serve", "--dataset-name", "random", "--input-len", str(n_in),
               "--output-len", str(n_out), *tokenizer, "--warmup-requests", str(c), "--no-progress",
               "--server-log-dir", str(logs), "--max-point-seconds", "90"]
     default_json = out / "serve-default.json"
     rates = p["rates"].split(",")
-    run([py, *common, "--launch", f"{engine_flags} --max-num-batched-tokens {default}", "--concurrency", str(c),
-         "--request-rate", p["rates"], "--num-prompts", ",".join([str(p["num_prompts"])] + [str(p["rate_prompts"])]
-                                                                  * len(rates)),
+    prompts = ",".join([str(p["num_prompts"])] + [str(p["rate_prompts"])] * len(rates))
+    run([py, *common, "--launch", engine_flags,
+         "--compare", f"b{_budget_label(default)}=--max-num-batched-tokens {default}",
+         "--concurrency", str(c), "--request-rate", p["rates"], "--num-prompts", prompts,
          "--goodput", *(f"{k}:{v}" for k, v in SLO.items()), "--title", f"default budget {default}",
          "--json", str(default_json)], logs / "serve-default.log", clock.left() - 150, "default server", notes)
 
@@ -248,7 +262,8 @@ def main() -> int:
     rows = budget_rows(sorted(budgets, key=lambda b: (b <= 0, b)), served, offline, c)
     rate_rows, best = poisson_rows(served.get(default))
     record = {
-        "what": f"closed loop c={c} and Poisson rates, random {n_in} in / {n_out} out; server flags: {engine_flags}",
+        "what": f"closed loop c={c} and Poisson rates, random {n_in} in / {n_out} out; "
+                f"server flags: {engine_flags}",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": (default_rep or others_rep or {}).get("gpu"),
         "versions": (offline or {}).get("versions"),
@@ -259,7 +274,8 @@ def main() -> int:
         "poisson": rate_rows,
         "highest_rate_within_slo": best,
         "notes": notes,
-        "inputs": {"offline": str(offline_json), "default": str(default_json), "other_budgets": str(others_json)},
+        "inputs": {"offline": str(offline_json), "default": str(default_json),
+                   "other_budgets": str(others_json)},
     }
     (out / "serve-budget.json").write_text(json.dumps(record, indent=1) + "\n")
     md = [f"# Step token budget: {record['what']}", "", f"- {record['date']}, {record['gpu']}",
