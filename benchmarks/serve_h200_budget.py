@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -33,18 +34,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SLO = {"ttft": 1000, "tpot": 50}  # ms: the issue's Poisson target (TTFT p99 <= 1 s, ITL p99 <= 50 ms)
 
-GPU = dict(
-    budgets="512,256,1024,0", concurrency=64, num_prompts=200, rates="4,8,12,16", rate_prompts=120,
-    input_len=1024, output_len=256, chunk=8192, deadline_s=470,
-    server="--random-weights --attention-backend triton --disable-radix-cache --max-running-requests 64",
-    offline="--configs triton-graphs --preset llama-3-8b",
-)
-QUICK = dict(
-    budgets="32,0", concurrency=4, num_prompts=8, rates="4,inf", rate_prompts=6,
-    input_len=48, output_len=6, chunk=64, deadline_s=900,
-    server="--disable-radix-cache --max-running-requests 4",
-    offline="--configs torch-native --preset smollm2-135m --device cpu",
-)
+# budgets: the default configuration's first; 0 is the budget off
+GPU = {
+    "budgets": "512,256,1024,0", "concurrency": 64, "num_prompts": 200, "rates": "4,8,12,16", "rate_prompts": 120,
+    "input_len": 1024, "output_len": 256, "chunk": 8192, "deadline_s": 470,
+    "server": "--random-weights --attention-backend triton --disable-radix-cache --max-running-requests 64",
+    "offline": "--configs triton-graphs --preset llama-3-8b",
+}
+QUICK = {
+    "budgets": "32,0", "concurrency": 4, "num_prompts": 8, "rates": "4,inf", "rate_prompts": 6,
+    "input_len": 48, "output_len": 6, "chunk": 64, "deadline_s": 900,
+    "server": "--disable-radix-cache --max-running-requests 4",
+    "offline": "--configs torch-native --preset smollm2-135m --device cpu",
+}
 
 
 class Clock:
@@ -102,7 +104,7 @@ def _c_point(cfg: dict, concurrency: int) -> dict | None:
 
 def _num(x) -> float | None:
     """A measured number, or None (absent, or NaN: e.g. no full-batch decode step to take the median of)."""
-    return None if x is None or x != x else x
+    return None if x is None or math.isnan(x) else x
 
 
 def _ratio(a, b) -> float | None:
@@ -278,11 +280,11 @@ def main() -> int:
                    "other_budgets": str(others_json)},
     }
     (out / "serve-budget.json").write_text(json.dumps(record, indent=1) + "\n")
+    poisson_head = (f"## Poisson sweep, budget {_budget_label(default)} (SLO: TTFT p99 <= {SLO['ttft']} ms, "
+                    f"ITL p99 <= {SLO['tpot']} ms; goodput counts TPOT <= {SLO['tpot']} ms)")
     md = [f"# Step token budget: {record['what']}", "", f"- {record['date']}, {record['gpu']}",
           f"- command: `{record['command']}`", *(f"- note: {n}" for n in notes), "",
-          "## Budget sweep (closed loop)", "", *_table(rows), "",
-          f"## Poisson sweep, budget {_budget_label(default)} (SLO: TTFT p99 <= {SLO['ttft']} ms, "
-          f"ITL p99 <= {SLO['tpot']} ms; goodput counts TPOT <= {SLO['tpot']} ms)", "", *_table(rate_rows), "",
+          "## Budget sweep (closed loop)", "", *_table(rows), "", poisson_head, "", *_table(rate_rows), "",
           f"Highest rate within the SLO: {best if best is not None else 'none measured'}"]
     (out / "serve-budget.md").write_text("\n".join(md) + "\n")
     plot_budgets(rows, out / "budget.png")

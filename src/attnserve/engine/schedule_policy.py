@@ -29,7 +29,10 @@ LPM_MAX_WAITING = 128
 
 
 def prefill_token_budget(
-    chunked_prefill_size: int | None, max_prefill_tokens: int, max_num_batched_tokens: int | None, step_tokens: int
+    chunked_prefill_size: int | None,
+    max_prefill_tokens: int,
+    max_num_batched_tokens: int | None,
+    step_tokens: int,
 ) -> int:
     """Prompt tokens the step may add on top of the `step_tokens` its decodes already hold.
 

@@ -25,8 +25,6 @@ from pathlib import Path
 
 from attnserve.bench.serve.args import add_arguments  # noqa: F401 - `attnserve bench` builds the parser from it
 from attnserve.bench.serve.client import ENDPOINTS, RequestSpec
-from attnserve.bench.serve.launch import LaunchedServer, get_json
-from attnserve.bench.serve.load import run_point, warm_up
 from attnserve.bench.serve.datasets import (
     SHAREGPT_INPUT_MEAN,
     SHAREGPT_MAX_INPUT,
@@ -35,6 +33,8 @@ from attnserve.bench.serve.datasets import (
     SHAREGPT_OUTPUT_MEAN,
     SHAREGPT_SIGMA,
 )
+from attnserve.bench.serve.launch import LaunchedServer, get_json
+from attnserve.bench.serve.load import run_point, warm_up
 from attnserve.bench.serve.metrics import aggregate_seeds, parse_goodput, summarize
 from attnserve.bench.serve.plan import ServerConfig, load_points, server_configs
 from attnserve.bench.serve.prompts import Requests, tokenizer_path
