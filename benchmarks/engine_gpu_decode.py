@@ -260,53 +260,10 @@ def parse_workload(text: str) -> tuple[int, int, int]:
     return requests, input_len, output_len
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="llama-3-8b")
-    ap.add_argument("--workloads", default="64x1024x256",
-                    help="comma-separated REQUESTSxINPUTxOUTPUT (default: 64x1024x256; the overlap check adds "
-                    "1x1024x256)")
-    ap.add_argument("--chunked-prefill-size", type=int, default=8192)
-    ap.add_argument("--max-num-batched-tokens", default=None, metavar="N[,N...]",
-                    help="tokens of a step that decodes (the engine's knob; default: its default); a list runs "
-                    "every configuration once per value, <= 0 is off")
-    ap.add_argument("--configs", default="triton-graphs,triton-graphs-no-overlap",
-                    help=f"comma-separated, of: {', '.join(CONFIGS)}")
-    ap.add_argument("--out", default="benchmarks/results/engine_gpu_overlap.json")
-    ap.add_argument("--device", default="cuda", help="cpu only to check the script (no roofline meaning)")
-    args = ap.parse_args()
-    workloads = [parse_workload(w) for w in args.workloads.split(",")]
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
-
-    from attnserve.models.loader import load_model
-
+def write_report(args, loaded, bw: float, results: list[dict], errors: dict) -> dict:
+    """The JSON record of what ran so far (rewritten after every configuration, so a run stopped by its
+    time limit keeps what it measured)."""
     cuda = args.device == "cuda"
-    bw = copy_bandwidth() if cuda else 10e9
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    loaded = load_model(args.preset, dtype="bf16" if cuda else "fp32", device=args.device, random_weights=True)
-    budgets = [None] if args.max_num_batched_tokens is None else [
-        int(b) for b in args.max_num_batched_tokens.split(",")]
-    results, errors = [], {}
-    for workload in workloads:
-        for name, budget in ((n, b) for n in args.configs.split(",") for b in budgets):
-            label = name if budget is None else f"{name}@{budget}"
-            try:
-                settings = dict(CONFIGS[name])
-                if budget is not None:
-                    settings["max_num_batched_tokens"] = budget
-                if settings.get("dist_init_addr") == "auto":  # a free local port for the one-rank world
-                    from attnserve.distributed.launch import free_local_addr
-
-                    settings["dist_init_addr"] = free_local_addr()
-                results.append(run_config(loaded, label, workload, args, bw, **settings))
-            except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
-                errors[f"{label} {workload}"] = f"{type(exc).__name__}: {exc}"
-                traceback.print_exc()
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
     ratios = {}
     for workload in {r["workload"] for r in results}:
         by = {r["label"]: r for r in results if r["workload"] == workload}
@@ -348,7 +305,59 @@ def main() -> None:
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(json.dumps({"ratios": ratios, "errors": errors}, indent=2))
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-3-8b")
+    ap.add_argument("--workloads", default="64x1024x256",
+                    help="comma-separated REQUESTSxINPUTxOUTPUT (default: 64x1024x256; the overlap check adds "
+                    "1x1024x256)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", default=None, metavar="N[,N...]",
+                    help="tokens of a step that decodes (the engine's knob; default: its default); a list runs "
+                    "every configuration once per value, <= 0 is off")
+    ap.add_argument("--configs", default="triton-graphs,triton-graphs-no-overlap",
+                    help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    ap.add_argument("--out", default="benchmarks/results/engine_gpu_overlap.json")
+    ap.add_argument("--device", default="cuda", help="cpu only to check the script (no roofline meaning)")
+    args = ap.parse_args()
+    workloads = [parse_workload(w) for w in args.workloads.split(",")]
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+
+    from attnserve.models.loader import load_model
+
+    cuda = args.device == "cuda"
+    bw = copy_bandwidth() if cuda else 10e9
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    loaded = load_model(args.preset, dtype="bf16" if cuda else "fp32", device=args.device, random_weights=True)
+    budgets = [None] if args.max_num_batched_tokens is None else [
+        int(b) for b in args.max_num_batched_tokens.split(",")]
+    results, errors = [], {}
+    for workload in workloads:
+        for name, budget in ((n, b) for n in args.configs.split(",") for b in budgets):
+            label = name if budget is None else f"{name}@{budget}"
+            try:
+                settings = dict(CONFIGS[name])
+                if budget is not None:
+                    settings["max_num_batched_tokens"] = budget
+                if settings.get("dist_init_addr") == "auto":  # a free local port for the one-rank world
+                    from attnserve.distributed.launch import free_local_addr
+
+                    settings["dist_init_addr"] = free_local_addr()
+                results.append(run_config(loaded, label, workload, args, bw, **settings))
+                write_report(args, loaded, bw, results, errors)
+            except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
+                errors[f"{label} {workload}"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+    report = write_report(args, loaded, bw, results, errors)
+    print(json.dumps({"ratios": report["ratios"], "errors": errors}, indent=2))
 
 
 if __name__ == "__main__":

@@ -37,13 +37,13 @@ SLO = {"ttft": 1000, "tpot": 50}  # ms: the issue's Poisson target (TTFT p99 <= 
 # budgets: the default configuration's first; 0 is the budget off
 GPU = {
     "budgets": "512,256,1024,0", "concurrency": 64, "num_prompts": 200, "rates": "4,8,12,16", "rate_prompts": 120,
-    "input_len": 1024, "output_len": 256, "chunk": 8192, "deadline_s": 470,
+    "input_len": 1024, "output_len": 256, "chunk": 8192, "deadline_s": 470, "offline_s": 150,
     "server": "--random-weights --attention-backend triton --disable-radix-cache --max-running-requests 64",
     "offline": "--configs triton-graphs --preset llama-3-8b",
 }
 QUICK = {
     "budgets": "32,0", "concurrency": 4, "num_prompts": 8, "rates": "4,inf", "rate_prompts": 6,
-    "input_len": 48, "output_len": 6, "chunk": 64, "deadline_s": 900,
+    "input_len": 48, "output_len": 6, "chunk": 64, "deadline_s": 1200, "offline_s": 500,
     "server": "--disable-radix-cache --max-running-requests 4",
     "offline": "--configs torch-native --preset smollm2-135m --device cpu",
 }
@@ -234,7 +234,7 @@ def main() -> int:
     run([py, "benchmarks/engine_gpu_decode.py", *shlex.split(p["offline"]), "--workloads", f"{c}x{n_in}x{n_out}",
          "--chunked-prefill-size", str(p["chunk"]), "--max-num-batched-tokens", p["budgets"],
          "--out", str(offline_json)],
-        logs / "offline.log", min(150, clock.left() - 200), "offline engine", notes)
+        logs / "offline.log", min(p["offline_s"], clock.left() - 200), "offline engine", notes)
 
     common = ["-m", "attnserve", "bench", "serve", "--dataset-name", "random", "--input-len", str(n_in),
               "--output-len", str(n_out), *tokenizer, "--warmup-requests", str(c), "--no-progress",
@@ -253,7 +253,7 @@ def main() -> int:
     if compare:
         run([py, *common, "--launch", engine_flags, "--compare", *compare, "--concurrency", str(c),
              "--num-prompts", str(p["num_prompts"]), "--title", "other budgets", "--json", str(others_json)],
-            logs / "serve-budgets.log", clock.left() - 5, "other budgets", notes)
+            logs / "serve-budgets.log", clock.left() - 35, "other budgets", notes)
 
     default_rep, others_rep, offline = _load(default_json), _load(others_json), _load(offline_json)
     served = {}
