@@ -35,6 +35,8 @@ OLD_ENGINE_FLAGS = [
     (("--max-prefill-tokens",), "max_prefill_tokens", 16384, "512", 512),
     (("--context-length",), "max_context_len", None, "1024", 1024),
     (("--chunked-prefill-size",), "chunked_prefill_size", 2048, "-1", -1),
+    (("--max-num-batched-tokens",), "max_num_batched_tokens", 512, "1024", 1024),
+    (("--schedule-policy",), "schedule_policy", "fcfs", "lpm", "lpm"),
     (("--disable-radix-cache",), "disable_radix_cache", False, None, True),
     (("--disable-cuda-graph",), "disable_cuda_graph", False, None, True),
     (("--disable-overlap-schedule",), "disable_overlap_schedule", False, None, True),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from attnserve.attention.registry import resolve_name
 from attnserve.distributed.launch import Topology
+from attnserve.engine.schedule_policy import SCHEDULE_POLICIES
 from attnserve.models.cpu_weights import WEIGHT_FORMATS
 
 
@@ -92,6 +93,17 @@ class EngineConfig:
         help="longest prompt + output (default: the model's, capped at 32768)")
     chunked_prefill_size: int | None = knob(
         2048, "--chunked-prefill-size", help="prefill tokens per chunk (default: 2048); <= 0 turns chunking off")
+    max_num_batched_tokens: int | None = knob(
+        None, "--max-num-batched-tokens",
+        help="tokens of a step that decodes, its decodes included (one each): prompts are prefilled beside "
+        "running streams at most this many tokens at a time, so no stream stalls for a long chunk "
+        "(Sarathi-Serve's stall-free batching); a step with nothing decoding still takes "
+        "--chunked-prefill-size. Default: 512, or 2 x --max-running-requests when that is larger; "
+        "<= 0 turns it off (decodes then come on top of a whole chunk)")
+    schedule_policy: str = knob(
+        "fcfs", "--schedule-policy", choices=SCHEDULE_POLICIES,
+        help="order in which waiting prompts are admitted: fcfs (arrival order; default: no prompt waits "
+        "behind later ones) or lpm (longest radix-cache prefix match first)")
     disable_radix_cache: bool = knob(False, "--disable-radix-cache", help="no prefix cache")
     disable_cuda_graph: bool = knob(False, "--disable-cuda-graph", help="decode runs eagerly")
     disable_overlap_schedule: bool = knob(
@@ -145,6 +157,17 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(512, 2 * self.max_running_requests)
+        elif 0 < self.max_num_batched_tokens <= self.max_running_requests:
+            raise ValueError(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} must exceed max_running_requests "
+                f"{self.max_running_requests} (a full decode batch would leave no room for a prompt token), "
+                "or be <= 0 to turn the step budget off")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                f"got {self.schedule_policy!r}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         Topology(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)  # raises on a bad combination

@@ -107,6 +107,8 @@ class Engine:
                 page_size=p.kv.pool.page_size,
                 chunked_prefill_size=config.chunked_prefill_size,
                 max_prefill_tokens=config.max_prefill_tokens,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                schedule_policy=config.schedule_policy,
                 disable_radix_cache=config.disable_radix_cache,
                 deterministic=config.enable_deterministic_inference,
             ),

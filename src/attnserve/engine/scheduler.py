@@ -6,11 +6,13 @@ Policy (one step):
    running request is preempted: its pages and row are freed and it goes back
    to the front of the queue, to be recomputed from its prompt plus what it
    generated so far. This repeats until the decodes fit.
-2. The remaining token budget (`chunked_prefill_size`, or `max_prefill_tokens`
-   when chunking is off) goes to prefill: first requests whose prompt is
-   partly computed, then new requests in arrival order, each admitted only if
-   a request row and the pages for its chunk are free, keeping back one page
-   per running decode so admission does not immediately force a preemption.
+2. The remaining token budget goes to prefill (schedule_policy.py: up to
+   `chunked_prefill_size`, or `max_prefill_tokens` when chunking is off; in a
+   step that decodes, at most `max_num_batched_tokens` tokens in all): first
+   requests whose prompt is partly computed, then new requests in the order of
+   `schedule_policy`, each admitted only if a request row and the pages for its
+   chunk are free, keeping back one page per running decode so admission does
+   not immediately force a preemption.
 
 Overlap scheduling: the engine may schedule step n+1 while step n still runs, before
 n's sampled tokens reach the host. A request sampled in step n then holds a pending
@@ -21,7 +23,7 @@ with a pending token is never admitted (its prompt-plus-output is not known yet)
 Mixed batches, not alternation: decodes and prefill chunks share one forward
 pass (ForwardMode.MIXED). A long prompt then costs running decodes one slower
 step per chunk instead of a stall, and with chunking the slowdown is bounded by
-the chunk size. Steps with decodes only run as ForwardMode.DECODE, which is what
+`max_num_batched_tokens`. Steps with decodes only run as ForwardMode.DECODE, which is what
 CUDA graphs capture.
 """
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 from attnserve.attention.base import ForwardMode
 from attnserve.engine.request import FinishReason, Request, RequestStatus
+from attnserve.engine.schedule_policy import SCHEDULE_POLICIES, order_waiting, prefill_token_budget
 from attnserve.engine.speculative.draft_tree import DraftTree
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.pool import ReqToTokenPool
@@ -44,6 +47,8 @@ class SchedulerConfig:
     page_size: int = 1
     chunked_prefill_size: int | None = None  # None or <= 0: no chunking
     max_prefill_tokens: int = 16384  # prefill tokens per step when chunking is off (one prompt may exceed it)
+    max_num_batched_tokens: int | None = None  # tokens of a step that decodes, with chunking; None: no cap
+    schedule_policy: str = "fcfs"  # admission order of waiting prompts: fcfs or lpm
     disable_radix_cache: bool = False
     deterministic: bool = False  # decode-only steps run as extend steps (one attention path for every token)
 
@@ -56,6 +61,12 @@ class SchedulerConfig:
             )
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
+            self.max_num_batched_tokens = None
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                f"got {self.schedule_policy!r}")
 
 
 @dataclass
@@ -194,7 +205,9 @@ class Scheduler:
             prefixes.append(r.kv_len)
             sample.append(True)
 
-        budget = self.config.chunked_prefill_size or self.config.max_prefill_tokens
+        c = self.config
+        budget = prefill_token_budget(
+            c.chunked_prefill_size, c.max_prefill_tokens, c.max_num_batched_tokens, step_tokens=sum(exts))
         reserve = len(decoding)
         # continue prompts already being prefilled (oldest first), then admit new ones
         in_progress = [r for r in self.running if r.num_pending == 0 and r.is_prefilling]
@@ -209,6 +222,8 @@ class Scheduler:
                 prefixes.append(prefix)
                 sample.append(chunk == r.num_uncomputed)
                 budget -= chunk
+        if budget > 0:
+            order_waiting(self.waiting, c.schedule_policy, self._cached_tokens if self.tree else None)
         while self.waiting and budget > 0 and self.req_pool.num_free > 0:
             r = self.waiting[0]
             if r.num_pending:
@@ -295,6 +310,11 @@ class Scheduler:
         if len(req.pages) > keep:
             self.allocator.free(req.pages[keep:])
             del req.pages[keep:]
+
+    def _cached_tokens(self, req: Request) -> int:
+        """Tokens of `req` the radix cache would give it if admitted now (what lpm ranks by)."""
+        pages = self.tree.match_prefix(req.fill_ids, max_len=req.seq_len - 1, record=False)
+        return len(pages) * self.page_size
 
     def _take_chunk(self, req: Request, budget: int, reserve: int, first: bool) -> int:
         """Allocate pages for as many of `req`'s uncomputed tokens as budget and pool allow; returns the count."""
