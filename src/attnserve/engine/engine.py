@@ -64,7 +64,7 @@ class LaunchedStep:
     copy: HostCopy | None  # the sampled ids (and logprobs) on their way to the host; None: nothing sampled
     logprobs: DeviceLogprobs | None
     launched_at: float
-    logits: torch.Tensor | None = None  # TARGET_VERIFY: every token's logits [B * q, vocab], accepted on completion
+    logits: torch.Tensor | None = None  # TARGET_VERIFY: every token's logits [T, vocab], accepted on completion
 
 
 @dataclass
@@ -326,7 +326,9 @@ class Engine:
         if self._last_verified and (
                 (sched.waiting and sched.req_pool.num_free > 0) or any(r.is_prefilling for r in sched.running)):
             return None
-        return sched.schedule_verify(self._propose, self.num_draft_tokens)
+        # a verify graph replays one shape per (batch, draft count): pad every request to it
+        uniform = hasattr(self.runner.graph_runner, "can_run_verify")
+        return sched.schedule_verify(self._propose, self.num_draft_tokens, uniform=uniform)
 
     def _propose(self, r: Request) -> DraftTree | None:
         return self.drafter.propose(r) if r.speculative else None
@@ -334,16 +336,17 @@ class Engine:
     def _complete_verify(self, step: LaunchedStep, now: float) -> list[Request]:
         """Accept each request's drafts against the step's logits and emit the accepted tokens plus the bonus."""
         batch, logits = step.batch, step.logits
-        q = batch.extend_lens[0]
-        argmax = torch.argmax(logits, dim=-1).view(batch.batch_size, q).tolist()  # [B, q] on the host
+        argmax = torch.argmax(logits, dim=-1).tolist()  # [T] on the host
         self.spec_stats.verify_steps += 1
         out = []
-        for i, (r, tree) in enumerate(zip(batch.reqs, batch.drafts)):
+        t = 0
+        for r, tree, q in zip(batch.reqs, batch.drafts, batch.extend_lens):
+            t, lo = t + q, t
             if r.finished:
                 continue
             try:
-                rows = logits[i * q : (i + 1) * q]  # [q, vocab]: after the root, then after each draft
-                acc = self._accept(r, tree, rows, argmax[i])
+                rows = logits[lo : lo + q]  # [q, vocab]: after the root, then after each draft
+                acc = self._accept(r, tree, rows, argmax[lo : lo + q])
                 self._emit_accepted(r, tree, acc, rows, now)
             except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
                 self._fail(r, exc)

@@ -172,19 +172,18 @@ class ModelRunner:
         )
 
     def _prepare_verify(self, batch: ScheduleBatch) -> StepInputs:
-        """Every request's last token then its drafts, q = 1 + K tokens each: draft i is stored at slot
-        kv_len + 1 + i and rotated at position kv_len + its depth. A step of chains needs no mask (causal
-        attention is a chain's mask); a tree step gets per request [q, seq_len]: the prefix all visible,
-        the drafts their ancestors and themselves."""
-        q = batch.extend_lens[0]
+        """Every request's last token then its drafts: draft i is stored at slot kv_len + 1 + i and rotated
+        at position kv_len + its depth. A step of chains needs no mask (causal attention is a chain's mask);
+        a tree step gets per request [q, seq_len]: the prefix all visible, the drafts their ancestors and
+        themselves (and, when every request has the same q, the trees' own [B, q, q] for a verify graph)."""
         bs = batch.batch_size
-        num_tokens = q * bs
+        num_tokens = batch.num_tokens
         host = np.empty(3 * num_tokens + bs, dtype=np.int64)  # ids, positions, slots [T] each; rows [B]
         ids, positions, out_loc = (host[i * num_tokens : (i + 1) * num_tokens] for i in range(3))
         host[3 * num_tokens :] = [r.row for r in batch.reqs]
         table_rows, table_starts, table_slots = [], [], []
-        for i, (r, prefix, tree) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.drafts)):
-            t = i * q
+        t = 0
+        for r, prefix, q, tree in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.drafts):
             filled = min(self.req_pool.filled(r.row), prefix)
             slots = self._slots(r.pages, filled, prefix + q)  # [prefix + q - filled]
             table_rows.append(r.row)
@@ -195,14 +194,18 @@ class ModelRunner:
             positions[t + 1 : t + q] = prefix + np.asarray(tree.depths(), dtype=np.int64)
             ids[t] = r.output_ids[-1]
             ids[t + 1 : t + q] = tree.tokens
+            t += q
         custom_mask = tree_mask = None
         spec_topk = 1
         if not all(t.is_chain for t in batch.drafts):
-            tree_mask, custom_mask = verify_masks(batch.drafts, batch.prefix_lens)  # [B, q, q], flat
+            tree_masks, custom_mask = verify_masks(batch.drafts, batch.prefix_lens)
+            if len(set(batch.extend_lens)) == 1:
+                tree_mask = np.stack(tree_masks)  # [B, q, q] bool
             spec_topk = max(max((len(c) for c in t.children()), default=1) for t in batch.drafts)
         return StepInputs(
             mode=ForwardMode.TARGET_VERIFY, host=host, num_tokens=num_tokens, num_decodes=0,
-            seq_lens=[p + q for p in batch.prefix_lens], extend_lens=[q] * bs,
+            seq_lens=[p + q for p, q in zip(batch.prefix_lens, batch.extend_lens)],
+            extend_lens=list(batch.extend_lens),
             sample=[False] * bs,  # nothing goes to last_tokens: the engine reads the accepted tokens on the host
             table_rows=table_rows, table_starts=table_starts, table_slots=table_slots,
             kv_moves=self._take_kv_moves(), custom_mask=custom_mask, tree_mask=tree_mask, spec_topk=spec_topk,
@@ -266,13 +269,14 @@ class ModelRunner:
         return self.model(input_ids, pos, fb, logits_indices=logits_indices)
 
     def _run_verify(self, step: StepInputs, input_ids, pos, loc, req_rows, seq_lens) -> torch.Tensor:
-        """Logits for every token of the step, `[B * q, vocab]`: a captured verify graph if the graph runner
-        has one for (batch, q, chain or tree), else eagerly."""
+        """Logits for every token of the step, `[T, vocab]`: a captured verify graph if the graph runner has
+        one for (batch, q, chain or tree) and every request has q tokens, else eagerly."""
         dev = self.device
         bs, q = len(step.seq_lens), step.extend_lens[0]
-        tree = step.tree_mask is not None
+        tree = step.custom_mask is not None
+        uniform = all(e == q for e in step.extend_lens) and (step.tree_mask is not None or not tree)
         gr = self.graph_runner
-        if gr is not None and hasattr(gr, "can_run_verify") and gr.can_run_verify(bs, q, tree):
+        if uniform and gr is not None and hasattr(gr, "can_run_verify") and gr.can_run_verify(bs, q, tree):
             self.steps_graphed += 1
             tree_mask = to_device(step.tree_mask, dev) if tree else None  # [B, q, q] bool
             return gr.replay_verify(input_ids, pos, loc, req_rows, seq_lens, step.seq_lens, q, tree_mask)

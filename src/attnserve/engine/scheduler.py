@@ -79,7 +79,7 @@ class ScheduleBatch:
     sample: list[bool]  # True when this step computes the request's last uncomputed token
     mode: ForwardMode
     num_decodes: int = 0  # reqs[:num_decodes] decode: their input token is their last sampled one
-    drafts: list | None = None  # TARGET_VERIFY: each request's DraftTree, padded to the step's draft count
+    drafts: list | None = None  # TARGET_VERIFY: each request's DraftTree (extend_len = 1 + its drafts)
 
     @property
     def num_tokens(self) -> int:
@@ -275,19 +275,28 @@ class Scheduler:
             self.preempt(max(self.running, key=lambda r: r.admit_order))
 
     # ---- speculative verify ---------------------------------------------------------------------
-    def schedule_verify(self, propose, num_draft_tokens: int) -> ScheduleBatch | None:
-        """A TARGET_VERIFY step over every decoding request, each with 1 + `num_draft_tokens` tokens (its last
-        token, then its drafts from `propose(req)`, padded), so the step's shape depends on the batch size
-        alone. None when no request has drafts, or when their pages or context do not fit: the step then
+    def schedule_verify(self, propose, num_draft_tokens: int, uniform: bool = False) -> ScheduleBatch | None:
+        """A TARGET_VERIFY step over every decoding request: its last token, then its drafts from
+        `propose(req)` (at most `num_draft_tokens`). `uniform`: every request gets exactly 1 +
+        `num_draft_tokens` tokens (drafts padded, a request without drafts too), so the step's shape depends
+        on the batch size alone and a captured graph can replay it; otherwise each request verifies what it
+        has. None when no request has drafts, or when their pages or context do not fit: the step then
         decodes as usual. It never preempts: speculation only uses room the pool has."""
         k = num_draft_tokens
         decoding = [r for r in self.running if r.num_uncomputed == 1 and r.num_generated and not r.num_pending]
-        if not decoding or any(r.kv_len + 1 + k > self.req_pool.max_context_len for r in decoding):
+        if not decoding:
             return None
         trees = [propose(r) for r in decoding]
         if not any(t is not None and len(t) for t in trees):
             return None
-        needs = [self._pages_for(r, 1 + k) for r in decoding]
+        empty = DraftTree((), ())
+        trees = [t or empty for t in trees]
+        if uniform:
+            trees = [t.padded(k, pad_token=r.output_ids[-1]) for r, t in zip(decoding, trees)]
+        lens = [1 + len(t) for t in trees]
+        if any(r.kv_len + n > self.req_pool.max_context_len for r, n in zip(decoding, lens)):
+            return None
+        needs = [self._pages_for(r, n) for r, n in zip(decoding, lens)]
         if not self._ensure_free(sum(needs)):
             return None
         pages = self.allocator.alloc(sum(needs))
@@ -295,11 +304,9 @@ class Scheduler:
         for r, n in zip(decoding, needs):
             r.pages.extend(pages[taken : taken + n])
             taken += n
-        empty = DraftTree((), ())
-        drafts = [(t or empty).padded(k, pad_token=r.output_ids[-1]) for r, t in zip(decoding, trees)]
         self.counters.steps += 1
-        return ScheduleBatch(decoding, [1 + k] * len(decoding), [r.kv_len for r in decoding],
-                             [True] * len(decoding), ForwardMode.TARGET_VERIFY, drafts=drafts)
+        return ScheduleBatch(decoding, lens, [r.kv_len for r in decoding], [True] * len(decoding),
+                             ForwardMode.TARGET_VERIFY, drafts=trees)
 
     def settle_verify(self, req: Request, emitted: int) -> None:
         """After a verify step that gave `req` `emitted` tokens: a request still running keeps `req.kv_len`

@@ -86,12 +86,11 @@ class DraftTree:
         return DraftTree(self.tokens + (token,) * extra, self.parents + parents, self.padding + extra)
 
 
-def verify_masks(trees: list[DraftTree], prefix_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """A tree verify step's masks: (the trees' own [B, q, q] bool, q = 1 + drafts; and per request its
+def verify_masks(trees: list[DraftTree], prefix_lens: list[int]) -> tuple[list[np.ndarray], np.ndarray]:
+    """A tree verify step's masks: each tree's own [q, q] bool (q = 1 + its drafts), and per request its
     [q, prefix + q] mask, the prefix all visible, flattened and concatenated in batch order, as
-    `ForwardBatch.custom_mask` takes it)."""
-    tree_masks = np.stack([t.tree_mask() for t in trees])  # [B, q, q]
-    q = tree_masks.shape[1]
-    flat = np.concatenate([np.concatenate([np.ones((q, p), dtype=bool), m], axis=1).ravel()  # [q * (p + q)]
+    `ForwardBatch.custom_mask` takes it."""
+    tree_masks = [t.tree_mask() for t in trees]
+    flat = np.concatenate([np.concatenate([np.ones((len(m), p), dtype=bool), m], axis=1).ravel()  # [q * (p + q)]
                            for p, m in zip(prefix_lens, tree_masks)])
     return tree_masks, flat
