@@ -2,8 +2,9 @@
 
 Input-grounded prompts (repeat code with a variable renamed, a summary that quotes its text) are
 where prompt lookup pays; open-ended prompts (nothing to copy) show what it costs when its drafts
-fail. Greedy, each prompt wrapped in the chat template, up to --new-tokens tokens (EOS stops).
-Both engines run in this process one after the other, best of --repeats per case.
+fail; a drafter forced wrong shows what the give-up rule leaves of their cost. Greedy unless stated,
+up to --new-tokens tokens (EOS stops). The engines run in this process one after the other, best of
+--repeats per case; tok/s counts prompt processing too (time from submission to the last token).
 
     python benchmarks/spec_cpu.py [--out benchmarks/results/spec-cpu.json]
 """
@@ -31,14 +32,37 @@ CODE = '''def total_price(items, tax):
 TEXT = ("The river Arno flows through Florence. In 1966 it flooded the city, damaging thousands of "
         "paintings and books. Volunteers, later called the Mud Angels, came from all over the world to "
         "rescue the manuscripts from the mud. Restoration work on some of the damaged art continues today.")
+# completion-style (the embedded 135M model copies far more faithfully from a continuation than from a chat turn)
 GROUNDED = [
-    f"Repeat this code exactly, with the variable subtotal renamed to running_total:\n\n{CODE}",
-    f"Rewrite this function with the variable discount renamed to rebate. Output only the code.\n\n{CODE}",
-    f"Summarize this text, quoting its sentences word for word:\n\n{TEXT}",
-    f"Copy this text and then add one sentence at the end:\n\n{TEXT}",
+    f"```python\n{CODE}```\n\nThe same function with the variable subtotal renamed to running_total:\n\n```python\n",
+    f"```python\n{CODE}```\n\nThe same function with the variable discount renamed to rebate:\n\n```python\n",
+    f"{TEXT}\n\nA summary of the text above, quoting it word for word: \"",
+    f"Text: {TEXT}\n\nThe text again, copied exactly: ",
 ]
-OPEN = ["Write a short poem about the sea.", "Give three ideas for a birthday party.",
-        "Why is the sky blue? Answer briefly.", "Invent a name for a cat and explain it."]
+OPEN = ["Write a short poem about the sea.\n\n", "Three ideas for a birthday party:\n1.",
+        "Why is the sky blue? The answer is", "A good name for a cat is"]
+
+
+class WrongDrafter:
+    """The n-gram drafter's proposals with every token shifted by one: nothing is ever accepted, so the
+    run shows what failed drafts cost once the drafter gives up on them."""
+
+    def __init__(self, inner, vocab: int):
+        self.inner, self.vocab = inner, vocab
+
+    def propose(self, req):
+        from attnserve.engine.speculative import DraftTree
+
+        tree = self.inner.propose(req)
+        if tree is None:
+            return None
+        return DraftTree(tuple((t + 1) % self.vocab for t in tree.tokens), tree.parents)
+
+    def observe(self, req, tree, accepted):
+        self.inner.observe(req, tree, accepted)
+
+    def forget(self, rid):
+        self.inner.forget(rid)
 
 
 def _versions() -> dict:
@@ -63,19 +87,19 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure(llm, prompts: list[str], concurrency: int, new_tokens: int, repeats: int) -> dict:
+def measure(llm, prompts: list[str], concurrency: int, new_tokens: int, repeats: int, temperature: float) -> dict:
     from attnserve.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_new_tokens=new_tokens)
-    chats = [llm.apply_chat_template(p) for p in prompts]
-    batch = (chats * (concurrency // len(chats) + 1))[:concurrency] if concurrency > 1 else chats
+    batch = (prompts * (concurrency // len(prompts) + 1))[:concurrency] if concurrency > 1 else prompts
     best = None
     for _ in range(repeats):
         llm.engine.flush_cache()
         before = dict(llm.engine.spec_stats.as_dict())
+        params = [SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=i)
+                  for i in range(len(batch))]
         start = time.perf_counter()
         if concurrency == 1:
-            outs = [o for p in batch for o in llm.generate(p, params)]
+            outs = [o for p, sp in zip(batch, params) for o in llm.generate(p, sp)]
         else:
             outs = llm.generate(batch, params)
         secs = time.perf_counter() - start
@@ -98,7 +122,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--draft-tokens", default="4,8", help="speculative_num_draft_tokens values, comma-separated")
     args = ap.parse_args()
 
     import torch
@@ -108,29 +132,39 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    engines = {
-        "off": LLM(device="cpu", max_total_tokens=16384),
-        "ngram": LLM(device="cpu", max_total_tokens=16384, speculative_algorithm="ngram",
-                     speculative_num_draft_tokens=args.draft_tokens),
-    }
+    ks = [int(k) for k in args.draft_tokens.split(",")]
+    engines = {"off": LLM(device="cpu", max_total_tokens=16384)}
+    for k in ks:
+        engines[f"ngram_k{k}"] = LLM(device="cpu", max_total_tokens=16384, speculative_algorithm="ngram",
+                                     speculative_num_draft_tokens=k)
     for llm in engines.values():
         llm.generate(GROUNDED[:2], SamplingParams(max_new_tokens=8))  # warm-up
-    cases = [("input-grounded", GROUNDED, 1), ("input-grounded", GROUNDED, 8), ("open-ended", OPEN, 1),
-             ("open-ended", OPEN, 8)]
+    # (workload, prompts, requests, temperature, speculating sides' drafter: None = their n-gram one)
+    cases = [("input-grounded", GROUNDED, 1, 0.0, None), ("input-grounded", GROUNDED, 8, 0.0, None),
+             ("open-ended", OPEN, 1, 0.0, None), ("open-ended", OPEN, 8, 0.0, None),
+             ("open-ended sampled (temperature 1)", OPEN, 1, 1.0, None),
+             ("nothing accepted (drafts forced wrong)", GROUNDED, 1, 0.0, "wrong")]
     results = []
-    for workload, prompts, conc in cases:
-        row = {"workload": workload, "requests": conc}
+    for workload, prompts, conc, temp, drafter in cases:
+        row = {"workload": workload, "requests": conc, "temperature": temp}
         for name, llm in engines.items():
+            own = llm.engine.drafter
+            if drafter == "wrong" and own is not None:
+                llm.engine.drafter = WrongDrafter(own, llm.engine.vocab_size)
             try:
-                row[name] = measure(llm, prompts, conc, args.new_tokens, args.repeats)
+                row[name] = measure(llm, prompts, conc, args.new_tokens, args.repeats, temp)
             except Exception as exc:  # noqa: BLE001 - record the failure, measure the rest
                 row[name] = {"error": repr(exc)}
-        off, on = row["off"], row["ngram"]
-        if "tok_per_s" in off and "tok_per_s" in on:
-            row["speedup"] = round(on["tok_per_s"] / off["tok_per_s"], 3)
-            row["same_tokens"] = off["token_ids"] == on["token_ids"]
-        for side in ("off", "ngram"):
-            row[side].pop("token_ids", None)
+            finally:
+                llm.engine.drafter = own
+        off = row["off"]
+        for k in ks:
+            on = row[f"ngram_k{k}"]
+            if "tok_per_s" in off and "tok_per_s" in on:
+                on["speedup"] = round(on["tok_per_s"] / off["tok_per_s"], 3)
+                on["same_tokens_as_off"] = off["token_ids"] == on["token_ids"]
+        for name in engines:
+            row[name].pop("token_ids", None)
         results.append(row)
         print(json.dumps(row), flush=True)
     report = {
@@ -139,10 +173,10 @@ def main() -> int:
         "machine": {"cpu": _cpu(), "threads": args.threads, "load_average_before": round(load_before, 2),
                     "load_average_after": round(os.getloadavg()[0], 2)},
         "versions": _versions(),
-        "settings": {"new_tokens": args.new_tokens, "greedy": True, "chat_template": True,
-                     "speculative_num_draft_tokens": args.draft_tokens, "repeats": args.repeats,
-                     "startup_ngram": [line for line in engines["ngram"].engine.parts.startup_lines
-                                       if line.startswith(("device:", "weights:", "speculative"))]},
+        "settings": {"new_tokens": args.new_tokens, "eos_stops": True, "repeats": args.repeats,
+                     "speculative_num_draft_tokens": ks,
+                     "startup": [line for line in engines[f"ngram_k{ks[0]}"].engine.parts.startup_lines
+                                 if line.startswith(("device:", "weights:", "speculative"))]},
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
