@@ -90,6 +90,8 @@ class TritonMHABackend(TritonBackendBase):
         Fresh prompts read the call's own k and v; with a cached prefix every request's keys are gathered
         from the pool into contiguous rows once per layer.
         """
+        if step.graph_bs:
+            return None, "CUDA graph"  # the TMA path gathers keys into buffers sized by the host lengths
         k_mod = kernels()
         tma = k_mod.prefill_tma
         if self.prefill_tma is False:

@@ -38,7 +38,13 @@ from attnserve.attention.kernels.common import (
     to_log2,
 )
 from attnserve.attention.kernels.params import ExtendRows, LayerParams
-from attnserve.attention.kernels.extend_tiles import ExtendTiles, build_extend_tiles, key_tile_range, visible_keys
+from attnserve.attention.kernels.extend_tiles import (
+    ExtendTiles,
+    build_extend_tiles,
+    key_tile_range,
+    mask_kind,
+    visible_keys,
+)
 from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
@@ -257,7 +263,8 @@ def extend_attention(
         GROUP=group, PACK=pack, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
         PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
-        HAS_SINKS=sinks is not None, HAS_CUSTOM_MASK=custom_mask is not None, DOT_F32=dot_dtype_is_f32(q),
+        HAS_SINKS=sinks is not None, HAS_CUSTOM_MASK=mask_kind(custom_mask, rows.mask_new_keys_only),
+        DOT_F32=dot_dtype_is_f32(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
