@@ -144,6 +144,8 @@ class CudaGraphRunner:
         self.verify_sizes: dict[tuple[int, bool], list[int]] = {}  # (q, tree) -> captured batch sizes
         self.verify_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.verify_outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self._mempool = None
+        self._stream: torch.cuda.Stream | None = None
 
     def _batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         return ForwardBatch(
@@ -160,12 +162,32 @@ class CudaGraphRunner:
             extend_lens_cpu=[1] * bs,
         )
 
+    def _record(self, run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm `run` up outside capture, then capture it: (the graph, the tensor its replays write).
+
+        Every graph of this runner shares one memory pool; captures go largest first so that smaller graphs
+        reuse its memory.
+        """
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device=self.device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: autotuning and lazy init must happen outside capture
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool, stream=stream):
+            out = run()
+        torch.cuda.synchronize(self.device)
+        return graph, out
+
     def capture(self) -> float:
         """Capture every batch size, largest first (smaller graphs reuse its memory pool)."""
         start = time.perf_counter()
         self.backend.init_graph_buffers(self.max_bs, self.max_bs)
-        mempool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.device)
         with torch.inference_mode():
             # one eager step first: some backends learn per-layer facts from it before they can capture
             fb = self._batch(self.max_bs, [1] * self.max_bs)
@@ -174,18 +196,8 @@ class CudaGraphRunner:
             for bs in reversed(self.batch_sizes):
                 fb = self._batch(bs, [1] * bs)
                 self.backend.plan_for_capture(fb)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up: autotuning and lazy init must happen outside capture
-                        self.model(self.input_ids[:bs], self.positions[:bs], fb)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                    out = self.model(self.input_ids[:bs], self.positions[:bs], fb)
-                self.graphs[bs] = graph
-                self.outputs[bs] = out
-        torch.cuda.synchronize(self.device)
+                self.graphs[bs], self.outputs[bs] = self._record(
+                    lambda bs=bs, fb=fb: self.model(self.input_ids[:bs], self.positions[:bs], fb))
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
 
@@ -260,25 +272,15 @@ class CudaGraphRunner:
         if q not in self.verify_buffers:
             self.verify_buffers[q] = VerifyBuffers.allocate(self.max_bs, q, self.padding_row, self.device)
         buf = self.verify_buffers[q]
-        mempool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.device)
         with torch.inference_mode():
             for bs in reversed(sizes):
                 fb = self._verify_batch(bs, q, tree, [q] * bs)
                 self.backend.plan_for_capture(fb)
                 ids, pos = buf.input_ids[: bs * q], buf.positions[: bs * q]
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up: autotuning, lazy init and the tile lists happen outside capture
-                        self.model(ids, pos, fb)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                    out = self.model(ids, pos, fb)  # [bs * q, vocab]: every token's logits
+                # the warm-up also builds the backend's tile lists; the logits are every token's [bs * q, vocab]
+                graph, out = self._record(lambda ids=ids, pos=pos, fb=fb: self.model(ids, pos, fb))
                 self.verify_graphs[(bs, q, tree)] = graph
                 self.verify_outputs[(bs, q, tree)] = out
-        torch.cuda.synchronize(self.device)
         self.verify_sizes[(q, tree)] = sizes
         seconds = time.perf_counter() - start
         self.capture_seconds += seconds
