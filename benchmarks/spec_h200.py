@@ -4,9 +4,10 @@ A Llama-3-8B-shaped model with random bf16 weights (random weights make meaningl
 forced rather than measured on text):
 
 (a) verify cost: requests holding --context tokens of KV; per batch size, a plain decode step (its CUDA graph)
-    against a verify step of q = 1 + K tokens a request (its verify graph, chain; K = 4 also as a tree), and
-    the same verify step eager. ms per step = wall time of --iters back-to-back replays (host planning
-    included) / iters; ratio = verify / decode of the same batch in the same run.
+    against a verify step of q = 1 + K tokens a request (its verify graph, chain; K = 4 also as a tree, and
+    again on narrow GQA-packed extend tiles), and the same verify step eager. ms per step = wall time of
+    --iters back-to-back replays (host planning included) / iters; ratio = verify / decode of the same batch
+    in the same run.
 (b) forced acceptance: one request decodes --accept-output tokens greedily without speculation (its tokens
     are recorded), then again on an engine with `speculative_algorithm="ngram"` whose drafter proposes the
     next K tokens of the recorded continuation, each replaced by a wrong token with probability
@@ -66,6 +67,15 @@ def chain_tree_mask(bs: int, q: int, device) -> torch.Tensor:
     return mask.expand(bs, q, q).contiguous().to(device)
 
 
+def fill_kv(pool, slots: torch.Tensor) -> None:
+    """Random K/V at these slots of every layer, so that attention reads real numbers."""
+    g = torch.Generator(device=pool.device).manual_seed(0)
+    for layer in range(len(pool.k_buffer)):
+        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
+            buf[slots] = torch.randn(slots.numel(), *buf.shape[1:], generator=g, device=pool.device,
+                                     dtype=torch.float32).to(buf.dtype)
+
+
 # ---- (a) the verify step's cost ---------------------------------------------------------------------------
 def verify_cost(loaded, backend_name: str, args) -> dict:
     from attnserve.attention.base import ForwardBatch, ForwardMode
@@ -95,6 +105,7 @@ def verify_cost(loaded, backend_name: str, args) -> dict:
             rows.append(row)
             slots.append(s)
         slots_t = torch.stack(slots)  # [max_bs, width]
+        fill_kv(pool, slots_t[:, :ctx].reshape(-1))
         rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
         vocab = loaded.config.vocab_size
         trees = [False] + ([True] if 4 in drafts else [])
@@ -152,16 +163,50 @@ def verify_cost(loaded, backend_name: str, args) -> dict:
                             return model(ids, pos, fb)
 
                     case[f"eager_verify_ms K={k}"] = time_ms(eager, max(3, args.iters // 3), device)
+                    if runner.can_run_verify(bs, q, False):  # the graph computes what the eager step does
+                        ref = eager().clone()
+                        got = runner.replay_verify(ids, pos, loc, rows_t[:bs], seq, [ctx + q] * bs, q, None)
+                        case[f"graph_vs_eager K={k}"] = {
+                            "max_abs_diff": round(float((got - ref).abs().max()), 4),
+                            "logit_scale": round(float(ref.abs().max()), 2),
+                            "same_argmax": round(float((got.argmax(-1) == ref.argmax(-1)).float().mean()), 4)}
                 except Exception as exc:  # noqa: BLE001
                     out["errors"][f"eager verify bs={bs} K={k}"] = f"{type(exc).__name__}: {exc}"
                     traceback.print_exc()
             out["cases"].append(case)
             print(json.dumps(case), flush=True)
+        if args.packed_tiles and 4 in drafts and hasattr(backend, "extend_config"):
+            packed_tiles(runner, backend, out, slots_t, rows_t, args)
     finally:
         engine.close()
         del engine
         _free(device == "cuda")
     return out
+
+
+def packed_tiles(runner, backend, out: dict, slots_t, rows_t, args) -> None:
+    """K = 4 again on narrow extend tiles holding every query head of a KV head (GQA packing): one tile per
+    request and KV head instead of one 128-row tile per query head, a candidate for small verify steps."""
+    from attnserve.attention.kernels.mha.extend import ExtendConfig
+
+    ctx, device, q = args.context, args.device, 5
+    try:
+        backend.extend_config = ExtendConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, pack_gqa=True)
+        runner.capture_verify(q, False, args.batches)
+        for case in out["cases"]:
+            bs = case["batch"]
+            ids = torch.zeros(bs * q, dtype=torch.int64, device=device)
+            pos = (ctx + torch.arange(q, device=device)).repeat(bs)
+            loc = slots_t[:bs, ctx : ctx + q].reshape(-1).long()
+            seq = torch.full((bs,), ctx + q, dtype=torch.int32, device=device)
+            ms = time_ms(lambda: runner.replay_verify(ids, pos, loc, rows_t[:bs], seq, [ctx + q] * bs, q, None),
+                         args.iters, device)
+            case["verify_ms K=4 packed"] = ms
+            if case.get("decode_ms"):
+                case["ratio K=4 packed"] = round(ms / case["decode_ms"], 3)
+    except Exception as exc:  # noqa: BLE001
+        out["errors"]["K=4 packed tiles"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
 
 
 # ---- (b) forced acceptance ----------------------------------------------------------------------------
@@ -310,6 +355,8 @@ def main() -> None:
     ap.add_argument("--draft-tokens", default="2,4,8", help="K of part (a); K = 4 also runs as a tree")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--backends", default="triton,flashinfer", help="part (a); flashinfer only if importable")
+    ap.add_argument("--no-packed-tiles", dest="packed_tiles", action="store_false",
+                    help="skip part (a)'s extra K = 4 row on narrow GQA-packed extend tiles")
     ap.add_argument("--accept-prompt-len", type=int, default=256)
     ap.add_argument("--accept-output", type=int, default=256)
     ap.add_argument("--accept-k", type=int, default=4)
@@ -363,7 +410,7 @@ def main() -> None:
                 try:
                     import flashinfer  # noqa: F401
                 except ImportError:
-                    report["errors"]["flashinfer"] = "not importable: skipped"
+                    report["skipped"] = "flashinfer: not importable"
                     continue
             try:
                 report["verify_cost"].append(verify_cost(loaded, name, args))
