@@ -28,6 +28,7 @@ import random
 import time
 import traceback
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -127,7 +128,7 @@ def verify_cost(loaded, backend_name: str, args) -> dict:
                 loc = slots_t[:bs, ctx].long()
                 seq = torch.full((bs,), ctx + 1, dtype=torch.int32, device=device)
                 case["decode_ms"] = time_ms(
-                    lambda: runner.replay(ids, pos, loc, rows_t[:bs], seq, [ctx + 1] * bs), args.iters, device)
+                    partial(runner.replay, ids, pos, loc, rows_t[:bs], seq, [ctx + 1] * bs), args.iters, device)
             except Exception as exc:  # noqa: BLE001
                 out["errors"][f"decode bs={bs}"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
@@ -142,8 +143,8 @@ def verify_cost(loaded, backend_name: str, args) -> dict:
                     mask = chain_tree_mask(bs, q, device) if tree else None
                     try:
                         if runner.can_run_verify(bs, q, tree):
-                            ms = time_ms(lambda: runner.replay_verify(ids, pos, loc, rows_t[:bs], seq, [ctx + q] * bs,
-                                                                      q, mask), args.iters, device)
+                            ms = time_ms(partial(runner.replay_verify, ids, pos, loc, rows_t[:bs], seq,
+                                                 [ctx + q] * bs, q, mask), args.iters, device)
                             case[f"verify_ms {name}"] = ms
                             if case.get("decode_ms"):
                                 case[f"ratio {name}"] = round(ms / case["decode_ms"], 3)
@@ -199,7 +200,7 @@ def packed_tiles(runner, backend, out: dict, slots_t, rows_t, args) -> None:
             pos = (ctx + torch.arange(q, device=device)).repeat(bs)
             loc = slots_t[:bs, ctx : ctx + q].reshape(-1).long()
             seq = torch.full((bs,), ctx + q, dtype=torch.int32, device=device)
-            ms = time_ms(lambda: runner.replay_verify(ids, pos, loc, rows_t[:bs], seq, [ctx + q] * bs, q, None),
+            ms = time_ms(partial(runner.replay_verify, ids, pos, loc, rows_t[:bs], seq, [ctx + q] * bs, q, None),
                          args.iters, device)
             case["verify_ms K=4 packed"] = ms
             if case.get("decode_ms"):
@@ -258,9 +259,9 @@ def forced_acceptance(loaded, args) -> dict:
     vocab = loaded.config.vocab_size
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (args.accept_prompt_len,), generator=g).tolist()
-    common = dict(device=args.device, dtype=args.dtype, attention_backend="triton", max_running_requests=4,
-                  cuda_graph_max_bs=4, max_total_tokens=4 * (args.accept_prompt_len + args.accept_output + 64),
-                  disable_radix_cache=True)
+    common = {"device": args.device, "dtype": args.dtype, "attention_backend": "triton", "max_running_requests": 4,
+              "cuda_graph_max_bs": 4, "max_total_tokens": 4 * (args.accept_prompt_len + args.accept_output + 64),
+              "disable_radix_cache": True}
     params = SamplingParams(max_new_tokens=args.accept_output, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=16, ignore_eos=True)
     out = {"prompt_len": args.accept_prompt_len, "output_len": args.accept_output, "draft_tokens": args.accept_k,
@@ -362,7 +363,8 @@ def main() -> None:
     ap.add_argument("--accept-k", type=int, default=4)
     ap.add_argument("--corrupt", default="0,0.3", help="part (b): probabilities of a wrong draft token")
     ap.add_argument("--parts", default="a,b")
-    ap.add_argument("--device", default="cuda", help="cpu only to check the script (no graphs there: part (a) records why)")
+    ap.add_argument("--device", default="cuda",
+                    help="cpu only to check the script (no graphs there: part (a) records why)")
     ap.add_argument("--out", default="benchmarks/results/spec-h200.json",
                     help="a JSON file, or a folder to write spec-h200.json into")
     args = ap.parse_args()
@@ -400,7 +402,7 @@ def main() -> None:
 
         loaded = load_model(args.preset, dtype=args.dtype, device=args.device, random_weights=True)
         report["load_s"] = round(time.perf_counter() - start, 1)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         report["errors"]["load"] = f"{type(exc).__name__}: {exc}"
         write()
         raise

@@ -37,7 +37,6 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile,
     to_log2,
 )
-from attnserve.attention.kernels.params import ExtendRows, LayerParams
 from attnserve.attention.kernels.extend_tiles import (
     ExtendTiles,
     build_extend_tiles,
@@ -52,6 +51,7 @@ from attnserve.attention.kernels.gpu_target import (
     fewest_stages_dropped,
     target_for,
 )
+from attnserve.attention.kernels.params import ExtendRows, LayerParams
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,7 @@ from attnserve.attention.kernels.common import (
     next_pow2,
     online_softmax_tile,
 )
-from attnserve.attention.kernels.params import ExtendRows
 from attnserve.attention.kernels.extend_tiles import key_tile_range, mask_kind, visible_keys
-from attnserve.attention.kernels.mla.shapes import check_mla_shapes
 from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
@@ -36,6 +34,8 @@ from attnserve.attention.kernels.gpu_target import (
     fewest_stages_dropped,
     target_for,
 )
+from attnserve.attention.kernels.mla.shapes import check_mla_shapes
+from attnserve.attention.kernels.params import ExtendRows
 
 
 @dataclass(frozen=True)
