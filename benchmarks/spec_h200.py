@@ -297,6 +297,9 @@ def forced_acceptance(loaded, args) -> dict:
                 req = engine.add_request(prompt, params)
                 engine.run_until_done()
                 got = list(req.output_ids)
+                if drafter.proposed_steps == 0:
+                    raise RuntimeError("the forced drafter was never asked: the engine does not draft through "
+                                       "engine.drafter")
                 same = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
                 run = {
                     "corrupt": corrupt,
@@ -307,6 +310,8 @@ def forced_acceptance(loaded, args) -> dict:
                     "acceptance_rate": round(drafter.accepted_tokens / max(drafter.proposed_tokens, 1), 3),
                     "outputs_identical": got == ref,
                     "first_difference_at": None if got == ref else same,
+                    "steps_graphed_with_warmup": engine.runner.steps_graphed,
+                    "steps_eager_with_warmup": engine.runner.steps_eager,
                     "cuda_graphs": engine.parts.graphs.note,
                 }
                 out["runs"].append(run)
