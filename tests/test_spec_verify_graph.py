@@ -165,3 +165,37 @@ def test_gpu_graphed_verify_matches_eager(page_size):
     prefix_lens = [700, 33, 129, 1, 260, 64, 5]
     scenario = _scenario("cuda", torch.bfloat16, page_size, prefix_lens, CudaGraphRunner, [1, 2, 4, 8])
     _check_replays(scenario, prefix_lens, [7, 3, 1, 4], tol=2e-2, same_argmax=False)
+
+
+class RecordingRunner:
+    """What start-up asks of a graph runner's verify side: which graphs, and what it says when one fails."""
+
+    def __init__(self, refuse_trees: bool):
+        self.refuse_trees, self.captured = refuse_trees, []
+
+    def capture_verify(self, q, tree, sizes):
+        if tree and self.refuse_trees:
+            raise ValueError("no tree graphs here")
+        self.captured.append((q, tree, sizes))
+        return 0.5
+
+
+def test_startup_captures_chain_and_tree_verify_graphs_for_the_configured_drafts():
+    from types import SimpleNamespace
+
+    from attnserve.engine.startup import _capture_verify_graphs
+
+    runner = RecordingRunner(refuse_trees=False)
+    config = SimpleNamespace(speculative_num_draft_tokens=4, speculative_eagle_topk=2)
+    note = _capture_verify_graphs(config, runner, [1, 2, 4, 8])
+    assert runner.captured == [(5, False, [1, 2, 4, 8]), (5, True, [1, 2, 4, 8])]
+    assert "verify 5 tokens" in note and "tree captured" in note
+
+    runner = RecordingRunner(refuse_trees=True)
+    note = _capture_verify_graphs(config, runner, [1, 2])
+    assert runner.captured == [(5, False, [1, 2])]
+    assert "tree eager (no tree graphs here)" in note
+
+    runner = RecordingRunner(refuse_trees=False)  # a chain drafter: no tree graphs to capture
+    _capture_verify_graphs(SimpleNamespace(speculative_num_draft_tokens=2, speculative_eagle_topk=1), runner, [1])
+    assert runner.captured == [(3, False, [1])]

@@ -80,7 +80,8 @@ class VerifyBuffers:
             req_pool_indices=torch.full((max_bs,), padding_row, dtype=torch.int64, device=device),
             seq_lens=torch.full((max_bs,), q, dtype=torch.int32, device=device),
             extend_lens=torch.full((max_bs,), q, dtype=torch.int32, device=device),
-            tree_mask=causal_tree_masks(max_bs, q, device),
+            # a chain's mask to start with: every row of a captured batch sees itself and the rows before it
+            tree_mask=torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(max_bs, q, q).contiguous(),
         )
 
     def fill(self, bs: int, graph_bs: int, padding_row: int, input_ids, positions, out_cache_loc,
@@ -101,11 +102,6 @@ class VerifyBuffers:
             self.out_cache_loc[n:gn].zero_()
             self.req_pool_indices[bs:graph_bs].fill_(padding_row)
             self.seq_lens[bs:graph_bs].fill_(q)
-
-
-def causal_tree_masks(bs: int, q: int, device) -> torch.Tensor:
-    """bool `[bs, q, q]`: a chain's mask (each token sees itself and the tokens before it)."""
-    return torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(bs, q, q).contiguous()
 
 
 class CudaGraphRunner:

@@ -312,7 +312,7 @@ def _capture_verify_graphs(config: EngineConfig, runner: CudaGraphRunner, sizes:
         kind = "tree" if tree else "chain"
         try:
             parts.append(f"{kind} captured in {runner.capture_verify(q, tree, verify_sizes):.1f} s")
-        except (NotImplementedError, ValueError) as exc:  # the verify side cannot be captured: it runs eagerly
+        except (NotImplementedError, ValueError, torch.cuda.OutOfMemoryError) as exc:  # then it runs eagerly
             parts.append(f"{kind} eager ({exc})")
     return f"verify {q} tokens a request at batch sizes {verify_sizes}: {', '.join(parts)}"
 

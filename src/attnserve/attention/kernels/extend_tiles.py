@@ -89,9 +89,9 @@ def key_tile_range(prefix, m0, seq, window, POSITIONS: tl.constexpr, BLOCK_N: tl
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-    if HAS_WINDOW or HAS_CUSTOM_MASK == 1:
+    if HAS_WINDOW or HAS_CUSTOM_MASK == 1:  # MASK_ALL_KEYS
         full_end = lo
-    elif HAS_CUSTOM_MASK == 2:
+    elif HAS_CUSTOM_MASK == 2:  # MASK_NEW_KEYS
         full_end = prefix // BLOCK_N * BLOCK_N  # tiles wholly inside the prefix, which every row sees
     else:
         full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
