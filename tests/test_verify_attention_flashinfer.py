@@ -1,4 +1,5 @@
-"""FlashInfer's verify graphs on the CPU, over the stand-in `flashinfer` module of test_flashinfer_cpu.py.
+"""FlashInfer's verify graphs: on the CPU over the stand-in `flashinfer` module of test_flashinfer_cpu.py, on a
+GPU (marked gpu) with the real package and a real CUDA graph.
 
 Chains (q tokens a request, causal) are captured on a graph-mode paged prefill wrapper over the fixed
 buffers; a replay with other lengths must attend like the oracle. Trees and the MLA wrapper are refused, so
@@ -9,6 +10,7 @@ import pytest
 import torch
 from test_flashinfer_cpu import FakePrefill, fake_flashinfer  # noqa: F401 - the fixture is used by name
 
+from attnserve._lazy import is_installed
 from attnserve.attention.backends.flashinfer import FlashInferBackend
 from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.reference import reference_for_batch
@@ -34,11 +36,13 @@ class FakeGraphPrefill(FakePrefill):
 
 def _padded_batch(sb, bs: int, q: int) -> ForwardBatch:
     """What the graph runner captures with: every request on the unused row 0 (all slot 0), q tokens each."""
-    z = torch.zeros(bs * q, dtype=torch.int64)
-    return ForwardBatch(mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.zeros(bs, dtype=torch.int64),
-                        seq_lens=torch.full((bs,), q, dtype=torch.int32),
-                        extend_lens=torch.full((bs,), q, dtype=torch.int32), positions=z, out_cache_loc=z,
-                        req_to_token=sb.fb.req_to_token, pool=sb.pool)
+    dev = sb.pool.device
+    z = torch.zeros(bs * q, dtype=torch.int64, device=dev)
+    return ForwardBatch(mode=ForwardMode.TARGET_VERIFY,
+                        req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
+                        seq_lens=torch.full((bs,), q, dtype=torch.int32, device=dev),
+                        extend_lens=torch.full((bs,), q, dtype=torch.int32, device=dev), positions=z,
+                        out_cache_loc=z, req_to_token=sb.fb.req_to_token, pool=sb.pool)
 
 
 def _rel(out, ref) -> float:
@@ -93,3 +97,32 @@ def test_mla_wrapper_captures_decode_only(fake_flashinfer):  # noqa: F811
     verify = make_batch([12, 5], [3, 3], mla=(32, 16), mode=ForwardMode.TARGET_VERIFY)
     with pytest.raises(ValueError, match="captures decode only"):
         backend.plan_for_capture(verify.fb)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not is_installed("flashinfer"),
+                    reason="needs CUDA and flashinfer")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gpu_chain_verify_graph_replays_other_lengths(page_size):
+    q = 5
+    sb = make_batch([90, 3, 250, 41], [q] * 4, num_heads=16, num_kv_heads=4, head_dim=128, page_size=page_size,
+                    dtype=torch.bfloat16, device="cuda", mode=ForwardMode.TARGET_VERIFY, seed=5, score_scale=4.0)
+    backend = FlashInferBackend(sb.pool, workspace_mb=64)
+    backend.plan(sb.fb)  # eager warm-up: the layer signature becomes known
+    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    backend.init_graph_buffers(max_bs=8, max_tokens=8)
+    backend.plan_for_capture(_padded_batch(sb, 4, q))
+    q_static = sb.q.clone()  # [4 * q, 16, 128]
+    backend.forward(q_static, None, None, sb.layer, sb.fb)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = backend.forward(q_static, None, None, sb.layer, sb.fb)
+    # the next step: the requests in another order with other lengths, over K/V already in the pool
+    fb2 = ForwardBatch.from_lengths(ForwardMode.TARGET_VERIFY, [3, 1, 4, 2], [200, 50, 30, 2], [q] * 4,
+                                    sb.fb.req_to_token, sb.pool)
+    q_static.copy_(torch.randn_like(q_static) * 4)
+    backend.plan_for_replay(fb2)
+    graph.replay()
+    ref = reference_for_batch(q_static, sb.layer, fb2, compute_dtype=torch.float32)
+    assert _rel(out_static.float(), ref.double()) < 1e-2
