@@ -247,8 +247,9 @@ class CudaGraphRunner:
             attn_backend=self.backend,
             seq_lens_cpu=seq_lens_cpu,
             extend_lens_cpu=[q] * bs,
-            # the compact tree mask: graph planning reads `[bs, q, q]` over the new tokens (module docstring)
-            custom_mask=buf.tree_mask[:bs] if tree else None,
+            # the compact tree mask `[bs, q, q]` over the new tokens (module docstring), flattened like the
+            # contract's masks (with no prefix, as at capture, the two are the same)
+            custom_mask=buf.tree_mask[:bs].reshape(-1) if tree else None,
         )
 
     def capture_verify(self, tokens_per_req: int, tree: bool, batch_sizes: list[int] | None = None) -> float:
@@ -269,6 +270,10 @@ class CudaGraphRunner:
             self.verify_buffers[q] = VerifyBuffers.allocate(self.max_bs, q, self.padding_row, self.device)
         buf = self.verify_buffers[q]
         with torch.inference_mode():
+            # one eager step first, as for decode: the verify side of a hybrid may not have run a step yet
+            fb = self._verify_batch(sizes[-1], q, tree, [q] * sizes[-1])
+            self.backend.plan(fb)
+            self.model(buf.input_ids[: sizes[-1] * q], buf.positions[: sizes[-1] * q], fb)
             for bs in reversed(sizes):
                 fb = self._verify_batch(bs, q, tree, [q] * bs)
                 self.backend.plan_for_capture(fb)

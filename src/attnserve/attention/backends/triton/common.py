@@ -312,8 +312,8 @@ class TritonBackendBase(AttentionBackend):
     def _graph_plan_verify(self, fb: ForwardBatch, capturing: bool) -> None:
         """A verify step of q tokens per request: the paged extend kernel over fixed buffers.
 
-        In graph planning `fb.custom_mask`, when set, is the tree's compact mask: bool `[bs, q, q]` over each
-        request's new tokens (True = may attend), the cached prefix visible to every row. The capture keeps its
+        In graph planning `fb.custom_mask`, when set, is the tree's compact mask: bool `[bs, q, q]` (or that
+        flattened) over each request's new tokens (True = may attend), the cached prefix visible to every row. The capture keeps its
         address (the runner's fixed buffer); a replay whose mask lives elsewhere is copied there.
         """
         g = self._graph_state(fb, capturing)
