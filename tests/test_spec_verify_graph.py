@@ -59,6 +59,9 @@ def test_fill_points_padded_requests_at_the_padding_row():
     assert buf.req_pool_indices.tolist() == [3, 5, 7, 7]
     assert buf.seq_lens.tolist() == [20, 9, 3, 3]  # a padded request holds its q tokens and nothing else
     assert torch.equal(buf.tree_mask[:2], tree)
+    buf.pad_all(7)  # before a capture: no request of an earlier replay stays
+    assert buf.req_pool_indices.tolist() == [7] * 4 and buf.seq_lens.tolist() == [3] * 4
+    assert not buf.out_cache_loc.any() and not buf.input_ids.any()
 
 
 def _model(device, dtype):

@@ -84,6 +84,13 @@ class VerifyBuffers:
             tree_mask=torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(max_bs, q, q).contiguous(),
         )
 
+    def pad_all(self, padding_row: int) -> None:
+        """Every request on the padding row and page, as a capture needs: replays leave real requests here."""
+        for t in (self.input_ids, self.positions, self.out_cache_loc):
+            t.zero_()
+        self.req_pool_indices.fill_(padding_row)
+        self.seq_lens.fill_(self.q)
+
     def fill(self, bs: int, graph_bs: int, padding_row: int, input_ids, positions, out_cache_loc,
              req_pool_indices, seq_lens, tree_mask) -> None:
         """Copy a step's bs requests in and point requests bs..graph_bs at the padding row and page."""
@@ -269,6 +276,7 @@ class CudaGraphRunner:
         if q not in self.verify_buffers:
             self.verify_buffers[q] = VerifyBuffers.allocate(self.max_bs, q, self.padding_row, self.device)
         buf = self.verify_buffers[q]
+        buf.pad_all(self.padding_row)
         with torch.inference_mode():
             # one eager step first, as for decode: the verify side of a hybrid may not have run a step yet
             fb = self._verify_batch(sizes[-1], q, tree, [q] * sizes[-1])
