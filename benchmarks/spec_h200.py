@@ -14,7 +14,8 @@ forced rather than measured on text):
     --corrupt (0 = every draft right). Decode tok/s of both (first token to last), the ratio, the measured
     acceptance, and whether the outputs match.
 
-Every case runs in its own try block; the JSON is written after every part, whatever fails.
+(a) runs on triton, then (b), then (a) again on FlashInfer when it is importable (chains only: its trees verify
+eagerly). Every case runs in its own try block; the JSON is written after every part, whatever fails.
 
     PYTHONPATH=src python3 benchmarks/spec_h200.py --out benchmarks/results/spec-h200.json
 """
