@@ -5,9 +5,9 @@ forced rather than measured on text):
 
 (a) verify cost: requests holding --context tokens of KV; per batch size, a plain decode step (its CUDA graph)
     against a verify step of q = 1 + K tokens a request (its verify graph, chain; K = 4 also as a tree, and
-    again on narrow GQA-packed extend tiles), and the same verify step eager. ms per step = wall time of
-    --iters back-to-back replays (host planning included) / iters; ratio = verify / decode of the same batch
-    in the same run.
+    again on the prefill tiles instead of the verify step's GQA-packed ones), and the same verify step eager.
+    ms per step = wall time of --iters back-to-back replays (host planning included) / iters; ratio = verify
+    / decode of the same batch in the same run.
 (b) forced acceptance: one request decodes --accept-output tokens greedily without speculation (its tokens
     are recorded), then again on an engine with `speculative_algorithm="ngram"` whose drafter proposes the
     next K tokens of the recorded continuation, each replaced by a wrong token with probability
@@ -177,8 +177,8 @@ def verify_cost(loaded, backend_name: str, args) -> dict:
                     traceback.print_exc()
             out["cases"].append(case)
             print(json.dumps(case), flush=True)
-        if args.packed_tiles and 4 in drafts and hasattr(backend, "extend_config"):
-            packed_tiles(runner, backend, out, slots_t, rows_t, args)
+        if args.prefill_tiles and 4 in drafts and hasattr(backend, "extend_config"):
+            prefill_tiles(runner, backend, out, slots_t, rows_t, args)
     finally:
         engine.close()
         del engine
@@ -186,14 +186,14 @@ def verify_cost(loaded, backend_name: str, args) -> dict:
     return out
 
 
-def packed_tiles(runner, backend, out: dict, slots_t, rows_t, args) -> None:
-    """K = 4 again on narrow extend tiles holding every query head of a KV head (GQA packing): one tile per
-    request and KV head instead of one 128-row tile per query head, a candidate for small verify steps."""
-    from attnserve.attention.kernels.mha.extend import ExtendConfig
+def prefill_tiles(runner, backend, out: dict, slots_t, rows_t, args) -> None:
+    """K = 4 again on the architecture's prefill tiles (one 128-row tile a query head) instead of the verify
+    step's GQA-packed ones sized to its tokens: what the packing saves."""
+    from attnserve.attention.kernels.mha.extend import default_extend_config
 
     ctx, device, q = args.context, args.device, 5
     try:
-        backend.extend_config = ExtendConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, pack_gqa=True)
+        backend.extend_config = default_extend_config(backend.pool.head_dim, backend.pool.device)
         runner.capture_verify(q, False, args.batches)
         for case in out["cases"]:
             bs = case["batch"]
@@ -203,12 +203,14 @@ def packed_tiles(runner, backend, out: dict, slots_t, rows_t, args) -> None:
             seq = torch.full((bs,), ctx + q, dtype=torch.int32, device=device)
             ms = time_ms(partial(runner.replay_verify, ids, pos, loc, rows_t[:bs], seq, [ctx + q] * bs, q, None),
                          args.iters, device)
-            case["verify_ms K=4 packed"] = ms
+            case["verify_ms K=4 prefill-tiles"] = ms
             if case.get("decode_ms"):
-                case["ratio K=4 packed"] = round(ms / case["decode_ms"], 3)
+                case["ratio K=4 prefill-tiles"] = round(ms / case["decode_ms"], 3)
     except Exception as exc:  # noqa: BLE001
-        out["errors"]["K=4 packed tiles"] = f"{type(exc).__name__}: {exc}"
+        out["errors"]["K=4 prefill tiles"] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
+    finally:
+        backend.extend_config = None
 
 
 # ---- (b) forced acceptance ----------------------------------------------------------------------------
@@ -362,8 +364,8 @@ def main() -> None:
     ap.add_argument("--draft-tokens", default="2,4,8", help="K of part (a); K = 4 also runs as a tree")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--backends", default="triton,flashinfer", help="part (a); flashinfer only if importable")
-    ap.add_argument("--no-packed-tiles", dest="packed_tiles", action="store_false",
-                    help="skip part (a)'s extra K = 4 row on narrow GQA-packed extend tiles")
+    ap.add_argument("--no-prefill-tiles", dest="prefill_tiles", action="store_false",
+                    help="skip part (a)'s extra K = 4 row on the architecture's prefill tiles")
     ap.add_argument("--accept-prompt-len", type=int, default=256)
     ap.add_argument("--accept-output", type=int, default=256)
     ap.add_argument("--accept-k", type=int, default=4)

@@ -83,6 +83,9 @@ def test_verify_matches_oracle(name, mla, page_size, tree):
     out = run_layer(sb, backend)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     assert rel_err(out, ref) < tolerance()
+    if name == "triton" and not mla:  # GQA-packed tiles sized to the step: one tile a request and KV head
+        assert backend.extend_path == "paged (verify step)"
+        assert [t.num_tiles for t in backend._extend.tiles.values()] == [3]
 
 
 def test_a_tree_mask_changes_the_answer():
@@ -142,7 +145,7 @@ def test_graph_plan_replays_other_lengths_in_place(mla, page_size, tree):
         assert backend.extend_path.startswith("mla tiles")
         assert not backend.expanded_prefill_applies(replay)
     else:
-        assert backend.extend_path == "paged (CUDA graph)"
+        assert backend.extend_path == "paged (verify step)"
 
     if tree:  # a mask held elsewhere is copied into the captured buffer
         mask_buffer.zero_()

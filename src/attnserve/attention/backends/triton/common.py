@@ -107,6 +107,7 @@ class ExtendStep:
     # step's first MLA layer, which every later layer shares
     mla_rows: tuple | None = None
     key_rows: object = None  # (slots [rows] int64, kv_starts [B] int32) for the TMA path's gathered keys
+    verify: bool = False  # a TARGET_VERIFY step: a few new tokens a request over a long prefix
     graph_bs: int = 0  # > 0: a CUDA-graph verify step over the fixed buffers (no path sized by the host lengths)
     mask_new_keys_only: bool = False  # custom_mask is per request [ext, ext] over the new tokens (a tree's)
 
@@ -211,7 +212,8 @@ class TritonBackendBase(AttentionBackend):
             mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
             offsets = [0] + list(itertools.accumulate(sizes))[:-1]
             mask_indptr = torch.tensor(offsets, dtype=torch.int64).to(self.pool.device, non_blocking=True)  # [B]
-        return ExtendStep(meta, seq_lens, fb.prefix_lens_cpu, list(fb.extend_lens_cpu), {}, mask, mask_indptr)
+        return ExtendStep(meta, seq_lens, fb.prefix_lens_cpu, list(fb.extend_lens_cpu), {}, mask, mask_indptr,
+                          verify=fb.mode is ForwardMode.TARGET_VERIFY)
 
     def _extend_rows(self, step: ExtendStep, tiles) -> ExtendRows:
         meta = step.meta
@@ -334,7 +336,7 @@ class TritonBackendBase(AttentionBackend):
                 mask_indptr = torch.arange(bs, dtype=torch.int64, device=self.pool.device) * (q * q)  # [bs]
             g.verify_steps[key] = ExtendStep(
                 None, g.seq_lens[:bs], [0] * bs, [q] * bs, {}, mask, mask_indptr,
-                mla_rows=(None, None, "CUDA graph"), graph_bs=bs, mask_new_keys_only=tree)
+                mla_rows=(None, None, "CUDA graph"), verify=True, graph_bs=bs, mask_new_keys_only=tree)
         elif key not in g.verify_steps:
             raise ValueError(f"verify batch (bs {bs}, {q} tokens each, {'tree' if tree else 'chain'}) was never "
                              f"captured (captured: {sorted(g.verify_steps)})")

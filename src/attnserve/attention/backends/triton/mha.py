@@ -76,9 +76,17 @@ class TritonMHABackend(TritonBackendBase):
                  self.pool.k_scale[lid], self.pool.v_scale[lid])
 
     # ---- extend ----------------------------------------------------------------------------------
-    def _extend_tiles(self, step: ExtendStep, group: int):
+    def _extend_config(self, step: ExtendStep, group: int):
+        """The paged extend kernel's tiles: extend_config when given, else a verify step's GQA-packed ones (the
+        same graphed and eager, so both give the same numbers), else None (the architecture's default)."""
+        if self.extend_config is not None or not step.verify:
+            return self.extend_config
+        return kernels().mha_extend.verify_extend_config(max(step.extend_lens), group, self.pool.head_dim,
+                                                         self.pool.device)
+
+    def _extend_tiles(self, step: ExtendStep, group: int, cfg):
         """The step's tile list for this layer's GQA group (layers of one model share it)."""
-        cfg = self.extend_config or kernels().mha_extend.default_extend_config(self.pool.head_dim, self.pool.device)
+        cfg = cfg or kernels().mha_extend.default_extend_config(self.pool.head_dim, self.pool.device)
         return self._tiles_of(step, cfg.positions_per_tile(group))
 
     def _prefill_tma_config(self, head_dim: int):
@@ -90,8 +98,10 @@ class TritonMHABackend(TritonBackendBase):
         Fresh prompts read the call's own k and v; with a cached prefix every request's keys are gathered
         from the pool into contiguous rows once per layer.
         """
-        if step.graph_bs:
-            return None, "CUDA graph"  # the TMA path gathers keys into buffers sized by the host lengths
+        if step.verify:
+            # a few new tokens a request: gathering every prefix's keys per layer costs more than it saves, and a
+            # CUDA graph cannot hold buffers sized by the host lengths
+            return None, "verify step"
         k_mod = kernels()
         tma = k_mod.prefill_tma
         if self.prefill_tma is False:
@@ -134,9 +144,10 @@ class TritonMHABackend(TritonBackendBase):
                                          self._params_of(layer), config=cfg)
         self.extend_path = f"paged ({blocker})"
         lid = layer.layer_id
+        cfg = self._extend_config(step, layer.gqa_group)
         return kernels().mha_extend.extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
-                                self._extend_rows(step, self._extend_tiles(step, layer.gqa_group)),
-                                self._params_of(layer), config=self.extend_config)
+                                self._extend_rows(step, self._extend_tiles(step, layer.gqa_group, cfg)),
+                                self._params_of(layer), config=cfg)
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:

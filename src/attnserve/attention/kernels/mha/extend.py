@@ -22,7 +22,7 @@ than K, run over the new tokens as a page-size-1 "pool".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -94,6 +94,18 @@ def default_extend_config(head_dim: int, device: torch.device, target: GpuTarget
     target = target or target_for(device)
     narrow, wide = EXTEND_TILES[target.arch]
     return wide if head_dim > 128 else narrow
+
+
+def verify_extend_config(tokens: int, group: int, head_dim: int, device: torch.device) -> ExtendConfig:
+    """Tiles for a speculative verify step: a few new tokens a request over a long cached prefix.
+
+    The architecture's tiles waste most of their rows on q = 1 + K tokens; packing every query head of a KV
+    head into one tile (tokens x group rows, at least 16, at most the default's) reads each request's keys
+    once per KV head instead of once per query head.
+    """
+    base = default_extend_config(head_dim, device)
+    rows = min(base.block_m, max(16, next_pow2(tokens * group)))
+    return replace(base, block_m=rows, pack_gqa=True)
 
 
 @triton.jit
