@@ -108,7 +108,6 @@ class ExtendStep:
     mla_rows: tuple | None = None
     key_rows: object = None  # (slots [rows] int64, kv_starts [B] int32) for the TMA path's gathered keys
     verify: bool = False  # a TARGET_VERIFY step: a few new tokens a request over a long prefix
-    graph_bs: int = 0  # > 0: a CUDA-graph verify step over the fixed buffers (no path sized by the host lengths)
     mask_new_keys_only: bool = False  # custom_mask is per request [ext, ext] over the new tokens (a tree's)
 
 
@@ -334,9 +333,10 @@ class TritonBackendBase(AttentionBackend):
                 mask = fb.custom_mask.reshape(-1)
                 mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
                 mask_indptr = torch.arange(bs, dtype=torch.int64, device=self.pool.device) * (q * q)  # [bs]
+            # MLA runs its tile kernel here: the decode-row plan is built per step on the host
             g.verify_steps[key] = ExtendStep(
                 None, g.seq_lens[:bs], [0] * bs, [q] * bs, {}, mask, mask_indptr,
-                mla_rows=(None, None, "CUDA graph"), verify=True, graph_bs=bs, mask_new_keys_only=tree)
+                mla_rows=(None, None, "CUDA graph"), verify=True, mask_new_keys_only=tree)
         elif key not in g.verify_steps:
             raise ValueError(f"verify batch (bs {bs}, {q} tokens each, {'tree' if tree else 'chain'}) was never "
                              f"captured (captured: {sorted(g.verify_steps)})")
