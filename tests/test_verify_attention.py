@@ -84,8 +84,20 @@ def test_verify_matches_oracle(name, mla, page_size, tree):
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     assert rel_err(out, ref) < tolerance()
     if name == "triton" and not mla:  # GQA-packed tiles sized to the step: one tile a request and KV head
-        assert backend.extend_path == "paged (verify step)"
+        assert backend.extend_path.startswith("paged")
         assert [t.num_tiles for t in backend._extend.tiles.values()] == [3]
+
+
+def test_triton_verify_never_takes_the_tma_prefill_path():
+    """A shape the TMA prefill kernel would take (bf16, head_dim 64): a verify step stays on the paged kernel."""
+    sb = make_batch([12, 30], [4, 4], num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                    device=DEVICE, mode=ForwardMode.TARGET_VERIFY, score_scale=4.0)
+    backend = TritonBackend(sb.pool)
+    out = run_layer(sb, backend)
+    assert backend.extend_path == "paged (verify step)"
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 2e-2
+    with pytest.raises(ValueError, match="does not apply"):
+        run_layer(sb, TritonBackend(sb.pool, prefill_tma=True))
 
 
 def test_a_tree_mask_changes_the_answer():
@@ -145,7 +157,7 @@ def test_graph_plan_replays_other_lengths_in_place(mla, page_size, tree):
         assert backend.extend_path.startswith("mla tiles")
         assert not backend.expanded_prefill_applies(replay)
     else:
-        assert backend.extend_path == "paged (verify step)"
+        assert backend.extend_path.startswith("paged")
 
     if tree:  # a mask held elsewhere is copied into the captured buffer
         mask_buffer.zero_()

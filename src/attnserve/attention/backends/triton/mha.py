@@ -98,10 +98,6 @@ class TritonMHABackend(TritonBackendBase):
         Fresh prompts read the call's own k and v; with a cached prefix every request's keys are gathered
         from the pool into contiguous rows once per layer.
         """
-        if step.verify:
-            # a few new tokens a request: gathering every prefix's keys per layer costs more than it saves, and a
-            # CUDA graph cannot hold buffers sized by the host lengths
-            return None, "verify step"
         k_mod = kernels()
         tma = k_mod.prefill_tma
         if self.prefill_tma is False:
@@ -110,6 +106,10 @@ class TritonMHABackend(TritonBackendBase):
         blocker = k_mod.mha_configs.fast_path_blocker(head_dim=layer.head_dim, v_dim=layer.v_head_dim, q_dtype=q.dtype,
                                     kv_dtype=pool.dtype, custom_mask=step.custom_mask, target=target_for(q.device),
                                     interpreting=k_mod.common.interpreting())
+        if blocker is None and step.verify:
+            # a few new tokens a request: gathering every prefix's keys per layer costs more than it saves, and a
+            # CUDA graph cannot hold buffers sized by the host lengths
+            blocker = "verify step"
         if blocker is None and not tma.tma_rows_ok(q):
             blocker = "q layout"
         rows = None
