@@ -33,6 +33,9 @@
 #               budget.png, serve-default.png (about 7.5 minutes; no FlashInfer needed)
 #   tune        `attnserve tune --model llama-3-8b` and the selection trace citing it -> tune-h200-llama-3-8b.*
 #   tp          tp 1 through the tensor-parallel path against the plain engine, both orders -> tp_gpu_tp1.json
+#   spec        spec_h200.py, Llama-3-8B shape: the verify step (K = 2, 4, 8 drafts; batch 1, 8, 64) against a
+#               decode step, graphed, and batch-1 tok/s with drafts forced to the greedy continuation
+#               -> spec-h200.json
 #   compare BEFORE.json AFTER.json
 #               two `bench kernels` runs: after / before per case and backend (`attnserve bench compare`,
 #               exit 3 past REGRESSION_THRESHOLD, default 0.10), and each case's triton time over the best
@@ -46,12 +49,12 @@ while [ $# -gt 0 ]; do
   case "$1" in
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
-    tests|mha|mla|engine|engine-mla|moe|serve|serve-budget|tune|tp) STEPS+=("$1"); shift ;;
-    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
+    tests|mha|mla|engine|engine-mla|moe|serve|serve-budget|tune|tp|spec) STEPS+=("$1"); shift ;;
+    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
     *) echo "unknown step: $1 (see: bash benchmarks/h200.sh --help)" >&2; exit 2 ;;
   esac
 done
-[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,41p' "$0"; exit 2; }
+[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
 has() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-out}
@@ -180,6 +183,12 @@ step_engine() {
   timeout "$(cap 100)" python3 benchmarks/engine_gpu_profile.py --steps 8 --modes graphs \
     --out "$OUT/engine_gpu_profile.json" > "$LOGS/profile.log" 2>&1
   echo "profile rc=$?"; tail -25 "$LOGS/profile.log"
+}
+
+step_spec() {
+  echo "== speculative verify and forced acceptance ($(left) s left)"
+  timeout "$(cap 240)" python3 benchmarks/spec_h200.py --out "$OUT/spec-h200.json" > "$LOGS/spec.log" 2>&1
+  echo "spec rc=$?"; tail -25 "$LOGS/spec.log"
 }
 
 step_engine_mla() {

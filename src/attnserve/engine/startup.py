@@ -25,7 +25,7 @@ from attnserve.attention.hybrid import build_backend
 from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.distributed.state import min_over_ranks, parallel_state
 from attnserve.engine.config import EngineConfig
-from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
+from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes, verify_batch_sizes
 from attnserve.hardware import detect_hardware
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.calc import kv_bytes_per_token
@@ -298,7 +298,25 @@ def build_graphs(config: EngineConfig, model: ModelSetup, attention: AttentionCh
     sizes = default_batch_sizes(max_bs)
     runner = CudaGraphRunner(model.module, backend, kv.pool, kv.req_pool, kv.padding_row, sizes, model.device)
     secs = runner.capture()
-    return GraphSetup(runner, sizes, f"batch sizes {sizes} (captured in {secs:.1f} s)")
+    note = f"batch sizes {sizes} (captured in {secs:.1f} s)"
+    if getattr(config, "speculative_algorithm", None):
+        note += "; " + _capture_verify_graphs(config, runner, sizes)
+    return GraphSetup(runner, sizes, note)
+
+
+def _capture_verify_graphs(config: EngineConfig, runner: CudaGraphRunner, sizes: list[int]) -> str:
+    """Verify graphs of q = 1 + draft tokens per request: chains, and trees when the draft tree branches."""
+    q = 1 + int(getattr(config, "speculative_num_draft_tokens", None) or 0)
+    kinds = [False] + ([True] if (getattr(config, "speculative_eagle_topk", None) or 1) > 1 else [])
+    verify_sizes = verify_batch_sizes(sizes, q)
+    parts = []
+    for tree in kinds:
+        kind = "tree" if tree else "chain"
+        try:
+            parts.append(f"{kind} captured in {runner.capture_verify(q, tree, verify_sizes):.1f} s")
+        except (NotImplementedError, ValueError, torch.cuda.OutOfMemoryError) as exc:  # then it runs eagerly
+            parts.append(f"{kind} eager ({exc})")
+    return f"verify {q} tokens a request at batch sizes {verify_sizes}: {', '.join(parts)}"
 
 
 def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionChoice, kv: KVCacheSetup,
