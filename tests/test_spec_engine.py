@@ -92,16 +92,21 @@ def test_drafter_gives_up_on_requests_whose_drafts_keep_failing():
     class Req:
         rid, prompt_ids, output_ids = 0, [1, 2, 3, 1, 2], []
 
-    d = NgramDrafter(4, 4, patience=2)
+    d = NgramDrafter(4, 4)
     tree = d.propose(Req)
     assert tree.tokens == (3, 1, 2)
-    for _ in range(2):
-        d.observe(Req, tree, 0)
+    d.observe(Req, tree, 3)
+    d.observe(Req, tree, 0)  # one miss after a good step: the mean (1.5) still pays
+    assert d.propose(Req) is not None
+    d.observe(Req, tree, 0)  # the mean falls below one accepted draft a step: it stops proposing
     assert [d.propose(Req) for _ in range(FIRST_BACKOFF)] == [None] * FIRST_BACKOFF
     assert d.propose(Req) is not None  # tries again after the back-off
-    d.observe(Req, tree, 2)  # an accepted draft resets it
-    d.observe(Req, tree, 0)
+    d.observe(Req, tree, 0)  # and misses: twice as long now
+    assert [d.propose(Req) for _ in range(2 * FIRST_BACKOFF)] == [None] * (2 * FIRST_BACKOFF)
+    d.observe(Req, d.propose(Req), 4)  # accepted drafts bring it back
     assert d.propose(Req) is not None
+    d.forget(0)
+    assert d._state == {}
 
 
 def test_opted_out_requests_decode_alone_in_a_speculating_batch():

@@ -126,6 +126,7 @@ class Engine:
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.spec_stats = SpecStats()
         self._last_verified = False
+        self._uniform_verify: bool | None = None
         # a verify step needs the previous step's accepted tokens on the host: speculating steps complete
         # each step before launching the next
         self.overlap = not config.disable_overlap_schedule and self.drafter is None
@@ -326,9 +327,17 @@ class Engine:
         if self._last_verified and (
                 (sched.waiting and sched.req_pool.num_free > 0) or any(r.is_prefilling for r in sched.running)):
             return None
-        # a verify graph replays one shape per (batch, draft count): pad every request to it
-        uniform = hasattr(self.runner.graph_runner, "can_run_verify")
-        return sched.schedule_verify(self._propose, self.num_draft_tokens, uniform=uniform)
+        return sched.schedule_verify(self._propose, self.num_draft_tokens, uniform=self._verify_graphed())
+
+    def _verify_graphed(self) -> bool:
+        """Whether verify steps can replay a captured graph: one shape per (batch, 1 + K), so every request
+        is padded to K drafts. Eager steps verify what each request has."""
+        if self._uniform_verify is None:  # asked once: graphs are captured at start-up
+            graphs = self.runner.graph_runner
+            q = 1 + self.num_draft_tokens
+            self._uniform_verify = hasattr(graphs, "can_run_verify") and (
+                graphs.can_run_verify(1, q, False) or graphs.can_run_verify(1, q, True))
+        return self._uniform_verify
 
     def _propose(self, r: Request) -> DraftTree | None:
         return self.drafter.propose(r) if r.speculative else None

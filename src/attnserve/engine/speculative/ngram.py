@@ -6,9 +6,11 @@ prompt, so the continuation of the longest recent match is often right for sever
 is a dict lookup per window size: each request keeps an index from n-gram to where it ended,
 extended by the tokens appended since the last call (never rebuilt).
 
-Giving up: a request whose drafts are rejected `patience` times in a row stops proposing for a
-while (8 steps, doubling on each further failure, up to 256); any accepted draft resets it. A verify
-step costs more than a decode step, so a workload where nothing is ever accepted must mostly decode.
+Giving up: a verify step costs more than a decode step (about two on the CPU, where its extra rows
+leave the int4 kernel), so drafts pay only when enough of them are accepted. Each request keeps a
+running mean of the drafts accepted per verify (halving the weight of older steps); while it is below
+`min_gain` the request stops proposing for a while (16 steps, doubling on each further miss, up to
+256), then tries once more. A workload where nothing is ever accepted then mostly decodes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 from attnserve.engine.speculative.draft_tree import DraftTree
 
-FIRST_BACKOFF = 8
+FIRST_BACKOFF = 16
 MAX_BACKOFF = 256
 
 
@@ -25,16 +27,17 @@ MAX_BACKOFF = 256
 class _RequestState:
     index: dict[int, dict[tuple[int, ...], list[int]]] = field(default_factory=dict)  # window -> n-gram -> ends
     indexed: int = 0  # n-grams ending before this position are in `index`
-    failures: int = 0  # consecutive verify steps that accepted nothing
+    gain: float | None = None  # running mean of drafts accepted per verify step (None: none verified yet)
     backoff: int = 0  # steps to skip after the latest give-up
     skip: int = 0  # steps left to skip now
 
 
 class NgramDrafter:
     def __init__(self, num_draft_tokens: int, num_steps: int, topk: int = 1, min_window: int = 2,
-                 max_window: int = 12, patience: int = 3):
+                 max_window: int = 12, min_gain: float = 1.0):
         """`num_draft_tokens`: most drafts per proposal; `num_steps`: deepest draft; `topk`: most
-        continuations merged into a tree (1: one chain)."""
+        continuations merged into a tree (1: one chain); `min_gain`: the accepted drafts per verify below
+        which a request stops proposing for a while."""
         if not 1 <= min_window <= max_window:
             raise ValueError(f"match windows need 1 <= min <= max, got {min_window}..{max_window}")
         if num_draft_tokens < 1 or num_steps < 1 or topk < 1:
@@ -43,7 +46,7 @@ class NgramDrafter:
         self.depth = num_steps
         self.topk = topk
         self.windows = range(max_window, min_window - 1, -1)  # longest first
-        self.patience = patience
+        self.min_gain = min_gain
         self._state: dict[object, _RequestState] = {}
 
     # ---- Drafter -------------------------------------------------------------------------------------
@@ -65,13 +68,12 @@ class NgramDrafter:
         st = self._state.get(req.rid)
         if st is None:
             return
-        if accepted > 0:
-            st.failures = st.backoff = 0
+        st.gain = accepted if st.gain is None else (st.gain + accepted) / 2
+        if st.gain >= self.min_gain:
+            st.backoff = 0
             return
-        st.failures += 1
-        if st.failures >= self.patience:
-            st.backoff = min(MAX_BACKOFF, st.backoff * 2 if st.backoff else FIRST_BACKOFF)
-            st.skip = st.backoff
+        st.backoff = min(MAX_BACKOFF, st.backoff * 2 if st.backoff else FIRST_BACKOFF)
+        st.skip = st.backoff
 
     def forget(self, rid) -> None:
         self._state.pop(rid, None)
