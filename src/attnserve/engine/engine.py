@@ -16,6 +16,12 @@ finishes also ran in step n+1, whose token for it is dropped; a request whose
 pending token is sure to end it by length is not scheduled again. Freeing its
 pages while n+1 still runs is safe because all device work is one stream, so
 anything that reuses them runs after n+1.
+
+Speculative decoding (`--speculative-algorithm ngram`): the drafter proposes tokens after each decoding
+request's last one, and one TARGET_VERIFY step computes logits for all of them; the accepted drafts plus
+the target's own next token are appended with the usual stop checks. A verify step needs the previous
+step's accepted tokens on the host, so a speculating engine completes every step before launching the
+next (no overlap). When prompts wait, verify steps alternate with the scheduler's usual steps.
 """
 
 from __future__ import annotations
