@@ -7,10 +7,10 @@ branch is laid out after a wrong one (so the accepted K/V has to move).
 
 from __future__ import annotations
 
+from engine_helpers import VOCAB
+
 from attnserve.engine.speculative import DraftTree
 from attnserve.engine.speculative.ngram import merge
-
-VOCAB = 512
 
 
 class OracleDrafter:
