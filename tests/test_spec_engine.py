@@ -212,3 +212,19 @@ def test_startup_log_names_the_verify_backend():
     assert "ngram" in line and "tree of up to 6" in line and "verify on torch_native" in line
     assert not e.stats()["overlap_schedule"]
     assert "speculative" not in make_engine().stats()
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():
+    """The drafts past the stop token are accepted by the model but never emitted; the prefix cache then
+    holds only emitted tokens, so the same prompt again gives the same output from the cache."""
+    p = prompts(1, seed=6)[0]
+    ref = _greedy(make_engine(), [p], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].output_ids
+    stop = SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=[ref[3]])
+    want = ref[: ref.index(ref[3]) + 1]
+    e = make_engine(speculative_algorithm="ngram", speculative_num_draft_tokens=6)
+    e.drafter = OracleDrafter({tuple(p): ref}, 6, wrong_every=10**9)
+    first = _greedy(e, [p], stop)[0]
+    assert first.output_ids == want and first.finish_reason.value == "stop"
+    assert first.spec_accepted_tokens >= len(want) - 1  # the stop token itself was an accepted draft
+    again = _greedy(e, [p], stop)[0]
+    assert again.output_ids == want and again.cached_len > 0
