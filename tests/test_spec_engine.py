@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from engine_helpers import VOCAB, make_engine, prompts, shared_model, tiny_model
 from spec_helpers import OracleDrafter
 from test_engine_models import CONFIGS
@@ -164,6 +165,8 @@ def _outputs(ps, params):
 
 
 # ---- triton (interpreted on the CPU) ---------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine under the Triton interpreter; on a GPU "
+                    "tests/test_spec_verify_graph.py runs triton's verify steps")
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_triton_verify_keeps_greedy(tree):
     ps = prompts(2, seed=14, lo=4, hi=10)

@@ -25,6 +25,7 @@ def random_tree(rng: random.Random, n: int) -> DraftTree:
 
 
 BACKENDS = {"torch_native": TorchNativeBackend, "triton": TritonBackend}  # triton: interpreted on the CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -37,7 +38,8 @@ def test_tree_verify_matches_oracle(backend, mla, page_size):
     assert not all(t.is_chain for t in trees)
     kw = {"num_heads": 4, "mla": (32, 16)} if mla else {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
     sb = make_batch(prefix, [k + 1 for k in drafts], page_size=page_size, custom_mask=True,
-                    mode=ForwardMode.TARGET_VERIFY, score_scale=1.0, seed=page_size, **kw)
+                    mode=ForwardMode.TARGET_VERIFY, score_scale=1.0, seed=page_size, device=DEVICE,
+                    dtype=torch.float32 if DEVICE == "cpu" else torch.bfloat16, **kw)
     _, flat = verify_masks(trees, prefix)
     sb.fb.custom_mask = to_device(flat, sb.fb.req_to_token.device)
     if not mla:
@@ -45,6 +47,7 @@ def test_tree_verify_matches_oracle(backend, mla, page_size):
     out = run_layer(sb, BACKENDS[backend](sb.pool))
     assert not out.isnan().any()
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
-    assert rel_err(out, ref) < 1e-4
+    err = rel_err(out, ref)
+    assert err < (1e-4 if DEVICE == "cpu" else 2e-2)
     causal = reference_for_batch(sb.q, sb.layer, type(sb.fb)(**{**sb.fb.__dict__, "custom_mask": None}))
-    assert rel_err(out, causal) > 1e-3  # the tree mask changed what was attended, far beyond the tolerance
+    assert rel_err(out, causal) > 10 * max(err, 1e-4)  # the tree mask changed what was attended, far past the error

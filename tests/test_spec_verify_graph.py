@@ -153,6 +153,8 @@ def _check_replays(scenario, prefix_lens, batches, tol, same_argmax: bool):
             assert set(changed.tolist()) <= set(args[2].tolist()) | set(range(pool.page_size))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in of test_gpu_graphed_verify_matches_eager, "
+                    "which runs on a GPU instead")
 def test_cpu_padded_verify_replays_match_eager():
     prefix_lens = [5, 23, 12]  # pages of 16: page size 1 is covered by tests/test_verify_attention.py
     scenario = _scenario("cpu", torch.float32, 16, prefix_lens, CpuRecordingRunner, [1, 4])
