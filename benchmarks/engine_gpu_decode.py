@@ -13,6 +13,11 @@ steps (CUDA events, no sync); synchronizing CUDA calls made while launching
 decode steps (torch's sync debug mode, during the warm-up); and a hash of every output, so
 greedy tokens with overlap on and off can be compared.
 
+Every configuration is warmed before it is timed, with the workload's own shapes (its prompts
+prefilled in the same chunks, decode at its full batch), so no Triton compile or first-use
+cost lands in the timed run, whichever configuration comes first. `--max-num-batched-tokens`
+takes a list: each configuration then runs once per step budget (labels `CONFIG@BUDGET`).
+
     PYTHONPATH=src python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256,1x1024x256 \
         --configs triton-graphs,triton-graphs-no-overlap --out out/engine_gpu_decode.json
 """
@@ -110,6 +115,7 @@ def _count_syncs(engine, steps: int) -> tuple[int, list[str]]:
 
 
 def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: float, **engine_kw) -> dict:
+    """One configuration on one workload: warm it on the workload's shapes, then time the workload."""
     from attnserve.engine.config import EngineConfig
     from attnserve.engine.engine import Engine
     from attnserve.engine.sampling_params import SamplingParams
@@ -136,7 +142,14 @@ def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: flo
         engine.step()
     syncs, sync_msgs = _count_syncs(engine, 12)
     engine.run_until_done()
+    # the workload's shapes, untimed: its prefill chunks and mixed steps, decode at its full batch
+    t_warm = time.perf_counter()
+    for _ in range(requests):
+        engine.add_request(torch.randint(0, vocab, (input_len,), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=min(output_len, 8), ignore_eos=True))
+    engine.run_until_done()
     sync()
+    warmup_s = time.perf_counter() - t_warm
     engine.step_times = type(engine.step_times)()
     spans: list[tuple[str, int, object, object]] = []  # (mode, batch size, start event, end event) per step
     plain_launch = engine._launch
@@ -184,11 +197,13 @@ def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: flo
         "label": label,
         "workload": f"{requests} x {input_len}/{output_len}",
         "engine_settings": dict(engine_kw),
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "overlap_schedule": engine.overlap,
         "prefill_backend": engine.parts.attention.prefill_backend,
         "decode_backend": engine.parts.attention.decode_backend,
         "cuda_graph_batch_sizes": engine.parts.graphs.batch_sizes,
         "startup_s": round(startup_s, 2),
+        "workload_warmup_s": round(warmup_s, 3),
         "total_s": round(total_s, 3),
         "output_tok_per_s": round(requests * output_len / total_s, 1),
         "full_batch_decode_steps": len(full),
@@ -245,45 +260,10 @@ def parse_workload(text: str) -> tuple[int, int, int]:
     return requests, input_len, output_len
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="llama-3-8b")
-    ap.add_argument("--workloads", default="64x1024x256",
-                    help="comma-separated REQUESTSxINPUTxOUTPUT (default: 64x1024x256; the overlap check adds "
-                    "1x1024x256)")
-    ap.add_argument("--chunked-prefill-size", type=int, default=8192)
-    ap.add_argument("--configs", default="triton-graphs,triton-graphs-no-overlap",
-                    help=f"comma-separated, of: {', '.join(CONFIGS)}")
-    ap.add_argument("--out", default="benchmarks/results/engine_gpu_overlap.json")
-    ap.add_argument("--device", default="cuda", help="cpu only to check the script (no roofline meaning)")
-    args = ap.parse_args()
-    workloads = [parse_workload(w) for w in args.workloads.split(",")]
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
-
-    from attnserve.models.loader import load_model
-
+def write_report(args, loaded, bw: float, results: list[dict], errors: dict) -> dict:
+    """The JSON record of what ran so far (rewritten after every configuration, so a run stopped by its
+    time limit keeps what it measured)."""
     cuda = args.device == "cuda"
-    bw = copy_bandwidth() if cuda else 10e9
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    loaded = load_model(args.preset, dtype="bf16" if cuda else "fp32", device=args.device, random_weights=True)
-    results, errors = [], {}
-    for workload in workloads:
-        for name in args.configs.split(","):
-            try:
-                settings = dict(CONFIGS[name])
-                if settings.get("dist_init_addr") == "auto":  # a free local port for the one-rank world
-                    from attnserve.distributed.launch import free_local_addr
-
-                    settings["dist_init_addr"] = free_local_addr()
-                results.append(run_config(loaded, name, workload, args, bw, **settings))
-            except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
-                errors[f"{name} {workload}"] = f"{type(exc).__name__}: {exc}"
-                traceback.print_exc()
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
     ratios = {}
     for workload in {r["workload"] for r in results}:
         by = {r["label"]: r for r in results if r["workload"] == workload}
@@ -308,7 +288,8 @@ def main() -> None:
 
     report = {
         "what": f"{args.preset} random weights bf16, workloads {args.workloads} (requests x input/output), "
-                f"radix cache off, chunked prefill {args.chunked_prefill_size}",
+                f"radix cache off, chunked prefill {args.chunked_prefill_size}, max_num_batched_tokens "
+                f"{args.max_num_batched_tokens or 'the engine default'}; every configuration warmed on its workload",
         "gpu": torch.cuda.get_device_name() if cuda else "cpu (script check only)",
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__},
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -318,11 +299,65 @@ def main() -> None:
         "ratios": ratios,
         "errors": errors,
         "command": "PYTHONPATH=src python3 benchmarks/engine_gpu_decode.py "
-                   f"--workloads {args.workloads} --configs {args.configs}",
+                   f"--workloads {args.workloads} --configs {args.configs} --chunked-prefill-size "
+                   f"{args.chunked_prefill_size}"
+                   + (f" --max-num-batched-tokens {args.max_num_batched_tokens}" if args.max_num_batched_tokens else ""),
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(json.dumps({"ratios": ratios, "errors": errors}, indent=2))
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-3-8b")
+    ap.add_argument("--workloads", default="64x1024x256",
+                    help="comma-separated REQUESTSxINPUTxOUTPUT (default: 64x1024x256; the overlap check adds "
+                    "1x1024x256)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", default=None, metavar="N[,N...]",
+                    help="tokens of a step that decodes (the engine's knob; default: its default); a list runs "
+                    "every configuration once per value, <= 0 is off")
+    ap.add_argument("--configs", default="triton-graphs,triton-graphs-no-overlap",
+                    help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    ap.add_argument("--out", default="benchmarks/results/engine_gpu_overlap.json")
+    ap.add_argument("--device", default="cuda", help="cpu only to check the script (no roofline meaning)")
+    args = ap.parse_args()
+    workloads = [parse_workload(w) for w in args.workloads.split(",")]
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+
+    from attnserve.models.loader import load_model
+
+    cuda = args.device == "cuda"
+    bw = copy_bandwidth() if cuda else 10e9
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    loaded = load_model(args.preset, dtype="bf16" if cuda else "fp32", device=args.device, random_weights=True)
+    budgets = [None] if args.max_num_batched_tokens is None else [
+        int(b) for b in args.max_num_batched_tokens.split(",")]
+    results, errors = [], {}
+    for workload in workloads:
+        for name, budget in ((n, b) for n in args.configs.split(",") for b in budgets):
+            label = name if budget is None else f"{name}@{budget}"
+            try:
+                settings = dict(CONFIGS[name])
+                if budget is not None:
+                    settings["max_num_batched_tokens"] = budget
+                if settings.get("dist_init_addr") == "auto":  # a free local port for the one-rank world
+                    from attnserve.distributed.launch import free_local_addr
+
+                    settings["dist_init_addr"] = free_local_addr()
+                results.append(run_config(loaded, label, workload, args, bw, **settings))
+                write_report(args, loaded, bw, results, errors)
+            except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
+                errors[f"{label} {workload}"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+    report = write_report(args, loaded, bw, results, errors)
+    print(json.dumps({"ratios": report["ratios"], "errors": errors}, indent=2))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,16 @@
 #   moe         moe_gpu_paths.py: routed experts, dense against grouped GEMM -> moe_gpu_paths.json
 #   serve       `attnserve bench serve` against transformers serve and the offline engine -> serve-h200.{json,md}
 #               (knobs: MODEL_DIR, IN_LEN, OUT_LEN; PEER_DEVICE=cpu MODEL_ARGS=--tiny for a CPU smoke run)
+#   serve-budget
+#               serve_h200_budget.py: the step token budget (--max-num-batched-tokens 256/512/1024/off) at
+#               closed-loop c=64, 1024/256, 200 requests each, beside the offline engine with the same settings,
+#               then Poisson rates 4/8/12/16 for the default budget with goodput -> serve-budget/serve-budget.{json,md},
+#               budget.png, serve-default.png (about 7.5 minutes; no FlashInfer needed)
 #   tune        `attnserve tune --model llama-3-8b` and the selection trace citing it -> tune-h200-llama-3-8b.*
 #   tp          tp 1 through the tensor-parallel path against the plain engine, both orders -> tp_gpu_tp1.json
+#   spec        spec_h200.py, Llama-3-8B shape: the verify step (K = 2, 4, 8 drafts; batch 1, 8, 64) against a
+#               decode step, graphed, and batch-1 tok/s with drafts forced to the greedy continuation
+#               -> spec-h200.json
 #   compare BEFORE.json AFTER.json
 #               two `bench kernels` runs: after / before per case and backend (`attnserve bench compare`,
 #               exit 3 past REGRESSION_THRESHOLD, default 0.10), and each case's triton time over the best
@@ -41,12 +49,12 @@ while [ $# -gt 0 ]; do
   case "$1" in
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
-    tests|mha|mla|engine|engine-mla|moe|serve|tune|tp) STEPS+=("$1"); shift ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    tests|mha|mla|engine|engine-mla|moe|serve|serve-budget|tune|tp|spec) STEPS+=("$1"); shift ;;
+    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
     *) echo "unknown step: $1 (see: bash benchmarks/h200.sh --help)" >&2; exit 2 ;;
   esac
 done
-[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,36p' "$0"; exit 2; }
+[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
 has() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-out}
@@ -177,6 +185,12 @@ step_engine() {
   echo "profile rc=$?"; tail -25 "$LOGS/profile.log"
 }
 
+step_spec() {
+  echo "== speculative verify and forced acceptance ($(left) s left)"
+  timeout "$(cap 240)" python3 benchmarks/spec_h200.py --out "$OUT/spec-h200.json" > "$LOGS/spec.log" 2>&1
+  echo "spec rc=$?"; tail -25 "$LOGS/spec.log"
+}
+
 step_engine_mla() {
   wait_warm
   echo "== DeepSeek-V2-Lite in the engine ($(left) s left)"
@@ -224,9 +238,9 @@ step_serve() {
   # (Nx = N per client) except 2 per client at c=1.
   SWEEP=(--dataset random --input-len "$IN_LEN" --output-len "$OUT_LEN" --tokenizer "$MODEL_DIR" --concurrency 1,8,32,64
          --no-progress --server-log-dir "$LOGS")
-  OURS=("${SWEEP[@]}" --seeds 3,3,1,1 --num-prompts 2x,1x,1x,1x --warmup-requests 2 --title "attnserve serve"
+  OURS=("${SWEEP[@]}" --seeds 3,3,1,1 --num-prompts 2x,1x,1x,200 --warmup-requests 64 --title "attnserve serve"
         --launch "--model $MODEL_DIR --random-weights --chunked-prefill-size 8192 --disable-radix-cache --max-running-requests 64")
-  NOTES+=("reduced to fit one 10-minute GPU call: seeds 3 at concurrency 1 and 8 and 1 at 32 and 64; prompts per point and seed 2 at c=1 and one wave (= concurrency) at 8, 32, 64")
+  NOTES+=("reduced to fit one 10-minute GPU call: seeds 3 at concurrency 1 and 8 and 1 at 32 and 64; prompts per point and seed 2 at c=1, one wave (= concurrency) at 8 and 32, 200 at 64; 64 warm-up requests per server")
   NOTES+=("our servers load $MODEL_DIR with --random-weights (its config and tokenizer, weights drawn on the GPU: same shapes, no 16 GB read per launch); the peer loads the directory's safetensors")
   NOTES+=("engine settings as in the offline run: --chunked-prefill-size 8192 --disable-radix-cache --max-running-requests 64")
 
@@ -310,6 +324,17 @@ step_tune() {
   python3 -m attnserve select --model llama-3-8b > "$OUT/$name-select.txt" 2>&1
   cat "$OUT/$name.txt"; grep -v "race/s" "$OUT/$name.log" | tail -20; cat "$OUT/$name-select.txt"
   unset ATTNSERVE_CACHE_DIR
+}
+
+# The step token budget against ITL p99 and throughput, then the default budget under Poisson load; the script
+# keeps its own deadline (below this step's cap) so its record is always written.
+step_serve_budget() {
+  local limit
+  limit=$(cap 490)
+  echo "== serve-budget ($(left) s left)"
+  timeout "$limit" python3 benchmarks/serve_h200_budget.py "$OUT/serve-budget" --deadline-s $(( limit - 20 )) \
+    > "$LOGS/serve-budget.log" 2>&1
+  echo "serve-budget rc=$?"; cat "$OUT/serve-budget/serve-budget.md" 2> /dev/null || tail -20 "$LOGS/serve-budget.log"
 }
 
 # tp 1 through the tensor-parallel code path ("triton-graphs-tp1-world": a one-rank NCCL world, the step broadcast,

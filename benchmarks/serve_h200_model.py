@@ -6,7 +6,10 @@ tokenizer of the same vocabulary size (token i is the word `w{i}`, so prompts of
 words have exactly the length asked for in either server), and Normal(0, 0.02) weights
 under the Hugging Face Llama names, written as safetensors shards.
 
-    PYTHONPATH=src python3 benchmarks/serve_h200_model.py /tmp/llama3-8b-random [--tiny]
+    PYTHONPATH=src python3 benchmarks/serve_h200_model.py /tmp/llama3-8b-random [--tiny] [--no-weights]
+
+`--no-weights` writes the config and tokenizer only: enough for servers started with
+`--random-weights` (they draw the weights on the device), in seconds instead of a 16 GB write.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ def main() -> None:
     ap.add_argument(
         "--tiny", action="store_true", help="2 layers, hidden 256, vocab 1000 (checks the script on a CPU)"
     )
+    ap.add_argument(
+        "--no-weights", action="store_true", help="config and tokenizer only (for --random-weights servers)"
+    )
     args = ap.parse_args()
 
     from attnserve.bench.serve.synthetic import write_tokenizer_dir
@@ -107,7 +113,7 @@ def main() -> None:
     (args.path / "generation_config.json").write_text(json.dumps(gen, indent=1) + "\n")
     write_tokenizer_dir(args.path, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    total = write_weights(args.path, cfg, device)
+    total = 0 if args.no_weights else write_weights(args.path, cfg, device)
     print(
         json.dumps(
             {

@@ -3,7 +3,8 @@
 It streams one chunk (one word) per token with chunked transfer encoding. By request
 order (1-based n): every `fail_every`-th request gets HTTP 500, every `drop_every`-th
 has its connection cut mid-stream, every `error_every`-th streams an error object.
-It records the bodies it received so tests can check what the client sent.
+The first `cold_requests` answer with one token only, as a first use that differs from
+the rest (what a warm-up must absorb). It records the bodies it received so tests can check what the client sent.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ class FakeServer:
         usage: bool = True,
         done_marker: bool = True,
         finish_reason: bool = True,
+        cold_requests: int = 0,
     ):
         self.fail_every, self.drop_every, self.error_every = fail_every, drop_every, error_every
         self.token_delay_s = token_delay_s
         self.usage = usage
         self.done_marker, self.finish_reason = done_marker, finish_reason
+        self.cold_requests = cold_requests
         self.bodies: list[dict] = []
         self.lock = threading.Lock()
         self.httpd = _Server(("127.0.0.1", 0), self._handler())
@@ -109,7 +112,7 @@ class FakeServer:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                tokens = body["max_tokens"]
+                tokens = 1 if n <= server.cold_requests else body["max_tokens"]
                 for i in range(tokens):
                     if server.drop_every and n % server.drop_every == 0 and i == tokens // 2:
                         self.wfile.flush()

@@ -158,3 +158,48 @@ def test_cli_jsonl_dataset_sends_the_file_prompts_and_lengths(tmp_path):
     (point,) = json.loads((tmp_path / "j.json").read_text())["configs"][0]["points"]
     assert point["median"]["completed"] == 3
     assert point["median"]["input_tok_s"] > 0  # prompt tokens from the server's usage
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_warmup_requests_are_sent_first_and_never_counted(tmp_path, word_tokenizer_dir, warmup):
+    # the first 3 requests a server sees answer differently (one token): only a warm-up of 3 hides them
+    out = tmp_path / "w.json"
+    with FakeServer(cold_requests=3) as srv:
+        rc = bench(f"--url {srv.url} --tokenizer {word_tokenizer_dir} --input-len 4 --output-len 5 "
+                   f"--concurrency 2 --num-prompts 6 --warmup-requests {warmup} --no-progress --json {out}")
+        sent = len(srv.bodies)
+    assert rc == 0 and sent == 6 + warmup
+    (cfg,) = json.loads(out.read_text())["configs"]
+    m = cfg["points"][0]["median"]
+    assert cfg["warmup"] == {"requests": warmup, "failed": 0}
+    assert m["requests_sent"] == m["completed"] == 6
+    assert (m["output_tokens_mean"] == 5) == (warmup == 3)
+
+
+def test_cli_open_loop_goodput_and_synthetic_datasets(tmp_path, word_tokenizer_dir):
+    out = tmp_path / "g.json"
+    with FakeServer(fail_every=5) as srv:
+        rc = bench(f"--url {srv.url} --tokenizer {word_tokenizer_dir} --dataset-name generated-shared-prefix "
+                   "--gsp-num-groups 2 --gsp-system-prompt-len 8 --gsp-question-len 2 --output-len 3 "
+                   "--request-rate 200,inf --burstiness 0.5 --num-prompts 10 --warmup-requests 0 "
+                   f"--goodput ttft:60000 e2el:60000 --no-progress --json {out}")
+        prompts = [b["prompt"] for b in srv.bodies]
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["dataset"]["name"] == "generated-shared-prefix" and rep["dataset"]["sp_groups"] == 2
+    assert rep["load"]["burstiness"] == 0.5 and rep["load"]["goodput_slo_ms"] == {"ttft": 60000, "e2el": 60000}
+    assert len({p.split("\n")[0] for p in prompts}) == 2  # two system prompts shared by all questions
+    for p in rep["configs"][0]["points"]:
+        m = p["median"]
+        # generous objectives: every completed request is good, the failed ones are not
+        assert m["goodput"]["good_requests"] == m["completed"] == 8 and m["failed"] == 2
+    md = out.with_suffix(".md").read_text()
+    assert "goodput req/s (met SLO)" in md and "ttft <= 60000 ms" in md
+    assert out.with_suffix(".png").stat().st_size > 1000
+    with FakeServer() as srv:
+        rc = bench(f"--url {srv.url} --tokenizer {word_tokenizer_dir} --dataset-name sharegpt-synthetic "
+                   f"--request-rate inf --num-prompts 3 --warmup-requests 0 --no-progress --json {out}")
+        asked = [b["max_tokens"] for b in srv.bodies]
+    rep = json.loads(out.read_text())
+    assert rc == 0 and rep["dataset"]["lognormal_sigma"] == 1.0
+    assert rep["configs"][0]["points"][0]["median"]["completed"] == 3 and len(set(asked)) > 1

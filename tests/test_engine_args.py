@@ -35,12 +35,21 @@ OLD_ENGINE_FLAGS = [
     (("--max-prefill-tokens",), "max_prefill_tokens", 16384, "512", 512),
     (("--context-length",), "max_context_len", None, "1024", 1024),
     (("--chunked-prefill-size",), "chunked_prefill_size", 2048, "-1", -1),
+    (("--max-num-batched-tokens",), "max_num_batched_tokens", 512, "1024", 1024),
+    (("--schedule-policy",), "schedule_policy", "fcfs", "lpm", "lpm"),
     (("--disable-radix-cache",), "disable_radix_cache", False, None, True),
     (("--disable-cuda-graph",), "disable_cuda_graph", False, None, True),
     (("--disable-overlap-schedule",), "disable_overlap_schedule", False, None, True),
     (("--enable-deterministic-inference",), "enable_deterministic_inference", False, None, True),
     (("--cuda-graph-max-bs",), "cuda_graph_max_bs", None, "32", 32),
     (("--disable-fused-ops",), "disable_fused_ops", False, None, True),
+    (("--speculative-algorithm",), "speculative_algorithm", None, "NGRAM", "ngram"),
+    (("--speculative-num-draft-tokens",), "speculative_num_draft_tokens", 4, "6", 6),
+    (("--speculative-num-steps",), "speculative_num_steps", None, "3", 3),
+    (("--speculative-eagle-topk",), "speculative_eagle_topk", 1, "2", 2),
+    (("--speculative-ngram-min-match-window-size",), "speculative_ngram_min_match_window_size", 2, "1", 1),
+    (("--speculative-ngram-max-match-window-size",), "speculative_ngram_max_match_window_size", 12, "8", 8),
+    (("--speculative-attention-mode",), "speculative_attention_mode", "prefill", "decode", "decode"),
 ]
 COMMAND = {"generate": ["generate", "hi"], "serve": ["serve"]}
 IMPLIED = {"enable_deterministic_inference": {"chunked_prefill_size", "disable_radix_cache"}}  # the mode sets them

@@ -5,6 +5,8 @@ mix tokens whose choices overlap, so a path that mixes up which pair belongs to 
 token or expert gives a wrong sum.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,3 +171,58 @@ def test_grouped_path_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert _rel_err(out, _per_token_reference(experts, x2, w2, ids2)) < 2e-2
+
+
+# ---- the fused MoE kernel where the op set has it --------------------------------------------------------
+
+def test_every_batch_takes_the_fused_kernel_where_the_op_set_has_it(monkeypatch):
+    """Whatever the batch size; not for an activation the kernel does not compute, nor across dtypes."""
+    from attnserve.ops import TORCH_OPS
+
+    experts = _experts()
+    called = []
+    monkeypatch.setattr(experts, "ops", dataclasses.replace(TORCH_OPS, fused_moe=lambda x, *a, **k: called.append(len(x)) or x))
+    for tokens in (1, 8, 600):
+        experts(*_overlapping_batch(tokens=tokens))
+    assert called == [1, 8, 600]
+    assert not experts.fused_applies(torch.zeros(2, HIDDEN, dtype=torch.bfloat16))
+    experts.act = F.gelu
+    assert not experts.fused_applies(torch.zeros(2, HIDDEN))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_moe_layer_with_shared_experts_same_with_fused_ops_on_and_off(dtype, tol):
+    """Router, routed experts through the Triton kernel (the interpreter on the CPU) and two shared experts."""
+    pytest.importorskip("triton")
+    from attnserve.models.config import ModelConfig
+    from attnserve.models.layers import use_ops
+    from attnserve.models.moe import MoE
+    from attnserve.ops import TORCH_OPS, triton_ops
+
+    cfg = ModelConfig.from_hf({
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 128,
+        "hidden_size": HIDDEN, "intermediate_size": 96, "moe_intermediate_size": INTER, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 2,
+        "num_experts_per_tok": 2, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+        "v_head_dim": 16, "max_position_embeddings": 64,
+    })
+    layer = MoE(cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the kernel under the interpreter
+    layer = layer.to(device=device, dtype=dtype)
+    layer.gate.float()  # the router stays float32, as the model keeps it
+    x = torch.randn(5, HIDDEN, generator=g).to(device=device, dtype=dtype)  # [T, hidden]
+    unfused = layer(x)
+    use_ops(layer, triton_ops())
+    assert layer.experts.fused_applies(x) and layer.experts.shared_fits(layer.shared_experts, x)
+    fused = layer(x)
+    assert _rel_err(fused, unfused.double().cpu()) < tol
+    layer.shared_experts.act = F.gelu  # shared experts the kernel cannot run: their output is added
+    assert not layer.experts.shared_fits(layer.shared_experts, x)
+    layer.experts.ops = TORCH_OPS
+    unfused = layer(x)
+    layer.experts.ops = triton_ops()
+    assert _rel_err(layer(x), unfused.double().cpu()) < tol

@@ -90,8 +90,9 @@ def run(args) -> int:
         o.prompt = prompts[o.index]  # the user's prompt, not the templated text
 
     if args.json:
+        speculating = llm.engine.drafter is not None
         for o in outputs:
-            print(json.dumps(o.to_json(), ensure_ascii=False))
+            print(json.dumps({**o.to_json(), **(o.spec_json() if speculating else {})}, ensure_ascii=False))
         if args.prompts_file or args.n > 1:
             print(json.dumps({"totals": _totals(llm, outputs, elapsed)}))
     elif streaming:
@@ -124,4 +125,5 @@ def _totals(llm, outputs, elapsed: float) -> dict:
         "pages_leaked": llm.engine.pages_leaked(),
         "attention_backend": {"prefill": llm.engine.parts.attention.prefill_backend,
                               "decode": llm.engine.parts.attention.decode_backend},
+        **({"speculative": stats["speculative"]} if "speculative" in stats else {}),
     }

@@ -58,7 +58,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    metavar="CAP", help="the model soft-caps attention logits (at CAP; default "
                    f"{DEFAULT_FLAG_SOFTCAP:g})")
     f = p.add_argument_group("features")
-    f.add_argument("--speculative-topk", type=int, default=0, help="speculative decoding topk (0: none)")
+    f.add_argument("--speculative-topk", "--speculative-eagle-topk", type=int, default=0,
+                   help="speculative decoding's draft-tree branching (1: chains; 0: no speculative decoding)")
     f.add_argument("--page-size", type=int, default=None, help="KV page size (default: 1 or what the backend needs)")
     f.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the engine's default: bf16 on a GPU, fp32 on a CPU), bf16, fp16, fp32, fp8_e4m3, fp8_e5m2")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from attnserve.attention.registry import resolve_name
 from attnserve.distributed.launch import Topology
+from attnserve.engine.schedule_policy import SCHEDULE_POLICIES
 from attnserve.models.cpu_weights import WEIGHT_FORMATS
 
 
@@ -92,6 +93,17 @@ class EngineConfig:
         help="longest prompt + output (default: the model's, capped at 32768)")
     chunked_prefill_size: int | None = knob(
         2048, "--chunked-prefill-size", help="prefill tokens per chunk (default: 2048); <= 0 turns chunking off")
+    max_num_batched_tokens: int | None = knob(
+        None, "--max-num-batched-tokens",
+        help="tokens of a step that decodes, its decodes included (one each): prompts are prefilled beside "
+        "running streams at most this many tokens at a time, so no stream stalls for a long chunk "
+        "(Sarathi-Serve's stall-free batching); a step with nothing decoding still takes "
+        "--chunked-prefill-size. Default: 512, or 2 x --max-running-requests when that is larger; "
+        "<= 0 turns it off (decodes then come on top of a whole chunk)")
+    schedule_policy: str = knob(
+        "fcfs", "--schedule-policy", choices=SCHEDULE_POLICIES,
+        help="order in which waiting prompts are admitted: fcfs (arrival order; default: no prompt waits "
+        "behind later ones) or lpm (longest radix-cache prefix match first)")
     disable_radix_cache: bool = knob(False, "--disable-radix-cache", help="no prefix cache")
     disable_cuda_graph: bool = knob(False, "--disable-cuda-graph", help="decode runs eagerly")
     disable_overlap_schedule: bool = knob(
@@ -109,6 +121,27 @@ class EngineConfig:
     disable_fused_ops: bool = knob(
         False, "--disable-fused-ops",
         help="run the unfused torch ops (RMSNorm, SiLU x up, RoPE, K/V store) on the GPU too")
+    speculative_algorithm: str | None = knob(
+        None, "--speculative-algorithm", metavar="NAME",
+        help="speculative decoding: ngram (drafts by prompt lookup over each request's prompt and output, "
+        "verified by the model in one step; case-insensitive); default: off")
+    speculative_num_draft_tokens: int = knob(
+        4, "--speculative-num-draft-tokens",
+        help="draft tokens verified per request per step, the last token excluded (default: 4)")
+    speculative_num_steps: int | None = knob(
+        None, "--speculative-num-steps", help="deepest draft in a tree (default: --speculative-num-draft-tokens)")
+    speculative_eagle_topk: int = knob(
+        1, "--speculative-eagle-topk",
+        help="draft tree branching: continuations merged into one tree (default: 1, a chain)")
+    speculative_ngram_min_match_window_size: int = knob(
+        2, "--speculative-ngram-min-match-window-size",
+        help="ngram: shortest suffix of a request's tokens matched against its earlier tokens (default: 2)")
+    speculative_ngram_max_match_window_size: int = knob(
+        12, "--speculative-ngram-max-match-window-size",
+        help="ngram: longest suffix matched, tried first (default: 12)")
+    speculative_attention_mode: str = knob(
+        "prefill", "--speculative-attention-mode", choices=("prefill", "decode"),
+        help="which backend runs the verify step when prefill and decode backends differ (default: prefill)")
     seed: int = 0  # random weights' seed (with random_weights)
 
     def __post_init__(self):
@@ -124,6 +157,17 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(512, 2 * self.max_running_requests)
+        elif 0 < self.max_num_batched_tokens <= self.max_running_requests:
+            raise ValueError(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} must exceed max_running_requests "
+                f"{self.max_running_requests} (a full decode batch would leave no room for a prompt token), "
+                "or be <= 0 to turn the step budget off")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                f"got {self.schedule_policy!r}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         Topology(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)  # raises on a bad combination
@@ -132,6 +176,34 @@ class EngineConfig:
             self.disable_radix_cache = True
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
+        self._check_speculative()
         for name in (self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend):
             if name is not None:
                 resolve_name(name)  # an unknown name fails here, before any weights load
+
+    @property
+    def speculative_topk(self) -> int:
+        """The draft tree's branching as the backend selection sees it (0: no speculative decoding)."""
+        return self.speculative_eagle_topk if self.speculative_algorithm else 0
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm is not None:
+            algo = self.speculative_algorithm.lower()
+            if algo in ("", "none"):
+                algo = None
+            elif algo != "ngram":
+                raise ValueError(f"speculative_algorithm must be ngram (or None), got {self.speculative_algorithm!r}")
+            self.speculative_algorithm = algo
+        for name in ("speculative_num_draft_tokens", "speculative_eagle_topk",
+                     "speculative_ngram_min_match_window_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
+        if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
+            raise ValueError(
+                f"speculative_ngram_max_match_window_size {self.speculative_ngram_max_match_window_size} is below "
+                f"the min {self.speculative_ngram_min_match_window_size}")
+        if self.speculative_attention_mode not in ("prefill", "decode"):
+            raise ValueError(f"speculative_attention_mode must be prefill or decode, got "
+                             f"{self.speculative_attention_mode!r}")

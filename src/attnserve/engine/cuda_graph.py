@@ -1,10 +1,21 @@
-"""Decode CUDA graphs: capture one graph per batch size, replay padded to the next captured size.
+"""Decode and speculative-verify CUDA graphs, replayed padded to the next captured batch size.
 
-Inputs live in fixed-address buffers sized for the largest batch. Padded rows
-point at the reserved padding row of the request->slot table (all zeros, i.e.
-slot 0 of padding page 0) with sequence length 1, so they read and write only
-the padding page. The backend's plan runs outside the graph, before replay
-(`plan_for_replay`), rewriting its own fixed buffers in place.
+Decode: one graph per batch size. Inputs live in fixed-address buffers sized for
+the largest batch. Padded rows point at the reserved padding row of the
+request->slot table (all zeros, i.e. slot 0 of padding page 0) with sequence
+length 1, so they read and write only the padding page. The backend's plan runs
+outside the graph, before replay (`plan_for_replay`), rewriting its own fixed
+buffers in place.
+
+Verify (`capture_verify`): one graph per (batch size, q tokens per request,
+chain or tree), as SGLang captures its target-verify graphs. Every request runs
+exactly q tokens (its last token, then its drafts) and the graph returns the
+logits of all of them. A chain is causal and passes no mask; a tree passes its
+compact mask `[bs, q, q]` over the new tokens (the prefix is visible to every
+row), which fits a fixed buffer whatever the prefixes. A padded request points
+at the padding row with sequence length q: the padding row maps every position
+to slot 0, so its q tokens read and write only the padding page, however small
+the page.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +42,73 @@ def default_batch_sizes(max_bs: int) -> list[int]:
     if out[-1] != max_bs:
         out.append(max_bs)
     return out
+
+
+# the most tokens a captured verify step holds: its logits alone are tokens x vocab floats per graph, so larger
+# verify batches run eagerly
+VERIFY_GRAPH_MAX_TOKENS = 1024
+
+
+def verify_batch_sizes(decode_sizes: list[int], tokens_per_req: int,
+                       max_tokens: int = VERIFY_GRAPH_MAX_TOKENS) -> list[int]:
+    """The decode graphs' batch sizes whose verify step of tokens_per_req tokens each fits max_tokens."""
+    cap = max(1, max_tokens // tokens_per_req)
+    return [s for s in decode_sizes if s <= cap] or [min(decode_sizes)]
+
+
+@dataclass
+class VerifyBuffers:
+    """The fixed-address inputs of every verify graph of one width q (tokens per request)."""
+
+    q: int
+    input_ids: torch.Tensor  # [max_bs * q] int64
+    positions: torch.Tensor  # [max_bs * q] int64
+    out_cache_loc: torch.Tensor  # [max_bs * q] int64, 0 = the padding slot
+    req_pool_indices: torch.Tensor  # [max_bs] int64
+    seq_lens: torch.Tensor  # [max_bs] int32, KV length after the step
+    extend_lens: torch.Tensor  # [max_bs] int32, all q
+    tree_mask: torch.Tensor  # [max_bs, q, q] bool, True = may attend (among the request's new tokens)
+
+    @classmethod
+    def allocate(cls, max_bs: int, q: int, padding_row: int, device) -> VerifyBuffers:
+        n = max_bs * q
+        return cls(
+            q=q,
+            input_ids=torch.zeros(n, dtype=torch.int64, device=device),
+            positions=torch.zeros(n, dtype=torch.int64, device=device),
+            out_cache_loc=torch.zeros(n, dtype=torch.int64, device=device),
+            req_pool_indices=torch.full((max_bs,), padding_row, dtype=torch.int64, device=device),
+            seq_lens=torch.full((max_bs,), q, dtype=torch.int32, device=device),
+            extend_lens=torch.full((max_bs,), q, dtype=torch.int32, device=device),
+            # a chain's mask to start with: every row of a captured batch sees itself and the rows before it
+            tree_mask=torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(max_bs, q, q).contiguous(),
+        )
+
+    def pad_all(self, padding_row: int) -> None:
+        """Every request on the padding row and page, as a capture needs: replays leave real requests here."""
+        for t in (self.input_ids, self.positions, self.out_cache_loc):
+            t.zero_()
+        self.req_pool_indices.fill_(padding_row)
+        self.seq_lens.fill_(self.q)
+
+    def fill(self, bs: int, graph_bs: int, padding_row: int, input_ids, positions, out_cache_loc,
+             req_pool_indices, seq_lens, tree_mask) -> None:
+        """Copy a step's bs requests in and point requests bs..graph_bs at the padding row and page."""
+        q = self.q
+        n, gn = bs * q, graph_bs * q
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.out_cache_loc[:n].copy_(out_cache_loc)
+        self.req_pool_indices[:bs].copy_(req_pool_indices)
+        self.seq_lens[:bs].copy_(seq_lens)
+        if tree_mask is not None:
+            self.tree_mask[:bs].copy_(tree_mask)  # padded requests keep any mask: their rows are never read
+        if graph_bs > bs:
+            self.input_ids[n:gn].zero_()
+            self.positions[n:gn].zero_()
+            self.out_cache_loc[n:gn].zero_()
+            self.req_pool_indices[bs:graph_bs].fill_(padding_row)
+            self.seq_lens[bs:graph_bs].fill_(q)
 
 
 class CudaGraphRunner:
@@ -63,6 +142,13 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
+        # speculative verify: buffers per width q; graphs and their logits per (batch size, q, tree)
+        self.verify_buffers: dict[int, VerifyBuffers] = {}
+        self.verify_sizes: dict[tuple[int, bool], list[int]] = {}  # (q, tree) -> captured batch sizes
+        self.verify_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.verify_outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self._mempool = None
+        self._stream: torch.cuda.Stream | None = None
 
     def _batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         return ForwardBatch(
@@ -79,12 +165,32 @@ class CudaGraphRunner:
             extend_lens_cpu=[1] * bs,
         )
 
+    def _record(self, run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm `run` up outside capture, then capture it: (the graph, the tensor its replays write).
+
+        Every graph of this runner shares one memory pool; captures go largest first so that smaller graphs
+        reuse its memory.
+        """
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device=self.device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: autotuning and lazy init must happen outside capture
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool, stream=stream):
+            out = run()
+        torch.cuda.synchronize(self.device)
+        return graph, out
+
     def capture(self) -> float:
         """Capture every batch size, largest first (smaller graphs reuse its memory pool)."""
         start = time.perf_counter()
         self.backend.init_graph_buffers(self.max_bs, self.max_bs)
-        mempool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.device)
         with torch.inference_mode():
             # one eager step first: some backends learn per-layer facts from it before they can capture
             fb = self._batch(self.max_bs, [1] * self.max_bs)
@@ -93,18 +199,8 @@ class CudaGraphRunner:
             for bs in reversed(self.batch_sizes):
                 fb = self._batch(bs, [1] * bs)
                 self.backend.plan_for_capture(fb)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up: autotuning and lazy init must happen outside capture
-                        self.model(self.input_ids[:bs], self.positions[:bs], fb)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                    out = self.model(self.input_ids[:bs], self.positions[:bs], fb)
-                self.graphs[bs] = graph
-                self.outputs[bs] = out
-        torch.cuda.synchronize(self.device)
+                self.graphs[bs], self.outputs[bs] = self._record(
+                    lambda bs=bs, fb=fb: self.model(self.input_ids[:bs], self.positions[:bs], fb))
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
 
@@ -142,3 +238,90 @@ class CudaGraphRunner:
         self.backend.plan_for_replay(fb)
         self.graphs[gbs].replay()
         return self.outputs[gbs][:bs]
+
+    # ---- speculative verify ----------------------------------------------------------------------------
+    def _verify_batch(self, bs: int, q: int, tree: bool, seq_lens_cpu: list[int]) -> ForwardBatch:
+        buf = self.verify_buffers[q]
+        return ForwardBatch(
+            mode=ForwardMode.TARGET_VERIFY,
+            req_pool_indices=buf.req_pool_indices[:bs],
+            seq_lens=buf.seq_lens[:bs],
+            extend_lens=buf.extend_lens[:bs],
+            positions=buf.positions[: bs * q],
+            out_cache_loc=buf.out_cache_loc[: bs * q],
+            req_to_token=self.req_pool.req_to_token,
+            pool=self.pool,
+            attn_backend=self.backend,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_lens_cpu=[q] * bs,
+            # the compact tree mask `[bs, q, q]` over the new tokens (module docstring), flattened like the
+            # contract's masks (with no prefix, as at capture, the two are the same)
+            custom_mask=buf.tree_mask[:bs].reshape(-1) if tree else None,
+        )
+
+    def capture_verify(self, tokens_per_req: int, tree: bool, batch_sizes: list[int] | None = None) -> float:
+        """Capture verify graphs of q = tokens_per_req tokens per request, largest batch first.
+
+        Call after `capture()` (the backend's graph buffers exist then). `batch_sizes` defaults to the decode
+        sizes; none may exceed the decode graphs' largest. Raises what the backend raises when it cannot plan
+        a verify graph (the caller then verifies eagerly).
+        """
+        q = tokens_per_req
+        if q < 1:
+            raise ValueError(f"tokens_per_req must be >= 1, got {q}")
+        sizes = sorted(set(batch_sizes or self.batch_sizes))
+        if sizes[0] < 1 or sizes[-1] > self.max_bs:
+            raise ValueError(f"verify batch sizes {sizes} must lie in [1, {self.max_bs}]")
+        start = time.perf_counter()
+        if q not in self.verify_buffers:
+            self.verify_buffers[q] = VerifyBuffers.allocate(self.max_bs, q, self.padding_row, self.device)
+        buf = self.verify_buffers[q]
+        buf.pad_all(self.padding_row)
+        with torch.inference_mode():
+            # one eager step first, as for decode: the verify side of a hybrid may not have run a step yet
+            fb = self._verify_batch(sizes[-1], q, tree, [q] * sizes[-1])
+            self.backend.plan(fb)
+            self.model(buf.input_ids[: sizes[-1] * q], buf.positions[: sizes[-1] * q], fb)
+            for bs in reversed(sizes):
+                fb = self._verify_batch(bs, q, tree, [q] * bs)
+                self.backend.plan_for_capture(fb)
+                ids, pos = buf.input_ids[: bs * q], buf.positions[: bs * q]
+                # the warm-up also builds the backend's tile lists; the logits are every token's [bs * q, vocab]
+                graph, out = self._record(lambda ids=ids, pos=pos, fb=fb: self.model(ids, pos, fb))
+                self.verify_graphs[(bs, q, tree)] = graph
+                self.verify_outputs[(bs, q, tree)] = out
+        self.verify_sizes[(q, tree)] = sizes
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
+        return seconds
+
+    def can_run_verify(self, bs: int, tokens_per_req: int, tree: bool) -> bool:
+        sizes = self.verify_sizes.get((tokens_per_req, tree))
+        return bool(sizes) and 0 < bs <= sizes[-1]
+
+    def replay_verify(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: list[int],
+        tokens_per_req: int,
+        tree_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Logits `[bs * q, vocab]` of every token of a verify step, through the graph of the next captured size.
+
+        input_ids / positions / out_cache_loc `[bs * q]` int64, req_pool_indices `[bs]` int64, seq_lens `[bs]`
+        int32 (the KV length after the step), tree_mask bool `[bs, q, q]` or None (a chain).
+        """
+        with torch.inference_mode():
+            q, tree, bs = tokens_per_req, tree_mask is not None, len(seq_lens_cpu)
+            sizes = self.verify_sizes[(q, tree)]
+            gbs = sizes[bisect.bisect_left(sizes, bs)]
+            self.verify_buffers[q].fill(bs, gbs, self.padding_row, input_ids, positions, out_cache_loc,
+                                        req_pool_indices, seq_lens, tree_mask)
+            fb = self._verify_batch(gbs, q, tree, list(seq_lens_cpu) + [q] * (gbs - bs))
+            self.backend.plan_for_replay(fb)
+            self.verify_graphs[(gbs, q, tree)].replay()
+            return self.verify_outputs[(gbs, q, tree)][: bs * q]

@@ -16,6 +16,12 @@ finishes also ran in step n+1, whose token for it is dropped; a request whose
 pending token is sure to end it by length is not scheduled again. Freeing its
 pages while n+1 still runs is safe because all device work is one stream, so
 anything that reuses them runs after n+1.
+
+Speculative decoding (`--speculative-algorithm ngram`): the drafter proposes tokens after each decoding
+request's last one, and one TARGET_VERIFY step computes logits for all of them; the accepted drafts plus
+the target's own next token are appended with the usual stop checks. A verify step needs the previous
+step's accepted tokens on the host, so a speculating engine completes every step before launching the
+next (no overlap). When prompts wait, verify steps alternate with the scheduler's usual steps.
 """
 
 from __future__ import annotations
@@ -28,12 +34,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnserve.attention.base import ForwardMode
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.request import FinishReason, Request
 from attnserve.engine.runner import ModelRunner
 from attnserve.engine.sampler import DeviceLogprobs, Sampler
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
+from attnserve.engine.speculative import build_drafter
+from attnserve.engine.speculative.acceptance import Acceptance, accept_greedy, accept_sampled
+from attnserve.engine.speculative.draft_tree import DraftTree
+from attnserve.engine.speculative.stats import SpecStats
 from attnserve.engine.startup import EngineParts, build_parts
 from attnserve.engine.tensor_parallel import start_world
 from attnserve.models.tokenizer import encode
@@ -59,6 +70,7 @@ class LaunchedStep:
     copy: HostCopy | None  # the sampled ids (and logprobs) on their way to the host; None: nothing sampled
     logprobs: DeviceLogprobs | None
     launched_at: float
+    logits: torch.Tensor | None = None  # TARGET_VERIFY: every token's logits [T, vocab], accepted on completion
 
 
 @dataclass
@@ -70,6 +82,7 @@ class StepTimes:
     decode_batch: deque = field(default_factory=_recent)
     extend: deque = field(default_factory=_recent)
     mixed: deque = field(default_factory=_recent)
+    target_verify: deque = field(default_factory=_recent)
 
 
 class Engine:
@@ -100,6 +113,8 @@ class Engine:
                 page_size=p.kv.pool.page_size,
                 chunked_prefill_size=config.chunked_prefill_size,
                 max_prefill_tokens=config.max_prefill_tokens,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                schedule_policy=config.schedule_policy,
                 disable_radix_cache=config.disable_radix_cache,
                 deterministic=config.enable_deterministic_inference,
             ),
@@ -111,7 +126,19 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.step_times = StepTimes()
         self._rids = itertools.count()
-        self.overlap = not config.disable_overlap_schedule
+        # speculative decoding: the engine asks its drafter only through propose / observe / forget, so
+        # another drafter may replace it (None: no speculation)
+        self.drafter = build_drafter(config)
+        self.num_draft_tokens = config.speculative_num_draft_tokens
+        self.spec_stats = SpecStats()
+        self._last_verified = False
+        self._uniform_verify: bool | None = None
+        # a verify step needs the previous step's accepted tokens on the host: speculating steps complete
+        # each step before launching the next
+        self.overlap = not config.disable_overlap_schedule and self.drafter is None
+        if self.drafter is not None and not config.disable_overlap_schedule:
+            log.info("overlap scheduling: off while speculating (a verify step needs the previous step's "
+                     "accepted tokens on the host)")
         self.host_copy = HostCopy  # how a step's results travel to the host (tests slow it down)
         self._in_flight: LaunchedStep | None = None
         self._last_done = 0.0
@@ -127,8 +154,10 @@ class Engine:
             raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
         return encode(self.tokenizer, prompt)
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid=None) -> Request:
-        """Tokenize and validate a request without touching the engine's state (any thread may call it)."""
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid=None,
+                     speculative: bool = True) -> Request:
+        """Tokenize and validate a request without touching the engine's state (any thread may call it).
+        `speculative=False`: never draft for this request (it decodes one token per step)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
@@ -146,7 +175,8 @@ class Engine:
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
         else:
             raise ValueError("prompt must be a string or a list of token ids")
-        req = Request(rid=next(self._rids) if rid is None else rid, prompt_ids=ids, params=params, prompt=text)
+        req = Request(rid=next(self._rids) if rid is None else rid, prompt_ids=ids, params=params, prompt=text,
+                      speculative=speculative)
         self.scheduler.check_fits(req)
         return req
 
@@ -158,8 +188,9 @@ class Engine:
         self.requests[req.rid] = req
         return req
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid=None) -> Request:
-        return self.add(self.make_request(prompt, params, rid))
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid=None,
+                    speculative: bool = True) -> Request:
+        return self.add(self.make_request(prompt, params, rid, speculative))
 
     def abort(self, rid) -> bool:
         """Stop request `rid` now and free its pages; False if it is unknown or already finished."""
@@ -182,6 +213,8 @@ class Engine:
 
     def _forget(self, req: Request) -> None:
         self.sampler.forget(req.rid)
+        if self.drafter is not None:
+            self.drafter.forget(req.rid)
         self.requests.pop(req.rid, None)
 
     # ---- one step ---------------------------------------------------------------------------
@@ -194,9 +227,10 @@ class Engine:
         request (its sampling, its stop checks) finishes that request with FinishReason.ERROR and the
         reason in `Request.error`, frees its pages, and the others go on.
         """
-        if not self.overlap:
+        if not self.overlap or self.drafter is not None:
+            done = self.drain()  # a step launched with overlap before a drafter was set
             launched = self._launch(in_flight=False)
-            return self._complete(launched) if launched is not None else []
+            return done + (self._complete(launched) if launched is not None else [])
         previous, self._in_flight = self._in_flight, None
         try:
             self._in_flight = self._launch(in_flight=previous is not None)
@@ -211,13 +245,18 @@ class Engine:
 
     def _launch(self, in_flight: bool) -> LaunchedStep | None:
         """Schedule a batch and queue its forward pass and sampling; reads nothing back from the device."""
-        batch = self.scheduler.schedule(in_flight=in_flight)
+        batch = self._schedule_verify() if self.drafter is not None else None
+        if batch is None:
+            batch = self.scheduler.schedule(in_flight=in_flight)
+        self._last_verified = batch is not None and batch.mode is ForwardMode.TARGET_VERIFY
         if batch is None:
             if not in_flight and self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request can be scheduled although nothing is running (pool too small?)")
             return None
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            return LaunchedStep(batch, list(batch.reqs), set(), None, None, t0, logits=logits)
         self.scheduler.commit(batch)
         sampling = [r for r, s in zip(batch.reqs, batch.sample) if s]
         if not sampling:
@@ -236,12 +275,13 @@ class Engine:
         host = step.copy.wait() if step.copy is not None else {}
         now = time.perf_counter()
         batch = step.batch
-        times = {"decode": self.step_times.decode, "extend": self.step_times.extend,
-                 "mixed": self.step_times.mixed}[batch.mode.value]
+        times = getattr(self.step_times, batch.mode.value)
         times.append(now - max(step.launched_at, self._last_done))
         self._last_done = now
         if batch.mode.value == "decode":
             self.step_times.decode_batch.append(batch.batch_size)
+        if step.logits is not None:
+            return self._complete_verify(step, now)
         if not step.sampling:
             return []
         tokens = host["tokens"].tolist()
@@ -284,6 +324,90 @@ class Engine:
         params = [r.params for r in reqs]
         tokens = self.sampler.sample(logits, [r.rid for r in reqs], params)
         return tokens, self.sampler.logprobs(logits, tokens, params)
+
+    # ---- speculative decoding --------------------------------------------------------------------
+    def _schedule_verify(self) -> ScheduleBatch | None:
+        """A verify step, unless the last step verified and prompts wait (then the scheduler's usual step
+        runs, prefill chunks with it, so that neither starves)."""
+        sched = self.scheduler
+        if self._last_verified and (
+                (sched.waiting and sched.req_pool.num_free > 0) or any(r.is_prefilling for r in sched.running)):
+            return None
+        return sched.schedule_verify(self._propose, self.num_draft_tokens, uniform=self._verify_graphed())
+
+    def _verify_graphed(self) -> bool:
+        """Whether verify steps can replay a captured graph: one shape per (batch, 1 + K), so every request
+        is padded to K drafts. Eager steps verify what each request has."""
+        if self._uniform_verify is None:  # asked once: graphs are captured at start-up
+            graphs = self.runner.graph_runner
+            q = 1 + self.num_draft_tokens
+            self._uniform_verify = hasattr(graphs, "can_run_verify") and (
+                graphs.can_run_verify(1, q, False) or graphs.can_run_verify(1, q, True))
+        return self._uniform_verify
+
+    def _propose(self, r: Request) -> DraftTree | None:
+        return self.drafter.propose(r) if r.speculative else None
+
+    def _complete_verify(self, step: LaunchedStep, now: float) -> list[Request]:
+        """Accept each request's drafts against the step's logits and emit the accepted tokens plus the bonus."""
+        batch, logits = step.batch, step.logits
+        argmax = torch.argmax(logits, dim=-1).tolist()  # [T] on the host
+        self.spec_stats.verify_steps += 1
+        out = []
+        t = 0
+        for r, tree, q in zip(batch.reqs, batch.drafts, batch.extend_lens):
+            t, lo = t + q, t
+            if r.finished:
+                continue
+            try:
+                rows = logits[lo : lo + q]  # [q, vocab]: after the root, then after each draft
+                acc = self._accept(r, tree, rows, argmax[lo : lo + q])
+                self._emit_accepted(r, tree, acc, rows, now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
+                self._fail(r, exc)
+            out.append(r)
+        return out
+
+    def _accept(self, r: Request, tree: DraftTree, rows: torch.Tensor, argmax: list[int]) -> Acceptance:
+        p = r.params
+        if p.greedy:
+            return accept_greedy(tree, argmax)
+        probs = Sampler.filtered_probs(rows.float(), [p] * rows.shape[0])  # [q, vocab]
+        g = self.sampler.generator_for(r.rid, p)
+        dev = probs.device
+        return accept_sampled(tree, probs, lambda: float(torch.rand((), generator=g, device=dev)),
+                              lambda dist: int(torch.multinomial(dist, 1, generator=g)))
+
+    def _emit_accepted(self, r: Request, tree: DraftTree, acc: Acceptance, rows: torch.Tensor, now: float) -> None:
+        """Move the accepted branch's K/V next to the prefix, then append the tokens one by one with the usual
+        stop checks (the first finish cuts the rest); kv_len covers the root and the accepted drafts."""
+        accepted = len(acc.path)
+        if tree.num_real:  # a request without drafts rides along on padding: nothing to count
+            self.drafter.observe(r, tree, accepted)
+            r.spec_verify_steps += 1
+            r.spec_draft_tokens += tree.num_real
+            r.spec_accepted_tokens += accepted
+            self.spec_stats.record(tree.num_real, accepted)
+        old = r.kv_len
+        moved = [(old + 1 + node, old + depth) for depth, node in enumerate(acc.path, 1) if node + 1 != depth]
+        if moved:
+            slot = self.runner.slot_of
+            self.runner.defer_kv_move([slot(r.pages, s) for s, _ in moved], [slot(r.pages, d) for _, d in moved])
+        tokens = acc.tokens(tree)
+        logprobs = [None] * len(tokens)
+        if r.params.logprobs is not None:
+            picked = rows[to_device(acc.rows(), rows.device)]  # [len(tokens), vocab]
+            lp = self.sampler.logprobs(picked, to_device(tokens, rows.device), [r.params] * len(tokens))
+            logprobs = lp.on_host(tokens, {k: v.cpu() for k, v in lp.tensors().items()})
+        emitted = 0
+        for j, (token, logprob) in enumerate(zip(tokens, logprobs), 1):
+            r.kv_len = old + 1 + min(j, accepted)
+            emitted += 1
+            self._append_token(r, token, logprob, now)
+            if r.finished:
+                break
+        self.spec_stats.emitted_tokens += emitted
+        self.scheduler.settle_verify(r, emitted)
 
     def _append_token(self, r: Request, token: int, logprob, now: float) -> None:
         r.output_ids.append(token)
@@ -356,8 +480,9 @@ class Engine:
             "aborted": c.aborted,
             "graphed_steps": self.runner.steps_graphed,
             "eager_steps": self.runner.steps_eager,
-            "overlap_schedule": self.overlap,
+            "overlap_schedule": self.overlap and self.drafter is None,
             "cache": self.cache_stats(),
+            **({"speculative": self.spec_stats.as_dict()} if self.drafter is not None else {}),
         }
 
     @property

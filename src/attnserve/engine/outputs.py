@@ -41,6 +41,9 @@ class TokenDelta:
     finish_reason: FinishReason | None = None  # set when the engine finished the request
     matched_stop: int | None = None  # the stop token, when one finished it
     error: str | None = None  # set when the request failed
+    spec_verify_steps: int = 0  # speculative decoding: steps that verified drafts for it so far
+    spec_draft_tokens: int = 0  # drafts proposed for it so far
+    spec_accepted_tokens: int = 0  # of those, accepted
 
     @classmethod
     def of(cls, req: Request, sent: int) -> TokenDelta:
@@ -55,6 +58,9 @@ class TokenDelta:
             finish_reason=req.finish_reason if req.finished else None,
             matched_stop=req.matched_stop if isinstance(req.matched_stop, int) else None,
             error=req.error,
+            spec_verify_steps=req.spec_verify_steps,
+            spec_draft_tokens=req.spec_draft_tokens,
+            spec_accepted_tokens=req.spec_accepted_tokens,
         )
 
 
@@ -74,6 +80,20 @@ class RequestOutput:
     tpot_s: float | None = None  # mean time per output token after the first
     token_latencies_s: list[float] = field(default_factory=list)  # gaps between consecutive tokens
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
+    spec_verify_steps: int = 0  # speculative decoding: steps that verified drafts for it
+    spec_draft_tokens: int = 0  # drafts proposed for it
+    spec_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+
+    def spec_json(self) -> dict:
+        """The speculative-decoding counters as `generate --json` shows them when the engine speculates."""
+        rate = self.spec_acceptance_rate
+        return {"spec_verify_steps": self.spec_verify_steps, "spec_draft_tokens": self.spec_draft_tokens,
+                "spec_accepted_tokens": self.spec_accepted_tokens,
+                "spec_acceptance_rate": None if rate is None else round(rate, 4)}
 
     def to_json(self) -> dict:
         """The shape `attnserve generate --json` prints, one object per completion."""
@@ -167,4 +187,7 @@ class RequestStream:
             tpot_s=sum(gaps) / len(gaps) if gaps else None,
             token_latencies_s=gaps,
             logprobs=self.logprobs,
+            spec_verify_steps=delta.spec_verify_steps,
+            spec_draft_tokens=delta.spec_draft_tokens,
+            spec_accepted_tokens=delta.spec_accepted_tokens,
         )

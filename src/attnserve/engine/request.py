@@ -57,6 +57,12 @@ class Request:
     num_preemptions: int = 0
     admit_order: int = 0  # increases with every admission; the largest is the newest
 
+    # speculative decoding (when the engine speculates): False opts this request out
+    speculative: bool = True
+    spec_verify_steps: int = 0  # steps that verified drafts for it
+    spec_draft_tokens: int = 0  # drafts proposed for it (padding excluded)
+    spec_accepted_tokens: int = 0  # of those, accepted
+
     # timing
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -122,6 +128,11 @@ class Request:
     @property
     def inter_token_latencies_s(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted drafts over proposed ones (None when nothing was verified)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
 
     @property
     def tpot_s(self) -> float | None:

@@ -22,6 +22,7 @@ from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from attnserve.distributed.state import broadcast_object, broadcast_tensor, parallel_state
 from attnserve.engine.cuda_graph import CudaGraphRunner
 from attnserve.engine.scheduler import ScheduleBatch
+from attnserve.engine.speculative.draft_tree import verify_masks
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool
 from attnserve.transfers import to_device
 
@@ -46,6 +47,14 @@ class StepInputs:
     table_rows: list[int]
     table_starts: list[int]
     table_slots: list[np.ndarray]
+    # K/V rows to copy (src slots, dst slots) before the step, on every rank: an accepted draft branch
+    # compacted after the previous verify step. [2, N] int64 or None
+    kv_moves: np.ndarray | None = None
+    # TARGET_VERIFY with a tree: per request its [q, seq_len] mask flattened in batch order, and the
+    # tree part alone [B, q, q] (what a verify graph takes); None for chains, which attend causally
+    custom_mask: np.ndarray | None = None
+    tree_mask: np.ndarray | None = None
+    spec_topk: int = 0
 
 
 class ModelRunner:
@@ -70,6 +79,7 @@ class ModelRunner:
         self.steps_eager = 0
         rows = req_pool.req_to_token.shape[0]
         self.last_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)  # [rows]: latest token per row
+        self._kv_moves: list[np.ndarray] = []  # [2, n] each: copies the next step makes first
 
     @classmethod
     def from_parts(cls, parts) -> ModelRunner:
@@ -106,8 +116,26 @@ class ModelRunner:
         tensor parallelism rank 0's tokens reach every rank's `last_tokens` (a device broadcast, no host sync)."""
         self.last_tokens.index_copy_(0, rows, broadcast_tensor(tokens))
 
+    def slot_of(self, pages: list[int], pos: int) -> int:
+        ps = self.page_size
+        return pages[pos // ps] * ps + pos % ps
+
+    def defer_kv_move(self, src: list[int], dst: list[int]) -> None:
+        """Copy K/V from slots `src` to `dst` (every layer) at the start of the next step, on every rank.
+        Nothing reads the pool between steps, so the copy is in place before anything needs it."""
+        if src:
+            self._kv_moves.append(np.array([src, dst], dtype=np.int64))
+
+    def _take_kv_moves(self) -> np.ndarray | None:
+        if not self._kv_moves:
+            return None
+        moves, self._kv_moves = np.concatenate(self._kv_moves, axis=1), []
+        return moves
+
     def prepare(self, batch: ScheduleBatch) -> StepInputs:
         """The step's index arithmetic on the host, from the requests' page lists."""
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            return self._prepare_verify(batch)
         num_tokens = batch.num_tokens
         bs = batch.batch_size
         # one int64 host array, one copy to the device: input ids, positions, slots [T] each; rows [B]
@@ -118,7 +146,9 @@ class ModelRunner:
         t = 0
         for i, (r, prefix, ext) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
             end = prefix + ext
-            filled = self.req_pool.filled(r.row)  # below prefix only when a cached prefix was just matched
+            # below prefix when a cached prefix was just matched; above it after a verify step whose
+            # drafts were rejected (their entries are rewritten)
+            filled = min(self.req_pool.filled(r.row), prefix)
             slots = self._slots(r.pages, filled, end)  # [end - filled]
             table_rows.append(r.row)
             table_starts.append(filled)
@@ -138,6 +168,47 @@ class ModelRunner:
             seq_lens=[p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)],
             extend_lens=list(batch.extend_lens), sample=list(batch.sample),
             table_rows=table_rows, table_starts=table_starts, table_slots=table_slots,
+            kv_moves=self._take_kv_moves(),
+        )
+
+    def _prepare_verify(self, batch: ScheduleBatch) -> StepInputs:
+        """Every request's last token then its drafts: draft i is stored at slot kv_len + 1 + i and rotated
+        at position kv_len + its depth. A step of chains needs no mask (causal attention is a chain's mask);
+        a tree step gets per request [q, seq_len]: the prefix all visible, the drafts their ancestors and
+        themselves (and, when every request has the same q, the trees' own [B, q, q] for a verify graph)."""
+        bs = batch.batch_size
+        num_tokens = batch.num_tokens
+        host = np.empty(3 * num_tokens + bs, dtype=np.int64)  # ids, positions, slots [T] each; rows [B]
+        ids, positions, out_loc = (host[i * num_tokens : (i + 1) * num_tokens] for i in range(3))
+        host[3 * num_tokens :] = [r.row for r in batch.reqs]
+        table_rows, table_starts, table_slots = [], [], []
+        t = 0
+        for r, prefix, q, tree in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.drafts):
+            filled = min(self.req_pool.filled(r.row), prefix)
+            slots = self._slots(r.pages, filled, prefix + q)  # [prefix + q - filled]
+            table_rows.append(r.row)
+            table_starts.append(filled)
+            table_slots.append(slots)
+            out_loc[t : t + q] = slots[prefix - filled :]
+            positions[t] = prefix
+            positions[t + 1 : t + q] = prefix + np.asarray(tree.depths(), dtype=np.int64)
+            ids[t] = r.output_ids[-1]
+            ids[t + 1 : t + q] = tree.tokens
+            t += q
+        custom_mask = tree_mask = None
+        spec_topk = 1
+        if not all(t.is_chain for t in batch.drafts):
+            tree_masks, custom_mask = verify_masks(batch.drafts, batch.prefix_lens)
+            if len(set(batch.extend_lens)) == 1:
+                tree_mask = np.stack(tree_masks)  # [B, q, q] bool
+            spec_topk = max(max((len(c) for c in t.children()), default=1) for t in batch.drafts)
+        return StepInputs(
+            mode=ForwardMode.TARGET_VERIFY, host=host, num_tokens=num_tokens, num_decodes=0,
+            seq_lens=[p + q for p, q in zip(batch.prefix_lens, batch.extend_lens)],
+            extend_lens=list(batch.extend_lens),
+            sample=[False] * bs,  # nothing goes to last_tokens: the engine reads the accepted tokens on the host
+            table_rows=table_rows, table_starts=table_starts, table_slots=table_slots,
+            kv_moves=self._take_kv_moves(), custom_mask=custom_mask, tree_mask=tree_mask, spec_topk=spec_topk,
         )
 
     def run(self, step: StepInputs) -> torch.Tensor:
@@ -148,6 +219,9 @@ class ModelRunner:
     def _run(self, step: StepInputs) -> torch.Tensor:
         dev = self.device
         num_tokens = step.num_tokens
+        if step.kv_moves is not None:
+            moves = to_device(step.kv_moves, dev)  # [2, N]
+            self.pool.copy_slots(moves[0], moves[1])
         # write the new tokens' slots (and a newly admitted request's cached prefix) into its row
         self.req_pool.write_at(step.table_rows, step.table_starts, step.table_slots)
 
@@ -160,6 +234,8 @@ class ModelRunner:
             known = input_ids[:nd]
             input_ids[:nd] = torch.where(known < 0, self.last_tokens[req_rows[:nd]], known)
         seq_lens = to_device(np.asarray(seq_lens_cpu, dtype=np.int32), dev)  # [B]
+        if step.mode is ForwardMode.TARGET_VERIFY:
+            return self._run_verify(step, input_ids, pos, loc, req_rows, seq_lens)
 
         if (
             self.graph_runner is not None
@@ -191,3 +267,34 @@ class ModelRunner:
         picked = [int(t) for t, s in zip(last, step.sample) if s]
         logits_indices = None if len(picked) == num_tokens else to_device(picked, dev)
         return self.model(input_ids, pos, fb, logits_indices=logits_indices)
+
+    def _run_verify(self, step: StepInputs, input_ids, pos, loc, req_rows, seq_lens) -> torch.Tensor:
+        """Logits for every token of the step, `[T, vocab]`: a captured verify graph if the graph runner has
+        one for (batch, q, chain or tree) and every request has q tokens, else eagerly."""
+        dev = self.device
+        bs, q = len(step.seq_lens), step.extend_lens[0]
+        tree = step.custom_mask is not None
+        uniform = all(e == q for e in step.extend_lens) and (step.tree_mask is not None or not tree)
+        gr = self.graph_runner
+        if uniform and gr is not None and hasattr(gr, "can_run_verify") and gr.can_run_verify(bs, q, tree):
+            self.steps_graphed += 1
+            tree_mask = to_device(step.tree_mask, dev) if tree else None  # [B, q, q] bool
+            return gr.replay_verify(input_ids, pos, loc, req_rows, seq_lens, step.seq_lens, q, tree_mask)
+        self.steps_eager += 1
+        fb = ForwardBatch(
+            mode=ForwardMode.TARGET_VERIFY,
+            req_pool_indices=req_rows,
+            seq_lens=seq_lens,
+            extend_lens=to_device(np.asarray(step.extend_lens, dtype=np.int32), dev),
+            positions=pos,
+            out_cache_loc=loc,
+            req_to_token=self.req_pool.req_to_token,
+            pool=self.pool,
+            attn_backend=self.backend,
+            seq_lens_cpu=step.seq_lens,
+            extend_lens_cpu=list(step.extend_lens),
+            custom_mask=to_device(step.custom_mask, dev) if tree else None,
+            spec_topk=step.spec_topk,
+        )
+        self.backend.plan(fb)
+        return self.model(input_ids, pos, fb, logits_indices=None)

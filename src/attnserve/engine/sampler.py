@@ -70,6 +70,10 @@ class Sampler:
     def forget(self, rid: int) -> None:
         self._request_generators.pop(rid, None)
 
+    def generator_for(self, rid: int, params: SamplingParams) -> torch.Generator:
+        """The generator a request draws from: its own when seeded (made on first use), else the engine's."""
+        return self._generator_for(rid, params)
+
     def _generator_for(self, rid: int, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
             return self.generator

@@ -6,11 +6,13 @@ Policy (one step):
    running request is preempted: its pages and row are freed and it goes back
    to the front of the queue, to be recomputed from its prompt plus what it
    generated so far. This repeats until the decodes fit.
-2. The remaining token budget (`chunked_prefill_size`, or `max_prefill_tokens`
-   when chunking is off) goes to prefill: first requests whose prompt is
-   partly computed, then new requests in arrival order, each admitted only if
-   a request row and the pages for its chunk are free, keeping back one page
-   per running decode so admission does not immediately force a preemption.
+2. The remaining token budget goes to prefill (schedule_policy.py: up to
+   `chunked_prefill_size`, or `max_prefill_tokens` when chunking is off; in a
+   step that decodes, at most `max_num_batched_tokens` tokens in all): first
+   requests whose prompt is partly computed, then new requests in the order of
+   `schedule_policy`, each admitted only if a request row and the pages for its
+   chunk are free, keeping back one page per running decode so admission does
+   not immediately force a preemption.
 
 Overlap scheduling: the engine may schedule step n+1 while step n still runs, before
 n's sampled tokens reach the host. A request sampled in step n then holds a pending
@@ -21,7 +23,7 @@ with a pending token is never admitted (its prompt-plus-output is not known yet)
 Mixed batches, not alternation: decodes and prefill chunks share one forward
 pass (ForwardMode.MIXED). A long prompt then costs running decodes one slower
 step per chunk instead of a stall, and with chunking the slowdown is bounded by
-the chunk size. Steps with decodes only run as ForwardMode.DECODE, which is what
+`max_num_batched_tokens`. Steps with decodes only run as ForwardMode.DECODE, which is what
 CUDA graphs capture.
 """
 
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 
 from attnserve.attention.base import ForwardMode
 from attnserve.engine.request import FinishReason, Request, RequestStatus
+from attnserve.engine.schedule_policy import SCHEDULE_POLICIES, order_waiting, prefill_token_budget
+from attnserve.engine.speculative.draft_tree import DraftTree
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.pool import ReqToTokenPool
 from attnserve.kvcache.radix import RadixCache
@@ -43,6 +47,8 @@ class SchedulerConfig:
     page_size: int = 1
     chunked_prefill_size: int | None = None  # None or <= 0: no chunking
     max_prefill_tokens: int = 16384  # prefill tokens per step when chunking is off (one prompt may exceed it)
+    max_num_batched_tokens: int | None = None  # tokens of a step that decodes, with chunking; None: no cap
+    schedule_policy: str = "fcfs"  # admission order of waiting prompts: fcfs or lpm
     disable_radix_cache: bool = False
     deterministic: bool = False  # decode-only steps run as extend steps (one attention path for every token)
 
@@ -55,6 +61,12 @@ class SchedulerConfig:
             )
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
+            self.max_num_batched_tokens = None
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                f"got {self.schedule_policy!r}")
 
 
 @dataclass
@@ -67,6 +79,7 @@ class ScheduleBatch:
     sample: list[bool]  # True when this step computes the request's last uncomputed token
     mode: ForwardMode
     num_decodes: int = 0  # reqs[:num_decodes] decode: their input token is their last sampled one
+    drafts: list | None = None  # TARGET_VERIFY: each request's DraftTree (extend_len = 1 + its drafts)
 
     @property
     def num_tokens(self) -> int:
@@ -192,7 +205,9 @@ class Scheduler:
             prefixes.append(r.kv_len)
             sample.append(True)
 
-        budget = self.config.chunked_prefill_size or self.config.max_prefill_tokens
+        c = self.config
+        budget = prefill_token_budget(
+            c.chunked_prefill_size, c.max_prefill_tokens, c.max_num_batched_tokens, step_tokens=sum(exts))
         reserve = len(decoding)
         # continue prompts already being prefilled (oldest first), then admit new ones
         in_progress = [r for r in self.running if r.num_pending == 0 and r.is_prefilling]
@@ -207,6 +222,8 @@ class Scheduler:
                 prefixes.append(prefix)
                 sample.append(chunk == r.num_uncomputed)
                 budget -= chunk
+        if budget > 0:
+            order_waiting(self.waiting, c.schedule_policy, self._cached_tokens if self.tree else None)
         while self.waiting and budget > 0 and self.req_pool.num_free > 0:
             r = self.waiting[0]
             if r.num_pending:
@@ -256,6 +273,55 @@ class Scheduler:
                         taken += n
                 return decoding
             self.preempt(max(self.running, key=lambda r: r.admit_order))
+
+    # ---- speculative verify ---------------------------------------------------------------------
+    def schedule_verify(self, propose, num_draft_tokens: int, uniform: bool = False) -> ScheduleBatch | None:
+        """A TARGET_VERIFY step over every decoding request: its last token, then its drafts from
+        `propose(req)` (at most `num_draft_tokens`). `uniform`: every request gets exactly 1 +
+        `num_draft_tokens` tokens (drafts padded, a request without drafts too), so the step's shape depends
+        on the batch size alone and a captured graph can replay it; otherwise each request verifies what it
+        has. None when no request has drafts, or when their pages or context do not fit: the step then
+        decodes as usual. It never preempts: speculation only uses room the pool has."""
+        k = num_draft_tokens
+        decoding = [r for r in self.running if r.num_uncomputed == 1 and r.num_generated and not r.num_pending]
+        if not decoding:
+            return None
+        trees = [propose(r) for r in decoding]
+        if not any(t is not None and len(t) for t in trees):
+            return None
+        empty = DraftTree((), ())
+        trees = [t or empty for t in trees]
+        if uniform:
+            trees = [t.padded(k, pad_token=r.output_ids[-1]) for r, t in zip(decoding, trees)]
+        lens = [1 + len(t) for t in trees]
+        if any(r.kv_len + n > self.req_pool.max_context_len for r, n in zip(decoding, lens)):
+            return None
+        needs = [self._pages_for(r, n) for r, n in zip(decoding, lens)]
+        if not self._ensure_free(sum(needs)):
+            return None
+        pages = self.allocator.alloc(sum(needs))
+        taken = 0
+        for r, n in zip(decoding, needs):
+            r.pages.extend(pages[taken : taken + n])
+            taken += n
+        self.counters.steps += 1
+        return ScheduleBatch(decoding, lens, [r.kv_len for r in decoding], [True] * len(decoding),
+                             ForwardMode.TARGET_VERIFY, drafts=trees)
+
+    def settle_verify(self, req: Request, emitted: int) -> None:
+        """After a verify step that gave `req` `emitted` tokens: a request still running keeps `req.kv_len`
+        computed tokens, and the pages past the one its next token goes to return to the pool (a finished
+        one has already handed everything back)."""
+        self.counters.decode_tokens += emitted
+        keep = -(-(req.kv_len + 1) // self.page_size)
+        if len(req.pages) > keep:
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]
+
+    def _cached_tokens(self, req: Request) -> int:
+        """Tokens of `req` the radix cache would give it if admitted now (what lpm ranks by)."""
+        pages = self.tree.match_prefix(req.fill_ids, max_len=req.seq_len - 1, record=False)
+        return len(pages) * self.page_size
 
     def _take_chunk(self, req: Request, budget: int, reserve: int, first: bool) -> int:
         """Allocate pages for as many of `req`'s uncomputed tokens as budget and pool allow; returns the count."""

@@ -25,7 +25,7 @@ from attnserve.attention.hybrid import build_backend
 from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.distributed.state import min_over_ranks, parallel_state
 from attnserve.engine.config import EngineConfig
-from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
+from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes, verify_batch_sizes
 from attnserve.hardware import detect_hardware
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.calc import kv_bytes_per_token
@@ -146,10 +146,12 @@ def hardware_for(device: torch.device):
 
 
 def _select(config: EngineConfig, traits, kv_dtype: str, hw):
-    serving = ServingFeatures(page_size=config.page_size, kv_cache_dtype=kv_dtype)
+    serving = ServingFeatures(page_size=config.page_size, kv_cache_dtype=kv_dtype,
+                              speculative_topk=config.speculative_topk)
     return select_backends(hw, traits, serving, attention_backend=config.attention_backend,
                            prefill_backend=config.prefill_attention_backend,
-                           decode_backend=config.decode_attention_backend, use_tuned=not config.no_tuned)
+                           decode_backend=config.decode_attention_backend, use_tuned=not config.no_tuned,
+                           speculative_attention_mode=config.speculative_attention_mode)
 
 
 def _pool_tokens(config: EngineConfig, bytes_per_token: int, device: torch.device, max_tokens_needed: int) -> int:
@@ -296,7 +298,25 @@ def build_graphs(config: EngineConfig, model: ModelSetup, attention: AttentionCh
     sizes = default_batch_sizes(max_bs)
     runner = CudaGraphRunner(model.module, backend, kv.pool, kv.req_pool, kv.padding_row, sizes, model.device)
     secs = runner.capture()
-    return GraphSetup(runner, sizes, f"batch sizes {sizes} (captured in {secs:.1f} s)")
+    note = f"batch sizes {sizes} (captured in {secs:.1f} s)"
+    if getattr(config, "speculative_algorithm", None):
+        note += "; " + _capture_verify_graphs(config, runner, sizes)
+    return GraphSetup(runner, sizes, note)
+
+
+def _capture_verify_graphs(config: EngineConfig, runner: CudaGraphRunner, sizes: list[int]) -> str:
+    """Verify graphs of q = 1 + draft tokens per request: chains, and trees when the draft tree branches."""
+    q = 1 + int(getattr(config, "speculative_num_draft_tokens", None) or 0)
+    kinds = [False] + ([True] if (getattr(config, "speculative_eagle_topk", None) or 1) > 1 else [])
+    verify_sizes = verify_batch_sizes(sizes, q)
+    parts = []
+    for tree in kinds:
+        kind = "tree" if tree else "chain"
+        try:
+            parts.append(f"{kind} captured in {runner.capture_verify(q, tree, verify_sizes):.1f} s")
+        except (NotImplementedError, ValueError, torch.cuda.OutOfMemoryError) as exc:  # then it runs eagerly
+            parts.append(f"{kind} eager ({exc})")
+    return f"verify {q} tokens a request at batch sizes {verify_sizes}: {', '.join(parts)}"
 
 
 def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionChoice, kv: KVCacheSetup,
@@ -319,9 +339,30 @@ def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionC
         *[f"  {line}" for line in attention.trace],
         f"fused ops: {_ops_note(model.module)}",
         f"CUDA graphs: {graphs.note}",
+        f"speculative decoding: {_speculative_note(config, attention)}",
         (f"scheduler: max running {config.max_running_requests}, context {kv.max_context_len}, chunked prefill "
          f"{config.chunked_prefill_size or 'off'}, radix cache {'off' if config.disable_radix_cache else 'on'}"),
     ]
+
+
+def verify_backend(config: EngineConfig, attention: AttentionChoice) -> str:
+    """The backend that runs verify steps: the prefill one unless --speculative-attention-mode decode."""
+    return attention.decode_backend if config.speculative_attention_mode == "decode" else attention.prefill_backend
+
+
+def _speculative_note(config: EngineConfig, attention: AttentionChoice) -> str:
+    if config.speculative_algorithm is None:
+        return "off"
+    k = config.speculative_num_draft_tokens
+    topk = config.speculative_eagle_topk
+    depth = config.speculative_num_steps or k
+    shape = (f"a chain of up to {min(k, depth)} drafts" if topk == 1
+             else f"a tree of up to {k} drafts, {topk} continuations merged, depth <= {depth}")
+    return (f"{config.speculative_algorithm} (prompt lookup, match windows "
+            f"{config.speculative_ngram_max_match_window_size}..{config.speculative_ngram_min_match_window_size} "
+            f"tokens, longest first), {shape} per request per step; verify on {verify_backend(config, attention)} "
+            f"(speculative attention mode {config.speculative_attention_mode}"
+            f"{', custom tree mask' if topk > 1 else ', causal: chains need no mask'}); overlap scheduling off")
 
 
 def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
@@ -329,7 +370,8 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
     model = load_model_setup(config, loaded)
     attention = choose_attention(config, model)
     kv = size_kv_cache(config, model, attention)
-    backend = build_backend(attention.selection, kv.pool, attention.hardware)
+    backend = build_backend(attention.selection, kv.pool, attention.hardware,
+                            speculative_attention_mode=config.speculative_attention_mode)
     graphs = build_graphs(config, model, attention, backend, kv)
     lines = startup_lines(config, model, attention, kv, graphs)
     for line in lines:

@@ -158,6 +158,18 @@ class KVPool:
             return x.to(dtype) * scale
         return x.to(dtype)
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V (or latent) rows from slots `src` to slots `dst` ([N] int64 each).
+
+        Speculative decoding compacts an accepted draft branch this way. Each buffer's `src` rows are
+        read whole before any `dst` row is written, so the two lists may overlap."""
+        if src.shape != dst.shape:
+            raise ValueError(f"copy_slots: {src.numel()} sources for {dst.numel()} destinations")
+        if not src.numel():
+            return
+        for buf in self.buffers():
+            buf[dst] = buf[src]
+
     def slots_of_pages(self, pages) -> torch.Tensor:
         """All slots of the given pages, in order: [len(pages) * page_size]."""
         pages = torch.as_tensor(pages, dtype=torch.int64, device=self.device)

@@ -1,11 +1,16 @@
 """DeepSeek mixture-of-experts in plain PyTorch: a router, routed experts, shared experts.
 
-Expert weights live in two stacked tensors so a fused kernel can replace the
-per-expert loop later without changing the checkpoint mapping. Routing follows
+Expert weights live in two stacked tensors, which the fused MoE kernel reads in
+place (the checkpoint mapping is the same for every path). Routing follows
 the two published schemes: V2's softmax scores (greedy or group-limited top-k)
 and V3's sigmoid scores with a bias used only for choosing (noaux_tc).
 
 Which expert path runs, and where it is safe inside a CUDA graph (no host sync):
+- where the model's op set has the fused MoE kernel (Triton on CUDA, unless `--disable-fused-ops`), every
+  batch goes through it (ops/kernels/fused_moe.py): two grouped GEMMs over the pairs aligned by expert, SiLU x
+  up and the routing weights in their epilogues, only the chosen experts' weights read, the shared experts
+  run as more experts of the same two GEMMs. Graph-safe at any size.
+  Otherwise (the CPU, a GPU without Triton, and the oracles of that kernel):
 - fewer (token, choice) pairs than experts (decode): a grouped GEMM over the pairs
   sorted by expert reads only the chosen experts' weights in place. Graph-safe on
   CUDA where torch's grouped GEMM has its device kernel (SM90/SM100, bf16, widths
@@ -31,6 +36,7 @@ from attnserve.distributed.shard import take, unit_slice
 from attnserve.distributed.state import all_reduce, tp_rank, tp_size
 from attnserve.models.config import ModelConfig
 from attnserve.models.layers import GatedMLP, activation
+from attnserve.ops import TORCH_OPS, OpSet
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -85,7 +91,9 @@ class Router(nn.Module):
             weights, ids = scores.topk(self.top_k, dim=-1, sorted=False)
         if self.norm_topk_prob and self.top_k > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+        if self.routed_scaling_factor != 1.0:  # V2-Lite's is 1: no launch for an exact no-op
+            weights = weights * self.routed_scaling_factor
+        return weights, ids
 
 
 class Experts(nn.Module):
@@ -96,6 +104,7 @@ class Experts(nn.Module):
     """
 
     reads_slices = True  # the loader may hand a lazy checkpoint tensor
+    ops: OpSet = TORCH_OPS  # set for the whole model by use_ops
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
         super().__init__()
@@ -141,7 +150,32 @@ class Experts(nn.Module):
     # the GPU; below it the dense bmm reads each expert's weights once for the whole batch and is faster
     GROUPED_MIN_PAIRS = 8192
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared: GatedMLP | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum [T, hidden], plus the shared experts' output where given. The fused
+        kernel runs shared experts as more experts of its two GEMMs where their weights allow (shared_fits), else
+        adds their output in the pass that sums the top-k."""
+        if self.fused_applies(x):
+            if shared is not None and self.shared_fits(shared, x):
+                return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                          shared_gate_up=shared.gate_up_proj.weight,
+                                          shared_down=shared.down_proj.weight)
+            return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                      add=None if shared is None else shared(x))
+        out = self._forward_torch(x, weights, ids)
+        return out if shared is None else out + shared(x)
+
+    def shared_fits(self, shared: GatedMLP, x: torch.Tensor) -> bool:
+        """Whether the shared MLP is S experts of this width: SiLU, no bias, its channels a multiple of ours,
+        plain weights in x's dtype (DeepSeek's n_shared_experts x moe_intermediate_size always is)."""
+        gate_up, down = shared.gate_up_proj, shared.down_proj
+        return (shared.act is F.silu and gate_up.bias is None and down.bias is None
+                and gate_up.cpu_matmul is None and down.cpu_matmul is None
+                and down.weight.shape[1] % self.intermediate_size == 0
+                and gate_up.weight.dtype == down.weight.dtype == x.dtype
+                and gate_up.weight.stride(-1) == 1 and down.weight.stride(-1) == 1)
+
+    def _forward_torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         few = ids.numel() < self.num_experts  # a few tokens: read only the chosen experts
         pairs = x.shape[0] * self.num_experts
         if self.grouped_mm_applies(x) and (few or (pairs >= self.GROUPED_MIN_PAIRS and _on_gpu(x))):
@@ -151,6 +185,11 @@ class Experts(nn.Module):
         if pairs <= self.DENSE_MAX_PAIRS:
             return self.forward_dense(x, weights, ids)
         return self.forward_sparse(x, weights, ids)
+
+    def fused_applies(self, x: torch.Tensor) -> bool:
+        """Whether the op set's fused MoE kernel runs this batch: it computes SiLU experts in one dtype."""
+        return (self.ops.fused_moe is not None and self.act is F.silu and x.dtype == self.gate_up_proj.dtype
+                and x.stride(-1) == 1)
 
     def grouped_mm_applies(self, x: torch.Tensor) -> bool:
         """Whether forward_grouped runs here without a host sync (so inside CUDA graphs too)."""
@@ -229,7 +268,5 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        out = self.experts(x, weights, ids, shared=self.shared_experts)
         return all_reduce(out)  # routed and shared experts' partial sums over the ranks, in one reduce

@@ -2,7 +2,8 @@
 
 A tile is `positions` consecutive new tokens of one request (for MHA, of one KV head's query group); the list
 runs heaviest first so the longest tiles start in the first wave. `key_tile_range` bounds the key tiles a query
-tile visits, `visible_keys` masks a key tile: causal or a custom mask, then the sliding window.
+tile visits, `visible_keys` masks a key tile: causal or a custom mask (over every key, or over the new tokens
+only), then the sliding window.
 """
 
 from __future__ import annotations
@@ -39,12 +40,32 @@ def build_extend_tiles(prefix_lens: list[int], extend_lens: list[int], positions
     return ExtendTiles(req.to(device, non_blocking=True), m0.to(device, non_blocking=True), positions)
 
 
+# what a custom mask covers (the kernels' HAS_CUSTOM_MASK constexpr): none (causal), every key of the request
+# (per request [ext, seq]), or only the new tokens (per request [ext, ext], the cached prefix visible to every row:
+# speculative verify's tree mask, whose size does not depend on the prefix, so a CUDA graph can keep it in place)
+NO_MASK, MASK_ALL_KEYS, MASK_NEW_KEYS = 0, 1, 2
+
+
+def mask_kind(custom_mask, covers_new_keys_only: bool) -> int:
+    """The HAS_CUSTOM_MASK value of a launch with this mask."""
+    if custom_mask is None:
+        return NO_MASK
+    return MASK_NEW_KEYS if covers_new_keys_only else MASK_ALL_KEYS
+
+
 @triton.jit
 def visible_keys(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
              HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr):
     """[BLOCK_M, BLOCK_N] which keys each row may see: causal or the custom mask, then the window."""
     visible = n_valid[None, :] & m_mask[:, None]
-    if HAS_CUSTOM_MASK:
+    if HAS_CUSTOM_MASK == 2:  # MASK_NEW_KEYS
+        prefix = q_pos - q_row  # [BLOCK_M], the same on every row
+        col = offs_n[None, :] - prefix[:, None]  # [BLOCK_M, BLOCK_N] key index among the new tokens
+        new_key = col >= 0
+        bits = tl.load(Mask + mask_base + q_row[:, None] * (seq - prefix)[:, None] + col,
+                       mask=visible & new_key, other=0)
+        visible = visible & ((col < 0) | (bits != 0))
+    elif HAS_CUSTOM_MASK:
         bits = tl.load(Mask + mask_base + q_row[:, None] * seq + offs_n[None, :], mask=visible, other=0)
         visible = visible & (bits != 0)
     else:
@@ -68,8 +89,10 @@ def key_tile_range(prefix, m0, seq, window, POSITIONS: tl.constexpr, BLOCK_N: tl
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-    if HAS_WINDOW or HAS_CUSTOM_MASK:
+    if HAS_WINDOW or HAS_CUSTOM_MASK == 1:  # MASK_ALL_KEYS
         full_end = lo
+    elif HAS_CUSTOM_MASK == 2:  # MASK_NEW_KEYS
+        full_end = prefix // BLOCK_N * BLOCK_N  # tiles wholly inside the prefix, which every row sees
     else:
         full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first row
     return lo, full_end, hi

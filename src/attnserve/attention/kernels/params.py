@@ -31,7 +31,9 @@ class DecodeRows:
 class ExtendRows:
     """tiles: the host's query tile list (extend_tiles.ExtendTiles); qo_indptr `[B+1]`, kv_indptr / kv_indices
     as in attention/metadata.py, seq_lens `[B]` int32 (prefix + new); custom_mask: flattened per-request
-    `[ext, seq]` uint8 masks with mask_indptr `[B]` int64 offsets, or None (causal)."""
+    `[ext, seq]` uint8 masks with mask_indptr `[B]` int64 offsets, or None (causal); mask_new_keys_only: the
+    masks are `[ext, ext]` over the new tokens and every row sees the whole cached prefix (speculative verify's
+    tree mask, whose size does not depend on the prefix)."""
 
     tiles: object
     qo_indptr: torch.Tensor
@@ -41,6 +43,7 @@ class ExtendRows:
     page_size: int
     custom_mask: torch.Tensor | None = None
     mask_indptr: torch.Tensor | None = None
+    mask_new_keys_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from attnserve.bench.serve.client import ENDPOINTS
-from attnserve.bench.serve.datasets import DATASETS
+from attnserve.bench.serve.datasets import DATASET_ALIASES, DATASETS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="[LABEL=]FLAGS",
         help='launch one server per flag set on top of --launch, e.g. "--attention-backend triton" '
-        '"fi=--decode-attention-backend flashinfer"',
+        '"fi=--decode-attention-backend flashinfer"; spec=NAME launches with --speculative-algorithm NAME',
     )
     g.add_argument(
         "--launch-timeout", type=float, default=900.0, help="seconds to wait for /health (default 900)"
@@ -63,25 +63,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--extra-body", default=None, metavar="JSON", help="fields merged into every request body")
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", choices=DATASETS, default="random")
-    d.add_argument("--dataset-path", type=Path, help="the JSONL file for --dataset jsonl")
+    d.add_argument(
+        "--dataset-name",
+        "--dataset",
+        dest="dataset",
+        choices=DATASETS,
+        type=lambda name: DATASET_ALIASES.get(name, name),
+        default="random",
+        help="random (--input-len/--output-len, --random-range-ratio), sharegpt-synthetic (log-normal "
+        "lengths around ShareGPT's means, no download), generated-shared-prefix (alias shared-prefix: "
+        "system prompts shared by many questions, for prefix-cache hits), jsonl (--dataset-path)",
+    )
+    d.add_argument("--dataset-path", type=Path, help="the JSONL file for --dataset-name jsonl")
     d.add_argument(
         "--tokenizer",
         default=None,
         help="HF model directory or .gguf whose tokenizer sizes the "
         "prompts (default: the launched --model, or the embedded model)",
     )
-    d.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens (default 1024)")
-    d.add_argument("--output-len", type=int, default=128, help="random/shared-prefix: tokens to generate")
     d.add_argument(
+        "--input-len", "--random-input-len", type=int, default=1024, help="random: prompt tokens (default 1024)",
+    )
+    d.add_argument(
+        "--output-len",
+        "--random-output-len",
+        type=int,
+        default=128,
+        help="random/generated-shared-prefix: tokens to generate",
+    )
+    d.add_argument(
+        "--random-range-ratio",
         "--range-ratio",
+        dest="range_ratio",
         type=float,
         default=0.0,
-        help="random: lengths uniform in [len * (1 - r), len] (default 0: all equal)",
+        help="random: lengths uniform in [len * (1 - r), len * (1 + r)], as vllm bench serve draws them "
+        "(default 0: all equal)",
     )
-    d.add_argument("--sp-groups", type=int, default=4, help="shared-prefix: number of system prompts")
-    d.add_argument("--sp-system-len", type=int, default=512, help="shared-prefix: tokens per system prompt")
-    d.add_argument("--sp-question-len", type=int, default=64, help="shared-prefix: tokens per question")
+    d.add_argument(
+        "--gsp-num-groups", "--sp-groups", dest="sp_groups", type=int, default=4,
+        help="generated-shared-prefix: number of system prompts",
+    )
+    d.add_argument(
+        "--gsp-system-prompt-len", "--sp-system-len", dest="sp_system_len", type=int, default=512,
+        help="generated-shared-prefix: tokens per system prompt",
+    )
+    d.add_argument(
+        "--gsp-question-len", "--sp-question-len", dest="sp_question_len", type=int, default=64,
+        help="generated-shared-prefix: tokens per question",
+    )
     ld = p.add_argument_group("load")
     ld.add_argument(
         "--concurrency",
@@ -97,6 +127,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="open loop: Poisson arrivals per second (inf: all at once)",
     )
     ld.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="open loop: arrival gaps are gamma-distributed with this shape and mean 1/rate, as in vllm "
+        "bench serve (1: Poisson; below 1 burstier, above 1 more even)",
+    )
+    ld.add_argument(
         "--num-prompts",
         default="64",
         help="requests per point and seed: a count, or Nx = N per client / N seconds of arrivals "
@@ -106,12 +143,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--seeds", default="1", help="repeats of every point (or one count per point, e.g. 3,3,1,1)"
     )
     ld.add_argument("--seed", type=int, default=0, help="first seed (prompts and arrival times)")
-    ld.add_argument("--warmup-requests", type=int, default=2, help="uncounted requests per configuration")
+    ld.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=2,
+        help="requests sent at once to each configuration before the first point, not counted: kernels "
+        "compile and caches fill there (default 2; as many as the largest concurrency warms its batch size)",
+    )
     ld.add_argument(
         "--max-point-seconds",
         type=float,
         default=None,
         help="time budget of one point and seed: requests still running are cut (counted apart)",
+    )
+    ld.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        default=None,
+        help="service-level objectives, as vllm bench serve: ttft, tpot and/or e2el in milliseconds, e.g. "
+        "ttft:500 tpot:20; goodput is the rate of completed requests that meet all of them",
     )
     o = p.add_argument_group("output")
     o.add_argument(

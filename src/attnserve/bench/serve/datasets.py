@@ -1,4 +1,4 @@
-"""Prompts for `attnserve bench serve`: random tokens, shared system prompts, or a JSONL file.
+"""Prompts for `attnserve bench serve`: random tokens, ShareGPT-like lengths, shared system prompts, JSONL.
 
 Prompts are sent as text so that any OpenAI-compatible server can be measured, yet
 their lengths must be exact in the server's tokens. Random prompts are therefore
@@ -19,7 +19,19 @@ from attnserve.models.gguf_loader import GGUFFile
 from attnserve.models.loader import embedded_model_path
 from attnserve.models.tokenizer import Tokenizer
 
-DATASETS = ("random", "shared-prefix", "jsonl")
+DATASETS = ("random", "sharegpt-synthetic", "generated-shared-prefix", "jsonl")
+DATASET_ALIASES = {"shared-prefix": "generated-shared-prefix"}
+
+# ShareGPT-like lengths, with no download. The means are those the vLLM paper reports for ShareGPT
+# (Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention",
+# SOSP 2023, section 6.1 and Fig. 11: 161.31 input and 337.99 output tokens on average). Lengths are
+# drawn log-normal, the usual model of such long-tailed lengths; the log-space spread (sigma 1.0 for
+# both, so the median is e^-0.5 = 0.61 of the mean) is chosen to give Fig. 11's long right tail, not
+# fitted to the raw conversations. Draws are then kept within the bounds `vllm bench serve` applies
+# to ShareGPT (prompt and output >= 4 tokens, prompt <= 1024, prompt + output <= 2048), which pulls
+# the means a few percent below the targets.
+SHAREGPT_INPUT_MEAN, SHAREGPT_OUTPUT_MEAN, SHAREGPT_SIGMA = 161.31, 337.99, 1.0
+SHAREGPT_MIN_LEN, SHAREGPT_MAX_INPUT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 
 
 @dataclass(frozen=True)
@@ -96,9 +108,23 @@ class TokenSampler:
 
 
 def _lengths(rng: np.random.Generator, mean: int, range_ratio: float, num: int) -> list[int]:
-    """Uniform in [mean * (1 - range_ratio), mean] (range_ratio 0: all equal), at least 1."""
-    low = max(1, int(round(mean * (1.0 - range_ratio))))
-    return rng.integers(low, max(low, mean) + 1, size=num).tolist()
+    """Uniform in [mean * (1 - range_ratio), mean * (1 + range_ratio)] as `vllm bench serve
+    --random-range-ratio` draws them (range_ratio 0: all equal), at least 1."""
+    low = max(1, int(mean * (1.0 - range_ratio)))
+    high = max(low, int(mean * (1.0 + range_ratio)))
+    return rng.integers(low, high + 1, size=num).tolist()
+
+
+def sharegpt_lengths(rng: np.random.Generator, num: int) -> list[tuple[int, int]]:
+    """(input, output) token counts: log-normal around the ShareGPT means, within vLLM's ShareGPT bounds."""
+    out = []
+    for mean, cap in ((SHAREGPT_INPUT_MEAN, SHAREGPT_MAX_INPUT), (SHAREGPT_OUTPUT_MEAN, SHAREGPT_MAX_TOTAL)):
+        mu = np.log(mean) - SHAREGPT_SIGMA**2 / 2  # the log-normal's mean is exp(mu + sigma^2 / 2)
+        draws = rng.lognormal(mu, SHAREGPT_SIGMA, size=num)
+        out.append(np.clip(np.rint(draws), SHAREGPT_MIN_LEN, cap).astype(int))
+    ins, outs = out
+    outs = np.minimum(outs, SHAREGPT_MAX_TOTAL - ins)
+    return list(zip(ins.tolist(), outs.tolist()))
 
 
 def random_requests(
@@ -108,6 +134,15 @@ def random_requests(
     ins, outs = _lengths(rng, input_len, range_ratio, num), _lengths(rng, output_len, range_ratio, num)
     out = []
     for n_in, n_out in zip(ins, outs):
+        text, n = sampler.text(rng, n_in)
+        out.append(BenchRequest(text, n, n_out))
+    return out
+
+
+def sharegpt_synthetic_requests(sampler: TokenSampler, num: int, seed: int) -> list[BenchRequest]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n_in, n_out in sharegpt_lengths(rng, num):
         text, n = sampler.text(rng, n_in)
         out.append(BenchRequest(text, n, n_out))
     return out
@@ -123,7 +158,8 @@ def shared_prefix_requests(
     seed: int,
 ) -> list[BenchRequest]:
     """num_groups system prompts of system_len tokens, each shared by num / num_groups questions
-    (round robin)."""
+    (round robin), as SGLang's generated-shared-prefix: a server with a prefix cache computes each
+    system prompt once."""
     rng = np.random.default_rng(seed)
     systems = [sampler.text(rng, system_len)[0] for _ in range(num_groups)]
     out = []

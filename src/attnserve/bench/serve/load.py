@@ -2,10 +2,12 @@
 
 Closed loop (`concurrency`): N clients, each sending its next request the moment
 its last one ends, so exactly N are in flight until the queue drains. Open loop
-(`rate`): requests arrive at exponential intervals of mean 1/rate whatever the
-server's state (`inf`: all at once). Either way a point may be given a time budget;
-when it runs out, requests still in flight are cancelled and marked `cut`, and
-requests never sent are not counted.
+(`rate`): requests arrive at random intervals of mean 1/rate whatever the server's
+state (`inf`: all at once); the intervals are exponential (a Poisson process), or with
+`burstiness` b gamma-distributed with shape b and scale 1/(rate * b), as `vllm bench
+serve --burstiness` draws them (b < 1: bursts and lulls, b > 1: more even than Poisson).
+Either way a point may be given a time budget; when it runs out, requests still in
+flight are cancelled and marked `cut`, and requests never sent are not counted.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ class LoadPoint:
         return "rate inf" if math.isinf(self.value) else f"rate {self.value:g}/s"
 
 
+def arrival_gaps(rng: np.random.Generator, rate: float, burstiness: float, num: int) -> list[float]:
+    """Seconds between consecutive sends (mean 1/rate); all zero at rate inf."""
+    if math.isinf(rate):
+        return [0.0] * num
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num).tolist()
+
+
 def new_session(connections: int) -> aiohttp.ClientSession:
     """One connection per in-flight request, no total timeout (a long generation is not an error)."""
     return aiohttp.ClientSession(
@@ -49,6 +58,7 @@ async def run_point(
     seed: int,
     max_seconds: float | None = None,
     on_done=None,
+    burstiness: float = 1.0,
 ) -> tuple[list[RequestResult], float]:
     """Send `requests` under `point`'s load.
     Returns (results of the requests sent, seconds from the first send to the end)."""
@@ -74,13 +84,15 @@ async def run_point(
         await asyncio.gather(*(client() for _ in range(int(point.value))))
 
     async def open_loop(session):
-        rng = np.random.default_rng(seed)
+        gaps = arrival_gaps(np.random.default_rng(seed), point.value, burstiness, len(requests))
+        due = time.perf_counter()  # sends are due at the sums of the gaps: late wake-ups do not drift
         tasks = []
         try:
-            for req in requests:
+            for req, gap in zip(requests, gaps):
                 tasks.append(asyncio.create_task(finish(session, req)))
-                if not math.isinf(point.value):
-                    await asyncio.sleep(float(rng.exponential(1.0 / point.value)))
+                due += gap
+                if gap:
+                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:  # the time budget ran out between arrivals
             for t in tasks:

@@ -4,6 +4,10 @@ TTFT and ITL include requests cut by the time budget (their first token and the 
 they streamed are real measurements); TPOT and end-to-end latency are taken over
 completed requests only, since a cut request has no end. Percentiles interpolate
 linearly between order statistics (numpy's default), so p50 of [1, 2, 3, 4] is 2.5.
+
+Goodput (`--goodput ttft:500 tpot:20 e2el:...`, vLLM's keys, milliseconds): completed
+requests per second that met every objective given. A request with a single output token
+has no TPOT and meets a TPOT objective.
 """
 
 from __future__ import annotations
@@ -16,6 +20,42 @@ import numpy as np
 STATS = ("mean", "p50", "p90", "p99")
 DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 COUNTS = ("requests_sent", "completed", "failed", "cut_by_time_budget")
+SLO_KEYS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
+    """['ttft:500', 'tpot:20'] -> {'ttft': 500.0, 'tpot': 20.0} (milliseconds); None when not given."""
+    if not items:
+        return None
+    slo = {}
+    for item in items:
+        key, _, value = item.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = float("nan")
+        if key not in SLO_KEYS or not ms > 0:
+            raise ValueError(
+                f"--goodput {item!r}: expected KEY:MS with KEY one of {', '.join(SLO_KEYS)} and MS > 0, "
+                "e.g. ttft:500 tpot:20"
+            )
+        slo[key] = ms
+    return slo
+
+
+def meets(result, slo: dict[str, float]) -> bool:
+    """A completed request within every objective of `slo` (milliseconds)."""
+    if not result.ok:
+        return False
+    measured = {"ttft": result.ttft_s, "tpot": result.tpot_s, "e2el": result.e2e_s}
+    for key, limit_ms in slo.items():
+        value = measured[key]
+        if value is None:
+            if key != "tpot":  # a one-token answer has no TPOT; no first token is a miss
+                return False
+        elif value * 1e3 > limit_ms:
+            return False
+    return True
 
 
 def distribution(values_s: list[float]) -> dict[str, float | None]:
@@ -32,8 +72,8 @@ def distribution(values_s: list[float]) -> dict[str, float | None]:
     }
 
 
-def summarize(results, duration_s: float) -> dict:
-    """One point (one seed): the RequestResults it sent and the seconds it took."""
+def summarize(results, duration_s: float, slo: dict[str, float] | None = None) -> dict:
+    """One point (one seed): the RequestResults it sent and the seconds it took; with `slo`, its goodput."""
     done = [r for r in results if r.ok]
     failed = [r for r in results if r.error is not None]
     cut = [r for r in results if r.cut and r.error is None]
@@ -41,7 +81,7 @@ def summarize(results, duration_s: float) -> dict:
     out_tokens = sum(r.output_tokens for r in streamed)
     in_tokens = sum(r.prompt_len for r in streamed if r.ttft_s is not None)
     dur = max(duration_s, 1e-9)
-    return {
+    out = {
         "requests_sent": len(results),
         "completed": len(done),
         "failed": len(failed),
@@ -62,6 +102,14 @@ def summarize(results, duration_s: float) -> dict:
         "itl_ms": distribution([gap for r in streamed for gap in r.itl_s]),
         "e2e_ms": distribution([r.e2e_s for r in done]),
     }
+    if slo is not None:
+        good = sum(meets(r, slo) for r in done)
+        out["goodput"] = {
+            "request_goodput": round(good / dur, 3),
+            "good_requests": good,
+            "good_fraction": round(good / len(done), 3) if done else None,
+        }
+    return out
 
 
 def _numbers(values: list) -> list[float]:

@@ -2,7 +2,8 @@
 
 A configuration is either a running server (`--url`) or `attnserve serve` flags to
 launch (`--launch`, one per `--backends` entry or `--compare` item, each on top of
-the `--launch` flags so that exactly one thing differs). Load points are the
+the `--launch` flags so that exactly one thing differs). A `--compare` item `spec=NAME`
+is short for `spec-NAME=--speculative-algorithm NAME`: speculation on, one flag. Load points are the
 closed-loop concurrencies then the open-loop rates, each with its number of seeds
 and prompts. Every bad value is refused here, before any server starts.
 """
@@ -71,8 +72,11 @@ def server_configs(
             ServerConfig(n, flags=f"{base} --attention-backend {shlex.quote(n)}".strip()) for n in names
         ]
     elif compare:
-        for i, item in enumerate(compare):
+        for item in compare:
             label, flags = _labelled(item)
+            name = flags.strip()
+            if label == "spec" and name and not name.startswith("-"):
+                label, flags = f"spec-{name}", f"--speculative-algorithm {shlex.quote(name)}"
             configs.append(
                 ServerConfig(label or (flags.strip() or "default"), flags=f"{base} {flags}".strip())
             )

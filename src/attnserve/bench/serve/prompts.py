@@ -17,6 +17,7 @@ from attnserve.bench.serve.datasets import (
     load_tokenizer,
     random_requests,
     shared_prefix_requests,
+    sharegpt_synthetic_requests,
 )
 from attnserve.bench.serve.launch import get_json
 from attnserve.bench.serve.plan import ServerConfig
@@ -67,7 +68,7 @@ class Requests:
                 if getattr(args, name) < 1:
                     raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
             if not 0.0 <= args.range_ratio < 1.0:
-                raise ValueError(f"--range-ratio {args.range_ratio}: must be in [0, 1)")
+                raise ValueError(f"--random-range-ratio {args.range_ratio}: must be in [0, 1)")
             self.sampler = TokenSampler(load_tokenizer(tokenizer_path))
 
     def get(self, seed: int, num: int) -> list[BenchRequest]:
@@ -78,7 +79,9 @@ class Requests:
                 self.cache[key] = random_requests(
                     self.sampler, num, a.input_len, a.output_len, a.range_ratio, seed
                 )
-            elif a.dataset == "shared-prefix":
+            elif a.dataset == "sharegpt-synthetic":
+                self.cache[key] = sharegpt_synthetic_requests(self.sampler, num, seed)
+            elif a.dataset == "generated-shared-prefix":
                 self.cache[key] = shared_prefix_requests(
                     self.sampler, num, a.sp_groups, a.sp_system_len, a.sp_question_len, a.output_len, seed
                 )

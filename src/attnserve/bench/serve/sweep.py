@@ -25,9 +25,17 @@ from pathlib import Path
 
 from attnserve.bench.serve.args import add_arguments  # noqa: F401 - `attnserve bench` builds the parser from it
 from attnserve.bench.serve.client import ENDPOINTS, RequestSpec
+from attnserve.bench.serve.datasets import (
+    SHAREGPT_INPUT_MEAN,
+    SHAREGPT_MAX_INPUT,
+    SHAREGPT_MAX_TOTAL,
+    SHAREGPT_MIN_LEN,
+    SHAREGPT_OUTPUT_MEAN,
+    SHAREGPT_SIGMA,
+)
 from attnserve.bench.serve.launch import LaunchedServer, get_json
 from attnserve.bench.serve.load import run_point, warm_up
-from attnserve.bench.serve.metrics import aggregate_seeds, summarize
+from attnserve.bench.serve.metrics import aggregate_seeds, parse_goodput, summarize
 from attnserve.bench.serve.plan import ServerConfig, load_points, server_configs
 from attnserve.bench.serve.prompts import Requests, tokenizer_path
 from attnserve.bench.serve.report import markdown, write_all
@@ -60,7 +68,9 @@ def _progress(total: int, desc: str, disable: bool):
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=disable, leave=False)
 
 
-def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: dict, out: dict) -> None:
+def _sweep(
+    cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: dict, slo: dict | None, out: dict
+) -> None:
     """Fill `out` as points finish, so an interrupted sweep still reports the points it measured."""
     info = get_json(url + "/server_info", args.api_key)
     model = args.model_name
@@ -73,7 +83,7 @@ def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: d
     warm = asyncio.run(
         warm_up(spec, requests.get(10_000 + args.seed, args.warmup_requests), args.warmup_requests)
     )
-    out["warmup_failed"] = sum(1 for r in warm if not r.ok)
+    out["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if not r.ok)}
     points = out["points"]
     for planned in plan:
         per_seed = []
@@ -89,9 +99,10 @@ def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: d
                         seed,
                         args.max_point_seconds,
                         on_done=lambda _r: bar.update(1),
+                        burstiness=args.burstiness,
                     )
                 )
-            s = summarize(results, duration)
+            s = summarize(results, duration, slo)
             s["seed"] = seed
             per_seed.append(s)
             print(
@@ -120,18 +131,42 @@ def _sweep(cfg: ServerConfig, url: str, args, plan, requests: Requests, extra: d
 
 
 def _run_config(
-    cfg: ServerConfig, args, plan, requests: Requests, extra: dict, log_dir: Path, out: dict
+    cfg: ServerConfig, args, plan, requests: Requests, extra: dict, slo: dict | None, log_dir: Path, out: dict
 ) -> None:
     if cfg.url is not None:
-        _sweep(cfg, cfg.url, args, plan, requests, extra, out)
+        _sweep(cfg, cfg.url, args, plan, requests, extra, slo, out)
         return
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in cfg.label)[:60]
     print(f"launching attnserve serve {cfg.flags}  (log: {log_dir / (safe + '.log')})", file=sys.stderr)
     server = LaunchedServer(cfg.flags, log_dir / f"{safe}.log", args.launch_timeout)
     out["server_command"] = shlex.join(["attnserve", *server.command[3:-4]])
     with server:
-        _sweep(cfg, server.url, args, plan, requests, extra, out)
+        _sweep(cfg, server.url, args, plan, requests, extra, slo, out)
     out["server_exit_code"] = server.proc.returncode
+
+
+def _dataset_details(args) -> dict:
+    """What the dataset's prompts and lengths depend on, for the record."""
+    if args.dataset == "jsonl":
+        return {"path": str(args.dataset_path)}
+    if args.dataset == "random":
+        return {"input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio}
+    if args.dataset == "generated-shared-prefix":
+        return {
+            "output_len": args.output_len,
+            "sp_groups": args.sp_groups,
+            "sp_system_len": args.sp_system_len,
+            "sp_question_len": args.sp_question_len,
+        }
+    if args.dataset == "sharegpt-synthetic":
+        return {
+            "lognormal_input_mean": SHAREGPT_INPUT_MEAN,
+            "lognormal_output_mean": SHAREGPT_OUTPUT_MEAN,
+            "lognormal_sigma": SHAREGPT_SIGMA,
+            "bounds": f"{SHAREGPT_MIN_LEN} <= tokens, input <= {SHAREGPT_MAX_INPUT}, "
+            f"input + output <= {SHAREGPT_MAX_TOTAL}",
+        }
+    return {}
 
 
 def _interrupt_on_sigterm() -> None:
@@ -152,6 +187,9 @@ def run(args) -> int:
         raise ValueError(f"--warmup-requests {args.warmup_requests}: must be >= 0")
     if args.max_point_seconds is not None and not args.max_point_seconds > 0:
         raise ValueError(f"--max-point-seconds {args.max_point_seconds}: must be > 0")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness {args.burstiness}: must be > 0")
+    slo = parse_goodput(args.goodput)
     try:
         extra = json.loads(args.extra_body) if args.extra_body else {}
     except json.JSONDecodeError as exc:
@@ -169,33 +207,15 @@ def run(args) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": _gpu_name(),
         "client_versions": _versions(),
-        "dataset": {
-            "name": args.dataset,
-            **(
-                {"path": str(args.dataset_path)}
-                if args.dataset == "jsonl"
-                else {
-                    "input_len": args.input_len,
-                    "output_len": args.output_len,
-                    "range_ratio": args.range_ratio,
-                }
-            ),
-            **(
-                {
-                    "sp_groups": args.sp_groups,
-                    "sp_system_len": args.sp_system_len,
-                    "sp_question_len": args.sp_question_len,
-                }
-                if args.dataset == "shared-prefix"
-                else {}
-            ),
-        },
+        "dataset": {"name": args.dataset, **_dataset_details(args)},
         "load": {
             "points": [p.load.label for p in plan],
             "seeds": {p.load.label: len(p.seeds) for p in plan},
             "num_prompts": {p.load.label: p.num_prompts for p in plan},
             "warmup_requests": args.warmup_requests,
             "max_point_seconds": args.max_point_seconds,
+            "burstiness": args.burstiness,
+            "goodput_slo_ms": slo,
             "ignore_eos": args.ignore_eos,
             "endpoint": ENDPOINTS[args.endpoint],
             "extra_body": extra,
@@ -209,7 +229,7 @@ def run(args) -> int:
         result = {"label": cfg.label, "url": cfg.url, "flags": cfg.flags, "error": None, "points": []}
         report["configs"].append(result)
         try:
-            _run_config(cfg, args, plan, requests, extra, log_dir, result)
+            _run_config(cfg, args, plan, requests, extra, slo, log_dir, result)
         except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
             failed_configs += 1
             print(f"attnserve bench serve: configuration {cfg.label!r} did not run: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnserve.attention.base import ForwardMode
 from attnserve.attention.metadata import PagedKVMetadata, build_paged_metadata
 
 
@@ -52,13 +53,21 @@ def size_graph_page_buffer(buffers, max_bs: int, fb, pool, captured: bool) -> No
     buffers.kv_indices = torch.zeros(needed, dtype=torch.int32, device=pool.device)  # [max_bs * max_pages]
 
 
-def graph_step_metadata(fb, buffers, max_bs: int, pool, has_signatures: bool, captured: bool) -> PagedKVMetadata:
+def graph_step_metadata(fb, buffers, max_bs: int, pool, has_signatures: bool, captured: bool,
+                        verify: bool = False) -> PagedKVMetadata:
     """Check a capture / replay batch, then write its page ids into the fixed buffers (their views returned).
 
-    Each wrapper's plan() then copies the host indptr / lengths into its views of the other buffers.
+    Each wrapper's plan() then copies the host indptr / lengths into its views of the other buffers. `verify`:
+    the caller captures speculative verify steps too (chains: q tokens a request, no mask).
     """
-    if not fb.mode.is_decode:
-        raise ValueError(f"the flashinfer backend captures decode only, got {fb.mode.value}")
+    if verify and fb.mode is ForwardMode.TARGET_VERIFY:
+        if fb.custom_mask is not None:
+            raise ValueError("the flashinfer backend captures chain verify steps only (a tree verifies eagerly)")
+        if len(set(fb.extend_lens_cpu)) > 1:
+            raise ValueError(f"a verify graph runs as many tokens for every request, got {fb.extend_lens_cpu}")
+    elif not fb.mode.is_decode:
+        raise ValueError(f"the flashinfer backend captures decode only{' (and chain verify steps)' if verify else ''}, "
+                         f"got {fb.mode.value}")
     if buffers is None:
         raise ValueError("call init_graph_buffers(max_bs, max_tokens) before capturing")
     if not has_signatures:

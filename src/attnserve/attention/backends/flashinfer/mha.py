@@ -21,6 +21,8 @@ of metadata.py is handed over as it is.
   metadata buffers, as FlashInfer fixes the batch size of a graph-mode wrapper.
   The page-id buffer holds max_bs full rows of req_to_token: a batch can list more
   pages than the pool has (a shared prefix counts once per request using it).
+  Speculative verify chains (q tokens a request, causal) are captured the same way
+  on the paged prefill wrapper, one per (batch size, q); trees verify eagerly.
 
 MLA latent pools have their own backend (mla.py); the registry picks by pool.
 """
@@ -38,7 +40,7 @@ from attnserve.attention.backends.flashinfer.common import (
     flashinfer_module,
 )
 from attnserve.attention.backends.flashinfer.csr import HostCSR, graph_step_metadata, host_csr
-from attnserve.attention.base import AttentionBackend, ForwardBatch
+from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from attnserve.attention.metadata import (
     MetadataBuffers,
     PagedKVMetadata,
@@ -106,7 +108,8 @@ class FlashInferMHABackend(AttentionBackend):
         self._decode_wrappers: dict[_Signature, object] = {}
         self._prefill_wrappers: dict[tuple[str, _Signature], object] = {}
         self._ragged_wrappers: dict[tuple[str, _Signature], object] = {}
-        self._graph_wrappers: dict[tuple[int, _Signature], object] = {}
+        self._graph_wrappers: dict[tuple, object] = {}  # (bs, sig) decode, ("verify", bs, q, sig) verify
+        self._graph_verify: tuple[int, int] | None = None  # (bs, q) of the planned verify graph step
         self._graph_buffers: MetadataBuffers | None = None
         self._fb: ForwardBatch | None = None
 
@@ -135,6 +138,7 @@ class FlashInferMHABackend(AttentionBackend):
         self._prefix_host: HostCSR | None = None
         self._planned: set = set()
         self._graph_bs: int | None = None
+        self._graph_verify = None
 
     def _kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.pool
@@ -198,6 +202,9 @@ class FlashInferMHABackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
         sig = _Signature.of(layer)
         self._remember(sig)
+        if self._graph_verify is not None:
+            wrapper = self._graph_wrappers[("verify", *self._graph_verify, sig)]
+            return wrapper.run(q, self._kv_cache(layer.layer_id), **self._scales(layer.layer_id))  # [T, Hq, Dv]
         use_ragged = (self.prefill_path == "ragged" and k is not None and v is not None
                       and fb.custom_mask is None and sig.window_left < 0)
         if use_ragged:
@@ -251,26 +258,47 @@ class FlashInferMHABackend(AttentionBackend):
         out, _ = self._fi.merge_state(o_new, lse_new, o_pre, lse_pre)
         return out
 
-    # ---- CUDA graphs (decode) -------------------------------------------------------------------------------
+    # ---- CUDA graphs (decode, verify chains) ---------------------------------------------------------------
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
         """Index buffers now; the page-id buffer is sized at the first capture, from req_to_token's width."""
         self.graph_max_bs = max_bs
         self._graph_buffers = MetadataBuffers.allocate(max_bs, 0, self.pool.device)
 
+    def _new_verify_wrapper(self, bs: int):
+        """A graph-mode paged prefill wrapper over the fixed buffers; fa2, whose graph mode takes every mask."""
+        bufs = self._graph_buffers
+        return self._fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs.qo_indptr[: bs + 1],
+            paged_kv_indptr_buf=bufs.kv_indptr[: bs + 1], paged_kv_indices_buf=bufs.kv_indices,
+            paged_kv_last_page_len_buf=bufs.kv_last_page_len[:bs], backend="fa2")
+
     def _plan_graph(self, fb: ForwardBatch) -> None:
         bs = fb.batch_size
         meta = graph_step_metadata(fb, self._graph_buffers, self.graph_max_bs, self.pool, bool(self._signatures),
-                                   captured=bool(self._graph_wrappers))
+                                   captured=bool(self._graph_wrappers), verify=True)
         host = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
         self._fb, self._meta, self._host = fb, meta, host
         self._prefix_meta = self._prefix_host = None
         self._planned = set()
+        verify = (bs, fb.extend_lens_cpu[0]) if fb.mode is ForwardMode.TARGET_VERIFY else None
         for sig in self._signatures:
-            key = (bs, sig)
+            if verify is None:
+                key = (bs, sig)
+                if key not in self._graph_wrappers:
+                    self._graph_wrappers[key] = self._new_decode_wrapper(bs)
+                self._plan_decode(self._graph_wrappers[key], host, meta.kv_indices, sig)
+                continue
+            key = ("verify", *verify, sig)
             if key not in self._graph_wrappers:
-                self._graph_wrappers[key] = self._new_decode_wrapper(bs)
-            self._plan_decode(self._graph_wrappers[key], host, meta.kv_indices, sig)
-        self._graph_bs = bs
+                self._graph_wrappers[key] = self._new_verify_wrapper(bs)
+            self._graph_wrappers[key].plan(
+                host.qo_indptr, host.kv_indptr, meta.kv_indices, host.kv_last_page_len, sig.num_heads,
+                sig.num_kv_heads, sig.head_dim, self.pool.page_size, head_dim_vo=sig.v_head_dim, causal=True,
+                sm_scale=sig.scale, window_left=sig.window_left, logits_soft_cap=sig.logit_cap,
+                q_data_type=self.q_dtype, kv_data_type=self.pool.dtype,
+            )
+        self._graph_bs = None if verify else bs
+        self._graph_verify = verify
 
     def plan_for_capture(self, fb: ForwardBatch) -> None:
         self._plan_graph(fb)

@@ -7,7 +7,10 @@ device per layer. Which kernel a layer runs, on which tile and with which split 
 
 CUDA graphs: init_graph_buffers() allocates fixed metadata buffers; plan_for_capture() fixes each captured
 batch size's split dimension (enough splits for one request to fill the GPU) and plan_for_replay() rewrites
-the buffers' first rows for the step's lengths.
+the buffers' first rows for the step's lengths. Speculative verify steps (TARGET_VERIFY, q tokens for every
+request) are captured too, per (batch size, q, tree or chain): they run the paged extend kernel over a tile list
+that does not depend on the lengths, and a tree's mask is the compact one over the new tokens (`[bs, q, q]`,
+the prefix visible to every row), so its size is fixed while the prefixes grow.
 
 The kernel modules import triton, and the registry imports this package to read `features` on machines
 without it: the backends reach them through one accessor, `kernels()`.
@@ -104,6 +107,8 @@ class ExtendStep:
     # step's first MLA layer, which every later layer shares
     mla_rows: tuple | None = None
     key_rows: object = None  # (slots [rows] int64, kv_starts [B] int32) for the TMA path's gathered keys
+    verify: bool = False  # a TARGET_VERIFY step: a few new tokens a request over a long prefix
+    mask_new_keys_only: bool = False  # custom_mask is per request [ext, ext] over the new tokens (a tree's)
 
 
 @dataclass
@@ -114,6 +119,7 @@ class GraphState:
     max_bs: int
     splits_for_bs: dict  # captured batch size -> split dimension of its grid
     partial_storage: dict  # (num_heads, v_dim) -> flat float32 storage for every captured size
+    verify_steps: dict  # (batch size, tokens per request, tree) -> the captured verify ExtendStep
 
 
 class TritonBackendBase(AttentionBackend):
@@ -205,12 +211,13 @@ class TritonBackendBase(AttentionBackend):
             mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
             offsets = [0] + list(itertools.accumulate(sizes))[:-1]
             mask_indptr = torch.tensor(offsets, dtype=torch.int64).to(self.pool.device, non_blocking=True)  # [B]
-        return ExtendStep(meta, seq_lens, fb.prefix_lens_cpu, list(fb.extend_lens_cpu), {}, mask, mask_indptr)
+        return ExtendStep(meta, seq_lens, fb.prefix_lens_cpu, list(fb.extend_lens_cpu), {}, mask, mask_indptr,
+                          verify=fb.mode is ForwardMode.TARGET_VERIFY)
 
     def _extend_rows(self, step: ExtendStep, tiles) -> ExtendRows:
         meta = step.meta
         return ExtendRows(tiles, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, step.seq_lens, self.pool.page_size,
-                          step.custom_mask, step.mask_indptr)
+                          step.custom_mask, step.mask_indptr, step.mask_new_keys_only)
 
     def _params_of(self, layer: AttentionLayer) -> LayerParams:
         """The layer's scales (the pool's K/V scales as they are now: FP8 scales may be set after the build)."""
@@ -265,22 +272,31 @@ class TritonBackendBase(AttentionBackend):
             max_bs=max_bs,
             splits_for_bs={},
             partial_storage={},
+            verify_steps={},
         )
 
-    def _graph_plan(self, fb: ForwardBatch, capturing: bool) -> None:
+    def _graph_state(self, fb: ForwardBatch, capturing: bool) -> GraphState:
+        """The graph buffers, kv_indices sized for the widest request the table allows at the first capture."""
         g = self._graph
         if g is None:
             raise ValueError("call init_graph_buffers() before planning a CUDA-graph batch")
-        if not fb.mode.is_decode or fb.custom_mask is not None:
-            raise ValueError(f"the triton backend captures plain decode batches only, got mode {fb.mode.value}")
-        bs = fb.batch_size
-        if bs > g.max_bs:
-            raise ValueError(f"batch {bs} exceeds the graph buffers' max_bs {g.max_bs}")
+        if fb.batch_size > g.max_bs:
+            raise ValueError(f"batch {fb.batch_size} exceeds the graph buffers' max_bs {g.max_bs}")
         width_pages = math.ceil(fb.req_to_token.shape[1] / self.pool.page_size)
         if g.buffers.kv_indices.numel() < g.max_bs * width_pages:
             if not capturing:
                 raise ValueError("plan_for_replay() before any plan_for_capture()")
             g.buffers.kv_indices = torch.zeros(g.max_bs * width_pages, dtype=torch.int32, device=self.pool.device)
+        return g
+
+    def _graph_plan(self, fb: ForwardBatch, capturing: bool) -> None:
+        if fb.mode is ForwardMode.TARGET_VERIFY:
+            self._graph_plan_verify(fb, capturing)
+            return
+        if not fb.mode.is_decode or fb.custom_mask is not None:
+            raise ValueError(f"the triton backend captures decode and verify batches only, got mode {fb.mode.value}")
+        g = self._graph_state(fb, capturing)
+        bs = fb.batch_size
         if capturing:
             g.splits_for_bs[bs] = max_splits_for_batch(bs, self._programs_per_split(), self.split_policy)
         elif bs not in g.splits_for_bs:
@@ -293,6 +309,44 @@ class TritonBackendBase(AttentionBackend):
         self._extend = None
         self._decode = DecodeStep(meta, g.seq_lens[:bs], g.num_splits[:bs], grid_splits,
                                   write_final=grid_splits == 1, graph_bs=bs)
+
+    def _graph_plan_verify(self, fb: ForwardBatch, capturing: bool) -> None:
+        """A verify step of q tokens per request: the paged extend kernel over fixed buffers.
+
+        In graph planning `fb.custom_mask`, when set, is the tree's compact mask: bool `[bs, q, q]` (or that
+        flattened) over each request's new tokens (True = may attend), the cached prefix visible to every row. The capture keeps its
+        address (the runner's fixed buffer); a replay whose mask lives elsewhere is copied there.
+        """
+        g = self._graph_state(fb, capturing)
+        bs = fb.batch_size
+        q = fb.extend_lens_cpu[0]
+        if any(e != q for e in fb.extend_lens_cpu):
+            raise ValueError(f"a verify graph runs as many tokens for every request, got {fb.extend_lens_cpu}")
+        tree = fb.custom_mask is not None
+        if tree and fb.custom_mask.numel() != bs * q * q:
+            raise ValueError(f"a verify graph's tree mask is [bs, q, q] = {bs * q * q} entries, got "
+                             f"{fb.custom_mask.numel()}")
+        key = (bs, q, tree)
+        if capturing:
+            mask = mask_indptr = None
+            if tree:
+                mask = fb.custom_mask.reshape(-1)
+                mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+                mask_indptr = torch.arange(bs, dtype=torch.int64, device=self.pool.device) * (q * q)  # [bs]
+            # MLA runs its tile kernel here: the decode-row plan is built per step on the host
+            g.verify_steps[key] = ExtendStep(
+                None, g.seq_lens[:bs], [0] * bs, [q] * bs, {}, mask, mask_indptr,
+                mla_rows=(None, None, "CUDA graph"), verify=True, mask_new_keys_only=tree)
+        elif key not in g.verify_steps:
+            raise ValueError(f"verify batch (bs {bs}, {q} tokens each, {'tree' if tree else 'chain'}) was never "
+                             f"captured (captured: {sorted(g.verify_steps)})")
+        step = g.verify_steps[key]
+        step.meta = metadata_for_batch(fb, buffers=g.buffers)
+        g.seq_lens[:bs].copy_(fb.seq_lens.to(torch.int32), non_blocking=True)
+        if tree and fb.custom_mask.data_ptr() != step.custom_mask.data_ptr():
+            step.custom_mask.copy_(fb.custom_mask.reshape(-1), non_blocking=True)
+        self._decode = None
+        self._extend = step
 
     def _graph_partials(self, num_heads: int, v_dim: int, bs: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one flat float32 storage sized for the largest bs * splits of any capturable batch."""

@@ -76,9 +76,17 @@ class TritonMHABackend(TritonBackendBase):
                  self.pool.k_scale[lid], self.pool.v_scale[lid])
 
     # ---- extend ----------------------------------------------------------------------------------
-    def _extend_tiles(self, step: ExtendStep, group: int):
+    def _extend_config(self, step: ExtendStep, group: int):
+        """The paged extend kernel's tiles: extend_config when given, else a verify step's GQA-packed ones (the
+        same graphed and eager, so both give the same numbers), else None (the architecture's default)."""
+        if self.extend_config is not None or not step.verify:
+            return self.extend_config
+        return kernels().mha_extend.verify_extend_config(max(step.extend_lens), group, self.pool.head_dim,
+                                                         self.pool.device)
+
+    def _extend_tiles(self, step: ExtendStep, group: int, cfg):
         """The step's tile list for this layer's GQA group (layers of one model share it)."""
-        cfg = self.extend_config or kernels().mha_extend.default_extend_config(self.pool.head_dim, self.pool.device)
+        cfg = cfg or kernels().mha_extend.default_extend_config(self.pool.head_dim, self.pool.device)
         return self._tiles_of(step, cfg.positions_per_tile(group))
 
     def _prefill_tma_config(self, head_dim: int):
@@ -98,6 +106,10 @@ class TritonMHABackend(TritonBackendBase):
         blocker = k_mod.mha_configs.fast_path_blocker(head_dim=layer.head_dim, v_dim=layer.v_head_dim, q_dtype=q.dtype,
                                     kv_dtype=pool.dtype, custom_mask=step.custom_mask, target=target_for(q.device),
                                     interpreting=k_mod.common.interpreting())
+        if blocker is None and step.verify:
+            # a few new tokens a request: gathering every prefix's keys per layer costs more than it saves, and a
+            # CUDA graph cannot hold buffers sized by the host lengths
+            blocker = "verify step"
         if blocker is None and not tma.tma_rows_ok(q):
             blocker = "q layout"
         rows = None
@@ -132,9 +144,10 @@ class TritonMHABackend(TritonBackendBase):
                                          self._params_of(layer), config=cfg)
         self.extend_path = f"paged ({blocker})"
         lid = layer.layer_id
+        cfg = self._extend_config(step, layer.gqa_group)
         return kernels().mha_extend.extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
-                                self._extend_rows(step, self._extend_tiles(step, layer.gqa_group)),
-                                self._params_of(layer), config=self.extend_config)
+                                self._extend_rows(step, self._extend_tiles(step, layer.gqa_group, cfg)),
+                                self._params_of(layer), config=cfg)
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:

@@ -133,9 +133,9 @@ class TritonMLABackend(TritonBackendBase):
         return step.mla_rows
 
     def expanded_prefill_applies(self, fb: ForwardBatch) -> bool:
-        """Whether this step may run expanded MLA: fresh prompts only (no cached prefix, no custom mask)."""
+        """Whether this step may run expanded MLA: fresh prompts only (no cached prefix, no custom mask, no verify)."""
         step = self._extend
-        return step is not None and step.custom_mask is None and not any(step.prefix_lens)
+        return step is not None and not step.verify and step.custom_mask is None and not any(step.prefix_lens)
 
     def forward_expanded_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                                  fb: ForwardBatch) -> torch.Tensor:

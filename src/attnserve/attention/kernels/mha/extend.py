@@ -22,7 +22,7 @@ than K, run over the new tokens as a page-size-1 "pool".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -37,8 +37,13 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile,
     to_log2,
 )
-from attnserve.attention.kernels.params import ExtendRows, LayerParams
-from attnserve.attention.kernels.extend_tiles import ExtendTiles, build_extend_tiles, key_tile_range, visible_keys
+from attnserve.attention.kernels.extend_tiles import (
+    ExtendTiles,
+    build_extend_tiles,
+    key_tile_range,
+    mask_kind,
+    visible_keys,
+)
 from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
@@ -46,6 +51,7 @@ from attnserve.attention.kernels.gpu_target import (
     fewest_stages_dropped,
     target_for,
 )
+from attnserve.attention.kernels.params import ExtendRows, LayerParams
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,18 @@ def default_extend_config(head_dim: int, device: torch.device, target: GpuTarget
     target = target or target_for(device)
     narrow, wide = EXTEND_TILES[target.arch]
     return wide if head_dim > 128 else narrow
+
+
+def verify_extend_config(tokens: int, group: int, head_dim: int, device: torch.device) -> ExtendConfig:
+    """Tiles for a speculative verify step: a few new tokens a request over a long cached prefix.
+
+    The architecture's tiles waste most of their rows on q = 1 + K tokens; packing every query head of a KV
+    head into one tile (tokens x group rows, at least 16, at most the default's) reads each request's keys
+    once per KV head instead of once per query head.
+    """
+    base = default_extend_config(head_dim, device)
+    rows = min(base.block_m, max(16, next_pow2(tokens * group)))
+    return replace(base, block_m=rows, pack_gqa=True)
 
 
 @triton.jit
@@ -257,7 +275,8 @@ def extend_attention(
         GROUP=group, PACK=pack, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
         PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
-        HAS_SINKS=sinks is not None, HAS_CUSTOM_MASK=custom_mask is not None, DOT_F32=dot_dtype_is_f32(q),
+        HAS_SINKS=sinks is not None, HAS_CUSTOM_MASK=mask_kind(custom_mask, rows.mask_new_keys_only),
+        DOT_F32=dot_dtype_is_f32(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -26,9 +26,7 @@ from attnserve.attention.kernels.common import (
     next_pow2,
     online_softmax_tile,
 )
-from attnserve.attention.kernels.params import ExtendRows
-from attnserve.attention.kernels.extend_tiles import key_tile_range, visible_keys
-from attnserve.attention.kernels.mla.shapes import check_mla_shapes
+from attnserve.attention.kernels.extend_tiles import key_tile_range, mask_kind, visible_keys
 from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
@@ -36,6 +34,8 @@ from attnserve.attention.kernels.gpu_target import (
     fewest_stages_dropped,
     target_for,
 )
+from attnserve.attention.kernels.mla.shapes import check_mla_shapes
+from attnserve.attention.kernels.params import ExtendRows
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,8 @@ def mla_extend_attention(
         sm_scale * kv_scale * LOG2E, kv_scale,
         q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, LATENT=kv_lora_rank, ROPE=rope,
-        BLOCK_R=max(16, next_pow2(rope)), PAGE_SIZE=page_size, HAS_CUSTOM_MASK=custom_mask is not None,
+        BLOCK_R=max(16, next_pow2(rope)), PAGE_SIZE=page_size,
+        HAS_CUSTOM_MASK=mask_kind(custom_mask, rows.mask_new_keys_only),
         DEFER_PV=config.defer_pv, DOT_F32=dot_dtype_is_f32(q), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

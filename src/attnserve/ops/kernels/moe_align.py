@@ -1,0 +1,80 @@
+"""The expert alignment of ops/moe_align.py in one Triton program: one launch instead of about fifteen.
+
+At decode sizes the alignment's torch ops are each a few-microsecond launch around two GEMMs that read six
+experts' weights in tens of microseconds; one program that counts, pads, places every pair and names each
+block's expert does the same work in one launch. It walks the pairs in chunks, so its time grows with the
+pairs: large batches keep the torch ops (fused_moe.py picks). Same outputs as the torch alignment, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnserve.attention.kernels.common import next_pow2
+from attnserve.ops.moe_align import ExpertAlignment, max_blocks
+
+CHUNK = 64  # pairs (and blocks, and padded slots) per step of the program's loops
+
+
+@triton.jit
+def _pair_experts(Ids, offs, num_pairs, TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_ROUTED: tl.constexpr,
+                  E_PAD: tl.constexpr):
+    """The expert of each pair id in offs: a routed choice from Ids, a shared expert past the top_k, E_PAD
+    (no expert) past the last pair."""
+    choice = offs % CHOICES
+    routed = tl.load(Ids + (offs // CHOICES) * TOP_K + choice, mask=(offs < num_pairs) & (choice < TOP_K), other=0)
+    e = tl.where(choice < TOP_K, routed.to(tl.int32), NUM_ROUTED + choice - TOP_K)
+    return tl.where(offs < num_pairs, e, E_PAD)
+
+
+@triton.jit
+def _align_kernel(
+    Ids, SortedPairs, BlockExpert, num_pairs, num_blocks,
+    TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_ROUTED: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        e = _pair_experts(Ids, p0 + tl.arange(0, CHUNK), num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
+    padded_end = tl.cumsum(padded, axis=0)
+    # each block's expert: how many groups end at or before its first row (E past the last group)
+    for b0 in range(0, num_blocks, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        ended = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)  # [CHUNK]
+        tl.store(BlockExpert + blocks, tl.minimum(ended, NUM_EXPERTS), mask=blocks < num_blocks)
+    for s0 in range(0, num_blocks * BLOCK_M, CHUNK):
+        slots = s0 + tl.arange(0, CHUNK)
+        tl.store(SortedPairs + slots, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs,
+                 mask=slots < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the padding is written before any pair overwrites its slot
+    cursor = padded_end - padded  # [E_PAD] the next free slot of each group
+    for p0 in range(0, num_pairs, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        e = _pair_experts(Ids, offs, num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+        before = tl.cumsum(onehot, axis=0) - onehot  # this chunk's earlier pairs of the same expert
+        slot = tl.sum((cursor[None, :] + before) * onehot, axis=1)  # [CHUNK]
+        tl.store(SortedPairs + slot, offs, mask=offs < num_pairs)
+        cursor += tl.sum(onehot, axis=0)
+
+
+def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0) -> ExpertAlignment:
+    """ids [T, top_k] -> ops.moe_align.align_by_expert's alignment (shared experts included), from one
+    single-program launch."""
+    tokens, top_k = ids.shape
+    ids = ids.contiguous()
+    num_pairs = tokens * (top_k + num_shared)
+    experts = num_experts + num_shared
+    blocks = max_blocks(num_pairs, experts, block_m)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)  # [blocks * block_m]
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)  # [blocks]
+    if num_pairs:
+        _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_pairs, blocks, TOP_K=top_k,
+                            CHOICES=top_k + num_shared, NUM_ROUTED=num_experts, NUM_EXPERTS=experts,
+                            E_PAD=next_pow2(experts), BLOCK_M=block_m, CHUNK=CHUNK, num_warps=4)
+    return ExpertAlignment(sorted_pairs, block_expert, block_m, num_pairs)
