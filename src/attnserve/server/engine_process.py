@@ -180,7 +180,7 @@ def run_engine_process(config: EngineConfig, addresses: tuple[str, str], conn, s
         if setup is not None:
             setup(engine)
         facts = ready_facts(engine)
-    except BaseException as exc:  # noqa: BLE001 - the HTTP process reports it and exits
+    except BaseException as exc:  # the HTTP process reports it and exits
         if not isinstance(exc, (ValueError, FileNotFoundError, ImportError)):  # not a refusal: keep the traceback
             log.error("the engine failed to start", exc_info=exc)
         try:

@@ -19,19 +19,20 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
                     2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+_ENGINE_COUNTERS = {"steps": "Engine steps", "mixed_steps": "Engine steps that prefilled and decoded together",
+                    "prefill_tokens": "Prompt tokens prefilled", "decode_tokens": "Tokens decoded",
+                    "preemptions": "Requests preempted for lack of KV pages",
+                    "finished": "Requests the engine finished", "aborted": "Requests the engine aborted"}
+
+
 class EngineCounters:
     """The engine process's cumulative counters (Engine.stats()), as of the last state read."""
-
-    HELP = {"steps": "Engine steps", "mixed_steps": "Engine steps that prefilled and decoded together",
-            "prefill_tokens": "Prompt tokens prefilled", "decode_tokens": "Tokens decoded",
-            "preemptions": "Requests preempted for lack of KV pages", "finished": "Requests the engine finished",
-            "aborted": "Requests the engine aborted"}
 
     def __init__(self):
         self.stats: dict = {}
 
     def collect(self):
-        for key, doc in self.HELP.items():
+        for key, doc in _ENGINE_COUNTERS.items():
             if key in self.stats:
                 yield CounterMetricFamily(f"attnserve:engine_{key}", doc, value=self.stats[key])
 
