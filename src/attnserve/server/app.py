@@ -334,6 +334,7 @@ def create_app(state: ServerState) -> FastAPI:
         live = await state.engine.state()
         return {**state.info, "kv_cache": live["kv_cache"], "running": live["running"], "waiting": live["waiting"],
                 "queued_in_server": state.admission.queued, "prefix_cache": live["prefix_cache"],
+                **({"speculative_stats": live["stats"]["speculative"]} if "speculative" in live["stats"] else {}),
                 "processes": {"http": os.getpid(), "engine": state.engine.pid}}
 
     @app.get("/metrics")
@@ -350,8 +351,8 @@ def create_app(state: ServerState) -> FastAPI:
         completions = []
         for i, (prompt_ids, budget) in enumerate(zip(ids, budgets)):
             params = req.sampling_params(budget, req.logprobs)
-            completions += [Completion(i * req.n + j, prompt_ids, params.for_completion(j) if req.n > 1 else params)
-                            for j in range(req.n)]
+            completions += [Completion(i * req.n + j, prompt_ids, params.for_completion(j) if req.n > 1 else params,
+                                       req.speculative) for j in range(req.n)]
         echo = {i: (p if isinstance(p, str) else state.engine.tokenizer.decode(p))
                 for i, p in enumerate(prompts)} if req.echo and state.engine.tokenizer is not None else {}
         group = await _group(state, completions)
@@ -376,7 +377,7 @@ def create_app(state: ServerState) -> FastAPI:
         prompt_ids = await _prompt_ids(state, text)
         budget = _max_new_tokens(state, len(prompt_ids), req.max_completion_tokens or req.max_tokens)
         params = req.sampling_params(budget, req.num_top_logprobs)
-        completions = [Completion(j, prompt_ids, params.for_completion(j) if req.n > 1 else params)
+        completions = [Completion(j, prompt_ids, params.for_completion(j) if req.n > 1 else params, req.speculative)
                        for j in range(req.n)]
         group = await _group(state, completions)
         rid = R.new_id("chatcmpl")

@@ -178,7 +178,8 @@ class EngineClient:
             raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
         return encode(self.tokenizer, prompt)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Item], None]) -> RemoteRequest:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Item], None],
+               speculative: bool = True) -> RemoteRequest:
         """Send a request to the engine; await the handle's `accepted` before relying on it."""
         if not self.alive:
             raise RuntimeError(f"the engine is not running: {self.error or 'it has stopped'}")
@@ -186,7 +187,7 @@ class EngineClient:
         stream = RequestStream(self.tokenizer, params, None, prompt_ids, time.perf_counter())
         handle = RemoteRequest(self, rid, stream, sink)
         self._handles[rid] = handle
-        self._send(("add", rid, prompt_ids, params))
+        self._send(("add", rid, prompt_ids, params, speculative))
         return handle
 
     def abort(self, rid: int) -> None:

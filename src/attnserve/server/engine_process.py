@@ -114,10 +114,10 @@ class ProcessLoop(EngineLoop):
         thread, between steps)."""
         kind = cmd[0]
         if kind == "add":
-            rid, prompt_ids, params = cmd[1:]
+            rid, prompt_ids, params, speculative = cmd[1:]
             handle = _RemoteHandle(rid, self._outbox)
             try:
-                req = self.engine.make_request(prompt_ids, params, rid=rid)
+                req = self.engine.make_request(prompt_ids, params, rid=rid, speculative=speculative)
             except ValueError as exc:  # bad input goes back to its sender
                 handle.deliver(exc)
                 handle.deliver(None)

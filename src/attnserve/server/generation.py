@@ -28,6 +28,7 @@ class Completion:
     choice: int  # index in the response's choices
     prompt_ids: list[int]
     params: SamplingParams
+    speculative: bool = True  # False: the engine never drafts for it
 
 
 class ClientGone(Exception):
@@ -74,7 +75,7 @@ class CompletionGroup:
         self._starting = {c.choice for c in completions}  # counted as queued until their first item
         try:
             for c in completions:
-                self.handles[c.choice] = engine.submit(c.prompt_ids, c.params, self._sink(c.choice))
+                self.handles[c.choice] = engine.submit(c.prompt_ids, c.params, self._sink(c.choice), c.speculative)
         except BaseException:
             self.close()
             raise

@@ -8,6 +8,7 @@ import sys
 from importlib import metadata
 
 from attnserve.engine.engine import Engine
+from attnserve.engine.startup import verify_backend
 
 _PACKAGES = ("attnserve", "torch", "triton", "flashinfer-python", "transformers", "fastapi", "uvicorn")
 
@@ -27,6 +28,19 @@ def versions() -> dict[str, str | None]:
     return found
 
 
+def speculation_info(engine: Engine) -> dict | None:
+    """The speculative decoding settings (None when the engine does not speculate)."""
+    c = engine.config
+    if c.speculative_algorithm is None:
+        return None
+    return {"algorithm": c.speculative_algorithm, "num_draft_tokens": c.speculative_num_draft_tokens,
+            "num_steps": c.speculative_num_steps, "eagle_topk": c.speculative_eagle_topk,
+            "ngram_match_window": [c.speculative_ngram_min_match_window_size,
+                                   c.speculative_ngram_max_match_window_size],
+            "attention_mode": c.speculative_attention_mode,
+            "verify_backend": verify_backend(c, engine.parts.attention)}
+
+
 def static_info(engine: Engine) -> dict:
     parts = engine.parts
     return {
@@ -41,6 +55,7 @@ def static_info(engine: Engine) -> dict:
         "chunked_prefill_size": engine.config.chunked_prefill_size,
         "radix_cache": not engine.config.disable_radix_cache,
         "deterministic_inference": engine.config.enable_deterministic_inference,
+        "speculative": speculation_info(engine),
         "startup_log": list(parts.startup_lines),
         "versions": versions(),
     }

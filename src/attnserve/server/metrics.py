@@ -11,7 +11,7 @@ one process).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from attnserve.engine.outputs import RequestOutput
 
@@ -25,6 +25,11 @@ _ENGINE_COUNTERS = {"steps": "Engine steps", "mixed_steps": "Engine steps that p
                     "finished": "Requests the engine finished", "aborted": "Requests the engine aborted"}
 
 
+_SPEC_COUNTERS = {"verify_steps": "Speculative verify steps",
+                  "draft_tokens": "Draft tokens proposed by speculative decoding",
+                  "accepted_tokens": "Draft tokens the target model accepted"}
+
+
 class EngineCounters:
     """The engine process's cumulative counters (Engine.stats()), as of the last state read."""
 
@@ -35,6 +40,12 @@ class EngineCounters:
         for key, doc in _ENGINE_COUNTERS.items():
             if key in self.stats:
                 yield CounterMetricFamily(f"attnserve:engine_{key}", doc, value=self.stats[key])
+        spec = self.stats.get("speculative")
+        if spec:
+            for key, doc in _SPEC_COUNTERS.items():
+                yield CounterMetricFamily(f"attnserve:spec_{key}", doc, value=spec[key])
+            yield GaugeMetricFamily("attnserve:spec_acceptance_rate", "Accepted / proposed draft tokens so far",
+                                    value=spec["acceptance_rate"])
 
 
 class ServerMetrics:

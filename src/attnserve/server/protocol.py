@@ -54,6 +54,8 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # extension: false opts this request out of speculative decoding (when the server speculates)
+    speculative: bool = True
     # OpenAI fields the engine has no implementation of: refused when set to anything but their neutral value
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -31,12 +31,19 @@ def usage(outputs: list[RequestOutput]) -> dict:
     prompt = {o.index: len(o.prompt_token_ids) for o in outputs}
     cached = {o.index: o.cached_tokens for o in outputs}
     completion = sum(len(o.token_ids) for o in outputs)
-    return {
+    out = {
         "prompt_tokens": sum(prompt.values()),
         "completion_tokens": completion,
         "total_tokens": sum(prompt.values()) + completion,
         "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
     }
+    steps = sum(o.spec_verify_steps for o in outputs)
+    if steps:  # speculative decoding ran for these completions: what it proposed and what was kept
+        drafts, accepted = sum(o.spec_draft_tokens for o in outputs), sum(o.spec_accepted_tokens for o in outputs)
+        out["x_speculative"] = {"verify_steps": steps, "draft_tokens": drafts, "accepted_tokens": accepted,
+                                "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
+                                "accepted_tokens_per_step": round(accepted / steps, 4)}
+    return out
 
 
 class TokenText:
