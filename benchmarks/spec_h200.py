@@ -300,7 +300,7 @@ def _forced_acceptance(loaded, args) -> dict:
     vocab = loaded.config.vocab_size
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (args.accept_prompt_len,), generator=g).tolist()
-    common = {"device": args.device, "dtype": args.dtype, "attention_backend": "triton", "max_running_requests": 4,
+    common = {"device": args.device, "dtype": args.dtype, "attention_backend": "triton" if args.device == "cuda" else "torch_native", "max_running_requests": 4,
               "cuda_graph_max_bs": 4, "max_total_tokens": 4 * (args.accept_prompt_len + args.accept_output + 64),
               "disable_radix_cache": True}
     params = SamplingParams(max_new_tokens=args.accept_output, ignore_eos=True)

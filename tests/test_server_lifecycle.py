@@ -49,6 +49,7 @@ def test_a_failing_engine_turns_health_to_503_and_open_requests_to_500(tmp_path)
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'attnserve:requests_total{finish_reason="error"} 1.0' in metrics  # the failed one is counted
         state.engine.process.join(30)
+        state.engine.process.join(30)
         assert state.engine.process.exitcode == 1  # a failed engine process exits
 
 

@@ -153,10 +153,19 @@ def _worker_main(rank: int, world: int, init_addr: str, device: str, parent_pid:
     os._exit(0)
 
 
+# called with the message before a dead rank ends this process (a server's engine process tells its HTTP side)
+failure_reporters: list[Callable[[str], None]] = []
+
+
 def _exit_process(message: str) -> None:
     """The default reaction to a dead rank: the world cannot go on, so neither can this process."""
     sys.stderr.write(message + "\n")
     sys.stderr.flush()
+    for report in failure_reporters:
+        try:
+            report(message)
+        except Exception:  # noqa: BLE001 - the process ends either way
+            pass
     os._exit(1)
 
 

@@ -25,9 +25,11 @@ import signal
 import sys
 import threading
 import time
+from functools import partial
 
 import zmq
 
+from attnserve.distributed.launch import failure_reporters
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
 from attnserve.engine.loop import EngineLoop
@@ -165,6 +167,19 @@ def ready_facts(engine: Engine) -> dict:
     }
 
 
+def _report_failure(address: str, message: str) -> None:
+    """Tell the HTTP process why the engine process is about to end, from the thread that saw it: a context
+    and socket of its own (ZeroMQ sockets are not shared between threads), terminated before returning so the
+    message is out before the process exits."""
+    context = zmq.Context()
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    sock.send(to_wire([("failed", message)]))
+    sock.close()
+    context.term()  # waits (up to the linger) until the message has left
+
+
 def run_engine_process(config: EngineConfig, addresses: tuple[str, str], conn, setup=None) -> None:
     """The engine process's entry point. `addresses`: (commands, outputs) ZeroMQ endpoints the HTTP process
     bound; `conn`: this end of the pipe; `setup(engine)`: run once the engine is built (tests inject faults)."""
@@ -189,6 +204,7 @@ def run_engine_process(config: EngineConfig, addresses: tuple[str, str], conn, s
             conn.send(("failed", RuntimeError(repr(exc))))
         sys.exit(1)
     context = zmq.Context()
+    failure_reporters.append(partial(_report_failure, addresses[1]))
     commands, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     for sock, address in ((commands, addresses[0]), (outputs, addresses[1])):
         sock.setsockopt(zmq.LINGER, 2000)  # what is queued at exit still goes out, unless nobody listens
