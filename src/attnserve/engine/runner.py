@@ -249,7 +249,17 @@ class ModelRunner:
             return logits[to_device([i for i, s in enumerate(step.sample) if s], dev)]
 
         self.steps_eager += 1
-        fb = ForwardBatch(
+        fb = self._eager_batch(step, pos, loc, req_rows, seq_lens)
+        self.backend.plan(fb)
+        last = np.cumsum(step.extend_lens) - 1  # row of each request's last new token
+        picked = [int(t) for t, s in zip(last, step.sample) if s]
+        logits_indices = None if len(picked) == num_tokens else to_device(picked, dev)
+        return self.model(input_ids, pos, fb, logits_indices=logits_indices)
+
+    def _eager_batch(self, step: StepInputs, pos, loc, req_rows, seq_lens) -> ForwardBatch:
+        """The step's ForwardBatch over the device inputs (a tree verify step carries its mask)."""
+        dev = self.device
+        return ForwardBatch(
             mode=step.mode,
             req_pool_indices=req_rows,
             seq_lens=seq_lens,
@@ -259,14 +269,11 @@ class ModelRunner:
             req_to_token=self.req_pool.req_to_token,
             pool=self.pool,
             attn_backend=self.backend,
-            seq_lens_cpu=seq_lens_cpu,
+            seq_lens_cpu=step.seq_lens,
             extend_lens_cpu=list(step.extend_lens),
+            custom_mask=to_device(step.custom_mask, dev) if step.custom_mask is not None else None,
+            spec_topk=step.spec_topk,
         )
-        self.backend.plan(fb)
-        last = np.cumsum(step.extend_lens) - 1  # row of each request's last new token
-        picked = [int(t) for t, s in zip(last, step.sample) if s]
-        logits_indices = None if len(picked) == num_tokens else to_device(picked, dev)
-        return self.model(input_ids, pos, fb, logits_indices=logits_indices)
 
     def _run_verify(self, step: StepInputs, input_ids, pos, loc, req_rows, seq_lens) -> torch.Tensor:
         """Logits for every token of the step, `[T, vocab]`: a captured verify graph if the graph runner has
@@ -281,20 +288,6 @@ class ModelRunner:
             tree_mask = to_device(step.tree_mask, dev) if tree else None  # [B, q, q] bool
             return gr.replay_verify(input_ids, pos, loc, req_rows, seq_lens, step.seq_lens, q, tree_mask)
         self.steps_eager += 1
-        fb = ForwardBatch(
-            mode=ForwardMode.TARGET_VERIFY,
-            req_pool_indices=req_rows,
-            seq_lens=seq_lens,
-            extend_lens=to_device(np.asarray(step.extend_lens, dtype=np.int32), dev),
-            positions=pos,
-            out_cache_loc=loc,
-            req_to_token=self.req_pool.req_to_token,
-            pool=self.pool,
-            attn_backend=self.backend,
-            seq_lens_cpu=step.seq_lens,
-            extend_lens_cpu=list(step.extend_lens),
-            custom_mask=to_device(step.custom_mask, dev) if tree else None,
-            spec_topk=step.spec_topk,
-        )
+        fb = self._eager_batch(step, pos, loc, req_rows, seq_lens)
         self.backend.plan(fb)
         return self.model(input_ids, pos, fb, logits_indices=None)
