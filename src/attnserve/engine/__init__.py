@@ -1,7 +1,8 @@
-"""The engine: continuous batching over the paged KV cache, prefix cache, CUDA graphs, sampling.
+"""The engine: continuous batching over the paged KV cache, prefix cache, CUDA graphs, sampling,
+speculative decoding.
 
-`LLM` is the offline API, `EngineLoop` runs the engine in a background thread for a server,
-`SamplingParams` says how each request picks tokens and stops.
+`LLM` is the offline API, `EngineLoop` steps the engine for streaming consumers (the server's engine
+process runs it), `SamplingParams` says how each request picks tokens and stops.
 """
 
 from attnserve.engine.config import EngineConfig
