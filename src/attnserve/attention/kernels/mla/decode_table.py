@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from attnserve.attention.kernels.gpu_target import TileShape
+from attnserve.rule_tables import package_file, write_arch_rules
 
 TABLE_FILE = "decode_table.json"
 TABLE_PACKAGE = "attnserve.attention.kernels.mla"
@@ -189,12 +190,7 @@ def rules_from_sweep(rows: list[dict], shapes: dict[str, tuple[int, int]]) -> li
 
 def write_rules(arch: str, rules: list[dict], source: str, path: Path | None = None) -> Path:
     """Replace one architecture's rules in the table file (the package's by default); checked before writing."""
-    path = path or Path(str(resources.files(TABLE_PACKAGE).joinpath(TABLE_FILE)))
-    table = json.loads(path.read_text())
-    table["rules"][arch] = rules
-    table["source"] = source
-    parse_rules(table)  # nothing malformed is written
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    path = write_arch_rules(path or package_file(TABLE_PACKAGE, TABLE_FILE), arch, rules, source, parse_rules)
     shipped_rules.cache_clear()
     return path
 
