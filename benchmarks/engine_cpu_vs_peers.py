@@ -161,14 +161,6 @@ def _result(secs: float, toks, setting: dict) -> dict:
 SIDES = {"attnserve": side_attnserve, "transformers": side_transformers, "llama.cpp": side_llama_cpp}
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _versions() -> dict:
@@ -250,12 +242,14 @@ def main() -> None:
         for c in map(str, CONCURRENCY):
             if c in side:
                 side[c].pop("token_ids", None)
+    from attnserve.hardware import cpu_model_name
     report = {
         "what": (f"offline decode throughput, SmolLM2-135M-Instruct Q4_1 GGUF (the embedded file, for every side), "
                  f"{len(PROMPTS)} prompts x {args.new_tokens} new tokens, greedy, EOS ignored"),
         "summary_tok_per_s": summary,
         "sides": sides,
-        "machine": {"cpu": _cpu_model(), "cpus_usable": len(os.sched_getaffinity(0)), "threads": args.threads,
+        "machine": {"cpu": cpu_model_name() or platform.machine(),
+                    "cpus_usable": len(os.sched_getaffinity(0)), "threads": args.threads,
                     "load_avg_before": load_before, "load_avg_after": load_after},
         "versions": _versions(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -77,14 +77,6 @@ def _versions() -> dict:
     return out
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def measure(llm, prompts: list[str], concurrency: int, new_tokens: int, repeats: int, temperature: float) -> dict:
@@ -167,10 +159,12 @@ def main() -> int:
             row[name].pop("token_ids", None)
         results.append(row)
         print(json.dumps(row), flush=True)
+    from attnserve.hardware import cpu_model_name
     report = {
         "benchmark": "speculative decoding (ngram) vs none, embedded SmolLM2-135M GGUF on the CPU",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": _cpu(), "threads": args.threads, "load_average_before": round(load_before, 2),
+        "machine": {"cpu": cpu_model_name() or platform.machine(),
+                    "threads": args.threads, "load_average_before": round(load_before, 2),
                     "load_average_after": round(os.getloadavg()[0], 2)},
         "versions": _versions(),
         "settings": {"new_tokens": args.new_tokens, "eos_stops": True, "repeats": args.repeats,

@@ -8,6 +8,7 @@ import pytest
 
 from attnserve.ops import moe_tiles
 from attnserve.ops.moe_tiles import GemmTile, MoETiles, parse_rules, rules_from_sweep, tiles_for, write_rules
+from attnserve.rule_tables import package_file
 
 SHAPE = {"experts": 64, "hidden": 2048, "intermediate": 1408, "top_k": 6}
 
@@ -32,7 +33,7 @@ def test_sweep_winners_become_rules_for_the_shape_then_for_any(tmp_path):
     assert [r.get("max_tokens") for r in rules] == [8, 64, 512, 8, 64, None]
     assert rules[0]["measured_us"] == {"1 tokens": 30.0, "8 tokens": 80.0}
     path = tmp_path / "table.json"
-    shutil.copy(moe_tiles.resources.files(moe_tiles.TABLE_PACKAGE).joinpath(moe_tiles.TABLE_FILE), path)
+    shutil.copy(package_file(moe_tiles.TABLE_PACKAGE, moe_tiles.TABLE_FILE), path)
     write_rules("sm90", rules, "a test sweep", path)
     table = parse_rules(json.loads(path.read_text()))
     other = dict(SHAPE, hidden=4096)

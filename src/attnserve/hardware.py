@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 
 from attnserve._lazy import is_installed
@@ -84,3 +85,15 @@ def detect_hardware() -> Hardware:
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return Hardware("mps", "apple", "Apple MPS", arch=arch, installed=installed)
     return Hardware("cpu", "none", f"{arch} CPU", arch=arch, installed=installed)
+
+
+def cpu_model_name() -> str | None:
+    """The CPU's model name where /proc/cpuinfo gives it, else what `platform` knows (None if nothing)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None

@@ -13,6 +13,11 @@ def package_file(package: str, name: str) -> Path:
     return Path(str(resources.files(package).joinpath(name)))
 
 
+def read_table(package: str, name: str) -> dict:
+    """A shipped table as JSON (read through importlib.resources, so it also works from a wheel)."""
+    return json.loads(resources.files(package).joinpath(name).read_text(encoding="utf-8"))
+
+
 def write_arch_rules(path: Path, arch: str, rules: list[dict], source: str, check: Callable[[dict], object]) -> Path:
     """Replace one architecture's rules in the table at `path`; `check(table)` raises before anything malformed
     is written."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import warnings
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ from attnserve.bench.racers import attnserve_racer, build_race_batch, output_row
 from attnserve.bench.timing import ceilings as measure_ceilings
 from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLAShape, Workload
-from attnserve.hardware import Hardware
+from attnserve.hardware import Hardware, cpu_model_name
 from attnserve.kvcache.dtypes import KV_DTYPES
 from attnserve.shape import AttentionShape
 from attnserve.versions import package_versions
@@ -216,14 +215,7 @@ def machine_detail(hw: Hardware) -> str:
     """A human-readable name for the report: the GPU, or the CPU model where /proc/cpuinfo names it."""
     if hw.device != "cpu":
         return hw.name
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or hw.name
+    return cpu_model_name() or hw.name
 
 
 def run_tune(hw: Hardware, model: AttentionShape, serving: ServingFeatures, *, model_name: str, tp_size: int,

@@ -10,12 +10,10 @@ without triton or a GPU.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 
-from attnserve.rule_tables import package_file, write_arch_rules
+from attnserve.rule_tables import package_file, read_table, write_arch_rules
 
 TABLE_FILE = "fused_moe_tiles.json"
 TABLE_PACKAGE = "attnserve.ops"
@@ -95,8 +93,7 @@ def parse_rules(table: dict) -> dict[str, tuple[TileRule, ...]]:
 
 @functools.cache
 def shipped_rules() -> dict[str, tuple[TileRule, ...]]:
-    text = resources.files(TABLE_PACKAGE).joinpath(TABLE_FILE).read_text(encoding="utf-8")
-    return parse_rules(json.loads(text))
+    return parse_rules(read_table(TABLE_PACKAGE, TABLE_FILE))
 
 
 def tiles_for(arch: str, tokens: int, shape: dict[str, int],

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from attnserve.attention.kernels.gpu_target import TileShape
-from attnserve.rule_tables import package_file, write_arch_rules
+from attnserve.rule_tables import package_file, read_table, write_arch_rules
 
 TABLE_FILE = "decode_table.json"
 TABLE_PACKAGE = "attnserve.attention.kernels.mla"
@@ -118,8 +116,7 @@ def parse_rules(table: dict) -> dict[str, tuple[TileRule, ...]]:
 
 @functools.cache
 def shipped_rules() -> dict[str, tuple[TileRule, ...]]:
-    text = resources.files(TABLE_PACKAGE).joinpath(TABLE_FILE).read_text(encoding="utf-8")
-    return parse_rules(json.loads(text))
+    return parse_rules(read_table(TABLE_PACKAGE, TABLE_FILE))
 
 
 def tiles_for(arch: str, num_heads: int, page_size: int,
