@@ -17,6 +17,7 @@ import httpx
 from server_helpers import fail_steps_once_file_exists, running_server
 
 from attnserve.engine.config import EngineConfig
+from attnserve.server.engine_process import EXIT_GRACE_S
 
 
 def _serve(*flags: str) -> subprocess.Popen:
@@ -48,8 +49,7 @@ def test_a_failing_engine_turns_health_to_503_and_open_requests_to_500(tmp_path)
         assert again.status_code == 503  # refused at once, never hung
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'attnserve:requests_total{finish_reason="error"} 1.0' in metrics  # the failed one is counted
-        state.engine.process.join(30)
-        state.engine.process.join(30)
+        state.engine.process.join(EXIT_GRACE_S + 30)
         assert state.engine.process.exitcode == 1  # a failed engine process exits
 
 

@@ -18,6 +18,7 @@ private directory.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pickle
@@ -38,6 +39,7 @@ log = logging.getLogger("attnserve.engine")
 
 PARENT_CHECK_MS = 200  # while idle, how often the loop looks whether the HTTP process is gone
 PARENT_GONE_EXIT_S = 10.0  # how long a step may keep a parentless engine process alive
+EXIT_GRACE_S = 20.0  # how long the process may take to end once its loop has (else: stacks on stderr, exit 1)
 
 
 def to_wire(obj) -> bytes:
@@ -215,6 +217,9 @@ def run_engine_process(config: EngineConfig, addresses: tuple[str, str], conn, s
     try:
         loop.run()
     finally:
+        # the loop has ended, so must the process: a clean-up or exit handler that hangs prints every
+        # thread's stack and the process exits 1 anyway (the HTTP side then reports the exit code)
+        faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
         engine.close()
         commands.close()
         outputs.close()
