@@ -2,7 +2,8 @@
 
 Two processes, as SGLang runs them: this one serves HTTP, tokenizes and
 detokenizes; the engine process it spawns runs the scheduler and the model
-(server/engine_process.py). The engine is built before the port is bound, so a
+(server/engine_process.py). With --api-workers N, this process supervises N
+HTTP processes sharing the port instead (server/api_workers.py). The engine is built before the port is bound, so a
 model or backend that cannot run is refused with its reason and a non-zero
 exit, never a server that answers with errors. SIGINT/SIGTERM stop accepting,
 let open streams finish (up to --graceful-shutdown-timeout, then abort them),
@@ -21,6 +22,7 @@ from pathlib import Path
 import uvicorn
 
 from attnserve.commands.engine_args import add_engine_arguments, engine_config, run_other_node
+from attnserve.server.api_workers import serve_with_workers
 from attnserve.server.app import ServerSettings, ServerState, create_app
 from attnserve.server.engine_client import EngineClient
 from attnserve.server.uvicorn_server import UvicornServer
@@ -44,6 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="seconds open streams may take to finish after SIGINT/SIGTERM (default: 10)")
     p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    p.add_argument("--api-workers", type=int, default=1,
+                   help="HTTP processes (tokenizing, serving, detokenizing) over the one engine process; more "
+                   "than 1 shares the port among them under a supervisor (default: 1)")
     add_engine_arguments(p)
     return p
 
@@ -59,6 +64,8 @@ def run(args) -> int:
         raise ValueError(f"--max-queued-requests {args.max_queued_requests}: give a number >= 0")
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes {args.max_request_bytes}: give at least 1024")
+    if args.api_workers < 1:
+        raise ValueError(f"--api-workers {args.api_workers}: give at least 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.node_rank != 0:
         return run_other_node(args)  # node 0 serves; this machine only runs ranks
@@ -67,10 +74,13 @@ def run(args) -> int:
     try:
         settings = ServerSettings(served_model_name=args.served_model_name or served_name(args.model),
                                   api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                                  max_request_bytes=args.max_request_bytes)
+                                  max_request_bytes=args.max_request_bytes, api_workers=args.api_workers)
+        options = {"log_level": "warning", "access_log": args.log_requests,
+                   "timeout_graceful_shutdown": args.graceful_shutdown_timeout}
+        if args.api_workers > 1:
+            return serve_with_workers(engine, settings, options, args.api_workers, args.host, args.port)
         config = uvicorn.Config(create_app(ServerState(engine, settings)), host=args.host, port=args.port,
-                                log_level="warning", access_log=args.log_requests,
-                                timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+                                **options)
         UvicornServer(config).run()  # a port it cannot bind exits 1 with uvicorn's message
     finally:
         engine.release()

@@ -41,6 +41,7 @@ class ServerSettings:
     api_key: str | None = None
     max_queued_requests: int | None = None
     max_request_bytes: int = 8 * 1024 * 1024
+    api_workers: int = 1  # HTTP processes sharing the port
 
 
 class ServerState:
@@ -335,7 +336,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {**state.info, "kv_cache": live["kv_cache"], "running": live["running"], "waiting": live["waiting"],
                 "queued_in_server": state.admission.queued, "prefix_cache": live["prefix_cache"],
                 **({"speculative_stats": live["stats"]["speculative"]} if "speculative" in live["stats"] else {}),
-                "processes": {"http": os.getpid(), "engine": state.engine.pid}}
+                "processes": {"http": os.getpid(), "engine": state.engine.pid,
+                              "api_workers": state.settings.api_workers}}
 
     @app.get("/metrics")
     async def metrics():

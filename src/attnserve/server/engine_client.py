@@ -1,4 +1,4 @@
-"""The HTTP process's end of the engine process: spawn it, stream requests through it, notice its end.
+"""An HTTP process's end of the engine process: stream requests through it, notice its end.
 
 As in SGLang, the process that serves HTTP tokenizes prompts and detokenizes
 outputs, and the scheduler and model run in a process of their own
@@ -7,11 +7,15 @@ Requests go over as token ids with their SamplingParams; token deltas come back
 and a RequestStream per completion makes their text here.
 
 `EngineClient.start` spawns the engine process and blocks until it is built
-(its start-up error, if any, is raised here, before a port is bound). Inside
-the server's event loop, `connect` starts reading the output socket and
-watching the process: when it dies, every open request ends with an error that
-names the cause and `alive` turns False. `aclose` stops it cleanly; `release`
-kills what is left (it runs whatever happened before).
+(its start-up error, if any, is raised here, before a port is bound); that
+client owns the process. With --api-workers, each worker process makes its own
+client with `EngineClient.attach` over the same engine, which the server's
+supervisor owns (server/api_workers.py). Inside the server's event loop,
+`connect` starts reading the socket and watching the engine's end (the process
+itself for the owner, the supervisor's word for a worker): when it ends, every
+open request ends with an error that names the cause and `alive` turns False.
+`aclose` stops the engine cleanly (the owner) or only the channel (a worker);
+`release` kills what is left (it runs whatever happened before).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import shutil
 import signal
 import tempfile
@@ -36,7 +41,8 @@ from attnserve.engine.loop import Item, RequestHandle
 from attnserve.engine.outputs import RequestStream
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.models.tokenizer import encode
-from attnserve.server.engine_process import from_wire, run_engine_process, to_wire
+from attnserve.server.engine_process import (FAILURE_FILE, client_identity, engine_address, from_wire,
+                                              run_engine_process, to_wire)
 
 log = logging.getLogger("attnserve.server")
 
@@ -55,17 +61,29 @@ class RemoteRequest(RequestHandle):
         self.accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-def exit_description(code: int | None) -> str:
+def exit_description(code: int | None, what: str = "the engine process") -> str:
     if code is not None and code < 0:
-        return f"the engine process was killed by {signal.Signals(-code).name}"
-    return f"the engine process exited with code {code}"
+        return f"{what} was killed by {signal.Signals(-code).name}"
+    return f"{what} exited with code {code}"
+
+
+def _channel(channel_dir: str, context: zmq.Context, identity: bytes) -> zmq.Socket:
+    """This client's DEALER socket to the engine's ROUTER; its identity names it in the engine."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(engine_address(channel_dir))
+    return sock
 
 
 class EngineClient:
-    """One engine process and its channel; used from the HTTP server's event loop once `connect`ed."""
+    """One channel to the engine process; used from the HTTP server's event loop once `connect`ed. The client
+    made by `start` owns the process (`process`); one made by `attach` watches `engine_end` instead, a pipe
+    on which the process's owner sends ("engine_exit", why) and whose EOF means the owner is gone."""
 
-    def __init__(self, process, conn, ipc_dir: str, context: zmq.Context, commands: zmq.Socket,
-                 outputs: zmq.Socket, facts: dict):
+    def __init__(self, channel_dir: str, facts: dict, process=None, conn=None, engine_end=None):
         self.process = process
         self.pid: int = facts["pid"]
         self.tokenizer = facts["tokenizer"]
@@ -73,35 +91,32 @@ class EngineClient:
         self.max_context_len: int = facts["max_context_len"]
         self.pool_tokens: int = facts["pool_tokens"]
         self.info: dict = facts["info"]
+        self.facts = facts
         self.last_state: dict = facts["state"]  # answers state queries once the engine is gone
         self.error: str | None = None
-        self._conn = conn  # kept open: its EOF tells the engine process this one is gone
-        self._ipc_dir = ipc_dir
-        self._context, self._commands, self._outputs = context, commands, outputs
+        self.channel_dir = channel_dir
+        self._conn = conn  # the owner keeps it open: its EOF tells the engine process this one is gone
+        self._engine_end = engine_end
+        self._context = zmq.Context()
+        self._sock = _channel(channel_dir, self._context, client_identity(os.getpid()))
         self._handles: dict[int, RemoteRequest] = {}
         self._queries: dict[int, asyncio.Future] = {}
         self._rids, self._qids = itertools.count(), itertools.count()
         self._receiver: asyncio.Task | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._ended = False  # the engine process is known to have ended
+        self.exitcode: int | None = None  # the owner's: set once the event loop has reaped the process
 
     # ---- start and stop ---------------------------------------------------------------------
     @classmethod
     def start(cls, config: EngineConfig, setup: Callable | None = None) -> EngineClient:
         """Spawn the engine process and wait until its engine is built; raises its start-up error.
         `setup(engine)`: a picklable function the engine process runs once the engine is built."""
-        ipc_dir = tempfile.mkdtemp(prefix="attnserve-ipc-")  # mode 0700: only this user reaches the sockets
-        addresses = (f"ipc://{Path(ipc_dir, 'commands')}", f"ipc://{Path(ipc_dir, 'outputs')}")
-        context = zmq.Context()
-        commands, outputs = context.socket(zmq.PUSH), context.socket(zmq.PULL)
-        for sock, address in ((commands, addresses[0]), (outputs, addresses[1])):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.bind(address)
+        channel_dir = tempfile.mkdtemp(prefix="attnserve-ipc-")  # mode 0700: only this user reaches the socket
         mp = multiprocessing.get_context("spawn")
         conn, child_conn = mp.Pipe()
-        process = mp.Process(target=run_engine_process, args=(config, addresses, child_conn, setup),
+        process = mp.Process(target=run_engine_process, args=(config, channel_dir, child_conn, setup),
                              name="attnserve-engine")
         try:
             process.start()
@@ -121,29 +136,52 @@ class EngineClient:
             if process.pid is not None:
                 process.join()
             conn.close()
-            for sock in (commands, outputs):
-                sock.close()
-            context.term()
-            shutil.rmtree(ipc_dir, ignore_errors=True)
+            shutil.rmtree(channel_dir, ignore_errors=True)
             raise
-        return cls(process, conn, ipc_dir, context, commands, outputs, payload)
+        return cls(channel_dir, payload, process=process, conn=conn)
+
+    @classmethod
+    def attach(cls, channel_dir: str, facts: dict, engine_end) -> EngineClient:
+        """A client of an engine process that another process owns (an API worker's)."""
+        return cls(channel_dir, facts, engine_end=engine_end)
+
+    @property
+    def owner(self) -> bool:
+        return self.process is not None
+
+    def exit_reason(self) -> str:
+        """Why the (ended) engine process ended: its last words if it left any, else its exit code."""
+        try:
+            return Path(self.channel_dir, FAILURE_FILE).read_text()
+        except OSError:
+            return exit_description(self.process.exitcode)
 
     async def connect(self) -> None:
-        """Start reading the engine's output and watching its process, on the running event loop."""
+        """Start reading the engine's output and watching its end, on the running event loop."""
         self._aio = asyncio.get_running_loop()
-        self._receiver = asyncio.create_task(self._receive(zmq.asyncio.Socket.from_socket(self._outputs)))
-        self._aio.add_reader(self.process.sentinel, self._on_exit)
-        if not self.process.is_alive():
-            self._on_exit()
+        self._receiver = asyncio.create_task(self._receive(zmq.asyncio.Socket.from_socket(self._sock)))
+        if self.owner:
+            self._aio.add_reader(self.process.sentinel, self._on_exit)
+            if not self.process.is_alive():
+                self._on_exit()
+        else:
+            self._aio.add_reader(self._engine_end.fileno(), self._on_owner_message)
 
-    async def aclose(self) -> None:
-        """Stop the engine process: its step in flight completes and every open request ends aborted."""
+    def stop(self) -> None:
+        """The owner's clean stop: the engine's step in flight completes, every open request ends aborted,
+        and the process exits (killed if it does not within STOP_TIMEOUT_S)."""
         if self.process.is_alive() and not self._stopping:
             self._stopping = True
             self._send(("shutdown",))
-            await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
+            self.process.join(STOP_TIMEOUT_S)
             if self.process.is_alive():
                 log.warning("the engine process did not stop within %.0f s: killing it", STOP_TIMEOUT_S)
+        self._stopping = True
+
+    async def aclose(self) -> None:
+        """Stop the engine process (the owner) or leave it (a worker); every request still open here ends."""
+        if self.owner:
+            await asyncio.to_thread(self.stop)
         self._stopping = True
         if self._receiver is not None:
             self._receiver.cancel()
@@ -153,24 +191,28 @@ class EngineClient:
         self.release()
 
     def release(self) -> None:
-        """Kill the engine process if it still runs and free the channel (idempotent)."""
+        """Kill the engine process if this client owns it and it still runs, and free the channel
+        (idempotent)."""
         self._stopping = True
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join()
+        if self.owner:
+            if self.process.is_alive():
+                self.process.kill()
+            self.process.join()
         if self._context.closed:
             return
         if self._aio is not None and not self._aio.is_closed():
-            self._aio.remove_reader(self.process.sentinel)
-        self._conn.close()
-        for sock in (self._commands, self._outputs):
-            sock.close()
+            self._aio.remove_reader(self.process.sentinel if self.owner else self._engine_end.fileno())
+        if self._conn is not None:
+            self._conn.close()
+        self._sock.close()
         self._context.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self.owner:
+            shutil.rmtree(self.channel_dir, ignore_errors=True)
 
     @property
     def alive(self) -> bool:
-        return self.error is None and not self._stopping and self.process.is_alive()
+        return self.error is None and not self._stopping and not self._ended and (
+            not self.owner or self.process.is_alive())
 
     # ---- requests (on the event loop) -------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -193,6 +235,10 @@ class EngineClient:
     def abort(self, rid: int) -> None:
         self._send(("abort", rid))
 
+    def client_gone(self, pid: int) -> None:
+        """The owner tells the engine that a client process (an API worker) has died: its requests end."""
+        self._send(("client_gone", client_identity(pid)))
+
     def stop_request(self, rid: int, stop: str) -> None:
         self._send(("stop", rid, stop))
 
@@ -212,7 +258,7 @@ class EngineClient:
 
     def _send(self, cmd: tuple) -> None:
         try:
-            self._commands.send(to_wire(cmd), zmq.NOBLOCK)
+            self._sock.send(to_wire(cmd), zmq.NOBLOCK)
         except zmq.Again:  # no engine connected: it is gone, and its end is being handled
             pass
 
@@ -225,7 +271,7 @@ class EngineClient:
         """Read what is left on the socket without waiting (the engine process has ended)."""
         while True:
             try:
-                self._dispatch(from_wire(self._outputs.recv(zmq.NOBLOCK)))
+                self._dispatch(from_wire(self._sock.recv(zmq.NOBLOCK)))
             except zmq.Again:
                 return
 
@@ -259,12 +305,34 @@ class EngineClient:
                 log.error("%s; new requests are refused", self.error)
 
     def _on_exit(self) -> None:
-        """The engine process ended: read its last messages, then end every open request with the cause."""
+        """The engine process ended (the owner sees it): read its last messages, then end every open request
+        with the cause."""
         self._aio.remove_reader(self.process.sentinel)
-        self.process.join(5)
+        self.process.join(5)  # reaped on this thread only: a second thread's waitpid could see no exit code
+        self.exitcode = self.process.exitcode
+        self.engine_ended(self.exit_reason())
+
+    def _on_owner_message(self) -> None:
+        """A worker hears from the engine's owner: the engine ended (and why), or, at EOF, the owner is gone
+        and so is this server (its graceful shutdown starts, as on SIGTERM)."""
+        try:
+            kind, reason = self._engine_end.recv()
+        except (EOFError, OSError):
+            self._aio.remove_reader(self._engine_end.fileno())
+            log.error("the server's supervisor is gone: shutting this API worker down")
+            self.engine_ended("the server's supervisor is gone")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if kind == "engine_exit":
+            self.engine_ended(reason)
+
+    def engine_ended(self, reason: str) -> None:
+        """Read the engine's last messages, then end every open request with `reason` (or the engine's own
+        failure message, if it sent one first)."""
+        self._ended = True
         self._drain()
         if not self._stopping and self.error is None:
-            self.error = exit_description(self.process.exitcode)
+            self.error = reason
             log.error("%s; new requests are refused", self.error)
         self._end_open(self.error or "the engine process stopped")
 

@@ -1,24 +1,33 @@
 """The engine process: the scheduler and the model, stepped on this process's main thread.
 
-The HTTP process spawns it (`EngineProcess` in engine_client.py) and keeps one
-end of a pipe open for as long as it lives. Here the engine is built, then the
-pipe carries one message back: ("ready", facts the HTTP side needs) or
-("failed", the exception that stopped the start-up). After that the pipe only
-tells of the parent's death (EOF), even by SIGKILL: the loop then ends on its
-own, and a step that does not return within PARENT_GONE_EXIT_S ends the process
-anyway, so no engine outlives its server.
+Its owner (the HTTP process, or with --api-workers the server's supervisor;
+`EngineClient.start` in engine_client.py) spawns it and keeps one end of a pipe
+open for as long as it lives. Here the engine is built, then the pipe carries
+one message back: ("ready", facts the HTTP side needs) or ("failed", the
+exception that stopped the start-up). After that the pipe only tells of the
+owner's death (EOF), even by SIGKILL: the loop then ends on its own, and a step
+that does not return within PARENT_GONE_EXIT_S ends the process anyway, so no
+engine outlives its server.
 
-Requests, aborts and state queries come over ZeroMQ as pickled tuples; every
-loop iteration sends what it produced (acceptances, token deltas, state
-replies) as one pickled list. Pickle carries whole dataclasses (TokenDelta,
-SamplingParams), so a field added to them travels without changes here; both
-ends are the same program on one machine, talking over IPC sockets in a
-private directory.
+One ZeroMQ ROUTER socket, bound here, serves every client (each HTTP worker
+connects a DEALER under its own identity). Requests, aborts and state queries
+come in as pickled tuples; every loop iteration sends each client what it
+produced for it (acceptances, token deltas, state replies) as one pickled list.
+Client request ids are mapped to engine ids, so workers need not agree on
+theirs. When a client's process dies, the owner says so ("client_gone") and
+its requests are aborted, freeing their KV pages. Last words that cannot go
+through the socket (a dead tensor-parallel rank, seen on a watchdog thread) are
+written to FAILURE_FILE in the channel's directory, where the owner reads them
+once the process has ended. Pickle carries whole dataclasses (TokenDelta,
+SamplingParams), so a field added to them travels without changes here; every
+end is the same program on one machine, talking over IPC sockets in a private
+directory.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import itertools
 import logging
 import os
 import pickle
@@ -27,6 +36,7 @@ import sys
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 import zmq
 
@@ -40,6 +50,7 @@ log = logging.getLogger("attnserve.engine")
 PARENT_CHECK_MS = 200  # while idle, how often the loop looks whether the HTTP process is gone
 PARENT_GONE_EXIT_S = 10.0  # how long a step may keep a parentless engine process alive
 EXIT_GRACE_S = 20.0  # how long the process may take to end once its loop has (else: stacks on stderr, exit 1)
+FAILURE_FILE = "engine-failure.txt"  # in the channel's directory: why the engine process is about to end
 
 
 def to_wire(obj) -> bytes:
@@ -48,6 +59,15 @@ def to_wire(obj) -> bytes:
 
 def from_wire(data: bytes):
     return pickle.loads(data)
+
+
+def engine_address(channel_dir: str) -> str:
+    return f"ipc://{Path(channel_dir, 'engine')}"
+
+
+def client_identity(pid: int) -> bytes:
+    """A client's name on the engine's socket: its process (one client per process and engine)."""
+    return f"pid-{pid}".encode()
 
 
 def portable_error(exc: BaseException) -> Exception:
@@ -63,81 +83,113 @@ def engine_state(engine: Engine) -> dict:
 
 
 class _RemoteHandle:
-    """The engine side of one request: what EngineLoop delivers to it goes into the next outgoing message."""
+    """The engine side of one client's request: what EngineLoop delivers goes into that client's next message
+    under the client's own request id."""
 
-    def __init__(self, rid: int, outbox: list):
-        self.rid = rid
+    def __init__(self, rid: int, client_rid: int, outbox: list):
+        self.rid = rid  # the engine's id
+        self.client_rid = client_rid
         self._outbox = outbox
 
     def deliver(self, item) -> None:
         if isinstance(item, BaseException):
             item = portable_error(item)
-        self._outbox.append(("item", self.rid, item))
+        self._outbox.append(("item", self.client_rid, item))
 
 
 class ProcessLoop(EngineLoop):
-    """EngineLoop run on this process's main thread, its commands read from the HTTP process's socket."""
+    """EngineLoop run on this process's main thread, its commands read from the clients' socket."""
 
-    def __init__(self, engine: Engine, commands: zmq.Socket, outputs: zmq.Socket, parent_gone: threading.Event):
+    def __init__(self, engine: Engine, sock: zmq.Socket, parent_gone: threading.Event):
         super().__init__(engine)
-        self._in, self._out = commands, outputs
-        self._outbox: list = []
+        self._sock = sock
+        self._outboxes: dict[bytes, list] = {}  # client identity -> what goes to it next
+        self._owners: dict[int, tuple[bytes, int]] = {}  # engine rid -> (client identity, client rid)
+        self._engine_rids: dict[tuple[bytes, int], int] = {}  # the reverse
+        self._next_rid = itertools.count()
         self._parent_gone = parent_gone
 
     def run(self) -> None:
         self._run()
         if self.error is not None:
-            self._outbox.append(("failed", repr(self.error)))
+            for box in self._outboxes.values():  # every client hears it, busy or not
+                box.append(("failed", repr(self.error)))
         self.flush()
 
     def flush(self) -> None:
-        if self._outbox:
-            self._out.send(to_wire(self._outbox), copy=False)
-            self._outbox.clear()  # in place: the handles hold this list
+        for identity, box in self._outboxes.items():
+            if box:
+                self._sock.send_multipart([identity, to_wire(box)], copy=False)
+                box.clear()  # in place: the handles hold this list
 
     def _take_commands(self, block: bool) -> bool:
         """Send what the last step produced, then read the socket (waiting for a message when idle) and apply
-        its commands; False once asked to shut down or the HTTP process is gone."""
+        its commands; False once asked to shut down or the owner is gone."""
         self.flush()
         while not self._parent_gone.is_set():
-            if not self._in.poll(PARENT_CHECK_MS if block else 0):
+            if not self._sock.poll(PARENT_CHECK_MS if block else 0):
                 if block:
                     continue
                 return True
             while True:
                 try:
-                    cmd = from_wire(self._in.recv(zmq.NOBLOCK))
+                    identity, payload = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._translate(cmd)
+                self._translate(identity, from_wire(payload))
             return super()._take_commands(block=False)
         return False
 
-    def _translate(self, cmd: tuple) -> None:
-        """A wire command as the base loop's command; a state query is answered at once (this is the loop's
+    def _translate(self, identity: bytes, cmd: tuple) -> None:
+        """A client's command as the base loop's command; a state query is answered at once (this is the loop's
         thread, between steps)."""
         kind = cmd[0]
+        outbox = self._outboxes.setdefault(identity, [])
         if kind == "add":
-            rid, prompt_ids, params, speculative = cmd[1:]
-            handle = _RemoteHandle(rid, self._outbox)
+            client_rid, prompt_ids, params, speculative = cmd[1:]
+            rid = next(self._next_rid)
+            handle = _RemoteHandle(rid, client_rid, outbox)
             try:
                 req = self.engine.make_request(prompt_ids, params, rid=rid, speculative=speculative)
             except ValueError as exc:  # bad input goes back to its sender
                 handle.deliver(exc)
                 handle.deliver(None)
                 return
+            self._owners[rid] = (identity, client_rid)
+            self._engine_rids[identity, client_rid] = rid
             self._commands.put(("add", handle, req))
         elif kind == "state":
-            self._outbox.append(("state", cmd[1], engine_state(self.engine)))
-        elif kind in ("abort", "stop", "shutdown"):
+            outbox.append(("state", cmd[1], engine_state(self.engine)))
+        elif kind in ("abort", "stop"):
+            rid = self._engine_rids.get((identity, cmd[1]))
+            if rid is not None:
+                self._commands.put((kind, rid, *cmd[2:]))
+        elif kind == "client_gone":  # the owner saw a client's process end
+            self._client_gone(cmd[1])
+        elif kind == "shutdown":
             self._commands.put(cmd)
         else:
             log.warning("engine process: unknown command %r", kind)
 
+    def _client_gone(self, identity: bytes) -> None:
+        """A client's process is gone: abort its requests (their pages go back) and forget it."""
+        rids = [rid for rid, (who, _) in self._owners.items() if who == identity]
+        if rids:
+            log.warning("a client of the engine disconnected: aborting its %d request(s)", len(rids))
+        for rid in rids:
+            self._commands.put(("abort", rid))
+        self._outboxes.pop(identity, None)
+
     def _add(self, handle, req) -> None:
         super()._add(handle, req)
         if handle.rid in self._handles:
-            self._outbox.append(("accepted", handle.rid))
+            handle._outbox.append(("accepted", handle.client_rid))
+
+    def _close(self, rid: int) -> None:
+        super()._close(rid)
+        owner = self._owners.pop(rid, None)
+        if owner is not None:
+            self._engine_rids.pop(owner, None)
 
 
 def _watch_parent(conn, parent_gone: threading.Event) -> None:
@@ -169,22 +221,16 @@ def ready_facts(engine: Engine) -> dict:
     }
 
 
-def _report_failure(address: str, message: str) -> None:
-    """Tell the HTTP process why the engine process is about to end, from the thread that saw it: a context
-    and socket of its own (ZeroMQ sockets are not shared between threads), terminated before returning so the
-    message is out before the process exits."""
-    context = zmq.Context()
-    sock = context.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(address)
-    sock.send(to_wire([("failed", message)]))
-    sock.close()
-    context.term()  # waits (up to the linger) until the message has left
+def _report_failure(path: Path, message: str) -> None:
+    """Leave why the engine process is about to end where its owner reads it once the process has ended (the
+    thread that saw it cannot use the loop's socket)."""
+    path.write_text(message)
 
 
-def run_engine_process(config: EngineConfig, addresses: tuple[str, str], conn, setup=None) -> None:
-    """The engine process's entry point. `addresses`: (commands, outputs) ZeroMQ endpoints the HTTP process
-    bound; `conn`: this end of the pipe; `setup(engine)`: run once the engine is built (tests inject faults)."""
+def run_engine_process(config: EngineConfig, channel_dir: str, conn, setup=None) -> None:
+    """The engine process's entry point. `channel_dir`: the private directory of the socket (and of
+    FAILURE_FILE); `conn`: this end of the pipe; `setup(engine)`: run once the engine is built (tests inject
+    faults)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the HTTP process stops us
     parent_gone = threading.Event()
@@ -206,14 +252,14 @@ def run_engine_process(config: EngineConfig, addresses: tuple[str, str], conn, s
             conn.send(("failed", RuntimeError(repr(exc))))
         sys.exit(1)
     context = zmq.Context()
-    failure_reporters.append(partial(_report_failure, addresses[1]))
-    commands, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    for sock, address in ((commands, addresses[0]), (outputs, addresses[1])):
-        sock.setsockopt(zmq.LINGER, 2000)  # what is queued at exit still goes out, unless nobody listens
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.connect(address)
+    failure_reporters.append(partial(_report_failure, Path(channel_dir, FAILURE_FILE)))
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 2000)  # what is queued at exit still goes out, unless nobody listens
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(engine_address(channel_dir))  # bound before "ready": clients connect after it
     conn.send(("ready", facts))
-    loop = ProcessLoop(engine, commands, outputs, parent_gone)
+    loop = ProcessLoop(engine, sock, parent_gone)
     try:
         loop.run()
     finally:
@@ -221,7 +267,6 @@ def run_engine_process(config: EngineConfig, addresses: tuple[str, str], conn, s
         # thread's stack and the process exits 1 anyway (the HTTP side then reports the exit code)
         faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
         engine.close()
-        commands.close()
-        outputs.close()
+        sock.close()
         context.term()
     sys.exit(0 if loop.error is None else 1)

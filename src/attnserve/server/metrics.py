@@ -5,13 +5,18 @@ requests finish; gauges of the engine's state (requests, KV pages, prefix-cache
 hit rate) and the engine's own counters (steps, prefill and decode tokens,
 preemptions) are read from the engine process when /metrics is scraped, so
 they are never stale. Each server has its own registry (tests run several in
-one process).
+one process). With several API workers (PROMETHEUS_MULTIPROC_DIR set before
+prometheus_client is imported), each worker's HTTP-side values go to files
+there, and a scrape adds up every worker's.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from attnserve.engine.outputs import RequestOutput
 
@@ -30,17 +35,37 @@ _SPEC_COUNTERS = {"verify_steps": "Speculative verify steps",
                   "accepted_tokens": "Draft tokens the target model accepted"}
 
 
-class EngineCounters:
-    """The engine process's cumulative counters (Engine.stats()), as of the last state read."""
+class EngineState:
+    """What the engine process reports, as of the last state read: its requests, KV pages and prefix-cache
+    hit rate (gauges), its cumulative counters, and the fixed model and backends (an info metric). A collector
+    of its own, so that every API worker reports the one engine once."""
 
-    def __init__(self):
-        self.stats: dict = {}
+    def __init__(self, model: str, prefill_backend: str, decode_backend: str):
+        self.labels = {"model": model, "prefill_backend": prefill_backend, "decode_backend": decode_backend}
+        self.state: dict = {}
 
     def collect(self):
+        yield InfoMetricFamily("attnserve:backend", "The model and the resolved attention backends",
+                               value=self.labels)
+        state = self.state
+        if not state:
+            return
+        yield GaugeMetricFamily("attnserve:num_requests_running", "Requests holding KV pages",
+                                value=state["running"])
+        yield GaugeMetricFamily("attnserve:num_requests_waiting", "Requests queued for admission",
+                                value=state["waiting"])
+        pages = GaugeMetricFamily("attnserve:kv_pages", "KV cache pages by state", labels=["state"])
+        for key in ("total", "free", "cached", "in_use"):
+            pages.add_metric([key], state["kv_cache"][f"pages_{key}"])
+        yield pages
+        yield GaugeMetricFamily("attnserve:prefix_cache_hit_rate",
+                                "Prompt tokens found in the prefix cache / looked up",
+                                value=state["prefix_cache"].get("hit_rate", 0.0))
+        stats = state.get("stats", {})
         for key, doc in _ENGINE_COUNTERS.items():
-            if key in self.stats:
-                yield CounterMetricFamily(f"attnserve:engine_{key}", doc, value=self.stats[key])
-        spec = self.stats.get("speculative")
+            if key in stats:
+                yield CounterMetricFamily(f"attnserve:engine_{key}", doc, value=stats[key])
+        spec = stats.get("speculative")
         if spec:
             for key, doc in _SPEC_COUNTERS.items():
                 yield CounterMetricFamily(f"attnserve:spec_{key}", doc, value=spec[key])
@@ -67,15 +92,8 @@ class ServerMetrics:
                                      registry=r)
         self.requests = Counter("attnserve:requests", "Ended requests by finish reason (stop, length, abort, error)",
                                 ["finish_reason"], registry=r)
-        self.running = Gauge("attnserve:num_requests_running", "Requests holding KV pages", registry=r)
-        self.waiting = Gauge("attnserve:num_requests_waiting", "Requests queued for admission", registry=r)
-        self.pages = Gauge("attnserve:kv_pages", "KV cache pages by state", ["state"], registry=r)
-        self.hit_rate = Gauge("attnserve:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up",
-                              registry=r)
-        self.info = Info("attnserve:backend", "The model and the resolved attention backends", registry=r)
-        self.info.info({"model": model, "prefill_backend": prefill_backend, "decode_backend": decode_backend})
-        self.engine_counters = EngineCounters()
-        r.register(self.engine_counters)
+        self.engine = EngineState(model, prefill_backend, decode_backend)
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
     def observe(self, output: RequestOutput) -> None:
         self.requests.labels(output.finish_reason).inc()
@@ -97,12 +115,16 @@ class ServerMetrics:
             self.requests.labels(reason).inc()
 
     def render(self, state: dict) -> bytes:
-        """The text exposition, with the gauges and engine counters set from `state` (the engine process's
-        Engine.state() and its Engine.stats())."""
-        self.running.set(state["running"])
-        self.waiting.set(state["waiting"])
-        for key in ("total", "free", "cached", "in_use"):
-            self.pages.labels(key).set(state["kv_cache"][f"pages_{key}"])
-        self.hit_rate.set(state["prefix_cache"].get("hit_rate", 0.0))
-        self.engine_counters.stats = state.get("stats", {})
-        return generate_latest(self.registry)
+        """The text exposition: this server's (or every API worker's) HTTP-side metrics and the engine's from
+        `state` (the engine process's Engine.state() and its Engine.stats())."""
+        self.engine.state = state
+        if self.multiprocess_dir is None:
+            registry = self.registry
+        else:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, self.multiprocess_dir)
+        registry.register(self.engine)
+        try:
+            return generate_latest(registry)
+        finally:
+            registry.unregister(self.engine)

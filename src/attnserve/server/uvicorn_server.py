@@ -14,16 +14,24 @@ END_GRACE_S = 5.0  # after open requests are told to end: how long they may take
 
 
 class UvicornServer(uvicorn.Server):
-    """Logs the address really bound (--port 0 picks one); treats a shutdown that SIGINT/SIGTERM started as a
+    """Logs the address really bound (--port 0 picks one), or tells `on_started(host, port)` (an API worker
+    tells its supervisor, which logs it once for all); treats a shutdown that SIGINT/SIGTERM started as a
     normal exit (status 0) instead of re-raising the signal once shut down; and when open requests outlast the
     graceful-shutdown timeout, asks the app to end them (`app.state.end_open_requests`: a stream then sends an
     error event and `data: [DONE]`) before anything is cancelled."""
 
+    def __init__(self, config: uvicorn.Config, on_started=None):
+        super().__init__(config)
+        self.on_started = on_started or self._announce
+
+    @staticmethod
+    def _announce(host: str, port: int) -> None:
+        log.info("serving on http://%s:%s (OpenAI API under /v1; /health, /metrics, /server_info)", host, port)
+
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            log.info("serving on http://%s:%s (OpenAI API under /v1; /health, /metrics, /server_info)", host, port)
+            self.on_started(*self.servers[0].sockets[0].getsockname()[:2])
 
     @contextlib.contextmanager
     def capture_signals(self):

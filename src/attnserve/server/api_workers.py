@@ -1,0 +1,199 @@
+"""`serve --api-workers N`: N HTTP processes over one engine process, as vLLM's --api-server-count runs them.
+
+One HTTP process is enough while JSON, SSE and detokenization fit one core next
+to the engine; past that, more of them share the work. This process becomes
+the server's supervisor: it owns the engine process (EngineClient.start), binds
+the port and spawns N API workers on that one listening socket (the kernel
+hands each new connection to one of them). Each worker tokenizes, serves HTTP
+and detokenizes with its own channel to the engine (EngineClient.attach) and
+its own pipe to the supervisor. The supervisor watches every process:
+
+- an API worker that dies: the engine is told, aborts that worker's requests
+  (their KV pages go back), and a new worker takes its place;
+- the engine process that dies: every worker hears why, turns /health to 503
+  and ends its open requests with that reason (as the one-process server does);
+- SIGINT/SIGTERM: the workers shut down gracefully (open streams finish, up to
+  --graceful-shutdown-timeout), then the engine stops, and the exit status is 0;
+- the supervisor itself killed: each worker sees its pipe close and shuts down,
+  and the engine process sees its owner gone and exits.
+
+HTTP-side metrics (latency histograms, token counters) live in each worker;
+prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a private
+directory per server) adds them up, so any worker's /metrics covers them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from attnserve.server.engine_client import EngineClient, exit_description
+
+log = logging.getLogger("attnserve.server")
+
+POLL_S = 0.2  # how often the supervisor looks at its signals between process events
+STOP_MARGIN_S = 15.0  # past the graceful-shutdown timeout: how long a stopping worker may take before a kill
+
+
+@dataclass
+class WorkerSpec:
+    """What every API worker is built from (pickled into each spawned worker)."""
+
+    channel_dir: str
+    facts: dict  # the engine's ready facts: tokenizer, context, info
+    settings: object  # ServerSettings
+    uvicorn_options: dict  # uvicorn.Config keywords other than the app, host and port
+
+
+def _worker_main(spec: WorkerSpec, sock, conn) -> None:
+    """An API worker: the app over an attached engine client, served by uvicorn on the shared socket."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from attnserve.server.app import ServerState, create_app
+    from attnserve.server.uvicorn_server import UvicornServer
+
+    engine = EngineClient.attach(spec.channel_dir, spec.facts, conn)
+    state = ServerState(engine, spec.settings)
+    config = uvicorn.Config(create_app(state), **spec.uvicorn_options)
+    server = UvicornServer(config, on_started=lambda host, port: conn.send(("ready", os.getpid())))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.release()
+
+
+class Supervisor:
+    """The API workers and the engine process they share; `run` until a signal, then stop them all."""
+
+    def __init__(self, engine: EngineClient, spec: WorkerSpec, workers: int, host: str, port: int):
+        self.engine = engine
+        self.spec = spec
+        self.count = workers
+        self.sock = uvicorn.Config(app=None, host=host, port=port, log_level="warning").bind_socket()
+        self._mp = multiprocessing.get_context("spawn")
+        self.workers: dict[int, tuple[multiprocessing.Process, multiprocessing.connection.Connection]] = {}
+        self.engine_reason: str | None = None  # why the engine process ended, once it has
+        self._signal: int | None = None
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        for index in range(self.count):
+            self._spawn(index)
+        if not self._wait_ready():
+            self._stop()
+            return 1
+        host, port = self.sock.getsockname()[:2]
+        pids = ", ".join(str(p.pid) for p, _ in self.workers.values())
+        log.info("serving on http://%s:%s (OpenAI API under /v1; /health, /metrics, /server_info) with %d API "
+                 "workers (pids %s)", host, port, self.count, pids)
+        while self._signal is None:
+            self._watch_once()
+        log.info("shutting down (signal %d): finishing open streams", self._signal)
+        self._stop()
+        return 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = signum
+
+    def _spawn(self, index: int) -> None:
+        ours, theirs = self._mp.Pipe()
+        process = self._mp.Process(target=_worker_main, args=(self.spec, self.sock, theirs),
+                                   name=f"attnserve-api-{index}", daemon=True)
+        process.start()
+        theirs.close()
+        self.workers[index] = (process, ours)
+
+    def _wait_ready(self) -> bool:
+        """Every worker's ("ready", pid); False if one ends first (its error is on stderr)."""
+        waiting = dict(self.workers)
+        while waiting and self._signal is None:
+            by_conn = {conn: index for index, (_, conn) in waiting.items()}
+            for ready in multiprocessing.connection.wait([*by_conn, *(p.sentinel for p, _ in waiting.values())],
+                                                         POLL_S):
+                index = by_conn.get(ready)
+                if index is None:
+                    log.error("an API worker exited while starting: the server stops")
+                    return False
+                try:
+                    ready.recv()
+                except EOFError:
+                    log.error("an API worker exited while starting: the server stops")
+                    return False
+                del waiting[index]
+        return not waiting
+
+    def _watch_once(self) -> None:
+        """Wait up to POLL_S for a process to end, and handle what ended."""
+        by_sentinel = {p.sentinel: index for index, (p, _) in self.workers.items()}
+        watched = [*by_sentinel]
+        if self.engine_reason is None:
+            watched.append(self.engine.process.sentinel)
+        for ended in multiprocessing.connection.wait(watched, POLL_S):
+            if ended in by_sentinel:
+                self._replace(by_sentinel[ended])
+            else:
+                self.engine.process.join(5)
+                self.engine_reason = self.engine.exit_reason()
+                log.error("%s; every API worker now refuses new requests", self.engine_reason)
+                for _, conn in self.workers.values():
+                    self._tell(conn, self.engine_reason)
+
+    def _replace(self, index: int) -> None:
+        """A worker died: the engine ends its requests, and a new worker serves in its place."""
+        process, conn = self.workers.pop(index)
+        process.join(5)
+        conn.close()
+        log.error("%s; its requests are aborted and a new worker starts",
+                  exit_description(process.exitcode, f"API worker {index} (pid {process.pid})"))
+        if self.engine_reason is None:
+            self.engine.client_gone(process.pid)
+        self._spawn(index)
+        if self.engine_reason is not None:
+            self._tell(self.workers[index][1], self.engine_reason)
+
+    @staticmethod
+    def _tell(conn, reason: str) -> None:
+        try:
+            conn.send(("engine_exit", reason))
+        except OSError:  # that worker is gone too; its sentinel says so next
+            pass
+
+    def _stop(self) -> None:
+        """Workers first (each finishes its streams), then the engine."""
+        for process, _ in self.workers.values():
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+        timeout = self.spec.uvicorn_options.get("timeout_graceful_shutdown") or 0
+        deadline = time.monotonic() + timeout + STOP_MARGIN_S
+        for process, conn in self.workers.values():
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                log.warning("API worker pid %d did not stop: killing it", process.pid)
+                process.kill()
+                process.join()
+            conn.close()
+        self.sock.close()
+        self.engine.stop()
+
+
+def serve_with_workers(engine: EngineClient, settings, uvicorn_options: dict, workers: int, host: str,
+                       port: int) -> int:
+    """Run the supervisor over `engine` (an owner client) until a signal; the exit status."""
+    metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by each worker as it imports prometheus_client
+    try:
+        spec = WorkerSpec(engine.channel_dir, engine.facts, settings, uvicorn_options)
+        return Supervisor(engine, spec, workers, host, port).run()
+    finally:
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        shutil.rmtree(metrics_dir, ignore_errors=True)

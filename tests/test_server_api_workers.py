@@ -1,0 +1,137 @@
+"""`serve --api-workers 2`: two HTTP processes over one engine process, under a supervisor. Their metrics add
+up, a killed worker's requests free their pages and a new worker replaces it, a dead engine turns every worker's
+/health to 503, SIGTERM ends every process with status 0, and a killed supervisor leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+from test_server_lifecycle import _running, _serve
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+
+
+def _start(*flags: str) -> tuple:
+    """(process, base url, [worker pids], stderr lines) of a server with two API workers."""
+    proc = _serve("--api-workers", "2", "--max-total-tokens", "32768", *flags)
+    lines: list[str] = []
+    for line in proc.stderr:
+        lines.append(line)
+        m = re.search(r"serving on http://127\.0\.0\.1:(\d+) .* \(pids (\d+), (\d+)\)", line)
+        if m:
+            threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()  # keep the pipe drained
+            return proc, f"http://127.0.0.1:{m.group(1)}", [int(m.group(2)), int(m.group(3))], lines
+    proc.wait()
+    raise AssertionError("".join(lines))
+
+
+def _stop(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def _until(predicate, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _info(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=10).json()
+
+
+def test_api_workers_add_up_their_metrics_and_report_a_dead_engine_then_exit_cleanly():
+    proc, url, workers, lines = _start()
+    try:
+        info = _info(url)
+        assert info["processes"]["api_workers"] == 2 and info["processes"]["http"] in workers
+        engine_pid = info["processes"]["engine"]
+        body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+        results: list[dict] = []
+        threads = [threading.Thread(target=lambda: results.append(
+            httpx.post(url + "/v1/completions", json=body, timeout=120).json())) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len({r["choices"][0]["text"] for r in results}) == 1  # greedy: one answer, whichever worker served
+        for _ in range(4):  # whichever worker answers the scrape counts every worker's requests
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            assert 'attnserve:requests_total{finish_reason="length"} 8.0' in metrics, metrics
+            assert "attnserve:generation_tokens_total 48.0" in metrics
+            assert len(re.findall(r"^attnserve:num_requests_running ", metrics, re.M)) == 1  # one engine, once
+
+        os.kill(engine_pid, signal.SIGKILL)
+        for _ in range(4):  # every worker hears it from the supervisor
+            _until(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, "health stayed 200")
+            health = httpx.get(url + "/health", timeout=10)
+            assert health.status_code == 503 and "killed by SIGKILL" in health.json()["error"]["message"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert not any(_running(pid) for pid in [*workers, engine_pid])
+        assert "Traceback" not in "".join(lines), "".join(lines)
+    finally:
+        _stop(proc)
+
+
+def test_a_killed_api_worker_frees_its_requests_pages_and_is_replaced():
+    proc, url, workers, lines = _start()
+    streams, broken, stop = 6, [], threading.Event()
+
+    def stream():
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=LONG, timeout=120) as r:
+                for line in r.iter_lines():
+                    if stop.is_set():
+                        return
+        except httpx.HTTPError:
+            broken.append(1)  # its worker died under it
+
+    try:
+        threads = [threading.Thread(target=stream) for _ in range(streams)]
+        for t in threads:
+            t.start()
+        _until(lambda: _info(url)["running"] == streams, "the streams did not all start")
+        for victim in workers:  # the first kill may find all streams on the other worker
+            os.kill(victim, signal.SIGKILL)
+            _until(lambda: not _running(victim), "the worker outlived SIGKILL")
+            time.sleep(2)  # let the broken streams notice
+            if broken:
+                break
+        assert broken
+        _until(lambda: _info(url)["running"] == streams - len(broken),
+               "the dead worker's requests still run in the engine")
+        _until(lambda: "a new worker starts" in "".join(lines), "no worker replaced the dead one")
+        stop.set()
+        for t in threads:
+            t.join(60)
+        _until(lambda: _info(url)["kv_cache"]["pages_in_use"] == 0, "pages stayed in use")
+        assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200
+    finally:
+        stop.set()
+        _stop(proc)
+
+
+def test_a_killed_supervisor_leaves_no_process():
+    proc, url, workers, _ = _start()
+    try:
+        engine_pid = _info(url)["processes"]["engine"]
+        proc.kill()
+        proc.wait()
+        _until(lambda: not any(_running(pid) for pid in [*workers, engine_pid]),
+               "an API worker or the engine outlived the supervisor", timeout=60)
+    finally:
+        _stop(proc)
+
+
+def test_api_workers_below_one_are_refused():
+    proc = _serve("--api-workers", "0")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "--api-workers 0" in err
