@@ -99,21 +99,36 @@ def window_of(layer) -> tuple[int | None, int | None]:
     return (None, None) if layer.sliding_window is None else (layer.sliding_window - 1, 0)
 
 
+_ACCEPTED: dict[int, frozenset[str] | None] = {}  # id(fn) -> its keyword names (None: takes any)
+
+
+def _accepted(fn: Callable) -> frozenset[str] | None:
+    """The keywords `fn` takes, read once per function (None: it takes **kwargs or has no signature)."""
+    key = id(fn)
+    if key not in _ACCEPTED:
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # a compiled callable without a signature: pass everything
+            params = None
+        if params is None or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            _ACCEPTED[key] = None
+        else:
+            _ACCEPTED[key] = frozenset(params)
+    return _ACCEPTED[key]
+
+
 def call_varlen(fn: Callable, q, k, v, **kwargs) -> torch.Tensor:
     """Call FA4's varlen function with the keywords it takes; the output `[T, Hq, Dv]`.
 
     FA4 is a beta whose keyword list grows between releases; an argument this one lacks is fatal only
     when it carries a value (a missing `page_table` is, a missing unused `window_size` is not).
     """
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a compiled callable without a signature: pass everything
-        params = None
-    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        missing = [name for name, val in kwargs.items() if name not in params and not _unset(val)]
+    accepted = _accepted(fn)
+    if accepted is not None:
+        missing = [name for name, val in kwargs.items() if name not in accepted and not _unset(val)]
         if missing:
             raise RuntimeError(f"this {FA4_DISTRIBUTION} has no {', '.join(missing)} argument")
-        kwargs = {name: val for name, val in kwargs.items() if name in params}
+        kwargs = {name: val for name, val in kwargs.items() if name in accepted}
     out = fn(q, k, v, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
