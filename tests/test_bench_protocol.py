@@ -102,6 +102,17 @@ def test_another_installs_rows_are_labelled_and_merged_by_workload():
     assert [r.backend for r in rank(merged)] == ["triton", "flashinfer"]
 
 
+def test_the_shipped_order_takes_fa4_from_a_race():
+    from attnserve.attention.measured import order_entry
+
+    race = {"gpu": "NVIDIA H200", "date": "2027-01-01", "records": [
+        rec("prefill 8x2048", "triton", 10.0), rec("prefill 8x2048", "fa4", 8.0),
+        rec("prefill 8x2048", "flashinfer-fa3", 9.0), rec("prefill 8x2048", "flashinfer-fa3@0.7.2.post1", 7.0),
+        rec("prefill 8x2048", "sdpa-cudnn", 6.0)]}
+    entry = order_entry(race, "kernels-race-h200-1.json")["MHA"]
+    assert entry["prefill"] == ["fa4", "flashinfer", "triton"] and entry["scores"]["prefill"]["fa4"] == 1.0
+
+
 def test_the_child_races_only_peers_from_the_site_first_on_the_path():
     args = SimpleNamespace(workloads=["prefill", "extend"], peer_backends=["flashinfer*"], tiny=False, no_check=False)
     cmd = kernels.child_command(args, 2, Path("/tmp/x.json"))

@@ -26,6 +26,7 @@ has no `seqused_k`). `flash_attn` is imported only when a backend object is buil
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -99,22 +100,25 @@ def window_of(layer) -> tuple[int | None, int | None]:
     return (None, None) if layer.sliding_window is None else (layer.sliding_window - 1, 0)
 
 
-_ACCEPTED: dict[int, frozenset[str] | None] = {}  # id(fn) -> its keyword names (None: takes any)
+_ACCEPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> its keyword names (None: any)
 
 
 def _accepted(fn: Callable) -> frozenset[str] | None:
     """The keywords `fn` takes, read once per function (None: it takes **kwargs or has no signature)."""
-    key = id(fn)
-    if key not in _ACCEPTED:
-        try:
-            params = inspect.signature(fn).parameters
-        except (TypeError, ValueError):  # a compiled callable without a signature: pass everything
-            params = None
-        if params is None or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            _ACCEPTED[key] = None
-        else:
-            _ACCEPTED[key] = frozenset(params)
-    return _ACCEPTED[key]
+    try:
+        return _ACCEPTED[fn]
+    except (KeyError, TypeError):  # not seen yet, or not weakly referable (then read every time)
+        pass
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a compiled callable without a signature: pass everything
+        params = None
+    names = None if params is None or any(p.kind is p.VAR_KEYWORD for p in params.values()) else frozenset(params)
+    try:
+        _ACCEPTED[fn] = names
+    except TypeError:
+        pass
+    return names
 
 
 def call_varlen(fn: Callable, q, k, v, **kwargs) -> torch.Tensor:
