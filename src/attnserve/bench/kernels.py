@@ -129,9 +129,9 @@ def triton_options(text: str | None) -> dict:
         return {}
     from attnserve.attention.kernels.mha.configs import DecodeConfig
     from attnserve.attention.kernels.mha.extend import ExtendConfig
+    from attnserve.attention.kernels.mha.prefill_tma import PrefillTmaConfig
     from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
     from attnserve.attention.kernels.mla.extend import MLAExtendConfig
-    from attnserve.attention.kernels.mha.prefill_tma import PrefillTmaConfig
 
     opts = json.loads(text)
     for key, cls in (("decode_config", DecodeConfig), ("extend_config", ExtendConfig),

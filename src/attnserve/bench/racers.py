@@ -78,9 +78,9 @@ def attnserve_racer(name: str, rb: RaceBatch, **options) -> Callable[[], torch.T
     backend.plan(rb.fb)
     rb.keep.append(backend)
     if rb.workload.kind == "decode":
-        call = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb)  # noqa: E731
+        call = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb)
     else:
-        call = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb)  # noqa: E731
+        call = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb)
     call.backend = backend  # the race reports which of its kernels ran (extend_path)
     return call
 

@@ -67,7 +67,7 @@ def time_graph(fn, calls_per_graph: int = 20, replays: int = 7, flush: bool = Fa
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     buf = flush_buffer() if flush else None
-    clear = (lambda: buf.zero_()) if flush else None  # noqa: E731
+    clear = (lambda: buf.zero_()) if flush else None
     graph = _capture([clear, fn] if flush else [fn], calls_per_graph)
     flushes = _capture([clear], calls_per_graph) if flush else None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

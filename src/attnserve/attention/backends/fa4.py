@@ -201,5 +201,15 @@ class FA4Backend(AttentionBackend):
                                   "name a decode backend, e.g. --decode-attention-backend triton")
 
 
-__all__ = ["FA4Backend", "FA4_DISTRIBUTION", "FA4_MODULE", "FEATURES", "PagedArgs", "call_varlen", "cu_seqlens",
-           "fa4_varlen", "paged_args", "window_of"]
+__all__ = [
+    "FA4_DISTRIBUTION",
+    "FA4_MODULE",
+    "FEATURES",
+    "FA4Backend",
+    "PagedArgs",
+    "call_varlen",
+    "cu_seqlens",
+    "fa4_varlen",
+    "paged_args",
+    "window_of",
+]
