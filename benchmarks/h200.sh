@@ -18,6 +18,13 @@
 #   mla         `attnserve bench kernels --workloads mla` -> kernels-mla-h200.json + .png (MLA_BACKENDS,
 #               default triton flashinfer-mla-fa3; add flashinfer-mla-fa2 to race FlashInfer's fa2 too);
 #               BENCH_ARGS adds flags to both races (--tiny for a smoke run on a CPU)
+#   race        issue 36's race against the newest peers: the peer wheels in .whl/peers/ (FlashInfer 0.7.x,
+#               flash-attn-4, nvidia-cutlass-dsl + its libs, quack-kernels, torch-c-dlpack-ext; see
+#               benchmarks/README.md) go to /tmp/site2; fa4's GPU tests against the oracle; then
+#               `bench kernels --runs 2` (L2 cold, order reversed on run 2) of MHA with triton, FlashInfer 0.6
+#               here, FA4, cuDNN and flash SDPA, and FlashInfer 0.7 from /tmp/site2 in a child process, twice
+#               -> kernels-race-h200-{1,2}.json + .png; RACE_WORKLOADS narrows it, RACE_MLA=1 adds the MLA race
+#               (triton, FlashInfer MLA 0.6 and 0.7) -> kernels-race-mla-h200-{1,2}.json + .png
 #   engine      engine_gpu_decode.py, Llama-3-8B shape, 64 x 1024/256 and 1 x 1024/256: overlap on/off, fused
 #               ops off, FlashInfer decode -> engine_gpu_decode.json; then the step profile ->
 #               engine_gpu_profile.json
@@ -49,12 +56,12 @@ while [ $# -gt 0 ]; do
   case "$1" in
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
-    tests|mha|mla|engine|engine-mla|moe|serve|serve-budget|tune|tp|spec) STEPS+=("$1"); shift ;;
-    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
+    tests|mha|mla|race|engine|engine-mla|moe|serve|serve-budget|tune|tp|spec) STEPS+=("$1"); shift ;;
+    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
     *) echo "unknown step: $1 (see: bash benchmarks/h200.sh --help)" >&2; exit 2 ;;
   esac
 done
-[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
+[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,50p' "$0"; exit 2; }
 has() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-out}
@@ -116,6 +123,7 @@ MLA_BACKENDS=${MLA_BACKENDS:-triton flashinfer-mla-fa3}
 WARM=()
 has tests && WARM+=("mla fa3" "decode tensor" "prefill fa3" "extend fa3")
 has mha && WARM+=("decode tensor" "prefill fa3" "extend fa3")
+has race && WARM+=("decode tensor" "prefill fa3" "extend fa3")
 has mla && WARM+=("mla fa3") && case " $MLA_BACKENDS " in *" flashinfer-mla-fa2 "*) WARM+=("mla fa2") ;; esac
 has engine && WARM+=("decode tensor")
 has engine-mla && WARM+=("mla fa3" "mla fa2")
@@ -170,6 +178,58 @@ step_mla() {
     ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} ${BENCH_ARGS:-} \
     --json "$OUT/kernels-mla-h200.json" --png "$OUT/kernels-mla-h200.png" > "$LOGS/bench-mla.log" 2>&1
   echo "bench mla rc=$?"; grep -A12 '^results' "$LOGS/bench-mla.log"; grep ' / ' "$LOGS/bench-mla.log"
+}
+
+# The peers at their newest: FlashInfer 0.7.x cannot load next to the 0.6.x in /tmp/site, so its wheels and FA4's
+# go to /tmp/site2, which only the fa4 tests and the race's child process (--peer-site) put first on PYTHONPATH.
+# FA4 itself is raced from /tmp/site2 too: flash-attn-4 and the CuTe DSL import nothing of FlashInfer's, so the
+# main process gets /tmp/site2 after /tmp/site (its FlashInfer 0.6 stays the one imported there).
+SITE2=/tmp/site2
+install_peers() {
+  ls .whl/peers/*.whl > /dev/null 2>&1 || { echo "no .whl/peers/ carried: FA4 and FlashInfer 0.7 are not raced"; return 1; }
+  [ -d "$SITE2" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE2" .whl/peers/*.whl \
+    > "$LOGS/pip-peers.log" 2>&1 || { echo "peer wheels failed to install:"; tail -5 "$LOGS/pip-peers.log"; return 1; }
+  PYTHONPATH=$SITE2:$PYTHONPATH python3 -c "import flashinfer, flash_attn.cute.interface as f; print('site2: flashinfer', flashinfer.__version__, 'fa4 ok')" \
+    2>&1 | tee "$LOGS/versions-site2.txt"
+}
+
+step_race() {
+  local i runs_ok=0
+  wait_warm
+  install_peers || return 1
+  # FlashInfer 0.7's JIT kernels build in the background while FA4's tests run (its own cache per version)
+  PYTHONPATH=$SITE2:$PYTHONPATH timeout "$(cap 300)" nice -n 19 python3 benchmarks/warm_flashinfer.py \
+    "decode tensor" "prefill fa3" "extend fa3" > "$LOGS/warm-flashinfer-site2.log" 2>&1 &
+  local warm2=$!
+  echo "== fa4 against the oracle ($(left) s left)"
+  PYTHONPATH=$PYTHONPATH:$SITE2 timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fa4_backend.py \
+    > "$LOGS/pytest-fa4.log" 2>&1
+  echo "fa4 tests rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest-fa4.log" | cut -c1-300 | head -20; tail -1 "$LOGS/pytest-fa4.log"
+  wait "$warm2" 2> /dev/null; echo "FlashInfer 0.7 builds:"; cat "$LOGS/warm-flashinfer-site2.log"
+  for i in 1 2; do
+    echo "== race $i of 2 against the newest peers ($(left) s left)"
+    # shellcheck disable=SC2086
+    PYTHONPATH=$PYTHONPATH:$SITE2 timeout "$(cap 200)" python3 -m attnserve bench kernels --runs 2 \
+      ${RACE_WORKLOADS:+--workloads $RACE_WORKLOADS} \
+      --backends triton flashinfer flashinfer-fa3 fa4 sdpa-cudnn sdpa-flash \
+      --peer-site "$SITE2" --peer-backends flashinfer flashinfer-fa3 ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} \
+      ${BENCH_ARGS:-} --json "$OUT/kernels-race-h200-$i.json" --png "$OUT/kernels-race-h200-$i.png" \
+      > "$LOGS/bench-race-$i.log" 2>&1
+    echo "race $i rc=$?"; grep -A40 '^results' "$LOGS/bench-race-$i.log" | cut -c1-200; grep ' / ' "$LOGS/bench-race-$i.log"
+    [ -f "$OUT/kernels-race-h200-$i.json" ] && runs_ok=$((runs_ok + 1))
+  done
+  if [ "${RACE_MLA:-0}" = 1 ]; then
+    for i in 1 2; do
+      echo "== MLA race $i of 2 ($(left) s left)"
+      # shellcheck disable=SC2086
+      PYTHONPATH=$PYTHONPATH:$SITE2 timeout "$(cap 150)" python3 -m attnserve bench kernels --runs 2 --workloads mla \
+        --backends triton flashinfer-mla-fa3 --peer-site "$SITE2" --peer-backends flashinfer-mla-fa3 \
+        ${BENCH_ARGS:-} --json "$OUT/kernels-race-mla-h200-$i.json" --png "$OUT/kernels-race-mla-h200-$i.png" \
+        > "$LOGS/bench-race-mla-$i.log" 2>&1
+      echo "MLA race $i rc=$?"; grep ' / ' "$LOGS/bench-race-mla-$i.log"
+    done
+  fi
+  [ "$runs_ok" = 2 ]
 }
 
 step_engine() {

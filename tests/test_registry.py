@@ -72,7 +72,7 @@ def test_known_but_unimplemented_backends_say_so():
     "backend,machine,expected",
     [
         ("fa3", "cpu", "needs CUDA"),
-        ("fa4", "h100", "SM100"),
+        ("fa4", "a100", "needs SM90 (Hopper) or SM100 (Blackwell), this GPU is sm80"),
         ("trtllm_mla", "h100", "SM100"),
         ("flashmla", "a100", "SM90"),
         ("aiter", "h100", "needs ROCm"),

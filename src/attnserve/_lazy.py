@@ -11,6 +11,7 @@ _INSTALL_HINT = {
     "triton": "pip install 'attnserve[gpu]'  (or: pip install triton)",
     "flashinfer": "pip install 'attnserve[flashinfer]'  (FlashInfer wheels for your CUDA/torch)",
     "transformers": "pip install 'attnserve[hf]'",
+    "flash_attn": "pip install flash-attn-4  (FA4, CuTe DSL; Hopper or Blackwell)",
     "matplotlib": "pip install 'attnserve[bench]'",
 }
 

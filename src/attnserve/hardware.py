@@ -43,7 +43,8 @@ class Hardware:
 
 
 # packages whose presence matters to some backend
-KNOWN_PACKAGES = ("triton", "flashinfer", "sgl_kernel", "flash_attn", "flash_attn_interface", "aiter", "flash_mla")
+KNOWN_PACKAGES = ("triton", "flashinfer", "sgl_kernel", "flash_attn", "flash_attn.cute", "flash_attn_interface", "aiter",
+                  "flash_mla")  # flash_attn.cute: FA4 (flash-attn-4); a plain flash_attn is FA2
 
 # hypothetical machines for `attnserve select --gpu NAME`
 PRESET_HARDWARE: dict[str, Hardware] = {

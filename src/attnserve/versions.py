@@ -13,7 +13,7 @@ import importlib.metadata as md
 from attnserve import __version__
 
 # the distributions whose version changes attention speed (CUDA comes with torch)
-TIMED_PACKAGES = ("torch", "triton", "flashinfer-python", "attnserve")
+TIMED_PACKAGES = ("torch", "triton", "flashinfer-python", "flash-attn-4", "attnserve")
 
 
 def package_versions() -> dict[str, str]:

@@ -17,7 +17,12 @@ ATTENTION_TYPES = ("MHA", "MLA")  # raced apart: an MLA kernel's speed says noth
 
 
 def backend_family(contestant: str) -> str | None:
-    """The implemented registry backend a contestant belongs to ('flashinfer-fa3' -> 'flashinfer'), else None."""
+    """The implemented registry backend a contestant belongs to ('flashinfer-fa3' -> 'flashinfer'), else None.
+
+    A contestant raced from another install ('flashinfer-fa3@0.7.2.post1', `bench kernels --peer-site`)
+    belongs to none: the order ranks what this install runs."""
+    if "@" in contestant:
+        return None
     for name in (contestant, contestant.split("-")[0]):
         if name in REGISTRY and REGISTRY[name].implemented:
             return name

@@ -115,9 +115,8 @@ _SPECS = [
         attention_sinks=True, logit_softcap=True, custom_mask=True, spec_topk1=True, spec_topk_gt1=True,
         spec_topk_gt1_paged=True, cuda_graph=True, deterministic=True, compute_capabilities=(8, 9),
         required_packages=("sgl_kernel",))),
-    BackendSpec("fa4", "FlashAttention 4 (Blackwell); prefill only, native page 128", data_features=_f(
-        page_sizes=(128,), kv_dtypes=_NOFP8, attention_types=_MHA, asymmetric_kv=True, decode=False,
-        cuda_graph=True, compute_capabilities=(10,), required_packages=("flash_attn",))),
+    BackendSpec("fa4", "FlashAttention 4 (flash-attn-4, CuTe DSL): prefill/extend on Hopper and Blackwell; "
+                "decode on another backend", f"{_PKG}.fa4:FA4Backend"),
     BackendSpec("trtllm_mha", "TensorRT-LLM MHA kernels via FlashInfer (SM100/SM103, SM90 with limits)", data_features=_f(
         page_sizes=(16, 32, 64, 128), kv_dtypes=_FP8, attention_types=_MHA, sliding_window=True,
         attention_sinks=True, spec_topk1=True, cuda_graph=True, compute_capabilities=(9, 10),

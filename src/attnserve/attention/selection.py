@@ -267,6 +267,9 @@ SGLANG_FEATURES: dict[str, dict] = {
     "torch_native": {"spec_topk1": False, "spec_topk_gt1": False, "spec_topk_gt1_paged": False},
     "flex_attention": {"sliding_window": False, "spec_topk1": False, "spec_topk_gt1": False,
                        "spec_topk_gt1_paged": False},
+    # SGLang runs fa4 on Blackwell at its native page 128; attnserve's also on Hopper, at any page size
+    "fa4": {"page_sizes": (128,), "compute_capabilities": (10,), "head_dims": None, "sliding_window": False,
+            "logit_softcap": False, "cuda_graph": True},
 }
 
 

@@ -2,8 +2,8 @@
 
 Every callable computes the same attention over the same pool; host-side planning
 happens once before timing (as plan() does once per step in the engine), so only
-the per-layer work is timed. FlashInfer and SDPA are called directly, the way a
-peer is measured, not through attnserve's wrappers.
+the per-layer work is timed. FlashInfer, FA4 and SDPA (its flash and cuDNN kernels) are
+called directly, the way a peer is measured, not through attnserve's wrappers.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ def attnserve_racer(name: str, rb: RaceBatch, **options) -> Callable[[], torch.T
     backend.plan(rb.fb)
     rb.keep.append(backend)
     if rb.workload.kind == "decode":
-        call = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb)  # noqa: E731
+        call = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb)
     else:
-        call = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb)  # noqa: E731
+        call = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb)
     call.backend = backend  # the race reports which of its kernels ran (extend_path)
     return call
 
@@ -153,6 +153,30 @@ def flashinfer_mla_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.Tenso
     return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
 
 
+# ---- FA4, called directly -----------------------------------------------------------------------
+def fa4_racer(rb: RaceBatch) -> Callable[[], torch.Tensor]:
+    """FA4's `flash_attn_varlen_func`: fresh prompts as packed rows (cu_seqlens for q and k), a chunk over a
+    cached prefix through `page_table` into the pool. The race's pools have the workload's page size (1 for
+    the MHA prefill and extend rows), where FA4 gathers rows with cp.async; page 128 would take its TMA path."""
+    from attnserve.attention.backends.fa4 import call_varlen, cu_seqlens, fa4_varlen, paged_args
+
+    fa4 = fa4_varlen()
+    w, lay = rb.workload, rb.layer
+    common = {"softmax_scale": float(lay.scaling), "causal": True}
+    if w.prefix == 0:
+        cu = cu_seqlens(rb.fb.extend_lens_cpu, rb.q.device)  # [B+1]
+        rb.keep.append(cu)
+        n = w.new_tokens
+        return lambda: call_varlen(fa4, rb.q, rb.k, rb.v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n,
+                                   max_seqlen_k=n, **common)
+    pa = paged_args(rb.fb, rb.pool.page_size)
+    rb.keep.append(pa)
+    k_cache, v_cache = _paged_cache(rb)
+    return lambda: call_varlen(fa4, rb.q, k_cache, v_cache, cu_seqlens_q=pa.cu_seqlens_q, seqused_k=pa.seqused_k,
+                               max_seqlen_q=pa.max_seqlen_q, max_seqlen_k=pa.max_seqlen_k,
+                               page_table=pa.page_table, **common)
+
+
 # ---- torch SDPA (fresh prompts of equal length only) ----------------------------------------------
 def sdpa_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.Tensor]:
     """`kernel` is "cudnn" or "flash". Layout changes and GQA expansion happen before timing."""
@@ -189,6 +213,7 @@ def racers_for(rb: RaceBatch, wanted: list[str] | None, triton_options: dict | N
     else:
         field_["flashinfer-fa3"] = lambda: flashinfer_prefill_racer(rb, "fa3")
         field_["flashinfer-fa2"] = lambda: flashinfer_prefill_racer(rb, "fa2")
+        field_["fa4"] = lambda: fa4_racer(rb)
         if w.prefix == 0:
             field_["sdpa-cudnn"] = lambda: sdpa_racer(rb, "cudnn")
             field_["sdpa-flash"] = lambda: sdpa_racer(rb, "flash")
