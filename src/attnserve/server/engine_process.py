@@ -107,6 +107,7 @@ class ProcessLoop(EngineLoop):
         self._owners: dict[int, tuple[bytes, int]] = {}  # engine rid -> (client identity, client rid)
         self._engine_rids: dict[tuple[bytes, int], int] = {}  # the reverse
         self._next_rid = itertools.count()
+        self._gone: set[bytes] = set()  # clients whose process died: a command of theirs still in flight is dropped
         self._parent_gone = parent_gone
 
     def run(self) -> None:
@@ -144,6 +145,8 @@ class ProcessLoop(EngineLoop):
         """A client's command as the base loop's command; a state query is answered at once (this is the loop's
         thread, between steps)."""
         kind = cmd[0]
+        if identity in self._gone:
+            return
         outbox = self._outboxes.setdefault(identity, [])
         if kind == "add":
             client_rid, prompt_ids, params, speculative = cmd[1:]
@@ -179,6 +182,7 @@ class ProcessLoop(EngineLoop):
         for rid in rids:
             self._commands.put(("abort", rid))
         self._outboxes.pop(identity, None)
+        self._gone.add(identity)
 
     def _add(self, handle, req) -> None:
         super()._add(handle, req)
