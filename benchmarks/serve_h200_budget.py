@@ -16,6 +16,7 @@ is written whatever ran, saying what did not.
 
     PYTHONPATH=src python3 benchmarks/serve_h200_budget.py OUT_DIR            # the H200 run
     PYTHONPATH=src python3 benchmarks/serve_h200_budget.py OUT_DIR --quick    # CPU dry run, embedded model
+    PYTHONPATH=src python3 benchmarks/serve_h200_budget.py OUT_DIR --cpu      # the same sweep on a CPU (~25 min)
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ QUICK = {
     "budgets": "32,0", "concurrency": 4, "num_prompts": 8, "rates": "4,inf", "rate_prompts": 6,
     "input_len": 48, "output_len": 6, "chunk": 64, "deadline_s": 1200, "offline_s": 500,
     "server": "--disable-radix-cache --max-running-requests 4",
+    "offline": "--configs torch-native --preset smollm2-135m --device cpu",
+}
+CPU = {  # the embedded model on a small CPU: prompts long enough that a whole chunk stalls the decodes
+    "budgets": "512,128,256,1024,0", "concurrency": 8, "num_prompts": 32, "rates": "0.5,1,2", "rate_prompts": 24,
+    "input_len": 512, "output_len": 64, "chunk": 2048, "deadline_s": 1800, "offline_s": 400,
+    "server": "--device cpu --disable-radix-cache --max-running-requests 8",
     "offline": "--configs torch-native --preset smollm2-135m --device cpu",
 }
 
@@ -203,13 +210,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="folder for every result and log")
     ap.add_argument("--quick", action="store_true", help="tiny CPU dry run on the embedded model")
+    ap.add_argument("--cpu", action="store_true", help="the sweep on a CPU with the embedded model")
     ap.add_argument("--budgets", help="--max-num-batched-tokens values, the default configuration's first")
     ap.add_argument("--rates", help="Poisson request rates of the default configuration")
     ap.add_argument("--server-flags", help="flags of every launched server besides model, chunk and budget "
                     "(the offline engine runs triton-graphs: keep the backends alike)")
     ap.add_argument("--deadline-s", type=float, help="seconds for the whole run")
     args = ap.parse_args()
-    p = dict(QUICK if args.quick else GPU)
+    p = dict(QUICK if args.quick else CPU if args.cpu else GPU)
     for key in ("budgets", "rates", "deadline_s"):
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
@@ -223,7 +231,7 @@ def main() -> int:
     c, n_in, n_out = p["concurrency"], p["input_len"], p["output_len"]
 
     model_flags, tokenizer = [], []
-    if not args.quick:  # config + tokenizer of the Llama-3-8B shape; the servers draw random weights on the GPU
+    if not (args.quick or args.cpu):  # config + tokenizer of the Llama-3-8B shape; the servers draw random weights on the GPU
         model_dir = out / "llama3-8b-config"
         run([py, "benchmarks/serve_h200_model.py", str(model_dir), "--no-weights"], logs / "model.log",
             min(60, clock.left()), "model directory", notes)

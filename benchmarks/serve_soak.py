@@ -1,12 +1,15 @@
 """Soak check of `attnserve serve`: mixed traffic with disconnects and bad input, then nothing may be left over.
 
-Launches the server (two processes: HTTP and engine), sends --requests requests
+Launches the server (HTTP and engine processes, or a supervisor over API workers
+and the engine with --api-workers in --server-flags), sends --requests requests
 from --clients threads: plain and streamed completions and chats, n > 1, stop
 strings, streams the client leaves mid-way, and bad bodies that must get a 4xx.
 Then /server_info must show pages_in_use 0 and nothing running, SIGTERM must end
-the server with exit code 0, and the engine process must be gone.
+the server with exit code 0, and every process it started must be gone.
 
     python benchmarks/serve_soak.py --out benchmarks/results/serve-soak-cpu.json
+    python benchmarks/serve_soak.py --server-flags "--device cpu --max-total-tokens 4096 --api-workers 2" \
+        --out benchmarks/results/serve-soak-cpu-api-workers.json
 """
 
 from __future__ import annotations
@@ -27,6 +30,28 @@ from pathlib import Path
 import httpx
 
 from attnserve.bench.serve.launch import LaunchedServer
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (Linux)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie waiting for its reaper counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
 
 BAD = [b"{not json", b'{"max_tokens": 4}', b'{"prompt": "hi", "max_tokens": 0}', b'{"prompt": [1000000000]}',
        b'{"prompt": "hi", "temperature": -1}', b'{"prompt": "abc \\ud800"}', b'{"prompt": "hi", "n": 0}']
@@ -107,19 +132,21 @@ def main() -> int:
                     break
                 time.sleep(0.1)
             health = httpx.get(url + "/health", timeout=30).status_code
+            started = descendants(server.proc.pid)  # the engine, and the API workers if any
             server.proc.send_signal(signal.SIGTERM)
             exit_code = server.proc.wait(120)
-        engine_left = Path(f"/proc/{engine_pid}").exists() and "Z" not in Path(
-            f"/proc/{engine_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        engine_left = running(engine_pid)
+        left = [pid for pid in started if running(pid)]
         log_tail = server.log_tail(5)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
               "server_flags": args.server_flags, "requests": args.requests, "clients": args.clients,
               "seconds": round(time.monotonic() - start, 1), "outcomes": dict(outcomes), "failures": failures,
               "health_after": health, "pages_in_use_after": info["kv_cache"]["pages_in_use"],
               "running_after": info["running"], "sigterm_exit_code": exit_code,
-              "engine_process_left": engine_left, "server_log_tail": log_tail}
+              "engine_process_left": engine_left, "processes_started": len(started), "processes_left": left,
+              "server_log_tail": log_tail}
     report["passed"] = (not failures and health == 200 and report["pages_in_use_after"] == 0
-                        and report["running_after"] == 0 and exit_code == 0 and not engine_left)
+                        and report["running_after"] == 0 and exit_code == 0 and not engine_left and not left)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
