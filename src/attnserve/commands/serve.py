@@ -46,9 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="seconds open streams may take to finish after SIGINT/SIGTERM (default: 10)")
     p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn's access log)")
-    p.add_argument("--api-workers", type=int, default=1,
+    p.add_argument("--api-workers", "--api-server-count", dest="api_workers", type=int, default=1,
                    help="HTTP processes (tokenizing, serving, detokenizing) over the one engine process; more "
-                   "than 1 shares the port among them under a supervisor (default: 1)")
+                   "than 1 shares the port among them under a supervisor (vLLM's --api-server-count; default: 1)")
     add_engine_arguments(p)
     return p
 
