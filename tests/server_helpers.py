@@ -4,6 +4,10 @@ process it spawns (one model load serves many tests)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -53,3 +57,35 @@ def fail_steps_once_file_exists(flag: Path, engine) -> None:
         return real_forward(batch)
 
     engine.runner.forward = forward
+
+
+def serve_process(*flags: str) -> subprocess.Popen:
+    """`attnserve serve` on the CPU and a free port, as a user starts it; its stderr is a text pipe."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--port", "0", "--device", "cpu", *flags],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+
+
+def serving_line(proc: subprocess.Popen, lines: list[str], timeout: float = 300) -> re.Match:
+    """The match of the "serving on" line in `proc`'s stderr (lines read so far go to `lines`); a server that
+    has not said it within `timeout` seconds is killed and the test fails with its log."""
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                return m
+    finally:
+        killer.cancel()
+    raise AssertionError("".join(lines))
+
+
+def process_running(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie waiting for its reaper counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -11,23 +11,20 @@ import threading
 import time
 
 import httpx
-from test_server_lifecycle import _running, _serve
+from server_helpers import process_running, serve_process, serving_line
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
 
 
 def _start(*flags: str) -> tuple:
     """(process, base url, [worker pids], stderr lines) of a server with two API workers."""
-    proc = _serve("--api-workers", "2", "--max-total-tokens", "32768", *flags)
+    proc = serve_process("--api-workers", "2", "--max-total-tokens", "32768", *flags)
     lines: list[str] = []
-    for line in proc.stderr:
-        lines.append(line)
-        m = re.search(r"serving on http://127\.0\.0\.1:(\d+) .* \(pids (\d+), (\d+)\)", line)
-        if m:
-            threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()  # keep the pipe drained
-            return proc, f"http://127.0.0.1:{m.group(1)}", [int(m.group(2)), int(m.group(3))], lines
-    proc.wait()
-    raise AssertionError("".join(lines))
+    line = serving_line(proc, lines).string
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()  # keep the pipe drained
+    m = re.search(r"127\.0\.0\.1:(\d+) .* \(pids (\d+), (\d+)\)", line)
+    assert m, line
+    return proc, f"http://127.0.0.1:{m.group(1)}", [int(m.group(2)), int(m.group(3))], lines
 
 
 def _stop(proc) -> None:
@@ -44,7 +41,11 @@ def _until(predicate, what: str, timeout: float = 60) -> None:
 
 
 def _info(url: str) -> dict:
-    return httpx.get(url + "/server_info", timeout=10).json()
+    """/server_info, or {} while no worker answers in time (a new one may still be starting)."""
+    try:
+        return httpx.get(url + "/server_info", timeout=10).json()
+    except httpx.HTTPError:
+        return {}
 
 
 def test_api_workers_add_up_their_metrics_and_report_a_dead_engine_then_exit_cleanly():
@@ -72,11 +73,11 @@ def test_api_workers_add_up_their_metrics_and_report_a_dead_engine_then_exit_cle
         seen: list[httpx.Response] = []
         _until(lambda: seen.append(httpx.get(url + "/health", timeout=10)) or (
             len(seen) >= 4 and all(r.status_code == 503 for r in seen[-4:])), "a worker's health stayed 200")
-        for health in seen[-4:]:  # every worker hears it from the supervisor, with the cause
+        for health in seen[-4:]:  # whichever worker answers has heard it from the supervisor, with the cause
             assert "killed by SIGKILL" in health.json()["error"]["message"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        assert not any(_running(pid) for pid in [*workers, engine_pid])
+        assert not any(process_running(pid) for pid in [*workers, engine_pid])
         assert "Traceback" not in "".join(lines), "".join(lines)
     finally:
         _stop(proc)
@@ -99,21 +100,24 @@ def test_a_killed_api_worker_frees_its_requests_pages_and_is_replaced():
         threads = [threading.Thread(target=stream) for _ in range(streams)]
         for t in threads:
             t.start()
-        _until(lambda: _info(url)["running"] == streams, "the streams did not all start")
+        _until(lambda: _info(url).get("running") == streams, "the streams did not all start")
+        killed = 0
         for victim in workers:  # the first kill may find all streams on the other worker
             os.kill(victim, signal.SIGKILL)
-            _until(lambda: not _running(victim), "the worker outlived SIGKILL")
+            killed += 1
+            _until(lambda v=victim: not process_running(v), "the worker outlived SIGKILL")
             time.sleep(2)  # let the broken streams notice
             if broken:
                 break
         assert broken
-        _until(lambda: _info(url)["running"] == streams - len(broken),
+        _until(lambda: _info(url).get("running") == streams - len(broken),
                "the dead worker's requests still run in the engine")
-        _until(lambda: "a new worker starts" in "".join(lines), "no worker replaced the dead one")
+        _until(lambda: "".join(lines).count(") is ready") >= killed, "no new worker took the dead one's place",
+               timeout=120)
         stop.set()
         for t in threads:
             t.join(60)
-        _until(lambda: _info(url)["kv_cache"]["pages_in_use"] == 0, "pages stayed in use")
+        _until(lambda: _info(url).get("kv_cache", {}).get("pages_in_use") == 0, "pages stayed in use")
         assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200
     finally:
         stop.set()
@@ -126,13 +130,13 @@ def test_a_killed_supervisor_leaves_no_process():
         engine_pid = _info(url)["processes"]["engine"]
         proc.kill()
         proc.wait()
-        _until(lambda: not any(_running(pid) for pid in [*workers, engine_pid]),
+        _until(lambda: not any(process_running(pid) for pid in [*workers, engine_pid]),
                "an API worker or the engine outlived the supervisor", timeout=60)
     finally:
         _stop(proc)
 
 
 def test_api_workers_below_one_are_refused():
-    proc = _serve("--api-workers", "0")
+    proc = serve_process("--api-workers", "0")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "--api-workers 0" in err

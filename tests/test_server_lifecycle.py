@@ -6,28 +6,26 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
-from server_helpers import fail_steps_once_file_exists, running_server
+from server_helpers import (
+    fail_steps_once_file_exists,
+    process_running,
+    running_server,
+    serve_process,
+    serving_line,
+)
 
 from attnserve.engine.config import EngineConfig
 from attnserve.server.engine_process import EXIT_GRACE_S
 
 
-def _serve(*flags: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--port", "0", "--device", "cpu", *flags],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-
-
 def test_unknown_backend_is_refused_before_the_port_is_bound():
-    proc = _serve("--attention-backend", "no_such_backend")
+    proc = serve_process("--attention-backend", "no_such_backend")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2
     assert "no_such_backend" in err and "serving on" not in err
@@ -69,7 +67,7 @@ def test_a_killed_engine_process_ends_open_requests_and_turns_health_to_503():
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == 2:
-                        _wait_running(url, 2)  # the plain request is generating too
+                        _waitprocess_running(url, 2)  # the plain request is generating too
                         os.kill(state.engine.pid, signal.SIGKILL)  # mid-stream
         waiter.join(60)
         assert events[-1] == "[DONE]"
@@ -80,21 +78,14 @@ def test_a_killed_engine_process_ends_open_requests_and_turns_health_to_503():
         assert health.status_code == 503 and "killed by SIGKILL" in health.json()["error"]["message"]
         assert httpx.post(url + "/v1/completions", json=long, timeout=60).status_code == 503
         assert httpx.get(url + "/server_info", timeout=10).status_code == 200  # the last state read
-    assert not _running(state.engine.pid)
+    assert not process_running(state.engine.pid)
 
 
 def test_sigterm_during_a_stream_exits_cleanly():
-    proc = _serve("--max-total-tokens", "2048", "--graceful-shutdown-timeout", "120")  # room for a busy machine
+    proc = serve_process("--max-total-tokens", "2048", "--graceful-shutdown-timeout", "120")  # room for a busy machine
     lines: list[str] = []
     try:
-        port = None
-        for line in proc.stderr:
-            lines.append(line)
-            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-                break
-        assert port is not None, "".join(lines)
+        port = _port(proc, lines)
         engine_pid = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json()["processes"]["engine"]
         body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
         events = []
@@ -108,7 +99,7 @@ def test_sigterm_during_a_stream_exits_cleanly():
         finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if e.startswith("{")]
         assert finishes[-1] == "length"  # the open stream was allowed to finish
         assert proc.wait(timeout=60) == 0
-        assert not _running(engine_pid)
+        assert not process_running(engine_pid)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -116,7 +107,7 @@ def test_sigterm_during_a_stream_exits_cleanly():
 
 
 def test_sigterm_past_the_graceful_timeout_ends_open_streams_with_an_error_and_done():
-    proc = _serve("--max-total-tokens", "4096", "--graceful-shutdown-timeout", "1")
+    proc = serve_process("--max-total-tokens", "4096", "--graceful-shutdown-timeout", "1")
     lines: list[str] = []
     try:
         port = _port(proc, lines)
@@ -141,43 +132,29 @@ def test_sigterm_past_the_graceful_timeout_ends_open_streams_with_an_error_and_d
 
 
 def test_a_killed_http_process_takes_the_engine_process_with_it():
-    proc = _serve("--max-total-tokens", "2048")
+    proc = serve_process("--max-total-tokens", "2048")
     try:
         port = _port(proc, [])
         engine_pid = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json()["processes"]["engine"]
-        assert _running(engine_pid)
+        assert process_running(engine_pid)
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 30
-        while _running(engine_pid) and time.monotonic() < deadline:
+        while process_running(engine_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _running(engine_pid), "the engine process outlived its HTTP process"
+        assert not process_running(engine_pid), "the engine process outlived its HTTP process"
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
 
 
-def _wait_running(url: str, n: int) -> None:
+def _waitprocess_running(url: str, n: int) -> None:
     deadline = time.monotonic() + 60
     while httpx.get(url + "/server_info", timeout=10).json()["running"] < n:
         assert time.monotonic() < deadline, f"fewer than {n} requests running"
         time.sleep(0.05)
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` still runs (a zombie waiting for its reaper counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _port(proc: subprocess.Popen, lines: list[str]) -> int:
-    for line in proc.stderr:
-        lines.append(line)
-        m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
-        if m:
-            return int(m.group(1))
-    raise AssertionError("".join(lines))
+    return int(serving_line(proc, lines).group(1))

@@ -9,7 +9,8 @@ and detokenizes with its own channel to the engine (EngineClient.attach) and
 its own pipe to the supervisor. The supervisor watches every process:
 
 - an API worker that dies: the engine is told, aborts that worker's requests
-  (their KV pages go back), and a new worker takes its place;
+  (their KV pages go back), and a new worker takes its place (unless workers
+  keep dying: RESPAWN_LIMIT deaths within RESPAWN_WINDOW_S stop the server);
 - the engine process that dies: every worker hears why, turns /health to 503
   and ends its open requests with that reason (as the one-process server does);
 - SIGINT/SIGTERM: the workers shut down gracefully (open streams finish, up to
@@ -20,11 +21,14 @@ its own pipe to the supervisor. The supervisor watches every process:
 HTTP-side metrics (latency histograms, token counters) live in each worker;
 prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a private
 directory per server) adds them up, so any worker's /metrics covers them all.
+--max-queued-requests is split among the workers (each admits its share).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -43,6 +47,7 @@ log = logging.getLogger("attnserve.server")
 
 POLL_S = 0.2  # how often the supervisor looks at its signals between process events
 STOP_MARGIN_S = 15.0  # past the graceful-shutdown timeout: how long a stopping worker may take before a kill
+RESPAWN_LIMIT, RESPAWN_WINDOW_S = 5, 60.0  # this many worker deaths within the window stop the server
 
 
 @dataclass
@@ -55,20 +60,33 @@ class WorkerSpec:
     uvicorn_options: dict  # uvicorn.Config keywords other than the app, host and port
 
 
-def _worker_main(spec: WorkerSpec, sock, conn) -> None:
+def _worker_main(spec: WorkerSpec, identity: bytes, sock, conn) -> None:
     """An API worker: the app over an attached engine client, served by uvicorn on the shared socket."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from attnserve.server.app import ServerState, create_app
     from attnserve.server.uvicorn_server import UvicornServer
 
-    engine = EngineClient.attach(spec.channel_dir, spec.facts, conn)
+    def started(host, port) -> None:
+        try:
+            conn.send(("ready", os.getpid()))
+        except OSError:  # the supervisor is gone: the engine client's watch shuts this worker down
+            pass
+
+    engine = EngineClient.attach(spec.channel_dir, spec.facts, conn, identity)
     state = ServerState(engine, spec.settings)
     config = uvicorn.Config(create_app(state), **spec.uvicorn_options)
-    server = UvicornServer(config, on_started=lambda host, port: conn.send(("ready", os.getpid())))
+    server = UvicornServer(config, on_started=started)
     try:
         server.run(sockets=[sock])
     finally:
         engine.release()
+
+
+@dataclass
+class Worker:
+    process: multiprocessing.Process
+    conn: multiprocessing.connection.Connection  # the pipe to it: ("ready", pid) in, ("engine_exit", why) out
+    identity: bytes  # its name on the engine's socket
 
 
 class Supervisor:
@@ -80,9 +98,11 @@ class Supervisor:
         self.count = workers
         self.sock = uvicorn.Config(app=None, host=host, port=port, log_level="warning").bind_socket()
         self._mp = multiprocessing.get_context("spawn")
-        self.workers: dict[int, tuple[multiprocessing.Process, multiprocessing.connection.Connection]] = {}
+        self.workers: dict[int, Worker] = {}
         self.engine_reason: str | None = None  # why the engine process ended, once it has
         self._signal: int | None = None
+        self._started = 0  # workers spawned so far: each gets a new identity on the engine's socket
+        self._deaths: list[float] = []  # when workers died (monotonic), for the respawn limit
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -93,32 +113,36 @@ class Supervisor:
             self._stop()
             return 1
         host, port = self.sock.getsockname()[:2]
-        pids = ", ".join(str(p.pid) for p, _ in self.workers.values())
+        pids = ", ".join(str(w.process.pid) for w in self.workers.values())
         log.info("serving on http://%s:%s (OpenAI API under /v1; /health, /metrics, /server_info) with %d API "
                  "workers (pids %s)", host, port, self.count, pids)
-        while self._signal is None:
-            self._watch_once()
-        log.info("shutting down (signal %d): finishing open streams", self._signal)
+        status = None
+        while self._signal is None and status is None:
+            status = self._watch_once()
+        if self._signal is not None:
+            log.info("shutting down (signal %d): finishing open streams", self._signal)
         self._stop()
-        return 0
+        return status or 0
 
     def _on_signal(self, signum, frame) -> None:
         self._signal = signum
 
     def _spawn(self, index: int) -> None:
         ours, theirs = self._mp.Pipe()
-        process = self._mp.Process(target=_worker_main, args=(self.spec, self.sock, theirs),
+        identity = f"api-{index}-{self._started}".encode()
+        self._started += 1
+        process = self._mp.Process(target=_worker_main, args=(self.spec, identity, self.sock, theirs),
                                    name=f"attnserve-api-{index}", daemon=True)
         process.start()
         theirs.close()
-        self.workers[index] = (process, ours)
+        self.workers[index] = Worker(process, ours, identity)
 
     def _wait_ready(self) -> bool:
         """Every worker's ("ready", pid); False if one ends first (its error is on stderr)."""
         waiting = dict(self.workers)
         while waiting and self._signal is None:
-            by_conn = {conn: index for index, (_, conn) in waiting.items()}
-            for ready in multiprocessing.connection.wait([*by_conn, *(p.sentinel for p, _ in waiting.values())],
+            by_conn = {w.conn: index for index, w in waiting.items()}
+            for ready in multiprocessing.connection.wait([*by_conn, *(w.process.sentinel for w in waiting.values())],
                                                          POLL_S):
                 index = by_conn.get(ready)
                 if index is None:
@@ -132,34 +156,54 @@ class Supervisor:
                 del waiting[index]
         return not waiting
 
-    def _watch_once(self) -> None:
-        """Wait up to POLL_S for a process to end, and handle what ended."""
-        by_sentinel = {p.sentinel: index for index, (p, _) in self.workers.items()}
-        watched = [*by_sentinel]
+    def _watch_once(self) -> int | None:
+        """Wait up to POLL_S for a process to end or a new worker to be ready, and handle it; an exit status
+        when the server must stop."""
+        by_sentinel = {w.process.sentinel: index for index, w in self.workers.items()}
+        by_conn = {w.conn: index for index, w in self.workers.items()}
+        watched = [*by_sentinel, *by_conn]
         if self.engine_reason is None:
             watched.append(self.engine.process.sentinel)
-        for ended in multiprocessing.connection.wait(watched, POLL_S):
-            if ended in by_sentinel:
-                self._replace(by_sentinel[ended])
+        for ready in multiprocessing.connection.wait(watched, POLL_S):
+            if self._signal is not None:
+                return None  # stopping: a worker ending now is part of it
+            if ready in by_conn:
+                try:
+                    _, pid = ready.recv()
+                    log.info("API worker %d (pid %d) is ready", by_conn[ready], pid)
+                except (EOFError, OSError):
+                    pass  # it died: its sentinel says so
+            elif ready in by_sentinel:
+                if not self._replace(by_sentinel[ready]):
+                    return 1
             else:
                 self.engine.process.join(5)
                 self.engine_reason = self.engine.exit_reason()
                 log.error("%s; every API worker now refuses new requests", self.engine_reason)
-                for _, conn in self.workers.values():
-                    self._tell(conn, self.engine_reason)
+                for w in self.workers.values():
+                    self._tell(w.conn, self.engine_reason)
+        return None
 
-    def _replace(self, index: int) -> None:
-        """A worker died: the engine ends its requests, and a new worker serves in its place."""
-        process, conn = self.workers.pop(index)
-        process.join(5)
-        conn.close()
-        log.error("%s; its requests are aborted and a new worker starts",
-                  exit_description(process.exitcode, f"API worker {index} (pid {process.pid})"))
+    def _replace(self, index: int) -> bool:
+        """A worker died: the engine ends its requests, and a new worker serves in its place; False when
+        workers keep dying (the server stops)."""
+        dead = self.workers.pop(index)
+        dead.process.join(5)
+        dead.conn.close()
         if self.engine_reason is None:
-            self.engine.client_gone(process.pid)
+            self.engine.client_gone(dead.identity)
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < RESPAWN_WINDOW_S] + [now]
+        what = exit_description(dead.process.exitcode, f"API worker {index} (pid {dead.process.pid})")
+        if len(self._deaths) >= RESPAWN_LIMIT:
+            log.error("%s: %d API workers died within %.0f s, so the server stops", what, len(self._deaths),
+                      RESPAWN_WINDOW_S)
+            return False
+        log.error("%s; its requests are aborted and a new worker starts", what)
         self._spawn(index)
         if self.engine_reason is not None:
-            self._tell(self.workers[index][1], self.engine_reason)
+            self._tell(self.workers[index].conn, self.engine_reason)
+        return True
 
     @staticmethod
     def _tell(conn, reason: str) -> None:
@@ -170,18 +214,18 @@ class Supervisor:
 
     def _stop(self) -> None:
         """Workers first (each finishes its streams), then the engine."""
-        for process, _ in self.workers.values():
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
+        for w in self.workers.values():
+            if w.process.is_alive():
+                os.kill(w.process.pid, signal.SIGTERM)
         timeout = self.spec.uvicorn_options.get("timeout_graceful_shutdown") or 0
         deadline = time.monotonic() + timeout + STOP_MARGIN_S
-        for process, conn in self.workers.values():
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                log.warning("API worker pid %d did not stop: killing it", process.pid)
-                process.kill()
-                process.join()
-            conn.close()
+        for w in self.workers.values():
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.is_alive():
+                log.warning("API worker pid %d did not stop: killing it", w.process.pid)
+                w.process.kill()
+                w.process.join()
+            w.conn.close()
         self.sock.close()
         self.engine.stop()
 
@@ -190,10 +234,16 @@ def serve_with_workers(engine: EngineClient, settings, uvicorn_options: dict, wo
                        port: int) -> int:
     """Run the supervisor over `engine` (an owner client) until a signal; the exit status."""
     metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
+    before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by each worker as it imports prometheus_client
+    if settings.max_queued_requests is not None:  # each worker admits its share
+        settings = dataclasses.replace(settings, max_queued_requests=math.ceil(settings.max_queued_requests / workers))
     try:
         spec = WorkerSpec(engine.channel_dir, engine.facts, settings, uvicorn_options)
         return Supervisor(engine, spec, workers, host, port).run()
     finally:
-        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        if before is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
         shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -83,7 +83,8 @@ class EngineClient:
     made by `start` owns the process (`process`); one made by `attach` watches `engine_end` instead, a pipe
     on which the process's owner sends ("engine_exit", why) and whose EOF means the owner is gone."""
 
-    def __init__(self, channel_dir: str, facts: dict, process=None, conn=None, engine_end=None):
+    def __init__(self, channel_dir: str, facts: dict, process=None, conn=None, engine_end=None,
+                 identity: bytes | None = None):
         self.process = process
         self.pid: int = facts["pid"]
         self.tokenizer = facts["tokenizer"]
@@ -98,7 +99,7 @@ class EngineClient:
         self._conn = conn  # the owner keeps it open: its EOF tells the engine process this one is gone
         self._engine_end = engine_end
         self._context = zmq.Context()
-        self._sock = _channel(channel_dir, self._context, client_identity(os.getpid()))
+        self._sock = _channel(channel_dir, self._context, identity or client_identity(os.getpid()))
         self._handles: dict[int, RemoteRequest] = {}
         self._queries: dict[int, asyncio.Future] = {}
         self._rids, self._qids = itertools.count(), itertools.count()
@@ -106,6 +107,7 @@ class EngineClient:
         self._aio: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._ended = False  # the engine process is known to have ended
+        self._exited: asyncio.Event | None = None  # the owner's, on the event loop: set once the process is reaped
         self.exitcode: int | None = None  # the owner's: set once the event loop has reaped the process
 
     # ---- start and stop ---------------------------------------------------------------------
@@ -141,9 +143,10 @@ class EngineClient:
         return cls(channel_dir, payload, process=process, conn=conn)
 
     @classmethod
-    def attach(cls, channel_dir: str, facts: dict, engine_end) -> EngineClient:
-        """A client of an engine process that another process owns (an API worker's)."""
-        return cls(channel_dir, facts, engine_end=engine_end)
+    def attach(cls, channel_dir: str, facts: dict, engine_end, identity: bytes) -> EngineClient:
+        """A client of an engine process that another process owns (an API worker's), named `identity` on the
+        engine's socket (unique per worker the owner starts)."""
+        return cls(channel_dir, facts, engine_end=engine_end, identity=identity)
 
     @property
     def owner(self) -> bool:
@@ -161,6 +164,7 @@ class EngineClient:
         self._aio = asyncio.get_running_loop()
         self._receiver = asyncio.create_task(self._receive(zmq.asyncio.Socket.from_socket(self._sock)))
         if self.owner:
+            self._exited = asyncio.Event()
             self._aio.add_reader(self.process.sentinel, self._on_exit)
             if not self.process.is_alive():
                 self._on_exit()
@@ -168,8 +172,9 @@ class EngineClient:
             self._aio.add_reader(self._engine_end.fileno(), self._on_owner_message)
 
     def stop(self) -> None:
-        """The owner's clean stop: the engine's step in flight completes, every open request ends aborted,
-        and the process exits (killed if it does not within STOP_TIMEOUT_S)."""
+        """The owner's clean stop outside an event loop (the supervisor's): the engine's step in flight
+        completes, every open request ends aborted, and the process exits (killed if it does not within
+        STOP_TIMEOUT_S)."""
         if self.process.is_alive() and not self._stopping:
             self._stopping = True
             self._send(("shutdown",))
@@ -179,9 +184,15 @@ class EngineClient:
         self._stopping = True
 
     async def aclose(self) -> None:
-        """Stop the engine process (the owner) or leave it (a worker); every request still open here ends."""
-        if self.owner:
-            await asyncio.to_thread(self.stop)
+        """Stop the engine process (the owner) or leave it (a worker); every request still open here ends.
+        The socket and the process are touched on the event loop's thread only (`_on_exit` reaps)."""
+        if self.owner and not self._stopping and not self._exited.is_set():
+            self._stopping = True
+            self._send(("shutdown",))
+            try:
+                await asyncio.wait_for(self._exited.wait(), STOP_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("the engine process did not stop within %.0f s: killing it", STOP_TIMEOUT_S)
         self._stopping = True
         if self._receiver is not None:
             self._receiver.cancel()
@@ -235,9 +246,9 @@ class EngineClient:
     def abort(self, rid: int) -> None:
         self._send(("abort", rid))
 
-    def client_gone(self, pid: int) -> None:
+    def client_gone(self, identity: bytes) -> None:
         """The owner tells the engine that a client process (an API worker) has died: its requests end."""
-        self._send(("client_gone", client_identity(pid)))
+        self._send(("client_gone", identity))
 
     def stop_request(self, rid: int, stop: str) -> None:
         self._send(("stop", rid, stop))
@@ -310,6 +321,7 @@ class EngineClient:
         self._aio.remove_reader(self.process.sentinel)
         self.process.join(5)  # reaped on this thread only: a second thread's waitpid could see no exit code
         self.exitcode = self.process.exitcode
+        self._exited.set()
         self.engine_ended(self.exit_reason())
 
     def _on_owner_message(self) -> None:

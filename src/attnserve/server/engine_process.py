@@ -66,8 +66,9 @@ def engine_address(channel_dir: str) -> str:
 
 
 def client_identity(pid: int) -> bytes:
-    """A client's name on the engine's socket: its process (one client per process and engine)."""
-    return f"pid-{pid}".encode()
+    """The name on the engine's socket of the client that owns the engine process (API workers get theirs
+    from the supervisor)."""
+    return f"owner-{pid}".encode()
 
 
 def portable_error(exc: BaseException) -> Exception:
@@ -110,10 +111,11 @@ class ProcessLoop(EngineLoop):
         self._gone: set[bytes] = set()  # clients whose process died: a command of theirs still in flight is dropped
         self._parent_gone = parent_gone
 
-    def run(self) -> None:
+    def run(self, failure_file: Path) -> None:
         self._run()
         if self.error is not None:
-            for box in self._outboxes.values():  # every client hears it, busy or not
+            failure_file.write_text(f"the engine failed: {self.error!r}")  # for the owner, once the process ends
+            for box in self._outboxes.values():  # every client that has sent something hears it now
                 box.append(("failed", repr(self.error)))
         self.flush()
 
@@ -188,6 +190,9 @@ class ProcessLoop(EngineLoop):
         super()._add(handle, req)
         if handle.rid in self._handles:
             handle._outbox.append(("accepted", handle.client_rid))
+        else:  # refused: nothing more will come for it
+            owner = self._owners.pop(handle.rid, None)
+            self._engine_rids.pop(owner, None)
 
     def _close(self, rid: int) -> None:
         super()._close(rid)
@@ -256,7 +261,8 @@ def run_engine_process(config: EngineConfig, channel_dir: str, conn, setup=None)
             conn.send(("failed", RuntimeError(repr(exc))))
         sys.exit(1)
     context = zmq.Context()
-    failure_reporters.append(partial(_report_failure, Path(channel_dir, FAILURE_FILE)))
+    failure_file = Path(channel_dir, FAILURE_FILE)
+    failure_reporters.append(partial(_report_failure, failure_file))
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 2000)  # what is queued at exit still goes out, unless nobody listens
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -265,7 +271,7 @@ def run_engine_process(config: EngineConfig, channel_dir: str, conn, setup=None)
     conn.send(("ready", facts))
     loop = ProcessLoop(engine, sock, parent_gone)
     try:
-        loop.run()
+        loop.run(failure_file)
     finally:
         # the loop has ended, so must the process: a clean-up or exit handler that hangs prints every
         # thread's stack and the process exits 1 anyway (the HTTP side then reports the exit code)

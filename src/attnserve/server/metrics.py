@@ -93,7 +93,13 @@ class ServerMetrics:
         self.requests = Counter("attnserve:requests", "Ended requests by finish reason (stop, length, abort, error)",
                                 ["finish_reason"], registry=r)
         self.engine = EngineState(model, prefill_backend, decode_backend)
-        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if multiprocess_dir is None:
+            self.exposed = r
+        else:  # what a scrape shows: every worker's files, read at each scrape
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed, multiprocess_dir)
+        self.exposed.register(self.engine)
 
     def observe(self, output: RequestOutput) -> None:
         self.requests.labels(output.finish_reason).inc()
@@ -118,13 +124,4 @@ class ServerMetrics:
         """The text exposition: this server's (or every API worker's) HTTP-side metrics and the engine's from
         `state` (the engine process's Engine.state() and its Engine.stats())."""
         self.engine.state = state
-        if self.multiprocess_dir is None:
-            registry = self.registry
-        else:
-            registry = CollectorRegistry()
-            MultiProcessCollector(registry, self.multiprocess_dir)
-        registry.register(self.engine)
-        try:
-            return generate_latest(registry)
-        finally:
-            registry.unregister(self.engine)
+        return generate_latest(self.exposed)
