@@ -40,7 +40,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: from the model path)")
     p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="more completions than this waiting for the engine are refused with 503 (default: no limit)")
+                   help="more completions than this waiting for the engine are refused with 503 (default: no limit; "
+                   "with --api-workers, each worker admits its share)")
     p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
                    help="largest request body accepted, in bytes (default: 8 MiB; larger ones get 413)")
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
