@@ -16,6 +16,7 @@ import uvicorn
 
 from attnserve.server.app import ServerSettings, ServerState, create_app
 from attnserve.server.engine_client import EngineClient
+from attnserve.server.engine_owner import EngineProcess
 from attnserve.server.uvicorn_server import UvicornServer
 
 
@@ -23,9 +24,9 @@ from attnserve.server.uvicorn_server import UvicornServer
 def running_server(config, setup=None, **settings):
     """Yields (base_url, state) for a server over an engine process built from `config` (an EngineConfig);
     `setup(engine)` runs in the engine process once its engine is built. Stops both afterwards."""
-    engine = EngineClient.start(config, setup)
+    engine = EngineProcess.start(config, setup)
     try:
-        state = ServerState(engine, ServerSettings(**{"served_model_name": "test-model", **settings}))
+        state = ServerState(EngineClient.of(engine), ServerSettings(**{"served_model_name": "test-model", **settings}))
         config = uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
                                 timeout_graceful_shutdown=5)
         server = UvicornServer(config)

@@ -67,7 +67,7 @@ def test_api_workers_add_up_their_metrics_and_report_a_dead_engine_then_exit_cle
             metrics = httpx.get(url + "/metrics", timeout=10).text
             assert 'attnserve:requests_total{finish_reason="length"} 8.0' in metrics, metrics
             assert "attnserve:generation_tokens_total 48.0" in metrics
-            assert len(re.findall(r"^attnserve:num_requests_running ", metrics, re.M)) == 1  # one engine, once
+            assert len(re.findall(r"^attnserve:num_requests_running ", metrics, re.MULTILINE)) == 1  # one engine, once
 
         os.kill(engine_pid, signal.SIGKILL)
         seen: list[httpx.Response] = []

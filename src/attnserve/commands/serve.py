@@ -25,6 +25,7 @@ from attnserve.commands.engine_args import add_engine_arguments, engine_config, 
 from attnserve.server.api_workers import serve_with_workers
 from attnserve.server.app import ServerSettings, ServerState, create_app
 from attnserve.server.engine_client import EngineClient
+from attnserve.server.engine_owner import EngineProcess
 from attnserve.server.uvicorn_server import UvicornServer
 
 
@@ -71,7 +72,7 @@ def run(args) -> int:
     if args.node_rank != 0:
         return run_other_node(args)  # node 0 serves; this machine only runs ranks
     # the engine process refuses a model or backend that cannot run, before the port is bound
-    engine = EngineClient.start(engine_config(args))
+    engine = EngineProcess.start(engine_config(args))
     try:
         settings = ServerSettings(served_model_name=args.served_model_name or served_name(args.model),
                                   api_key=args.api_key, max_queued_requests=args.max_queued_requests,
@@ -80,8 +81,8 @@ def run(args) -> int:
                    "timeout_graceful_shutdown": args.graceful_shutdown_timeout}
         if args.api_workers > 1:
             return serve_with_workers(engine, settings, options, args.api_workers, args.host, args.port)
-        config = uvicorn.Config(create_app(ServerState(engine, settings)), host=args.host, port=args.port,
-                                **options)
+        app = create_app(ServerState(EngineClient.of(engine), settings))
+        config = uvicorn.Config(app, host=args.host, port=args.port, **options)
         UvicornServer(config).run()  # a port it cannot bind exits 1 with uvicorn's message
     finally:
         engine.release()

@@ -2,7 +2,7 @@
 
 One HTTP process is enough while JSON, SSE and detokenization fit one core next
 to the engine; past that, more of them share the work. This process becomes
-the server's supervisor: it owns the engine process (EngineClient.start), binds
+the server's supervisor: it owns the engine process (EngineProcess.start), binds
 the port and spawns N API workers on that one listening socket (the kernel
 hands each new connection to one of them). Each worker tokenizes, serves HTTP
 and detokenizes with its own channel to the engine (EngineClient.attach) and
@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from attnserve.server.engine_client import EngineClient, exit_description
+from attnserve.server.engine_client import EngineClient
+from attnserve.server.engine_owner import EngineProcess, exit_description
 
 log = logging.getLogger("attnserve.server")
 
@@ -92,7 +93,7 @@ class Worker:
 class Supervisor:
     """The API workers and the engine process they share; `run` until a signal, then stop them all."""
 
-    def __init__(self, engine: EngineClient, spec: WorkerSpec, workers: int, host: str, port: int):
+    def __init__(self, engine: EngineProcess, spec: WorkerSpec, workers: int, host: str, port: int):
         self.engine = engine
         self.spec = spec
         self.count = workers
@@ -230,9 +231,9 @@ class Supervisor:
         self.engine.stop()
 
 
-def serve_with_workers(engine: EngineClient, settings, uvicorn_options: dict, workers: int, host: str,
+def serve_with_workers(engine: EngineProcess, settings, uvicorn_options: dict, workers: int, host: str,
                        port: int) -> int:
-    """Run the supervisor over `engine` (an owner client) until a signal; the exit status."""
+    """Run the supervisor over `engine` until a signal; the exit status."""
     metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
     before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by each worker as it imports prometheus_client

@@ -1,7 +1,7 @@
 """The engine process: the scheduler and the model, stepped on this process's main thread.
 
 Its owner (the HTTP process, or with --api-workers the server's supervisor;
-`EngineClient.start` in engine_client.py) spawns it and keeps one end of a pipe
+`EngineProcess.start` in engine_owner.py) spawns it and keeps one end of a pipe
 open for as long as it lives. Here the engine is built, then the pipe carries
 one message back: ("ready", facts the HTTP side needs) or ("failed", the
 exception that stopped the start-up). After that the pipe only tells of the
@@ -64,11 +64,6 @@ def from_wire(data: bytes):
 def engine_address(channel_dir: str) -> str:
     return f"ipc://{Path(channel_dir, 'engine')}"
 
-
-def client_identity(pid: int) -> bytes:
-    """The name on the engine's socket of the client that owns the engine process (API workers get theirs
-    from the supervisor)."""
-    return f"owner-{pid}".encode()
 
 
 def portable_error(exc: BaseException) -> Exception:
