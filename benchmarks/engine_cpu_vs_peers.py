@@ -31,6 +31,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from attnserve.versions import source_commit
+
 PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea and the wind.",
@@ -172,11 +174,9 @@ def _versions() -> dict:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             out[pkg] = None
-    try:
-        out["attnserve_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                 text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    commit = source_commit()
+    if commit:
+        out["attnserve_commit"] = commit
     return out
 
 

@@ -15,10 +15,11 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from attnserve.versions import source_commit
 
 CODE = '''def total_price(items, tax):
     subtotal = 0
@@ -69,11 +70,9 @@ def _versions() -> dict:
     from importlib.metadata import version
 
     out = {"python": platform.python_version(), "torch": version("torch")}
-    try:
-        out["attnserve_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                 text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    commit = source_commit()
+    if commit:
+        out["attnserve_commit"] = commit
     return out
 
 

@@ -9,6 +9,8 @@ Read from package metadata: nothing heavy is imported.
 from __future__ import annotations
 
 import importlib.metadata as md
+import subprocess
+from pathlib import Path
 
 from attnserve import __version__
 
@@ -36,6 +38,15 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def source_commit() -> str | None:
+    """The short git commit of the checkout this package runs from; None when it is not in one."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def version_changes(then: dict, now: dict) -> list[str]:
     """What differs between two version maps, in words ('torch 2.11.0 -> 2.13.0', 'triton absent -> 3.6.0')."""
     changes = []
@@ -46,4 +57,4 @@ def version_changes(then: dict, now: dict) -> list[str]:
     return changes
 
 
-__all__ = ["TIMED_PACKAGES", "package_versions", "version_changes"]
+__all__ = ["TIMED_PACKAGES", "package_versions", "source_commit", "version_changes"]

@@ -43,6 +43,7 @@ import uvicorn
 
 from attnserve.server.engine_client import EngineClient
 from attnserve.server.engine_owner import EngineProcess, exit_description
+from attnserve.server.uvicorn_server import UvicornServer, announce_serving
 
 log = logging.getLogger("attnserve.server")
 
@@ -65,7 +66,6 @@ def _worker_main(spec: WorkerSpec, identity: bytes, sock, conn) -> None:
     """An API worker: the app over an attached engine client, served by uvicorn on the shared socket."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from attnserve.server.app import ServerState, create_app
-    from attnserve.server.uvicorn_server import UvicornServer
 
     def started(host, port) -> None:
         try:
@@ -115,8 +115,7 @@ class Supervisor:
             return 1
         host, port = self.sock.getsockname()[:2]
         pids = ", ".join(str(w.process.pid) for w in self.workers.values())
-        log.info("serving on http://%s:%s (OpenAI API under /v1; /health, /metrics, /server_info) with %d API "
-                 "workers (pids %s)", host, port, self.count, pids)
+        announce_serving(host, port, f" with {self.count} API workers (pids {pids})")
         status = None
         while self._signal is None and status is None:
             status = self._watch_once()
@@ -145,16 +144,16 @@ class Supervisor:
             by_conn = {w.conn: index for index, w in waiting.items()}
             for ready in multiprocessing.connection.wait([*by_conn, *(w.process.sentinel for w in waiting.values())],
                                                          POLL_S):
-                index = by_conn.get(ready)
-                if index is None:
-                    log.error("an API worker exited while starting: the server stops")
-                    return False
-                try:
-                    ready.recv()
-                except EOFError:
-                    log.error("an API worker exited while starting: the server stops")
-                    return False
-                del waiting[index]
+                index = by_conn.get(ready)  # None: a worker's sentinel, so it has ended
+                if index is not None:
+                    try:
+                        ready.recv()
+                        del waiting[index]
+                        continue
+                    except EOFError:
+                        pass
+                log.error("an API worker exited while starting: the server stops")
+                return False
         return not waiting
 
     def _watch_once(self) -> int | None:

@@ -47,7 +47,7 @@ from attnserve.engine.loop import EngineLoop
 
 log = logging.getLogger("attnserve.engine")
 
-PARENT_CHECK_MS = 200  # while idle, how often the loop looks whether the HTTP process is gone
+PARENT_CHECK_MS = 200  # while idle, how often the loop looks whether its owner is gone
 PARENT_GONE_EXIT_S = 10.0  # how long a step may keep a parentless engine process alive
 EXIT_GRACE_S = 20.0  # how long the process may take to end once its loop has (else: stacks on stderr, exit 1)
 FAILURE_FILE = "engine-failure.txt"  # in the channel's directory: why the engine process is about to end
@@ -63,7 +63,6 @@ def from_wire(data: bytes):
 
 def engine_address(channel_dir: str) -> str:
     return f"ipc://{Path(channel_dir, 'engine')}"
-
 
 
 def portable_error(exc: BaseException) -> Exception:
@@ -91,6 +90,9 @@ class _RemoteHandle:
         if isinstance(item, BaseException):
             item = portable_error(item)
         self._outbox.append(("item", self.client_rid, item))
+
+    def accepted(self) -> None:
+        self._outbox.append(("accepted", self.client_rid))
 
 
 class ProcessLoop(EngineLoop):
@@ -184,20 +186,23 @@ class ProcessLoop(EngineLoop):
     def _add(self, handle, req) -> None:
         super()._add(handle, req)
         if handle.rid in self._handles:
-            handle._outbox.append(("accepted", handle.client_rid))
+            handle.accepted()
         else:  # refused: nothing more will come for it
-            owner = self._owners.pop(handle.rid, None)
-            self._engine_rids.pop(owner, None)
+            self._forget(handle.rid)
 
     def _close(self, rid: int) -> None:
         super()._close(rid)
+        self._forget(rid)
+
+    def _forget(self, rid: int) -> None:
+        """Drop an ended request's mapping to its client."""
         owner = self._owners.pop(rid, None)
         if owner is not None:
             self._engine_rids.pop(owner, None)
 
 
 def _watch_parent(conn, parent_gone: threading.Event) -> None:
-    """Blocks on the pipe to the HTTP process; its EOF means that process is gone."""
+    """Blocks on the pipe to the owner; its EOF means the owner is gone."""
     try:
         while True:
             conn.recv()
@@ -205,7 +210,8 @@ def _watch_parent(conn, parent_gone: threading.Event) -> None:
         pass
     parent_gone.set()
     time.sleep(PARENT_GONE_EXIT_S)
-    log.error("the HTTP process is gone and the engine did not stop within %.0f s: exiting", PARENT_GONE_EXIT_S)
+    log.error("the engine process's owner is gone and the engine did not stop within %.0f s: exiting",
+              PARENT_GONE_EXIT_S)
     os._exit(1)
 
 
@@ -236,7 +242,7 @@ def run_engine_process(config: EngineConfig, channel_dir: str, conn, setup=None)
     FAILURE_FILE); `conn`: this end of the pipe; `setup(engine)`: run once the engine is built (tests inject
     faults)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the HTTP process stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: our owner stops us
     parent_gone = threading.Event()
     threading.Thread(target=_watch_parent, args=(conn, parent_gone), name="attnserve-parent-watch",
                      daemon=True).start()  # from the start: a parent killed during the model load counts too
@@ -247,7 +253,7 @@ def run_engine_process(config: EngineConfig, channel_dir: str, conn, setup=None)
         if setup is not None:
             setup(engine)
         facts = ready_facts(engine)
-    except BaseException as exc:  # the HTTP process reports it and exits
+    except BaseException as exc:  # the owner reports it and exits
         if not isinstance(exc, (ValueError, FileNotFoundError, ImportError)):  # not a refusal: keep the traceback
             log.error("the engine failed to start", exc_info=exc)
         try:

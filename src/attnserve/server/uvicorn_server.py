@@ -13,6 +13,11 @@ log = logging.getLogger("attnserve.server")
 END_GRACE_S = 5.0  # after open requests are told to end: how long they may take to send their last bytes
 
 
+def announce_serving(host: str, port: int, detail: str = "") -> None:
+    """The line that says the server is up, and where (scripts and tests wait for it)."""
+    log.info("serving on http://%s:%s (OpenAI API under /v1; /health, /metrics, /server_info)%s", host, port, detail)
+
+
 class UvicornServer(uvicorn.Server):
     """Logs the address really bound (--port 0 picks one), or tells `on_started(host, port)` (an API worker
     tells its supervisor, which logs it once for all); treats a shutdown that SIGINT/SIGTERM started as a
@@ -22,11 +27,7 @@ class UvicornServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, on_started=None):
         super().__init__(config)
-        self.on_started = on_started or self._announce
-
-    @staticmethod
-    def _announce(host: str, port: int) -> None:
-        log.info("serving on http://%s:%s (OpenAI API under /v1; /health, /metrics, /server_info)", host, port)
+        self.on_started = on_started or announce_serving
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
