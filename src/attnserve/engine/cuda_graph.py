@@ -121,7 +121,11 @@ class CudaGraphRunner:
         padding_row: int,
         batch_sizes: list[int],
         device: torch.device,
+        max_tokens: int = 0,
     ):
+        """max_tokens: the most tokens a verify graph captured later will hold (batch x q; 0: none). The backend
+        hears it in init_graph_buffers before the first capture, as one that sizes scratch its graphs keep
+        (FlashInfer's workspace) must hold the largest step then."""
         if not backend.features.cuda_graph:
             raise ValueError(f"attention backend {backend.name} does not support CUDA graphs")
         self.model = model
@@ -131,6 +135,7 @@ class CudaGraphRunner:
         self.padding_row = padding_row
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_bs = self.batch_sizes[-1]
+        self.max_tokens = max(self.max_bs, max_tokens)
         self.device = device
         n = self.max_bs
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [max_bs]
@@ -190,7 +195,7 @@ class CudaGraphRunner:
     def capture(self) -> float:
         """Capture every batch size, largest first (smaller graphs reuse its memory pool)."""
         start = time.perf_counter()
-        self.backend.init_graph_buffers(self.max_bs, self.max_bs)
+        self.backend.init_graph_buffers(self.max_bs, self.max_tokens)
         with torch.inference_mode():
             # one eager step first: some backends learn per-layer facts from it before they can capture
             fb = self._batch(self.max_bs, [1] * self.max_bs)
@@ -264,7 +269,8 @@ class CudaGraphRunner:
 
         Call after `capture()` (the backend's graph buffers exist then). `batch_sizes` defaults to the decode
         sizes; none may exceed the decode graphs' largest. Raises what the backend raises when it cannot plan
-        a verify graph (the caller then verifies eagerly).
+        a verify graph (the caller then verifies eagerly), e.g. FlashInfer when batch x q exceeds the
+        `max_tokens` this runner was built with and its workspace cannot hold the step.
         """
         q = tokens_per_req
         if q < 1:

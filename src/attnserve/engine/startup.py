@@ -296,19 +296,30 @@ def build_graphs(config: EngineConfig, model: ModelSetup, attention: AttentionCh
         return GraphSetup(None, [], f"off ({attention.decode_backend} cannot be captured; decode runs eagerly)")
     max_bs = min(config.cuda_graph_max_bs or 128, config.max_running_requests)
     sizes = default_batch_sizes(max_bs)
-    runner = CudaGraphRunner(model.module, backend, kv.pool, kv.req_pool, kv.padding_row, sizes, model.device)
+    speculative = bool(getattr(config, "speculative_algorithm", None))
+    max_tokens = 0
+    if speculative:  # the backend hears of the largest verify step before the first capture, where it sizes
+        q, verify_sizes = verify_graph_shape(config, sizes)  # scratch the graphs keep (FlashInfer's workspace)
+        max_tokens = q * verify_sizes[-1]
+    runner = CudaGraphRunner(model.module, backend, kv.pool, kv.req_pool, kv.padding_row, sizes, model.device,
+                             max_tokens=max_tokens)
     secs = runner.capture()
     note = f"batch sizes {sizes} (captured in {secs:.1f} s)"
-    if getattr(config, "speculative_algorithm", None):
+    if speculative:
         note += "; " + _capture_verify_graphs(config, runner, sizes)
     return GraphSetup(runner, sizes, note)
 
 
+def verify_graph_shape(config: EngineConfig, sizes: list[int]) -> tuple[int, list[int]]:
+    """(q = 1 + draft tokens a request, the batch sizes of the verify graphs) for decode graphs of these sizes."""
+    q = 1 + int(getattr(config, "speculative_num_draft_tokens", None) or 0)
+    return q, verify_batch_sizes(sizes, q)
+
+
 def _capture_verify_graphs(config: EngineConfig, runner: CudaGraphRunner, sizes: list[int]) -> str:
     """Verify graphs of q = 1 + draft tokens per request: chains, and trees when the draft tree branches."""
-    q = 1 + int(getattr(config, "speculative_num_draft_tokens", None) or 0)
+    q, verify_sizes = verify_graph_shape(config, sizes)
     kinds = [False] + ([True] if (getattr(config, "speculative_eagle_topk", None) or 1) > 1 else [])
-    verify_sizes = verify_batch_sizes(sizes, q)
     parts = []
     for tree in kinds:
         kind = "tree" if tree else "chain"

@@ -3,7 +3,9 @@
 - `FlashInferMHABackend` (mha.py): paged decode and paged / ragged prefill over an MHA/GQA pool.
 - `FlashInferMLABackend` (mla.py): BatchMLAPagedAttentionWrapper over an MLA latent pool.
 - csr.py: the host-side page tables both hand to FlashInfer's plan(), and the graph page-id buffer.
-- common.py: the features both declare, the `flashinfer` accessor and the workspace.
+- common.py: the features both declare and the `flashinfer` accessor.
+- workspace.py: the float workspace FlashInfer's plans carve their split-KV scratch from, sized before
+  CUDA graphs fix its address.
 
 The registry name `flashinfer` resolves to the class that fits the pool; `backend_class(pool)` and
 `FlashInferBackend(pool, **options)` do the same for code that holds a pool. The `flashinfer` package is

@@ -1,4 +1,4 @@
-"""What the MHA and MLA FlashInfer backends share: the features they declare, the package accessor and the workspace.
+"""What the MHA and MLA FlashInfer backends share: the features they declare and the package accessor.
 
 `flashinfer` is an optional package: `flashinfer_module()` is the one place it is imported, when a
 backend object is built, so that reading a backend's features never needs it.
@@ -45,11 +45,6 @@ MLA_FEATURES = dataclasses.replace(
 def flashinfer_module(purpose: str = "the flashinfer attention backend") -> ModuleType:
     """The `flashinfer` package, or MissingDependencyError naming the install command."""
     return require("flashinfer", purpose)
-
-
-def allocate_workspace(workspace_mb: int, device: torch.device) -> torch.Tensor:
-    """FlashInfer's scratch buffer, shared by every wrapper of one backend."""
-    return torch.zeros(workspace_mb << 20, dtype=torch.uint8, device=device)  # [bytes]
 
 
 def default_q_dtype(pool) -> torch.dtype:

@@ -23,6 +23,10 @@ of metadata.py is handed over as it is.
   pages than the pool has (a shared prefix counts once per request using it).
   Speculative verify chains (q tokens a request, causal) are captured the same way
   on the paged prefill wrapper, one per (batch size, q); trees verify eagerly.
+- Workspace (workspace.py): at the first capture the float workspace grows to hold the
+  split-KV scratch of every graph init_graph_buffers(max_bs, max_tokens) announced (decode
+  up to max_bs requests, verify chains up to max_tokens tokens) for every layer signature;
+  a later capture that needs more is refused with the sizes, as graphs keep its address.
 
 MLA latent pools have their own backend (mla.py); the registry picks by pool.
 """
@@ -33,13 +37,17 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backends.flashinfer.common import (
-    FEATURES,
-    allocate_workspace,
-    default_q_dtype,
-    flashinfer_module,
-)
+from attnserve.attention.backends.flashinfer.common import FEATURES, default_q_dtype, flashinfer_module
 from attnserve.attention.backends.flashinfer.csr import HostCSR, graph_step_metadata, host_csr
+from attnserve.attention.backends.flashinfer.workspace import (
+    MIB,
+    Scratch,
+    allocate_workspace,
+    decode_graph_scratch,
+    device_sm_count,
+    graph_workspace,
+    prefill_graph_scratch,
+)
 from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from attnserve.attention.metadata import (
     MetadataBuffers,
@@ -82,13 +90,18 @@ class FlashInferMHABackend(AttentionBackend):
         prefill_kernel: str = "auto",
         prefill_path: str = "paged",
         q_dtype: torch.dtype | None = None,
+        num_sms: int | None = None,
         **options,
     ):
         """
+        workspace_mb: the float workspace's size to start with; the first graph capture grows it to what
+            the graphs will need (workspace.py).
         prefill_kernel: "auto" (fa3 where it applies, else fa2), "fa2" or "fa3".
         prefill_path: "paged" (one paged causal pass) or "ragged" (new tokens ragged + prefix paged,
             merged by LSE; falls back to paged for sliding windows and custom masks).
         q_dtype: dtype of queries and outputs (default: the pool's, or bf16 for an FP8 pool).
+        num_sms: the SM count FlashInfer's plans size their scratch by (default: the GPU's; a pool off CUDA
+            with none given sizes nothing).
         """
         super().__init__(pool, **options)
         if pool.is_mla:
@@ -99,7 +112,8 @@ class FlashInferMHABackend(AttentionBackend):
             raise ValueError(f"prefill_path must be paged or ragged, got {prefill_path!r}")
         self._fi = flashinfer_module()
         device = pool.device
-        self.workspace = allocate_workspace(workspace_mb, device)
+        self.workspace = allocate_workspace(workspace_mb * MIB, device)
+        self.num_sms = num_sms or device_sm_count(device)
         self.use_tensor_cores = use_tensor_cores
         self.prefill_path = prefill_path
         self.q_dtype = q_dtype or default_q_dtype(pool)
@@ -111,6 +125,7 @@ class FlashInferMHABackend(AttentionBackend):
         self._graph_wrappers: dict[tuple, object] = {}  # (bs, sig) decode, ("verify", bs, q, sig) verify
         self._graph_verify: tuple[int, int] | None = None  # (bs, q) of the planned verify graph step
         self._graph_buffers: MetadataBuffers | None = None
+        self.graph_max_tokens = 0
         self._fb: ForwardBatch | None = None
 
     def _choose_prefill_kernel(self, requested: str, device: torch.device) -> tuple[str, str]:
@@ -260,9 +275,52 @@ class FlashInferMHABackend(AttentionBackend):
 
     # ---- CUDA graphs (decode, verify chains) ---------------------------------------------------------------
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
-        """Index buffers now; the page-id buffer is sized at the first capture, from req_to_token's width."""
+        """Index buffers now; the page-id buffer and the workspace are sized at the first capture.
+
+        max_tokens: the most tokens a captured verify step holds (batch x q); decode graphs hold max_bs.
+        """
         self.graph_max_bs = max_bs
+        self.graph_max_tokens = max_tokens
         self._graph_buffers = MetadataBuffers.allocate(max_bs, 0, self.pool.device)
+
+    # ---- the workspace graphs keep -----------------------------------------------------------------------
+    def graph_scratch(self, sig: _Signature, batch_size: int, tokens: int, verify: bool) -> Scratch:
+        """The float scratch a graph-mode plan of this signature takes: decode (tokens = batch_size) or verify."""
+        if verify or self.use_tensor_cores:  # both run PrefillPlan (decode: one row a request)
+            head_dim_vo = sig.v_head_dim if verify else sig.head_dim
+            return prefill_graph_scratch(batch_size, tokens, sig.num_heads, sig.num_kv_heads, head_dim_vo,
+                                         self.num_sms)
+        return decode_graph_scratch(sig.num_heads, sig.num_kv_heads, sig.head_dim, self.num_sms)
+
+    def graph_workspace_bytes(self, max_bs: int, max_tokens: int) -> int:
+        """Workspace bytes every graph of the known signatures takes: decode up to max_bs requests, and verify
+        chains of q tokens a request up to max_tokens tokens (bs x q, bs <= max_bs)."""
+        need = 0
+        for sig in self._signatures:
+            for bs in range(1, max_bs + 1):
+                need = max(need, self.graph_scratch(sig, bs, bs, verify=False).nbytes)
+                q = max_tokens // bs
+                if q >= 1:
+                    need = max(need, self.graph_scratch(sig, bs, bs * q, verify=True).nbytes)
+        return need
+
+    def _size_workspace_for_capture(self, fb: ForwardBatch, verify: bool) -> None:
+        if self.num_sms is None or not self._signatures:
+            return
+        bs, tokens = fb.batch_size, sum(fb.extend_lens_cpu)
+        scratch = max((self.graph_scratch(sig, bs, tokens, verify) for sig in self._signatures),
+                      key=lambda s: s.nbytes)
+        what = f"a {'verify' if verify else 'decode'} graph of {bs} requests and {tokens} tokens"
+        pinned = bool(self._graph_wrappers)
+        bound = 0 if pinned else self.graph_workspace_bytes(self.graph_max_bs, self.graph_max_tokens)
+        grown = graph_workspace(self.workspace, what, scratch, bound, pinned,
+                                (self.graph_max_bs, self.graph_max_tokens))
+        if grown is not None:
+            self.workspace = grown
+            # eager wrappers hold the old buffer: they are built again over this one when next used
+            self._decode_wrappers.clear()
+            self._prefill_wrappers.clear()
+            self._ragged_wrappers.clear()
 
     def _new_verify_wrapper(self, bs: int):
         """A graph-mode paged prefill wrapper over the fixed buffers; fa2, whose graph mode takes every mask."""
@@ -272,10 +330,12 @@ class FlashInferMHABackend(AttentionBackend):
             paged_kv_indptr_buf=bufs.kv_indptr[: bs + 1], paged_kv_indices_buf=bufs.kv_indices,
             paged_kv_last_page_len_buf=bufs.kv_last_page_len[:bs], backend="fa2")
 
-    def _plan_graph(self, fb: ForwardBatch) -> None:
+    def _plan_graph(self, fb: ForwardBatch, capture: bool) -> None:
         bs = fb.batch_size
         meta = graph_step_metadata(fb, self._graph_buffers, self.graph_max_bs, self.pool, bool(self._signatures),
                                    captured=bool(self._graph_wrappers), verify=True)
+        if capture:
+            self._size_workspace_for_capture(fb, verify=fb.mode is ForwardMode.TARGET_VERIFY)
         host = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
         self._fb, self._meta, self._host = fb, meta, host
         self._prefix_meta = self._prefix_host = None
@@ -301,7 +361,7 @@ class FlashInferMHABackend(AttentionBackend):
         self._graph_verify = verify
 
     def plan_for_capture(self, fb: ForwardBatch) -> None:
-        self._plan_graph(fb)
+        self._plan_graph(fb, capture=True)
 
     def plan_for_replay(self, fb: ForwardBatch) -> None:
-        self._plan_graph(fb)
+        self._plan_graph(fb, capture=False)

@@ -13,7 +13,8 @@ e5m2, FP8 elsewhere and custom masks are refused here (selection's limits say so
 is built).
 
 CUDA graphs (decode): one wrapper per captured batch size over fixed index buffers, planned
-again in place before each replay, as for MHA.
+again in place before each replay, as for MHA. MLAPlan's scratch depends on the SM count and the
+latent width only, so the workspace holds it from the start (workspace.py); a capture checks it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backends.flashinfer.common import (
-    MLA_FEATURES,
-    allocate_workspace,
-    default_q_dtype,
-    flashinfer_module,
-)
+from attnserve.attention.backends.flashinfer.common import MLA_FEATURES, default_q_dtype, flashinfer_module
 from attnserve.attention.backends.flashinfer.csr import graph_step_metadata, host_csr
+from attnserve.attention.backends.flashinfer.workspace import (
+    MIB,
+    Scratch,
+    allocate_workspace,
+    device_sm_count,
+    graph_workspace,
+    mla_scratch,
+    with_margin,
+)
 from attnserve.attention.base import AttentionBackend, ForwardBatch
 from attnserve.attention.metadata import MetadataBuffers, metadata_for_batch
 
@@ -62,10 +67,13 @@ class FlashInferMLABackend(AttentionBackend):
     features = MLA_FEATURES
 
     def __init__(self, pool, workspace_mb: int = 256, q_dtype: torch.dtype | None = None, mla_kernel: str = "auto",
-                 **options):
+                 num_sms: int | None = None, **options):
         """
+        workspace_mb: the float workspace's smallest size; it is at least what MLAPlan takes (workspace.py).
         q_dtype: dtype of queries and outputs (default: the pool's, or bf16 for an FP8 pool).
         mla_kernel: BatchMLAPagedAttentionWrapper's kernel: "auto" (fa3 on Hopper), "fa2" or "fa3".
+        num_sms: the SM count FlashInfer's plans size their scratch by (default: the GPU's; a pool off CUDA
+            with none given sizes nothing).
         """
         super().__init__(pool, **options)
         if not pool.is_mla:
@@ -81,7 +89,10 @@ class FlashInferMLABackend(AttentionBackend):
             q_dtype = torch.bfloat16
         self.kernel, self.kernel_reason = choose_mla_kernel(mla_kernel, pool.device)
         self._fi = flashinfer_module()
-        self.workspace = allocate_workspace(workspace_mb, pool.device)
+        self.num_sms = num_sms or device_sm_count(pool.device)
+        # MLAPlan's scratch is known now (the batch does not enter it): eager steps and graphs alike fit
+        scratch = 0 if self.num_sms is None else with_margin(self.graph_scratch().nbytes)
+        self.workspace = allocate_workspace(max(workspace_mb * MIB, scratch), pool.device)
         self.q_dtype = q_dtype
         self._wrappers: dict[MLASignature, object] = {}
         self._graph_wrappers: dict[tuple[int, MLASignature], object] = {}
@@ -90,6 +101,7 @@ class FlashInferMLABackend(AttentionBackend):
         self._graph_kv_lens: torch.Tensor | None = None  # [max_bs] int32
         self._planned: set = set()
         self._graph_bs: int | None = None
+        self.graph_max_tokens = 0
 
     # ---- per step ------------------------------------------------------------------------------
     def plan(self, fb: ForwardBatch) -> None:
@@ -149,16 +161,33 @@ class FlashInferMLABackend(AttentionBackend):
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
-        """Index buffers now; the page-id buffer is sized at the first capture, from req_to_token's width."""
+        """Index buffers now; the page-id buffer and the workspace are sized at the first capture."""
         self.graph_max_bs = max_bs
+        self.graph_max_tokens = max_tokens
         self._graph = MetadataBuffers.allocate(max_bs, 0, self.pool.device)
         self._graph_kv_lens = torch.ones(max_bs, dtype=torch.int32, device=self.pool.device)  # [max_bs]
 
-    def _plan_graph(self, fb: ForwardBatch) -> None:
+    def graph_scratch(self) -> Scratch:
+        """The float scratch every MLA plan of this pool takes (batch and heads do not enter)."""
+        return mla_scratch(self.pool.kv_lora_rank, self.num_sms)
+
+    def _size_workspace_for_capture(self, fb: ForwardBatch) -> None:
+        if self.num_sms is None:
+            return
+        scratch = self.graph_scratch()
+        grown = graph_workspace(self.workspace, f"an MLA decode graph of {fb.batch_size} requests", scratch,
+                                scratch.nbytes, bool(self._graph_wrappers), (self.graph_max_bs, self.graph_max_tokens))
+        if grown is not None:
+            self.workspace = grown
+            self._wrappers.clear()  # eager wrappers hold the old buffer: built again over this one when next used
+
+    def _plan_graph(self, fb: ForwardBatch, capture: bool) -> None:
         """Capture or replay: page ids into the fixed buffer, then every signature's wrapper planned in place."""
         bs = fb.batch_size
         meta = graph_step_metadata(fb, self._graph, self.graph_max_bs, self.pool, bool(self._signatures),
                                    captured=bool(self._graph_wrappers))
+        if capture:
+            self._size_workspace_for_capture(fb)
         host = self._host_arrays(fb)
         self._meta, self._host, self._planned = meta, host, set()
         for sig in self._signatures:
@@ -173,7 +202,7 @@ class FlashInferMLABackend(AttentionBackend):
         self._graph_bs = bs
 
     def plan_for_capture(self, fb: ForwardBatch) -> None:
-        self._plan_graph(fb)
+        self._plan_graph(fb, capture=True)
 
     def plan_for_replay(self, fb: ForwardBatch) -> None:
-        self._plan_graph(fb)
+        self._plan_graph(fb, capture=False)
