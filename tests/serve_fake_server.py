@@ -1,6 +1,9 @@
 """A tiny OpenAI-style streaming server for the bench-serve tests, with faults on purpose.
 
-It streams one chunk (one word) per token with chunked transfer encoding. By request
+It streams one chunk (one word) per token with chunked transfer encoding, `token_delay_s`
+apart. A client that is not scheduled within that spacing reads two chunks in one read and
+times them together (an inter-token latency of 0): 1 ms is below the scheduling jitter of a
+loaded host, so a test that measures inter-token latency spaces tokens well above it. By request
 order (1-based n): every `fail_every`-th request gets HTTP 500, every `drop_every`-th
 has its connection cut mid-stream, every `error_every`-th streams an error object.
 The first `cold_requests` answer with one token only, as a first use that differs from

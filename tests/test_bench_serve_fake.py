@@ -88,7 +88,8 @@ def test_time_budget_cuts_in_flight_requests_without_calling_them_failures():
 
 def test_cli_sweep_against_url_writes_json_markdown_png(tmp_path, word_tokenizer_dir, capsys):
     out = tmp_path / "res.json"
-    with FakeServer(fail_every=4) as srv:
+    # tokens 10 ms apart: far above a loaded host's scheduling jitter, so the client times each chunk alone
+    with FakeServer(fail_every=4, token_delay_s=0.01) as srv:
         rc = bench(f"--url fake={srv.url} --tokenizer {word_tokenizer_dir} --input-len 12 --output-len 5 "
                    f"--concurrency 1,2 --request-rate 50 --num-prompts 4 --seeds 2,1,1 --warmup-requests 1 "
                    f"--json {out} --no-progress --note a-note")
@@ -110,7 +111,14 @@ def test_cli_sweep_against_url_writes_json_markdown_png(tmp_path, word_tokenizer
         for key in ("request_throughput", "input_tok_s", "output_tok_s", "duration_s"):
             assert m[key] > 0
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-            assert set(m[key]) == {"mean", "p50", "p90", "p99"} and m[key]["p50"] > 0
+            assert set(m[key]) == {"mean", "p50", "p90", "p99"}
+            assert 0 <= m[key]["p50"] <= m[key]["p90"] <= m[key]["p99"]
+        for key in ("ttft_ms", "tpot_ms", "e2e_ms"):  # each spans at least one whole read: never 0
+            assert m[key]["p50"] > 0
+        # ITL is the gap between two reads' arrival times: 0 for chunks one read returns together, which a
+        # client descheduled for longer than the spacing does; that every gap is 0 would take stalls of
+        # 10 ms at every token
+        assert m["itl_ms"]["mean"] > 0
         assert all(e.startswith("HTTP 500") for e in m["errors"])
     assert all(len(p.split()) == 12 for p in prompts)  # exact token counts in the word vocabulary
     md = out.with_suffix(".md").read_text()
