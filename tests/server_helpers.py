@@ -90,3 +90,22 @@ def process_running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+STUB_TOKEN = 1000  # an ordinary word piece of the embedded tokenizer: every stub step samples it
+
+
+def stub_steps_at_gpu_rates(engine) -> None:
+    """Engine-process setup: every forward pass returns at once with logits that pick STUB_TOKEN, so the
+    server's plumbing (sockets, streams, metrics) carries tokens as fast as a GPU makes them, whatever this
+    machine's speed. The scheduler, pages and sampler still run for real."""
+    import torch
+
+    vocab = engine.vocab_size
+
+    def forward(batch):
+        logits = torch.zeros(sum(batch.sample), vocab)  # [sampling requests, vocab]
+        logits[:, STUB_TOKEN] = 1.0
+        return logits
+
+    engine.runner.forward = forward

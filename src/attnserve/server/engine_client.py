@@ -74,6 +74,10 @@ class EngineClient:
         self._engine_end = engine_end
         self._context = zmq.Context()
         self._sock = dealer(channel_dir, self._context, identity)
+        # every send and receive goes through this asyncio view of the socket, on the event loop's thread (see
+        # `connect`): ZeroMQ's descriptor signals edges, and an operation made outside the view can consume
+        # the edge of a message that has arrived, so that its reader never wakes
+        self._io: zmq.asyncio.Socket | None = None
         self._handles: dict[int, RemoteRequest] = {}
         self._queries: dict[int, asyncio.Future] = {}
         self._rids, self._qids = itertools.count(), itertools.count()
@@ -100,7 +104,8 @@ class EngineClient:
     async def connect(self) -> None:
         """Start reading the engine's output and watching its end, on the running event loop."""
         self._aio = asyncio.get_running_loop()
-        self._receiver = asyncio.create_task(self._receive(zmq.asyncio.Socket.from_socket(self._sock)))
+        self._io = zmq.asyncio.Socket.from_socket(self._sock)
+        self._receiver = asyncio.create_task(self._receive())
         if self.owner is not None:
             self._exited = asyncio.Event()
             self._watched = self.owner.process.sentinel
@@ -136,6 +141,8 @@ class EngineClient:
             return
         if self._watched is not None and self._aio is not None and not self._aio.is_closed():
             self._aio.remove_reader(self._watched)
+        if self._io is not None:
+            self._io.close()  # stops the event loop's watch of the socket
         self._sock.close()
         self._context.term()
 
@@ -182,23 +189,31 @@ class EngineClient:
             self._queries.pop(qid, None)
 
     def _send(self, cmd: tuple) -> None:
-        try:
-            self._sock.send(to_wire(cmd), zmq.NOBLOCK)
-        except zmq.Again:  # no engine connected: it is gone, and its end is being handled
-            pass
+        """Queue `cmd` for the engine (the send queue has no limit, so it goes at once). Through the asyncio
+        view: after the send it looks again for messages that arrived meanwhile, which a send on the plain
+        socket would leave unread until the next message, and the next may never come."""
+        self._io.send(to_wire(cmd)).add_done_callback(self._sent)
+
+    @staticmethod
+    def _sent(future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is not None:  # a closed channel: its end is handled
+            log.warning("a command to the engine was not sent: %r", future.exception())
 
     # ---- what comes back --------------------------------------------------------------------
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+    async def _receive(self) -> None:
         while True:
-            self._dispatch(from_wire(await sock.recv()))
+            self._dispatch(from_wire(await self._io.recv()))
 
     def _drain(self) -> None:
         """Read what is left on the socket without waiting (the engine process has ended)."""
+        if self._io is None:
+            return
         while True:
             try:
-                self._dispatch(from_wire(self._sock.recv(zmq.NOBLOCK)))
+                data = self._io.recv(zmq.NOBLOCK).result()  # resolved at once: a message, or Again
             except zmq.Again:
                 return
+            self._dispatch(from_wire(data))
 
     def _dispatch(self, events: list[tuple]) -> None:
         for event in events:
