@@ -129,11 +129,11 @@ def test_setup_steps_hand_the_runner_its_graph_runner():
 
 
 def test_auto_dtype_is_bf16_on_a_cpu_with_hardware_bf16_and_the_checkpoints_on_a_gpu(monkeypatch):
-    from attnserve.models import cpu_weights
+    from attnserve import hardware
     from attnserve.models.loader import resolve_dtype
 
     for fast, expected in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(cpu_weights, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        monkeypatch.setattr(hardware, "cpu_has_hardware_bf16", lambda fast=fast: fast)
         assert resolve_dtype("auto", torch.device("cpu"), {"torch_dtype": "float16"}) == expected
     assert resolve_dtype("fp32", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda"), {}) == torch.bfloat16

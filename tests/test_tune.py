@@ -17,6 +17,7 @@ import torch
 
 from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.attention.tuned import RESULT_KIND, find_tuned
+from attnserve import hardware
 from attnserve.cli import main
 from attnserve.hardware import detect_hardware
 from attnserve.models.config import ModelConfig
@@ -30,10 +31,12 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
 @pytest.fixture(scope="module", autouse=True)
 def on_a_machine_without_a_gpu():
     """These tests describe tune on the CPU: on a GPU machine too, detection (tune, select, the engine's
-    device "auto") sees only the CPU, so results, keys and machine names are the CPU's."""
+    device "auto") sees only the CPU, so results, keys and machine names are the CPU's. A CPU without hardware
+    bf16, whatever this one has: "auto" is fp32 there (tests/test_auto_dtypes.py covers the other kind)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: False)
         mp.setattr(torch.backends.mps, "is_available", lambda: False)
+        mp.setattr(hardware, "cpu_has_hardware_bf16", lambda: False)
         yield
 
 
@@ -277,8 +280,10 @@ def test_tune_races_triton_mla_on_the_cpu_interpreter_in_a_fresh_process(tmp_pat
            "CUDA_VISIBLE_DEVICES": "",  # the CPU's race (its workloads), also on a machine with a GPU
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"),
                                                        os.environ.get("PYTHONPATH")]))}
+    # fp32 KV, as "auto" gives on a CPU without hardware bf16 (this process's mock does not reach that one)
     done = subprocess.run([sys.executable, "-m", "attnserve", "tune", "--model", str(cfg), "--quick", "--json",
-                           "--backends", "triton", "torch_native"], env=env, capture_output=True, text=True,
+                           "--kv-cache-dtype", "fp32", "--backends", "triton", "torch_native"], env=env,
+                          capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [r for r in json.loads(done.stdout)["records"] if r["backend"] == "triton"]

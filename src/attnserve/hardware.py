@@ -20,6 +20,7 @@ class Hardware:
     arch: str = "x86_64"  # host CPU architecture
     # packages importable on this machine; None = hypothetical machine where everything counts as installed
     installed: frozenset[str] | None = field(default=None)
+    cpu_bf16: bool = False  # the host CPU multiplies bf16 in hardware (AMX or AVX512-BF16)
 
     def has_package(self, module: str) -> bool:
         if self.installed is None:
@@ -59,12 +60,23 @@ PRESET_HARDWARE: dict[str, Hardware] = {
     "mi300": Hardware("rocm", "amd", "AMD MI300X", None, None, 304, 192),
     "mi355": Hardware("rocm", "amd", "AMD MI355X", None, None, 256, 288),
     "cpu": Hardware("cpu", "none", "x86_64 CPU"),
-    "cpu-amx": Hardware("cpu", "intel", "Intel Xeon (AMX)"),
+    "cpu-amx": Hardware("cpu", "intel", "Intel Xeon (AMX)", cpu_bf16=True),
     "arm-cpu": Hardware("cpu", "none", "ARM64 CPU", arch="aarch64"),
     "mps": Hardware("mps", "apple", "Apple M-series GPU", arch="arm64"),
     "xpu": Hardware("xpu", "intel", "Intel Data Center GPU"),
     "npu": Hardware("npu", "huawei", "Huawei Ascend NPU"),
 }
+
+
+def cpu_has_hardware_bf16() -> bool:
+    """AMX or AVX512-BF16 on this machine's CPU: bf16 matmuls run in hardware (elsewhere they are emulated,
+    slower than fp32)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            first = f.read().split("\n\nprocessor", 1)[0]
+    except OSError:
+        return False
+    return bool({"amx_bf16", "avx512_bf16"} & set(first.split()))
 
 
 def detect_hardware() -> Hardware:
@@ -75,17 +87,18 @@ def detect_hardware() -> Hardware:
 
     installed = frozenset(p for p in KNOWN_PACKAGES if is_installed(p)) | {"torch"}
     arch = platform.machine() or "unknown"
+    bf16 = cpu_has_hardware_bf16()
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         if getattr(torch.version, "hip", None):
             return Hardware("rocm", "amd", props.name, None, None, props.multi_processor_count,
-                            props.total_memory / 1e9, arch, installed)
+                            props.total_memory / 1e9, arch, installed, cpu_bf16=bf16)
         cuda = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
         return Hardware("cuda", "nvidia", props.name, (props.major, props.minor), cuda,
-                        props.multi_processor_count, props.total_memory / 1e9, arch, installed)
+                        props.multi_processor_count, props.total_memory / 1e9, arch, installed, cpu_bf16=bf16)
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return Hardware("mps", "apple", "Apple MPS", arch=arch, installed=installed)
-    return Hardware("cpu", "none", f"{arch} CPU", arch=arch, installed=installed)
+        return Hardware("mps", "apple", "Apple MPS", arch=arch, installed=installed, cpu_bf16=bf16)
+    return Hardware("cpu", "none", f"{arch} CPU", arch=arch, installed=installed, cpu_bf16=bf16)
 
 
 def cpu_model_name() -> str | None:

@@ -58,6 +58,7 @@ class ServingFeatures:
     page_size: int | None = None  # None: 1, or the page size the chosen backend needs
     kv_cache_dtype: str = "bf16"
     deterministic: bool = False
+    dtypes: str = ""  # how the model and KV dtypes were resolved (attnserve.dtypes.Dtypes.describe), for the trace
 
     def __post_init__(self):
         if self.speculative_topk < 0:
@@ -516,7 +517,8 @@ def _describe_serving(s: ServingFeatures) -> str:
     spec = f"speculative topk {s.speculative_topk}" if s.speculative_topk else "no speculative decoding"
     page = f"page size {s.page_size}" if s.page_size is not None else "page size unset"
     det = ", deterministic" if s.deterministic else ""
-    return f"serving: {spec}, {page}, KV {s.kv_cache_dtype}{det}"
+    how = f"; {s.dtypes}" if s.dtypes else ""
+    return f"serving: {spec}, {page}, KV {s.kv_cache_dtype}{det}{how}"
 
 
 __all__ = ["FALLBACK_ORDER", "LIMITS", "POLICY", "Limit", "PolicyRow", "Selection",

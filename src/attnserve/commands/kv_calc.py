@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from attnserve.kvcache.calc import WEIGHT_DTYPE_BYTES, format_bytes, kv_cache_report
-from attnserve.models.config import attention_shape_of
+from attnserve.models.config import attention_shape_of, stated_dtype_of
 from attnserve.presets import PRESETS
 
 
@@ -23,10 +23,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="preset name, path to a config.json (or its directory) or a .gguf file")
     p.add_argument("--context", type=int, required=True, help="tokens per request (prompt + output)")
     p.add_argument("--batch", type=int, default=1, help="concurrent requests (default 1)")
-    p.add_argument("--kv-cache-dtype", default="bf16",
-                   help="bf16, fp16, fp32, fp8_e4m3 or fp8_e5m2 (default bf16)")
-    p.add_argument("--weight-dtype", default="bf16", choices=sorted(WEIGHT_DTYPE_BYTES),
-                   help="bytes per weight for sizing the model beside the cache (default bf16)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (default: as the engine on a GPU, the model dtype: the checkpoint's, bf16 if it "
+                   "states none), bf16, fp16, fp32, fp8_e4m3 or fp8_e5m2")
+    p.add_argument("--weight-dtype", default="auto", choices=["auto", *sorted(WEIGHT_DTYPE_BYTES)],
+                   help="bytes per weight for sizing the model beside the cache (default auto: the model dtype, "
+                   "as for the KV cache)")
     p.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="device memory in GB (10^9 bytes); reports the max batch that fits beside the weights")
     p.add_argument("--tp-size", type=int, default=1,
@@ -39,7 +41,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     shape = attention_shape_of(args.model)
     report = kv_cache_report(args.model, shape, args.context, args.batch, args.kv_cache_dtype,
-                             args.gpu_memory_gb, args.weight_dtype, args.tp_size)
+                             args.gpu_memory_gb, args.weight_dtype, args.tp_size, stated_dtype_of(args.model))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:

@@ -13,8 +13,9 @@ import json
 import sys
 
 from attnserve.attention.selection import ServingFeatures, select_backends
+from attnserve.dtypes import Dtypes, resolve_dtypes
 from attnserve.hardware import PRESET_HARDWARE, detect_hardware
-from attnserve.models.config import attention_shape_of
+from attnserve.models.config import attention_shape_of, stated_dtype_of
 from attnserve.shape import GENERIC_GQA
 
 # what --sliding-window / --logit-softcap without a value stand for (Mistral's window, Gemma-2's cap)
@@ -61,8 +62,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     f.add_argument("--speculative-topk", "--speculative-eagle-topk", type=int, default=0,
                    help="speculative decoding's draft-tree branching (1: chains; 0: no speculative decoding)")
     f.add_argument("--page-size", type=int, default=None, help="KV page size (default: 1 or what the backend needs)")
+    f.add_argument("--dtype", default="auto",
+                   help="model dtype, as the engine's --dtype: auto (CPU: bf16 where it has AMX or AVX512-BF16, "
+                   "else fp32; GPU: the checkpoint's, bf16 if unstated), bf16, fp16, fp32")
     f.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the engine's default: bf16 on a GPU, fp32 on a CPU), bf16, fp16, fp32, fp8_e4m3, fp8_e5m2")
+                   help="auto (as the engine: the model dtype), bf16, fp16, fp32, fp8_e4m3, fp8_e5m2")
     f.add_argument("--deterministic", action="store_true", help="require deterministic attention")
     b = p.add_argument_group("explicit choices (validated, never replaced)")
     b.add_argument("--attention-backend", default=None)
@@ -126,17 +130,18 @@ def model_from_args(args):
     return dataclasses.replace(shape, **overrides) if overrides else shape
 
 
-def _kv_dtype(name: str, hw) -> str:
-    if name != "auto":
-        return name
-    return "fp32" if hw.device == "cpu" else "bf16"
+def dtypes_from_args(args, hw) -> Dtypes:
+    """--dtype and --kv-cache-dtype as the engine resolves them on this machine description (attnserve.dtypes)."""
+    return resolve_dtypes(hw.device, hw.cpu_bf16, args.dtype, args.kv_cache_dtype, stated_dtype_of(args.model))
 
 
 def run(args) -> int:
     hw = hardware_from_args(args)
     model = model_from_args(args)
+    dtypes = dtypes_from_args(args, hw)
     serving = ServingFeatures(speculative_topk=args.speculative_topk, page_size=args.page_size,
-                              kv_cache_dtype=_kv_dtype(args.kv_cache_dtype, hw), deterministic=args.deterministic)
+                              kv_cache_dtype=dtypes.kv_cache, deterministic=args.deterministic,
+                              dtypes=dtypes.describe())
     selection = select_backends(
         hw, model, serving,
         attention_backend=args.attention_backend,
@@ -147,7 +152,8 @@ def run(args) -> int:
         use_tuned=not args.no_tuned,
     )
     if args.json:
-        json.dump(selection.to_dict(), sys.stdout, indent=2)
+        json.dump({**selection.to_dict(), "dtype": dtypes.model_name, "kv_cache_dtype": dtypes.kv_cache}, sys.stdout,
+                  indent=2)
         sys.stdout.write("\n")
     else:
         print(selection.describe())

@@ -25,8 +25,9 @@ from attnserve.attention.tuned import RESULT_KIND, result_path, shape_key
 from attnserve.bench.baseline import add_guard_arguments, check_comparable, load_run, report
 from attnserve.bench.tune import run_tune
 from attnserve.commands.engine_args import add_engine_arguments
+from attnserve.dtypes import resolve_dtypes
 from attnserve.hardware import detect_hardware
-from attnserve.models.config import ModelConfig, attention_shape_of
+from attnserve.models.config import ModelConfig, attention_shape_of, stated_dtype_of
 
 DEFAULT_MODEL = "smollm2-135m"  # the shape of the embedded model `generate` and `serve` run without --model
 
@@ -43,7 +44,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                   "help": f"a preset, a HF config.json or model directory, or a .gguf file (default: {DEFAULT_MODEL}, "
                   "the embedded model's shape)"},
         "tp_size": {"help": "tensor-parallel size: the heads one rank sees"},
-        "kv_cache_dtype": {"help": "auto (the engine's default: bf16 on a GPU, fp32 on a CPU), bf16, fp16, fp32"},
+        "kv_cache_dtype": {"help": "auto (as the engine: the model dtype, which --dtype auto makes bf16 on a CPU "
+                                   "with AMX or AVX512-BF16, fp32 on other CPUs, the checkpoint's on a GPU), bf16, "
+                                   "fp16, fp32"},
         "page_size": {"help": "KV page size (default: 1, the engine's)"},
     })
     p.add_argument("--backends", nargs="+", default=None, metavar="NAME",
@@ -112,7 +115,8 @@ def run(args) -> int:
         raise ValueError(f"--tp-size must be >= 1, got {args.tp_size}")
     hw = detect_hardware()
     model, max_context = _shape(args.model, args.tp_size)
-    kv = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else ("fp32" if hw.device == "cpu" else "bf16")
+    # "auto" as the engine resolves it here (attnserve.dtypes), so the engine finds what tune measured
+    kv = resolve_dtypes(hw.device, hw.cpu_bf16, "auto", args.kv_cache_dtype, stated_dtype_of(args.model)).kv_cache
     serving = ServingFeatures(page_size=args.page_size, kv_cache_dtype=kv)
     baseline = load_run(args.baseline) if args.baseline is not None else None
     if baseline is not None:  # refuse an incomparable baseline before racing

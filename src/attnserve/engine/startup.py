@@ -26,10 +26,10 @@ from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.distributed.state import min_over_ranks, parallel_state
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes, verify_batch_sizes
-from attnserve.hardware import detect_hardware
+from attnserve.dtypes import Dtypes, resolve_dtypes
+from attnserve.hardware import cpu_has_hardware_bf16, detect_hardware
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.calc import kv_bytes_per_token
-from attnserve.kvcache.dtypes import canonical_kv_dtype
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool, make_pool
 from attnserve.models import cpu_weights
 from attnserve.models.layers import use_ops
@@ -145,9 +145,10 @@ def hardware_for(device: torch.device):
     return hw
 
 
-def _select(config: EngineConfig, traits, kv_dtype: str, hw):
+def _select(config: EngineConfig, traits, kv_dtype: str, hw, dtypes: str = ""):
+    """dtypes: how the model and KV dtypes were resolved, for the trace (attnserve.dtypes.Dtypes.describe)."""
     serving = ServingFeatures(page_size=config.page_size, kv_cache_dtype=kv_dtype,
-                              speculative_topk=config.speculative_topk)
+                              speculative_topk=config.speculative_topk, dtypes=dtypes)
     return select_backends(hw, traits, serving, attention_backend=config.attention_backend,
                            prefill_backend=config.prefill_attention_backend,
                            decode_backend=config.decode_attention_backend, use_tuned=not config.no_tuned,
@@ -245,22 +246,31 @@ def _threads_note(config: EngineConfig) -> str:
 def _dtype_note(config: EngineConfig, model: ModelSetup) -> str:
     if config.dtype != "auto" or model.device.type != "cpu":
         return ""
-    fast = cpu_weights.cpu_has_fast_bf16()
-    if fast and model.dtype == torch.bfloat16:
-        return " (auto: this CPU has AMX/AVX512-BF16)"
-    return " (auto: no hardware bf16 on this CPU)" if not fast else ""
+    auto = resolve_dtypes("cpu", cpu_has_hardware_bf16())
+    return f" ({auto.model_reason})" if auto.model == model.dtype else ""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def resolved_dtypes(config: EngineConfig, model: ModelSetup, hw) -> Dtypes:
+    """--dtype and --kv-cache-dtype resolved as `attnserve select` resolves them (the loader built the model so);
+    a model passed in already loaded in another dtype keeps its own."""
+    stated = getattr(model.bundle, "stated_dtype", None)
+    dtypes = resolve_dtypes(model.device.type, hw.cpu_bf16, config.dtype, config.kv_cache_dtype, stated)
+    if dtypes.model != model.dtype:
+        dtypes = resolve_dtypes(model.device.type, hw.cpu_bf16, model.dtype, config.kv_cache_dtype)
+    return dtypes
+
+
 def choose_attention(config: EngineConfig, model: ModelSetup) -> AttentionChoice:
     """Decide the backends as `attnserve select` would, on the device the engine was told to use."""
-    kv_dtype = canonical_kv_dtype(model.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
     hw = hardware_for(model.device)
+    dtypes = resolved_dtypes(config, model, hw)
+    kv_dtype = dtypes.kv_cache
     traits = model_shape(model.bundle)
-    selection = _select(config, traits, kv_dtype, hw)
+    selection = _select(config, traits, kv_dtype, hw, dtypes.describe())
     return AttentionChoice(
         prefill_backend=selection.prefill_backend, decode_backend=selection.decode_backend,
         page_size=selection.page_size, kv_dtype=kv_dtype, trace=[str(e) for e in selection.trace],

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from attnserve.dtypes import resolve_dtypes
 from attnserve.kvcache.dtypes import canonical_kv_dtype, dtype_bytes
 from attnserve.shape import AttentionShape
 
@@ -175,12 +176,20 @@ def kv_cache_report(
     gpu_memory_gb: float | None = None,
     weight_dtype: str = "bf16",
     tp_size: int = 1,
+    stated_dtype: str | None = None,
 ) -> KVCacheReport:
     """All the calculator's numbers for one model, context and batch; with tp_size > 1, for one rank
-    (its heads' cache, its share of the weights, its GPU's memory): what the engine's start-up log reports."""
+    (its heads' cache, its share of the weights, its GPU's memory): what the engine's start-up log reports.
+
+    kv_dtype / weight_dtype "auto": what the engine runs on a GPU (attnserve.dtypes.resolve_dtypes), the
+    KV cache and the weights in the model dtype, the one the checkpoint states (`stated_dtype`), bf16 if none.
+    """
     _check_positive(context=context, batch=batch)
     shape = shape.per_rank(tp_size)
-    kv_dtype = canonical_kv_dtype(kv_dtype)
+    auto = resolve_dtypes("cuda", False, "auto", kv_dtype, stated_dtype)
+    kv_dtype = auto.kv_cache
+    if weight_dtype == "auto":
+        weight_dtype = auto.model_name
     _weight_dtype_bytes(weight_dtype)
     mem = None
     fits = None

