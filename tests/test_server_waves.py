@@ -16,6 +16,8 @@ import httpx
 import pytest
 from server_helpers import serving_line
 
+pytestmark = pytest.mark.needs_embedded_model  # the stub serves the embedded model's tokenizer and shapes
+
 WAVES, STREAMS, TOKENS = 3, 64, 48
 HANG_S = 120  # a wave or a query that takes this long is stuck (a wave takes seconds)
 
