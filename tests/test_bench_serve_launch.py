@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from attnserve.bench.serve.launch import LaunchedServer
 from attnserve.cli import main
 
@@ -35,6 +37,7 @@ def _check_report(rep: dict, label: str) -> dict:
     return cfg
 
 
+@pytest.mark.needs_embedded_model
 def test_launch_sweep_on_embedded_model(tmp_path):
     out = tmp_path / "launch.json"
     rc = main(["bench", "serve", "--launch", FLAGS, *SMALL, "--server-log-dir", str(tmp_path / "logs"),
@@ -46,6 +49,7 @@ def test_launch_sweep_on_embedded_model(tmp_path):
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").is_file()
 
 
+@pytest.mark.needs_embedded_model
 def test_url_sweep_against_a_running_server(tmp_path):
     out, shared = tmp_path / "url.json", tmp_path / "shared.json"
     with LaunchedServer(FLAGS, tmp_path / "server.log", timeout_s=300) as srv:

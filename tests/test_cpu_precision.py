@@ -23,6 +23,8 @@ from engine_runs import max_rel_err, run_engine
 
 from attnserve.models.loader import load_model
 
+pytestmark = pytest.mark.needs_embedded_model  # every test runs the embedded SmolLM2
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",

@@ -25,6 +25,7 @@ def test_q4_codes_decode_to_the_gguf_packages_floats(type_name):
     assert torch.equal(codes.dequantize(), expected)  # the same weights, bit for bit
 
 
+@pytest.mark.needs_embedded_model
 def test_q4_codes_of_the_embedded_model_match_its_dense_load():
     from attnserve.models.gguf_loader import GGUFFile
     from attnserve.models.loader import embedded_model_path

@@ -23,6 +23,7 @@ def llm():
     return LLM(device="cpu", max_total_tokens=4096, max_running_requests=16, enable_deterministic_inference=True)
 
 
+@pytest.mark.needs_embedded_model
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=N, temperature=0),
                                     SamplingParams(max_new_tokens=N, temperature=0.8, top_p=0.95, seed=7)],
                          ids=["greedy", "seeded"])

@@ -18,6 +18,7 @@ def llm():
     return LLM(device="cpu", dtype="fp32", max_total_tokens=2048, chunked_prefill_size=4)
 
 
+@pytest.mark.needs_embedded_model
 def test_batched_matches_one_at_a_time(llm):
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     alone = [llm.generate(p, params)[0].token_ids for p in PROMPTS]
@@ -30,6 +31,7 @@ def test_batched_matches_one_at_a_time(llm):
     assert llm.engine.pages_leaked() == 0
 
 
+@pytest.mark.needs_embedded_model
 def test_text_is_the_decoded_tokens_and_eos_stops(llm):
     out = llm.generate(llm.apply_chat_template("Say hi."), SamplingParams(max_new_tokens=64))[0]
     assert out.text == llm.tokenizer.decode(out.token_ids)
@@ -38,6 +40,7 @@ def test_text_is_the_decoded_tokens_and_eos_stops(llm):
         assert out.token_ids[-1] in llm.engine.eos_token_ids
 
 
+@pytest.mark.needs_embedded_model
 def test_generate_cli_json_with_prompts_file(tmp_path, capsys):
     from attnserve.cli import main
 

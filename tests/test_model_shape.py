@@ -25,6 +25,7 @@ def test_preset_config_file_and_parsed_config_give_one_shape(tmp_path):
     assert attention_shape_of(ModelConfig.load("llama-3-8b")).name == ""  # a parsed config is unnamed
 
 
+@pytest.mark.needs_embedded_model
 def test_a_gguf_file_is_read_for_its_shape():
     path = embedded_model_path()
     shape = attention_shape_of(path)
@@ -34,6 +35,7 @@ def test_a_gguf_file_is_read_for_its_shape():
         attention_shape_of("missing.gguf")
 
 
+@pytest.mark.needs_embedded_model
 def test_select_tune_and_kv_calc_resolve_alike(capsys):
     path = str(embedded_model_path())
     args = argparse.Namespace(model=path, tp_size=3, attention_sinks=False, sliding_window=None,

@@ -19,6 +19,8 @@ from engine_runs import max_rel_err, run_engine
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.models.loader import embedded_model_path, load_model
 
+pytestmark = pytest.mark.needs_embedded_model  # every test reads the embedded SmolLM2
+
 log = logging.getLogger(__name__)
 
 PROMPTS = [

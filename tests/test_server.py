@@ -17,6 +17,8 @@ from server_helpers import running_server
 from attnserve.engine.llm import LLM
 from attnserve.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.needs_embedded_model  # the served model is the embedded SmolLM2
+
 PROMPTS = ["The capital of France is", "1, 2, 3,", "def fibonacci(n):"]
 MAX = 8
 

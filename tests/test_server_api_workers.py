@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from server_helpers import process_running, serve_process, serving_line
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -48,6 +49,7 @@ def _info(url: str) -> dict:
         return {}
 
 
+@pytest.mark.needs_embedded_model
 def test_api_workers_add_up_their_metrics_and_report_a_dead_engine_then_exit_cleanly():
     proc, url, workers, lines = _start()
     try:
@@ -83,6 +85,7 @@ def test_api_workers_add_up_their_metrics_and_report_a_dead_engine_then_exit_cle
         _stop(proc)
 
 
+@pytest.mark.needs_embedded_model
 def test_a_killed_api_worker_frees_its_requests_pages_and_is_replaced():
     proc, url, workers, lines = _start()
     streams, broken, stop = 6, [], threading.Event()
@@ -124,6 +127,7 @@ def test_a_killed_api_worker_frees_its_requests_pages_and_is_replaced():
         _stop(proc)
 
 
+@pytest.mark.needs_embedded_model
 def test_a_killed_supervisor_leaves_no_process():
     proc, url, workers, _ = _start()
     try:

@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from server_helpers import (
     fail_steps_once_file_exists,
     process_running,
@@ -31,6 +32,7 @@ def test_unknown_backend_is_refused_before_the_port_is_bound():
     assert "no_such_backend" in err and "serving on" not in err
 
 
+@pytest.mark.needs_embedded_model
 def test_a_failing_engine_turns_health_to_503_and_open_requests_to_500(tmp_path):
     flag = tmp_path / "break"
     config = EngineConfig(device="cpu", max_total_tokens=1024, attention_backend="torch_native")
@@ -53,6 +55,7 @@ def test_a_failing_engine_turns_health_to_503_and_open_requests_to_500(tmp_path)
         assert state.engine.exitcode == 1  # a failed engine process exits
 
 
+@pytest.mark.needs_embedded_model
 def test_a_killed_engine_process_ends_open_requests_and_turns_health_to_503():
     config = EngineConfig(device="cpu", max_total_tokens=2048, attention_backend="torch_native")
     with running_server(config) as (url, state):
@@ -81,6 +84,7 @@ def test_a_killed_engine_process_ends_open_requests_and_turns_health_to_503():
     assert not process_running(state.engine.pid)
 
 
+@pytest.mark.needs_embedded_model
 def test_sigterm_during_a_stream_exits_cleanly():
     proc = serve_process("--max-total-tokens", "2048", "--graceful-shutdown-timeout", "120")  # room for a busy machine
     lines: list[str] = []
@@ -106,6 +110,7 @@ def test_sigterm_during_a_stream_exits_cleanly():
         proc.wait()
 
 
+@pytest.mark.needs_embedded_model
 def test_sigterm_past_the_graceful_timeout_ends_open_streams_with_an_error_and_done():
     proc = serve_process("--max-total-tokens", "4096", "--graceful-shutdown-timeout", "1")
     lines: list[str] = []
@@ -131,6 +136,7 @@ def test_sigterm_past_the_graceful_timeout_ends_open_streams_with_an_error_and_d
         proc.wait()
 
 
+@pytest.mark.needs_embedded_model
 def test_a_killed_http_process_takes_the_engine_process_with_it():
     proc = serve_process("--max-total-tokens", "2048")
     try:

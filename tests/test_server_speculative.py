@@ -13,6 +13,8 @@ from attnserve.engine.config import EngineConfig
 from attnserve.engine.llm import LLM
 from attnserve.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.needs_embedded_model  # the served model is the embedded SmolLM2
+
 # the model continues the prompt's own list, so prompt lookup finds drafts that it keeps
 PROMPT = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday, Wednesday,"
 MAX = 24

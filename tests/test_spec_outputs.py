@@ -69,6 +69,7 @@ def test_a_delta_of_several_tokens_stops_where_single_tokens_would():
     assert many.stop_hit and many.output.finish_reason == "stop"
 
 
+@pytest.mark.needs_embedded_model
 def test_embedded_model_same_greedy_with_drafts_accepted_and_json_counters():
     from attnserve.engine.llm import LLM
 

@@ -47,6 +47,7 @@ def server_tp3():
             proc.wait()
 
 
+@pytest.mark.needs_embedded_model
 def test_serve_tp3_answers_an_openai_client_as_tp1_would(server_tp3):
     from openai import OpenAI
 
@@ -67,6 +68,7 @@ def test_serve_tp3_answers_an_openai_client_as_tp1_would(server_tp3):
         assert all(math.isclose(a, b, abs_tol=1e-4) for (_, a), b in zip(lp.top, sorted(top.values(), reverse=True)))
 
 
+@pytest.mark.needs_embedded_model
 def test_a_killed_rank_turns_health_to_503_naming_it_and_leaves_no_process(server_tp3):
     """The ranks live in the engine process's world: a killed rank ends the engine process, the HTTP process
     reports why on /health until it is stopped, and no rank outlives either."""

@@ -58,6 +58,7 @@ def test_each_rank_loads_its_rows_of_each_merged_part(llama_path, tp):
         assert part.kv_cache_spec().num_kv_heads == max(1, 2 // tp)
 
 
+@pytest.mark.needs_embedded_model
 def test_gguf_slices_decode_only_their_rows_and_blocks_and_equal_the_whole():
     from attnserve.models.gguf_loader import GGUFFile
 
@@ -74,6 +75,7 @@ def test_gguf_slices_decode_only_their_rows_and_blocks_and_equal_the_whole():
     assert seen == len(wanted)
 
 
+@pytest.mark.needs_embedded_model
 def test_tp_not_splitting_the_heads_is_refused_before_loading(monkeypatch):
     def no_loading(*a, **k):
         raise AssertionError("weights were loaded")
