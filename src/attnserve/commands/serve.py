@@ -26,6 +26,7 @@ from attnserve.server.api_workers import serve_with_workers
 from attnserve.server.app import ServerSettings, ServerState, create_app
 from attnserve.server.engine_client import EngineClient
 from attnserve.server.engine_owner import EngineProcess
+from attnserve.server.protocol import MAX_TOKENS_HELP
 from attnserve.server.uvicorn_server import UvicornServer
 
 
@@ -33,7 +34,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="serve the OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics and /server_info. "
-        "Without --model it serves the embedded SmolLM2-135M-Instruct.",
+        "Without --model it serves the embedded SmolLM2-135M-Instruct. " + MAX_TOKENS_HELP,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port to bind (default: 30000; 0 picks a free one)")

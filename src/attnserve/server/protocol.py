@@ -15,6 +15,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from attnserve.engine.sampling_params import MAX_N, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+MAX_TOKENS_HELP = (
+    "Without max_tokens, /v1/chat/completions generates up to what both the context and the KV pool leave after "
+    f"the prompt, while /v1/completions stops at {COMPLETIONS_DEFAULT_MAX_TOKENS} new tokens, as OpenAI's and "
+    "vLLM's completions do (max_tokens: null gives it the chat limit); a max_tokens (or max_completion_tokens) "
+    "over that limit is refused with 400."
+)
+"""What a request without max_tokens generates, per endpoint (`attnserve serve --help` says it too)."""
+
+
 class APIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
 
@@ -97,8 +108,12 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
+    """/v1/completions. max_tokens left out: at most 16 new tokens (OpenAI's and vLLM's default); null: up to
+    what the context and the KV pool leave after the prompt (MAX_TOKENS_HELP)."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1,
+                                   description="new tokens at most; left out: 16, null: the context / KV pool limit")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -145,9 +160,13 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    """/v1/chat/completions. Neither max_completion_tokens nor max_tokens: up to what the context and the KV pool
+    leave after the rendered prompt (MAX_TOKENS_HELP)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1,
+                                   description="new tokens at most; left out: the context / KV pool limit")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens; it wins")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
