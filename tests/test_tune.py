@@ -5,8 +5,8 @@ module; each test copies its result into its own cache directory and edits the c
 """
 
 import io
-import os
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnserve import hardware
 from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.attention.tuned import RESULT_KIND, find_tuned
-from attnserve import hardware
 from attnserve.cli import main
 from attnserve.hardware import detect_hardware
 from attnserve.models.config import ModelConfig

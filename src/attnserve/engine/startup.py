@@ -24,9 +24,9 @@ import torch
 from attnserve.attention.hybrid import build_backend
 from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.distributed.state import min_over_ranks, parallel_state
+from attnserve.dtypes import Dtypes, resolve_dtypes
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes, verify_batch_sizes
-from attnserve.dtypes import Dtypes, resolve_dtypes
 from attnserve.hardware import cpu_has_hardware_bf16, detect_hardware
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.calc import kv_bytes_per_token

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from attnserve.dtypes import resolve_dtypes
-from attnserve.kvcache.dtypes import canonical_kv_dtype, dtype_bytes
+from attnserve.kvcache.dtypes import dtype_bytes
 from attnserve.shape import AttentionShape
 
 # bytes per weight element, by the names quantised checkpoints use

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from attnserve.engine.sampling_params import MAX_N, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 
-
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 MAX_TOKENS_HELP = (
