@@ -197,7 +197,7 @@ def run_config(loaded, label: str, workload: tuple[int, int, int], args, bw: flo
         "label": label,
         "workload": f"{requests} x {input_len}/{output_len}",
         "engine_settings": dict(engine_kw),
-        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "max_num_batched_tokens": engine.step_budget.label,  # as resolved: N, off, auto or auto:S
         "overlap_schedule": engine.overlap,
         "prefill_backend": engine.parts.attention.prefill_backend,
         "decode_backend": engine.parts.attention.decode_backend,
@@ -316,8 +316,8 @@ def main() -> None:
                     "1x1024x256)")
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--max-num-batched-tokens", default=None, metavar="N[,N...]",
-                    help="tokens of a step that decodes (the engine's knob; default: its default); a list runs "
-                    "every configuration once per value, <= 0 is off")
+                    help="the step budget (the engine's knob: N, <= 0 off, auto, auto:S, or default); a list runs "
+                    "every configuration once per value (default: the engine's default)")
     ap.add_argument("--configs", default="triton-graphs,triton-graphs-no-overlap",
                     help=f"comma-separated, of: {', '.join(CONFIGS)}")
     ap.add_argument("--out", default="benchmarks/results/engine_gpu_overlap.json")
@@ -334,12 +334,15 @@ def main() -> None:
     bw = copy_bandwidth() if cuda else 10e9
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     loaded = load_model(args.preset, dtype="bf16" if cuda else "fp32", device=args.device, random_weights=True)
+    # N (<= 0: off), auto, auto:S, or default (the flag unset: the device's default)
     budgets = [None] if args.max_num_batched_tokens is None else [
-        int(b) for b in args.max_num_batched_tokens.split(",")]
+        None if b.strip() == "default" else b.strip() for b in args.max_num_batched_tokens.split(",")]
     results, errors = [], {}
     for workload in workloads:
         for name, budget in ((n, b) for n in args.configs.split(",") for b in budgets):
             label = name if budget is None else f"{name}@{budget}"
+            if budget is None and args.max_num_batched_tokens is not None:
+                label = f"{name}@default"
             try:
                 settings = dict(CONFIGS[name])
                 if budget is not None:

@@ -34,11 +34,27 @@
 #   moe         moe_gpu_paths.py: routed experts, dense against grouped GEMM -> moe_gpu_paths.json
 #   serve       `attnserve bench serve` against transformers serve and the offline engine -> serve-h200.{json,md}
 #               (knobs: MODEL_DIR, IN_LEN, OUT_LEN; PEER_DEVICE=cpu MODEL_ARGS=--tiny for a CPU smoke run)
+#   budget-offline
+#               serve_h200_budget.py offline: the step token budget (--max-num-batched-tokens auto, off, 512, 2048,
+#               1024, 256, auto:32768, auto:131072) on the offline engine, one model and one engine for all, 2 waves
+#               of 64 x 1024/256 each: tok/s, ITL p50/p99/max, TTFT, the mixed steps, and the fitted cost of a mixed
+#               step against a decode step -> serve-budget/offline.json (+ the merged serve-budget.{json,md},
+#               budget.png); about 3 minutes, no FlashInfer needed
+#   budget-profile
+#               engine_gpu_profile.py --modes none --mixed-chunks ...: one mixed step of 64 decodes + N prompt
+#               tokens (N = 1 ... 8192), the triton backend's split on and off, wall / kernels by kind / host gap
+#               against the decode step, and the line wall = a + b * N -> engine_gpu_profile_mixed.json (~2 minutes)
+#   budget-served
+#               serve_h200_budget.py served: the server (--api-workers 2) at the default budget and with it off, c=64,
+#               200 requests each, beside serve-budget/offline.json when OUT has it (OFFLINE_JSON= names an earlier
+#               one) -> serve-budget/served.json + the merged record (about 3.5 minutes)
+#   budget-poisson
+#               serve_h200_budget.py poisson: the default budget at Poisson rates 4/8/12/16 with goodput under
+#               TTFT p99 <= 1 s, ITL p99 <= 50 ms -> serve-budget/poisson.json + the merged record (about 3 minutes)
 #   serve-budget
-#               serve_h200_budget.py: the step token budget (--max-num-batched-tokens 256/512/1024/off) at
-#               closed-loop c=64, 1024/256, 200 requests each, beside the offline engine with the same settings,
-#               then Poisson rates 4/8/12/16 for the default budget with goodput -> serve-budget/serve-budget.{json,md},
-#               budget.png, serve-default.png (about 7.5 minutes; no FlashInfer needed)
+#               the three budget steps in a row (about 10 minutes: more than one call; run them one a call)
+#               BUDGET_ARGS adds flags to the three (--quick: the CPU dry run), PROFILE_ARGS to budget-profile
+#               (e.g. --device cpu --preset smollm2-135m --requests 2 --input-len 32 --steps 1 --mixed-chunks 1,16)
 #   tune        `attnserve tune --model llama-3-8b` and the selection trace citing it -> tune-h200-llama-3-8b.*
 #   tp          tp 1 through the tensor-parallel path against the plain engine, both orders -> tp_gpu_tp1.json
 #   spec        spec_h200.py, Llama-3-8B shape: the verify step (K = 2, 4, 8 drafts; batch 1, 8, 64) against a
@@ -50,6 +66,8 @@
 #               other backend of the same run, before and after (what moves between leases cancels there)
 #
 # e.g. OUT=$OUT bash benchmarks/h200.sh mha mla engine   (with .whl carried: about 7 minutes)
+#      OUT=$OUT bash benchmarks/h200.sh budget-offline budget-profile   (about 5 minutes; then budget-served, then
+#      budget-poisson, one call each; `python3 benchmarks/serve_h200_budget.py report DIR` merges them anywhere)
 set -u
 STEPS=()
 COMPARE=()
@@ -57,12 +75,14 @@ while [ $# -gt 0 ]; do
   case "$1" in
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
-    tests|mha|mla|race|engine|engine-mla|moe|serve|serve-budget|tune|tp|spec) STEPS+=("$1"); shift ;;
-    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
+    tests|mha|mla|race|engine|engine-mla|moe|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
+    budget-offline|budget-profile|budget-served|budget-poisson) STEPS+=("$1"); shift ;;
+    serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
+    -h|--help) sed -n '2,70p' "$0"; exit 0 ;;
     *) echo "unknown step: $1 (see: bash benchmarks/h200.sh --help)" >&2; exit 2 ;;
   esac
 done
-[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,50p' "$0"; exit 2; }
+[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,70p' "$0"; exit 2; }
 has() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-out}
@@ -387,15 +407,32 @@ step_tune() {
   unset ATTNSERVE_CACHE_DIR
 }
 
-# The step token budget against ITL p99 and throughput, then the default budget under Poisson load; the script
-# keeps its own deadline (below this step's cap) so its record is always written.
-step_serve_budget() {
-  local limit
-  limit=$(cap 490)
-  echo "== serve-budget ($(left) s left)"
-  timeout "$limit" python3 benchmarks/serve_h200_budget.py "$OUT/serve-budget" --deadline-s $(( limit - 20 )) \
-    > "$LOGS/serve-budget.log" 2>&1
-  echo "serve-budget rc=$?"; cat "$OUT/serve-budget/serve-budget.md" 2> /dev/null || tail -20 "$LOGS/serve-budget.log"
+# The step token budget, one step a call: each step's script keeps its own deadline (below the step's cap), writes its
+# JSON as it goes and re-merges serve-budget/serve-budget.{json,md} from whatever is under $OUT/serve-budget.
+budget_step() {
+  local what=$1 want=$2 limit; shift 2
+  limit=$(cap "$want")
+  echo "== budget-$what ($(left) s left)"
+  # shellcheck disable=SC2086
+  timeout "$limit" python3 benchmarks/serve_h200_budget.py "$what" "$OUT/serve-budget" --deadline-s $(( limit - 25 )) \
+    "$@" ${BUDGET_ARGS:-} > "$LOGS/budget-$what.log" 2>&1
+  local rc=$?
+  echo "budget-$what rc=$rc"; grep -E '^\[' "$LOGS/budget-$what.log" | tail -15
+  cat "$OUT/serve-budget/serve-budget.md" 2> /dev/null
+  return $rc
+}
+step_budget_offline() { budget_step offline 290; }
+step_budget_served() { budget_step served 290 ${OFFLINE_JSON:+--offline-json "$OFFLINE_JSON"}; }
+step_budget_poisson() { budget_step poisson 290 ${OFFLINE_JSON:+--offline-json "$OFFLINE_JSON"}; }
+step_budget_profile() {
+  echo "== mixed-step profile ($(left) s left)"
+  # shellcheck disable=SC2086
+  timeout "$(cap 200)" python3 benchmarks/engine_gpu_profile.py --modes none --steps 5 \
+    --mixed-chunks 1,256,512,1024,2048,4096,8192 --split-mixed on,off ${PROFILE_ARGS:-} \
+    --out "$OUT/engine_gpu_profile_mixed.json" > "$LOGS/profile-mixed.log" 2>&1
+  local rc=$?
+  echo "profile rc=$rc"; grep -v -E '^(\{|USDT)' "$LOGS/profile-mixed.log" | tail -25
+  return $rc
 }
 
 # tp 1 through the tensor-parallel code path ("triton-graphs-tp1-world": a one-rank NCCL world, the step broadcast,

@@ -35,7 +35,7 @@ OLD_ENGINE_FLAGS = [
     (("--max-prefill-tokens",), "max_prefill_tokens", 16384, "512", 512),
     (("--context-length",), "max_context_len", None, "1024", 1024),
     (("--chunked-prefill-size",), "chunked_prefill_size", 2048, "-1", -1),
-    (("--max-num-batched-tokens",), "max_num_batched_tokens", 512, "1024", 1024),
+    (("--max-num-batched-tokens",), "max_num_batched_tokens", None, "1024", 1024),
     (("--schedule-policy",), "schedule_policy", "fcfs", "lpm", "lpm"),
     (("--disable-radix-cache",), "disable_radix_cache", False, None, True),
     (("--disable-cuda-graph",), "disable_cuda_graph", False, None, True),
@@ -86,6 +86,16 @@ def test_the_knobs_are_exactly_the_old_flags():
 def test_a_bad_backend_name_is_refused_by_the_config():
     with pytest.raises(ValueError, match="no-such-backend"):
         _parse(["serve", "--attention-backend", "no-such-backend"])
+
+
+def test_the_step_budget_flag_takes_a_number_auto_or_auto_with_its_scale():
+    assert _parse(["serve", "--max-num-batched-tokens", "auto"]).max_num_batched_tokens == "auto"
+    assert _parse(["serve", "--max-num-batched-tokens", "auto:32768"]).max_num_batched_tokens == "auto:32768"
+    assert _parse(["serve", "--max-num-batched-tokens", "-1"]).max_num_batched_tokens == -1
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a number, auto or auto:S"):
+        _parse(["serve", "--max-num-batched-tokens", "lots"])
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert "--max-num-batched-tokens N|auto[:S]" in " ".join(sub.choices["serve"].format_help().split())
 
 
 def test_tune_takes_the_engine_declarations_with_its_own_model_default():

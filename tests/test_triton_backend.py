@@ -118,6 +118,17 @@ EXTEND_CASES = {
                                  "head_dim": 64, "custom_mask": True, "mode": ForwardMode.TARGET_VERIFY},
     "mixed-p4": {"prefix": [12, 30, 0], "ext": [1, 1, 20], "page_size": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
                      "mode": ForwardMode.MIXED},
+    # MIXED steps split: the leading one-token rows through the decode kernel, the prompt chunks through extend
+    "mixed-window-sinks-p1": {"prefix": [40, 7, 0, 25], "ext": [1, 1, 17, 9], "page_size": 1, "num_heads": 8,
+                              "num_kv_heads": 2, "head_dim": 64, "sliding_window": 12, "use_sinks": True,
+                              "mode": ForwardMode.MIXED},
+    "mixed-fp8-softcap-p16": {"prefix": [33, 70, 18], "ext": [1, 1, 13], "page_size": 16, "num_heads": 4,
+                              "num_kv_heads": 1, "head_dim": 64, "kv_dtype": "fp8_e4m3", "logit_cap": 6.0,
+                              "mode": ForwardMode.MIXED},
+    "mixed-only-one-token-rows-p4": {"prefix": [12, 30, 0], "ext": [1, 1, 1], "page_size": 4, "num_heads": 4,
+                                     "num_kv_heads": 2, "head_dim": 64, "mode": ForwardMode.MIXED},
+    "mixed-one-token-row-after-a-chunk": {"prefix": [9, 0, 21], "ext": [1, 14, 1], "page_size": 4, "num_heads": 4,
+                                          "num_kv_heads": 2, "head_dim": 64, "mode": ForwardMode.MIXED},
 }
 
 
@@ -130,6 +141,27 @@ def test_extend_matches_oracle(case):
     out = run_layer(sb, TritonBackend(sb.pool))
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+def test_a_mixed_step_runs_its_leading_decodes_through_the_decode_kernel():
+    kw = {"page_size": 4, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "dtype": torch.bfloat16,
+          "score_scale": 20.0, "mode": ForwardMode.MIXED, "device": DEVICE}
+    prefix, ext = [29, 50, 3, 0, 11], [1, 1, 1, 16, 7]
+    outs = {}
+    for split in (True, False):
+        sb = make_batch(prefix, ext, seed=3, **kw)
+        backend = TritonBackend(sb.pool, split_mixed=split)
+        outs[split] = run_layer(sb, backend)
+        assert backend.mixed_decode_rows == (3 if split else 0)
+        # only the prompt chunks were planned as an extend step
+        assert backend._extend.extend_lens == (ext[3:] if split else ext)
+    ref = reference_for_batch(sb.q, sb.layer, sb.fb)
+    assert rel_err(outs[True], ref) < 1e-2 and rel_err(outs[False], ref) < 1e-2
+    # the next step plans afresh: a plain extend step is not split
+    sb = make_batch([5, 0], [1, 9], seed=4, **(kw | {"mode": ForwardMode.EXTEND}))
+    backend = TritonBackend(sb.pool)
+    run_layer(sb, backend)
+    assert backend.mixed_decode_rows == 0
 
 
 def test_store_through_the_layer_quantises_like_the_pool():

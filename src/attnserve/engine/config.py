@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from attnserve.attention.registry import resolve_name
 from attnserve.distributed.launch import Topology
-from attnserve.engine.schedule_policy import SCHEDULE_POLICIES
+from attnserve.engine.schedule_policy import SCHEDULE_POLICIES, parse_step_budget
 from attnserve.models.cpu_weights import WEIGHT_FORMATS
 
 
@@ -93,13 +93,16 @@ class EngineConfig:
         help="longest prompt + output (default: the model's, capped at 32768)")
     chunked_prefill_size: int | None = knob(
         2048, "--chunked-prefill-size", help="prefill tokens per chunk (default: 2048); <= 0 turns chunking off")
-    max_num_batched_tokens: int | None = knob(
-        None, "--max-num-batched-tokens",
-        help="tokens of a step that decodes, its decodes included (one each): prompts are prefilled beside "
-        "running streams at most this many tokens at a time, so no stream stalls for a long chunk "
-        "(Sarathi-Serve's stall-free batching); a step with nothing decoding still takes "
-        "--chunked-prefill-size. Default: 512, or 2 x --max-running-requests when that is larger; "
-        "<= 0 turns it off (decodes then come on top of a whole chunk)")
+    max_num_batched_tokens: str | int | None = knob(
+        None, "--max-num-batched-tokens", metavar="N|auto[:S]",
+        help="prompt tokens a step that decodes may add beside the running streams (Sarathi-Serve's "
+        "stall-free batching; a step with nothing decoding always takes --chunked-prefill-size). N: at most "
+        "N tokens in the step, its decodes included (one each): stalls stay short, but every mixed step "
+        "pays its fixed cost, so a small N costs throughput on a GPU. auto: beside D decodes, "
+        "min(chunk, max(256, S / D)) prompt tokens (S = 65536 unless auto:S): many streams get short "
+        "stalls, few streams big chunks and earlier first tokens. <= 0: off (a whole chunk joins the "
+        "decodes: the best throughput, and every stream stalls for the chunk). Default: auto on a GPU; on "
+        "a CPU 512, or 2 x --max-running-requests when larger (there every prompt token is a stall)")
     schedule_policy: str = knob(
         "fcfs", "--schedule-policy", choices=SCHEDULE_POLICIES,
         help="order in which waiting prompts are admitted: fcfs (arrival order; default: no prompt waits "
@@ -157,9 +160,9 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(512, 2 * self.max_running_requests)
-        elif 0 < self.max_num_batched_tokens <= self.max_running_requests:
+        # unset stays None: the device's default is resolved at start-up (schedule_policy.resolve_step_budget)
+        self.max_num_batched_tokens = parse_step_budget(self.max_num_batched_tokens)
+        if isinstance(self.max_num_batched_tokens, int) and 0 < self.max_num_batched_tokens <= self.max_running_requests:
             raise ValueError(
                 f"max_num_batched_tokens {self.max_num_batched_tokens} must exceed max_running_requests "
                 f"{self.max_running_requests} (a full decode batch would leave no room for a prompt token), "

@@ -40,6 +40,7 @@ from attnserve.engine.request import FinishReason, Request
 from attnserve.engine.runner import ModelRunner
 from attnserve.engine.sampler import DeviceLogprobs, Sampler
 from attnserve.engine.sampling_params import SamplingParams
+from attnserve.engine.schedule_policy import StepBudget, parse_step_budget, resolve_step_budget
 from attnserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from attnserve.engine.speculative import build_drafter
 from attnserve.engine.speculative.acceptance import Acceptance, accept_greedy, accept_sampled
@@ -113,7 +114,8 @@ class Engine:
                 page_size=p.kv.pool.page_size,
                 chunked_prefill_size=config.chunked_prefill_size,
                 max_prefill_tokens=config.max_prefill_tokens,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                step_budget=p.step_budget or resolve_step_budget(
+                    config.max_num_batched_tokens, config.max_running_requests, p.model.device.type),
                 schedule_policy=config.schedule_policy,
                 disable_radix_cache=config.disable_radix_cache,
                 deterministic=config.enable_deterministic_inference,
@@ -210,6 +212,24 @@ class Engine:
 
     def has_work(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_work()
+
+    @property
+    def step_budget(self) -> StepBudget:
+        """Prompt tokens a step that decodes may add (resolved at start-up from --max-num-batched-tokens)."""
+        return self.scheduler.config.step_budget
+
+    def set_step_budget(self, value) -> StepBudget:
+        """Swap the step budget of an idle engine (a benchmark measures several on one model and pool):
+        `value` as --max-num-batched-tokens takes it (N, <= 0, "auto", "auto:S", None: the device default)."""
+        if self.has_work():
+            raise RuntimeError("the step budget changes only while the engine is idle")
+        value = parse_step_budget(value)
+        if isinstance(value, int) and 0 < value <= self.config.max_running_requests:
+            raise ValueError(f"max_num_batched_tokens {value} must exceed max_running_requests "
+                             f"{self.config.max_running_requests}, or be <= 0 to turn the step budget off")
+        budget = resolve_step_budget(value, self.config.max_running_requests, self.device.type)
+        self.scheduler.config.step_budget = budget
+        return budget
 
     def _forget(self, req: Request) -> None:
         self.sampler.forget(req.rid)
@@ -481,6 +501,7 @@ class Engine:
             "graphed_steps": self.runner.steps_graphed,
             "eager_steps": self.runner.steps_eager,
             "overlap_schedule": self.overlap and self.drafter is None,
+            "step_budget": self.step_budget.label,
             "cache": self.cache_stats(),
             **({"speculative": self.spec_stats.as_dict()} if self.drafter is not None else {}),
         }

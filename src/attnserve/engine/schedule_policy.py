@@ -1,14 +1,45 @@
 """How many prompt tokens a step may take, and in which order waiting prompts are admitted.
 
-Token budget (Sarathi-Serve's stall-free batching). A step that decodes runs as long as its
+Step token budget (Sarathi-Serve's stall-free batching). A step that decodes runs as long as its
 whole batch: a 64-request decode with an 8,192-token prompt chunk beside it takes as long as
-the chunk, and every stream stalls for it. With `max_num_batched_tokens` (vLLM's name) a step
-that decodes holds at most that many tokens, its decodes included (SGLang's mixed chunk counts
-them the same way), so the step time the streams see stays bounded while prompts are prefilled
-a budget's worth at a time. A step with nothing decoding has no stream to stall: it takes the
-full `chunked_prefill_size`, which fills the device better and shortens the time to first
-token when a burst arrives on an idle server. Without chunked prefill the budget does not
-apply (a prompt runs whole or waits, as it always does then).
+the chunk, and every stream stalls for it. The budget bounds the prompt tokens a step that
+decodes may add; a step with nothing decoding has no stream to stall and always takes the full
+`chunked_prefill_size` (it fills the device better and shortens the time to first token when a
+burst arrives on an idle server). Without chunked prefill no budget applies (a prompt runs
+whole or waits, as it always does then).
+
+`--max-num-batched-tokens` (vLLM's name) picks the budget; `resolve_step_budget` is the one place
+that turns the flag and the device into a `StepBudget`, with the reason the start-up log prints:
+
+- a number N > 0, `fixed`: a step that decodes holds at most N tokens, its decodes included (one
+  each, as SGLang's mixed chunk counts them), so prompts get N - D beside D decodes;
+- `<= 0`, `off`: a whole chunk joins the decodes;
+- `auto[:S]`, the decode-scaled policy: beside D running decodes a step adds
+  min(chunk, max(AUTO_MIN_PREFILL, S / D)) prompt tokens (S: `AUTO_STREAM_TOKENS` unless given);
+- unset: the device's default. GPU: `auto`. CPU: `fixed` at max(512, 2 x max running requests),
+  the value `benchmarks/results/serve-budget-cpu.json` measured on a 2-core CPU.
+
+Why `auto` on a GPU (the cost model). A step of D decodes and P prompt tokens takes about
+T = t0 + t_dec(D) + t_mix + t_tok * P: t0 reads the weights (Llama-3-8B on an H200: ~3.8 ms),
+t_dec(D) reads the decodes' K/V, t_mix is what a mixed step costs beyond a decode step besides
+its tokens (it runs eagerly, outside the decode CUDA graphs, and plans an extend step), and
+t_tok is the compute of one prompt token (~25 us there). Each of the D streams waits
+t_mix + t_tok * P longer than a decode step, so the step costs the streams D * (t_mix + t_tok * P)
+in all; the prompt work it moves, P tokens, is worth t_tok * P, and t_mix is its overhead.
+- Bounding D * P by S bounds what a step costs the running streams together: with many streams
+  each step adds few prompt tokens (64 decodes at S = 65,536: 1,024 tokens, ~25 ms beside a 7.3 ms
+  decode step on an H200), with few streams big chunks are cheap (they stall few streams) and
+  move the prompts sooner (time to first token) in fewer steps (t_mix paid fewer times).
+- A fixed N instead gives every mixed step the same P = N - D however few streams wait on it: a
+  small N pays t_mix on every small step (the measured tax: with an eager mixed step costing tens
+  of ms, throughput falls about in proportion to N), a large N stalls a full batch for long.
+- The floor, AUTO_MIN_PREFILL = 256 tokens, is where a step's matmuls turn from reading the
+  weights to computing (a large GPU's bf16 ridge point is a few hundred rows): fewer prompt
+  tokens than that would not shorten the step, only add steps.
+- The cap is the chunk (`--chunked-prefill-size`), as for a step with nothing decoding.
+
+On a CPU t_tok is large against t0 (the embedded 135M model on 2 cores: over a millisecond a prompt token), so
+every prompt token is a stall the streams see; there the fixed 512 stays the default.
 
 Policy (`--schedule-policy`, SGLang's names):
 - fcfs: arrival order (a preempted request goes back to the front). No prompt waits behind
@@ -23,25 +54,139 @@ Policy (`--schedule-policy`, SGLang's names):
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LPM_MAX_WAITING = 128
+
+AUTO = "auto"
+AUTO_STREAM_TOKENS = 65536  # S: decodes x prompt tokens one step may hold under `auto`
+AUTO_MIN_PREFILL = 256  # the fewest prompt tokens `auto` gives a step, however many decodes run
+CPU_BUDGET_MIN = 512  # the CPU default: max(CPU_BUDGET_MIN, 2 x max running requests)
+CPU_BUDGET_SOURCE = "benchmarks/results/serve-budget-cpu.json"
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """How many prompt tokens a step that decodes may add (see the module docstring).
+
+    kind: "fixed" (at most `tokens` in the step, decodes included), "auto" (beside D decodes,
+    min(chunk, max(min_prefill, stream_tokens // D)) prompt tokens) or "off" (a whole chunk)."""
+
+    kind: str
+    tokens: int | None = None
+    stream_tokens: int = AUTO_STREAM_TOKENS
+    min_prefill: int = AUTO_MIN_PREFILL
+    reason: str = ""
+
+    def __post_init__(self):
+        if self.kind not in ("fixed", "auto", "off"):
+            raise ValueError(f"step budget kind must be fixed, auto or off, got {self.kind!r}")
+        if self.kind == "fixed" and (self.tokens is None or self.tokens < 1):
+            raise ValueError(f"a fixed step budget needs tokens >= 1, got {self.tokens}")
+        if self.stream_tokens < 1 or self.min_prefill < 1:
+            raise ValueError(f"auto step budget: stream_tokens {self.stream_tokens} and min_prefill "
+                             f"{self.min_prefill} must be >= 1")
+
+    @property
+    def label(self) -> str:
+        """The flag's value that gives this budget: N, off, auto or auto:S."""
+        if self.kind == "fixed":
+            return str(self.tokens)
+        if self.kind == "auto":
+            return AUTO if self.stream_tokens == AUTO_STREAM_TOKENS else f"{AUTO}:{self.stream_tokens}"
+        return "off"
+
+    def prefill_tokens(self, decodes: int, full: int) -> int:
+        """Prompt tokens a step with `decodes` decodes may add; `full` is the chunk (the cap)."""
+        if decodes <= 0 or self.kind == "off":
+            return full
+        if self.kind == "fixed":
+            return max(0, min(full, self.tokens - decodes))
+        return min(full, max(self.min_prefill, self.stream_tokens // decodes))
+
+    def describe(self, chunk: int | None) -> str:
+        """One line for the start-up log: the rule, what it gives at a few batch sizes, and why."""
+        if chunk is None:
+            return f"{self.label} (no effect: chunked prefill is off, a prompt runs whole); {self.reason}"
+        if self.kind == "off":
+            return f"off: a whole {chunk}-token chunk joins the running decodes; {self.reason}"
+        if self.kind == "fixed":
+            return (f"{self.tokens} tokens in a step that decodes, its decodes included (a step with "
+                    f"nothing decoding takes a whole {chunk}-token chunk); {self.reason}")
+        examples = ", ".join(f"{d}: {self.prefill_tokens(d, chunk)}" for d in (1, 8, 32, 64, 128, 256))
+        return (f"auto: beside D running decodes a step adds min({chunk}, max({self.min_prefill}, "
+                f"{self.stream_tokens} / D)) prompt tokens (D {examples}); {self.reason}")
+
+
+OFF = StepBudget("off", reason="off")
+
+
+def parse_step_budget(value) -> int | str | None:
+    """The flag's value as the config keeps it: None (unset), an int (<= 0: off), "auto" or "auto:S".
+
+    Accepts what argparse hands over (a string) and what Python callers pass (an int or None)."""
+    if isinstance(value, bool):
+        raise ValueError(f"max_num_batched_tokens must be a number, auto or auto:S, got {value!r}")
+    if value is None or isinstance(value, int):
+        return value
+    text = str(value).strip().lower()
+    if text == AUTO:
+        return AUTO
+    if text.startswith(AUTO + ":"):
+        try:
+            s = int(text[len(AUTO) + 1:])
+        except ValueError:
+            s = 0
+        if s < 1:
+            raise ValueError(f"max_num_batched_tokens {value!r}: auto:S needs S >= 1 (decodes x prompt tokens a "
+                             "step may hold)")
+        return f"{AUTO}:{s}"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"max_num_batched_tokens must be a number, auto or auto:S, got {value!r}") from None
+
+
+def resolve_step_budget(value, max_running_requests: int, device_type: str) -> StepBudget:
+    """The step budget the flag's value gives on this device (`device_type`: "cpu", "cuda", ...)."""
+    value = parse_step_budget(value)
+    if value is None:
+        if device_type == "cpu":
+            n = max(CPU_BUDGET_MIN, 2 * max_running_requests)
+            return StepBudget("fixed", n, reason=(
+                f"the CPU default (max({CPU_BUDGET_MIN}, 2 x --max-running-requests)): on a CPU every prompt "
+                f"token beside the decodes is a stall the streams see ({CPU_BUDGET_SOURCE})"))
+        return StepBudget("auto", reason=(
+            f"the GPU default ({device_type}): many running streams get small prompt chunks (bounded stalls), "
+            "few streams big ones (fewer mixed steps, earlier first tokens)"))
+    if isinstance(value, str):
+        s = int(value.split(":")[1]) if ":" in value else AUTO_STREAM_TOKENS
+        return StepBudget("auto", stream_tokens=s, reason=f"--max-num-batched-tokens {value}")
+    if value <= 0:
+        return StepBudget("off", reason=f"--max-num-batched-tokens {value}")
+    return StepBudget("fixed", value, reason=f"--max-num-batched-tokens {value}")
 
 
 def prefill_token_budget(
     chunked_prefill_size: int | None,
     max_prefill_tokens: int,
-    max_num_batched_tokens: int | None,
+    budget: StepBudget | int | None,
     step_tokens: int,
 ) -> int:
     """Prompt tokens the step may add on top of the `step_tokens` its decodes already hold.
 
-    0 when the decodes fill the budget: the prompts wait for a step with room (the config
-    check keeps room for at least one prompt token beside a full decode batch)."""
+    `budget`: a StepBudget, or (as before there was a policy) an int cap or None (off). 0 when a fixed
+    budget is filled by the decodes: the prompts wait for a step with room (the config check keeps room
+    for at least one prompt token beside a full decode batch)."""
     full = chunked_prefill_size or max_prefill_tokens
-    if step_tokens == 0 or max_num_batched_tokens is None or chunked_prefill_size is None:
+    if budget is None:
+        budget = OFF
+    elif isinstance(budget, int):
+        budget = StepBudget("fixed", budget) if budget > 0 else OFF
+    if step_tokens == 0 or chunked_prefill_size is None:
         return full
-    return max(0, min(full, max_num_batched_tokens - step_tokens))
+    return budget.prefill_tokens(step_tokens, full)
 
 
 def order_waiting(waiting: deque, policy: str, cached_tokens) -> None:

@@ -8,7 +8,7 @@ Policy (one step):
    generated so far. This repeats until the decodes fit.
 2. The remaining token budget goes to prefill (schedule_policy.py: up to
    `chunked_prefill_size`, or `max_prefill_tokens` when chunking is off; in a
-   step that decodes, at most `max_num_batched_tokens` tokens in all): first
+   step that decodes, what the step budget allows beside its decodes): first
    requests whose prompt is partly computed, then new requests in the order of
    `schedule_policy`, each admitted only if a request row and the pages for its
    chunk are free, keeping back one page per running decode so admission does
@@ -23,8 +23,8 @@ with a pending token is never admitted (its prompt-plus-output is not known yet)
 Mixed batches, not alternation: decodes and prefill chunks share one forward
 pass (ForwardMode.MIXED). A long prompt then costs running decodes one slower
 step per chunk instead of a stall, and with chunking the slowdown is bounded by
-`max_num_batched_tokens`. Steps with decodes only run as ForwardMode.DECODE, which is what
-CUDA graphs capture.
+the step budget (`SchedulerConfig.step_budget`, schedule_policy.py). Steps
+with decodes only run as ForwardMode.DECODE, which is what CUDA graphs capture.
 """
 
 from __future__ import annotations
@@ -35,7 +35,13 @@ from dataclasses import dataclass
 
 from attnserve.attention.base import ForwardMode
 from attnserve.engine.request import FinishReason, Request, RequestStatus
-from attnserve.engine.schedule_policy import SCHEDULE_POLICIES, order_waiting, prefill_token_budget
+from attnserve.engine.schedule_policy import (
+    OFF,
+    SCHEDULE_POLICIES,
+    StepBudget,
+    order_waiting,
+    prefill_token_budget,
+)
 from attnserve.engine.speculative.draft_tree import DraftTree
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.pool import ReqToTokenPool
@@ -47,7 +53,8 @@ class SchedulerConfig:
     page_size: int = 1
     chunked_prefill_size: int | None = None  # None or <= 0: no chunking
     max_prefill_tokens: int = 16384  # prefill tokens per step when chunking is off (one prompt may exceed it)
-    max_num_batched_tokens: int | None = None  # tokens of a step that decodes, with chunking; None: no cap
+    # prompt tokens a step that decodes may add (with chunking; schedule_policy.StepBudget); None: no limit
+    step_budget: StepBudget | None = None
     schedule_policy: str = "fcfs"  # admission order of waiting prompts: fcfs or lpm
     disable_radix_cache: bool = False
     deterministic: bool = False  # decode-only steps run as extend steps (one attention path for every token)
@@ -61,8 +68,8 @@ class SchedulerConfig:
             )
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
-            self.max_num_batched_tokens = None
+        if self.step_budget is None:
+            self.step_budget = OFF
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
@@ -207,7 +214,7 @@ class Scheduler:
 
         c = self.config
         budget = prefill_token_budget(
-            c.chunked_prefill_size, c.max_prefill_tokens, c.max_num_batched_tokens, step_tokens=sum(exts))
+            c.chunked_prefill_size, c.max_prefill_tokens, c.step_budget, step_tokens=len(decoding))
         reserve = len(decoding)
         # continue prompts already being prefilled (oldest first), then admit new ones
         in_progress = [r for r in self.running if r.num_pending == 0 and r.is_prefilling]

@@ -27,6 +27,7 @@ from attnserve.distributed.state import min_over_ranks, parallel_state
 from attnserve.dtypes import Dtypes, resolve_dtypes
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes, verify_batch_sizes
+from attnserve.engine.schedule_policy import StepBudget, resolve_step_budget
 from attnserve.hardware import cpu_has_hardware_bf16, detect_hardware
 from attnserve.kvcache.allocator import PageAllocator
 from attnserve.kvcache.calc import kv_bytes_per_token
@@ -98,6 +99,7 @@ class EngineParts:
     kv: KVCacheSetup
     graphs: GraphSetup
     startup_lines: list[str]
+    step_budget: StepBudget | None = None  # prompt tokens a step that decodes may add (the scheduler's)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -341,7 +343,7 @@ def _capture_verify_graphs(config: EngineConfig, runner: CudaGraphRunner, sizes:
 
 
 def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionChoice, kv: KVCacheSetup,
-                  graphs: GraphSetup) -> list[str]:
+                  graphs: GraphSetup, step_budget: StepBudget | None = None) -> list[str]:
     """What the engine runs, in the words the start-up log prints."""
     spec = model.module.kv_cache_spec()
     pool = kv.pool
@@ -363,7 +365,13 @@ def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionC
         f"speculative decoding: {_speculative_note(config, attention)}",
         (f"scheduler: max running {config.max_running_requests}, context {kv.max_context_len}, chunked prefill "
          f"{config.chunked_prefill_size or 'off'}, radix cache {'off' if config.disable_radix_cache else 'on'}"),
+        *([f"step budget: {step_budget.describe(_chunk(config))}"] if step_budget is not None else []),
     ]
+
+
+def _chunk(config: EngineConfig) -> int | None:
+    c = config.chunked_prefill_size
+    return c if c is not None and c > 0 else None
 
 
 def verify_backend(config: EngineConfig, attention: AttentionChoice) -> str:
@@ -394,7 +402,10 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
     backend = build_backend(attention.selection, kv.pool, attention.hardware,
                             speculative_attention_mode=config.speculative_attention_mode)
     graphs = build_graphs(config, model, attention, backend, kv)
-    lines = startup_lines(config, model, attention, kv, graphs)
+    # the one place the step budget's device default is resolved
+    budget = resolve_step_budget(config.max_num_batched_tokens, config.max_running_requests, model.device.type)
+    lines = startup_lines(config, model, attention, kv, graphs, budget)
     for line in lines:
         log.info(line)
-    return EngineParts(model=model, attention=attention, backend=backend, kv=kv, graphs=graphs, startup_lines=lines)
+    return EngineParts(model=model, attention=attention, backend=backend, kv=kv, graphs=graphs, startup_lines=lines,
+                       step_budget=budget)

@@ -2,7 +2,15 @@
 
 Decode is Flash-Decoding (split-KV + log-sum-exp merge). plan() builds the CSR metadata, the per-request split
 counts and the extend tile list once per step, from host-side lengths, so nothing here synchronises with the
-device per layer. Which kernel a layer runs, on which tile and with which split policy, is its KernelPlan
+device per layer.
+
+A MIXED step (the scheduler's running decodes first, one token each, then prompt chunks) runs in two parts
+where the family allows it (`SPLIT_MIXED`, MHA): the leading one-token rows through the decode kernel, which
+shares each KV read among a GQA group and splits long contexts over the SMs, and only the prompt chunks through
+the extend path. Through the extend path alone every decode would be a whole query tile per head (one row of
+128 used) over its whole context, and the TMA kernel would gather every decode's keys into contiguous rows per
+layer first: on a 64-stream batch that costs many times the decode step's own attention in every mixed step.
+`split_mixed=False` (a backend option) runs the whole step through the extend path, as before. Which kernel a layer runs, on which tile and with which split policy, is its KernelPlan
 (attention/kernels/plan.py), resolved once per layer signature; mha.py and mla.py say what each family resolves.
 
 CUDA graphs: init_graph_buffers() allocates fixed metadata buffers; plan_for_capture() fixes each captured
@@ -33,7 +41,7 @@ from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardB
 from attnserve.attention.kernels.params import DecodeRows, ExtendRows, LayerParams
 from attnserve.attention.kernels.plan import KernelPlan
 from attnserve.attention.kernels.split_plan import SplitPolicy, max_splits_for_batch, plan_kv_splits
-from attnserve.attention.metadata import MetadataBuffers, PagedKVMetadata, metadata_for_batch
+from attnserve.attention.metadata import MetadataBuffers, PagedKVMetadata, build_paged_metadata, metadata_for_batch
 from attnserve.transfers import to_device
 
 if TYPE_CHECKING:
@@ -57,7 +65,7 @@ def kernels() -> SimpleNamespace:
                            mla_extend_rows=extend_rows)
 
 
-COMMON_OPTIONS = frozenset({"num_sms", "split_waves", "min_split_tokens", "max_kv_splits"})
+COMMON_OPTIONS = frozenset({"num_sms", "split_waves", "min_split_tokens", "max_kv_splits", "split_mixed"})
 FEATURES = BackendFeatures(
     page_sizes=None,
     kv_dtypes=frozenset({"bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"}),
@@ -129,6 +137,7 @@ class TritonBackendBase(AttentionBackend):
     name = "triton"
     features = FEATURES
     OPTIONS: frozenset = frozenset()
+    SPLIT_MIXED = False  # the family runs a MIXED step's leading decodes through its decode kernel
 
     def __init__(self, pool: KVPool, **options):
         super().__init__(pool, **options)
@@ -161,6 +170,9 @@ class TritonBackendBase(AttentionBackend):
         self._decode: DecodeStep | None = None
         self._extend: ExtendStep | None = None
         self._graph: GraphState | None = None
+        # MIXED steps: the leading decode rows through the decode kernel (module docstring)
+        self.split_mixed = bool(options.get("split_mixed", True)) and self.SPLIT_MIXED
+        self.mixed_decode_rows = 0  # of the step planned last: rows run through the decode kernel in a MIXED step
 
     # ---- per family ------------------------------------------------------------------------------
     def _programs_per_split(self) -> int:
@@ -184,7 +196,12 @@ class TritonBackendBase(AttentionBackend):
     def plan(self, fb: ForwardBatch) -> None:
         self._decode = None
         self._extend = None
+        self.mixed_decode_rows = 0
         if fb.mode is ForwardMode.IDLE or fb.batch_size == 0:
+            return
+        nd = self._leading_decodes(fb)
+        if nd:
+            self._plan_mixed(fb, nd)
             return
         meta = metadata_for_batch(fb)
         seq_lens = fb.seq_lens.to(device=self.pool.device, dtype=torch.int32)
@@ -192,6 +209,35 @@ class TritonBackendBase(AttentionBackend):
             self._decode = self._plan_decode(fb.seq_lens_cpu, meta, seq_lens)
         else:
             self._extend = self._plan_extend(fb, meta, seq_lens)
+
+    def _leading_decodes(self, fb: ForwardBatch) -> int:
+        """Rows of a MIXED step the decode kernel runs: its leading one-token requests (the scheduler puts
+        the running decodes first). A one-token row attends to every key of its request, as a decode does,
+        whether it decodes or ends a prompt. 0: the whole step takes the extend path."""
+        if not self.split_mixed or fb.mode is not ForwardMode.MIXED or fb.custom_mask is not None:
+            return 0
+        n = 0
+        for e in fb.extend_lens_cpu:
+            if e != 1:
+                break
+            n += 1
+        return n
+
+    def _plan_mixed(self, fb: ForwardBatch, nd: int) -> None:
+        """A decode plan over the first nd requests and an extend plan over the rest, each with its own CSR
+        metadata (from the host lengths: no sync)."""
+        dev = self.pool.device
+        ps = self.pool.page_size
+        rows, seq, ext = fb.req_pool_indices, fb.seq_lens, fb.extend_lens
+        seq_cpu = fb.seq_lens_cpu
+        meta = build_paged_metadata(fb.req_to_token, rows[:nd], seq[:nd], ext[:nd], ps, seq_lens_cpu=seq_cpu[:nd])
+        self._decode = self._plan_decode(seq_cpu[:nd], meta, seq[:nd].to(device=dev, dtype=torch.int32))
+        if nd < fb.batch_size:
+            meta = build_paged_metadata(fb.req_to_token, rows[nd:], seq[nd:], ext[nd:], ps,
+                                        seq_lens_cpu=seq_cpu[nd:])
+            self._extend = ExtendStep(meta, seq[nd:].to(device=dev, dtype=torch.int32), fb.prefix_lens_cpu[nd:],
+                                      list(fb.extend_lens_cpu[nd:]), {}, None, None)
+        self.mixed_decode_rows = nd
 
     def _plan_decode(self, seq_lens_cpu: list[int], meta: PagedKVMetadata, seq_lens: torch.Tensor,
                      max_splits: int | None = None) -> DecodeStep:
@@ -235,12 +281,27 @@ class TritonBackendBase(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
         self._check_layer(q, layer)
+        if self.mixed_decode_rows:
+            return self._forward_mixed(q, k, v, layer, self.mixed_decode_rows)
         step = self._extend
         if step is None:
             raise ValueError(f"no extend plan for this step (mode {fb.mode.value}); call plan(fb) first")
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)  # [T, Hq, Dv]
         return self._extend_layer(q, k, v, out, layer, step)
+
+    def _forward_mixed(self, q, k, v, layer: AttentionLayer, nd: int) -> torch.Tensor:
+        """A MIXED step planned in two parts: rows [0, nd) through the decode kernel, the rest through the
+        extend path, each writing its rows of one output."""
+        if self._decode is None:
+            raise ValueError("no mixed plan for this step; call plan(fb) first")
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)  # [T, Hq, Dv]
+        self._decode_layer(q[:nd], out[:nd], layer)
+        if self._extend is not None:
+            self._extend_layer(q[nd:], k[nd:] if k is not None else None, v[nd:] if v is not None else None,
+                               out[nd:], layer, self._extend)
+        return out
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
         if self._decode is None and self._extend is not None:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 
 class TritonMHABackend(TritonBackendBase):
+    SPLIT_MIXED = True
     OPTIONS = frozenset({"decode_config", "extend_config", "prefill_tma", "prefill_tma_config",
                          "prefill_tma_gather_mib", "mla_decode_config", "mla_extend_config", "mla_extend_rows"})
 
@@ -36,8 +37,10 @@ class TritonMHABackend(TritonBackendBase):
         decode_config (kernels.mha.configs.DecodeConfig), extend_config (kernels.mha.extend.ExtendConfig),
         prefill_tma (None: wherever it applies, the default; False: never; True: raise where it does not apply),
         prefill_tma_config (kernels.mha.prefill_tma.PrefillTmaConfig), prefill_tma_gather_mib (the most memory the
-        TMA path may gather a batch's cached keys into, default 1024 MiB; beyond it the paged kernel runs). The MLA
-        options are accepted and unused, as one option set serves both pools."""
+        TMA path may gather a batch's cached keys into, default 1024 MiB; beyond it the paged kernel runs),
+        split_mixed (default True: a MIXED step's leading decodes run through the decode kernel, the prompt chunks
+        alone through the extend path). The MLA options are accepted and unused, as one option set serves both
+        pools."""
         super().__init__(pool, **options)
         if pool.is_mla:
             raise ValueError("TritonMHABackend serves MHA / GQA pools; an MLA pool takes TritonMLABackend")

@@ -44,6 +44,7 @@ from attnserve.attention.kernels.common import (
 from attnserve.attention.kernels.params import LayerParams
 from attnserve.attention.kernels.extend_tiles import ExtendTiles
 from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, check_shared_memory
+from attnserve.transfers import to_device
 
 
 @dataclass(frozen=True)
@@ -127,14 +128,17 @@ def request_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: l
                   device) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool slots of every request's keys in order, `[sum(seq_lens)]` int64, and each request's first row `[B]`.
 
-    Host-side lengths size everything, so nothing waits for the device.
+    Host-side lengths size everything, and only the [B] lengths and starts travel (through pinned memory):
+    nothing waits for the device, so the step in flight keeps running while this one is launched.
     """
     total = sum(seq_lens)
     starts = [0]
     for s in seq_lens[:-1]:
         starts.append(starts[-1] + s)
-    req = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens)).to(device)  # [total]
-    starts_t = torch.tensor(starts, dtype=torch.int64).to(device)  # [B]
+    device = torch.device(device)
+    lens_t = to_device(seq_lens, device)  # [B] int64
+    starts_t = to_device(starts, device)  # [B] int64
+    req = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens_t, output_size=total)  # [total]
     pos = torch.arange(total, device=device) - starts_t[req]  # [total] position within the request
     page = kv_indices.long()[kv_indptr.long()[req] + pos // page_size]  # [total]
     slots = page * page_size + pos % page_size  # [total]
