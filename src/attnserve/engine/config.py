@@ -115,9 +115,10 @@ class EngineConfig:
         "(default: the host schedules and plans step n+1 while the device runs step n)")
     enable_deterministic_inference: bool = knob(
         False, "--enable-deterministic-inference",
-        help="greedy and seeded outputs that do not depend on the batch or the prefix cache: no "
-        "prefix-cache reuse, no prompt chunking, one CPU weight format, and every step through the "
-        "extend attention path (slower; default: off)")
+        help="greedy and seeded logits that do not depend on the batch or the prefix cache (bitwise, on the "
+        "CPU): no prefix-cache reuse, no prompt chunking, one CPU weight format in calls of a fixed row count, "
+        "every step through the extend attention path, preempted requests recomputed as they first ran; "
+        "flex_attention and speculative decoding are refused (slower; default: off)")
     cuda_graph_max_bs: int | None = knob(
         None, "--cuda-graph-max-bs",
         help="largest decode batch captured in a graph (default: min(--max-running-requests, 128))")
@@ -210,3 +211,9 @@ class EngineConfig:
         if self.speculative_attention_mode not in ("prefill", "decode"):
             raise ValueError(f"speculative_attention_mode must be prefill or decode, got "
                              f"{self.speculative_attention_mode!r}")
+        if self.speculative_algorithm and self.enable_deterministic_inference:
+            # whether a step verifies depends on the other requests (prompts waiting, pages free), and a verify
+            # step computes a request's tokens in other shapes and draws its noise otherwise than a decode
+            raise ValueError("speculative decoding cannot run with enable_deterministic_inference: whether a "
+                             "request's tokens are verified or decoded depends on the other requests, so its "
+                             "output would depend on the batch; turn one of them off")

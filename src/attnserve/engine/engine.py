@@ -48,6 +48,7 @@ from attnserve.engine.speculative.draft_tree import DraftTree
 from attnserve.engine.speculative.stats import SpecStats
 from attnserve.engine.startup import EngineParts, build_parts
 from attnserve.engine.tensor_parallel import start_world
+from attnserve.models.cpu_weights import batch_variant_parts
 from attnserve.models.tokenizer import encode
 from attnserve.transfers import HostCopy, to_device
 
@@ -108,7 +109,12 @@ class Engine:
         self.max_context_len = p.kv.max_context_len
         if config.enable_deterministic_inference:
             log.info("deterministic inference: no prefix-cache reuse, no prompt chunking, one CPU weight format "
-                     "and the extend attention path for every step")
+                     "in fixed-size row blocks, the extend attention path for every step, preempted requests "
+                     "recomputed in the steps they first ran in, and seeded rows sampled one at a time")
+            gaps = batch_variant_parts(p.model.module)
+            if gaps:
+                log.warning("deterministic inference: outputs may still depend on the batch here, no bitwise "
+                            "promise: %s", "; ".join(gaps))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 page_size=p.kv.pool.page_size,
@@ -124,7 +130,8 @@ class Engine:
             p.kv.req_pool,
         )
         self.runner = ModelRunner.from_parts(p)
-        self.sampler = Sampler(p.model.device, seed=config.seed)
+        self.sampler = Sampler(p.model.device, seed=config.seed,
+                               deterministic=config.enable_deterministic_inference)
         self.requests: dict[int, Request] = {}
         self.step_times = StepTimes()
         self._rids = itertools.count()

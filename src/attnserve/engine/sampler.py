@@ -6,6 +6,14 @@ top-p and min-p filters, then draw with the exponential-race trick
 (argmax of p / E, E ~ Exp(1)), which needs only uniform noise: a seeded
 request draws its noise from its own generator and so gets the same tokens
 whatever batch it lands in.
+
+The race needs no normalised p (a row's common scale does not move its argmax), and
+the sampler does not normalise: a sum over the vocabulary is a reduction whose order
+depends on the batch on the CPU (torch splits one row's sum across threads, but sums
+several rows one thread a row), so a seeded row's probabilities, and now and then its
+token, changed with the number of sampled rows. With deterministic inference every
+seeded row is also sampled on its own (`[1, vocab]` tensors whatever the batch), so no
+kernel's choice by shape can reach it.
 """
 
 from __future__ import annotations
@@ -62,8 +70,10 @@ class Sampler:
     sampling is queued behind its forward pass without the host waiting (overlap scheduling relies on it).
     Which filters run is decided from the requests' parameters, which the host knows."""
 
-    def __init__(self, device: str | torch.device = "cpu", seed: int = 0):
+    def __init__(self, device: str | torch.device = "cpu", seed: int = 0, deterministic: bool = False):
+        """deterministic: sample each seeded row on its own (see the module's docstring)."""
         self.device = torch.device(device)
+        self.deterministic = deterministic
         self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for unseeded requests
         self._request_generators: dict[int, torch.Generator] = {}
 
@@ -92,21 +102,32 @@ class Sampler:
         if not sampled:
             return tokens  # the greedy fast path: one kernel
         dev = logits.device
-        rows = to_device(sampled, dev)  # [S]
-        probs = self.filtered_probs(logits[rows].float(), [params[i] for i in sampled])  # [S, vocab]
-        shared = [j for j, i in enumerate(sampled) if params[i].seed is None]
-        if len(shared) == len(sampled):  # unseeded rows draw together from the engine's generator
+        alone = [i for i in sampled if self.deterministic and params[i].seed is not None]
+        together = [i for i in sampled if not (self.deterministic and params[i].seed is not None)]
+        if together:
+            rows = to_device(together, dev)  # [S]
+            tokens[rows] = self._race(logits[rows].float(), [rids[i] for i in together],
+                                      [params[i] for i in together])
+        for i in alone:
+            tokens[i] = self._race(logits[i : i + 1].float(), [rids[i]], [params[i]])[0]
+        return tokens
+
+    def _race(self, logits: torch.Tensor, rids: list, params: list[SamplingParams]) -> torch.Tensor:
+        """float32 logits `[S, vocab]` of sampled rows -> their tokens `[S]` (argmax of p / E)."""
+        dev = logits.device
+        probs = self.filtered_probs(logits, params, normalise=False)  # [S, vocab]
+        shared = [j for j, p in enumerate(params) if p.seed is None]
+        if len(shared) == len(params):  # unseeded rows draw together from the engine's generator
             noise = torch.empty_like(probs).exponential_(generator=self.generator)  # [S, vocab]
         else:
             noise = torch.empty_like(probs)  # [S, vocab]
             if shared:
                 noise[to_device(shared, dev)] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
                     generator=self.generator)
-            for j, i in enumerate(sampled):
-                if params[i].seed is not None:
-                    noise[j].exponential_(generator=self._generator_for(rids[i], params[i]))
-        tokens[rows] = torch.argmax(probs / noise, dim=-1)
-        return tokens
+            for j, p in enumerate(params):
+                if p.seed is not None:
+                    noise[j].exponential_(generator=self._generator_for(rids[j], p))
+        return torch.argmax(probs / noise, dim=-1)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> DeviceLogprobs | None:
@@ -124,8 +145,11 @@ class Sampler:
         return DeviceLogprobs(rows, counts, chosen, top_lp, top_ids)
 
     @staticmethod
-    def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Probabilities after temperature, top-k, top-p and min-p, renormalised: `[S, vocab]`."""
+    def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], normalise: bool = True) -> torch.Tensor:
+        """Probabilities after temperature, top-k, top-p and min-p, renormalised: `[S, vocab]`.
+
+        normalise=False: the kept probabilities as they are (a row sums to its kept mass, not 1): what the
+        race needs, without the sum over the vocabulary whose order can depend on the batch."""
         device = logits.device
         vocab = logits.shape[-1]
         temps = to_device([float(p.temperature) for p in params], device, torch.float32)  # [S]
@@ -144,4 +168,4 @@ class Sampler:
             min_p = to_device([float(p.min_p) for p in params], device, torch.float32)  # [S]
             peak = probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < min_p[:, None] * peak, 0.0)
-        return probs / probs.sum(dim=-1, keepdim=True)
+        return probs / probs.sum(dim=-1, keepdim=True) if normalise else probs

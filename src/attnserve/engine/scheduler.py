@@ -333,10 +333,11 @@ class Scheduler:
     def _take_chunk(self, req: Request, budget: int, reserve: int, first: bool) -> int:
         """Allocate pages for as many of `req`'s uncomputed tokens as budget and pool allow; returns the count."""
         chunking = self.config.chunked_prefill_size is not None
-        want = req.num_uncomputed
+        whole = self._replay_step(req) if self.config.deterministic else req.num_uncomputed
+        want = whole
         if chunking or not first:
             want = min(want, budget)
-        if want < req.num_uncomputed and not chunking:
+        if want < whole and not chunking:
             return 0  # without chunking a prompt runs whole or waits
         need = self._pages_for(req, want)
         spare = self.allocator.num_free - reserve
@@ -352,6 +353,15 @@ class Scheduler:
         if not self._grow(req, want):
             return 0
         return want
+
+    @staticmethod
+    def _replay_step(req: Request) -> int:
+        """Deterministic inference: the tokens of `req` its next step computes, as its first run computed them
+        (its prompt whole, then one token a step). A request preempted after generating recomputes its
+        outputs one a step, so each row meets the attention shapes it met before and rounds the same; all at
+        once, its attention would run over other shapes and round differently."""
+        prompt_left = len(req.prompt_ids) - req.kv_len
+        return prompt_left if prompt_left > 0 else min(1, req.num_uncomputed)
 
     def _admit(self, req: Request, budget: int, reserve: int, first: bool) -> int:
         """Give a waiting request a row, its cached prefix and the pages of its first chunk.

@@ -150,7 +150,8 @@ def hardware_for(device: torch.device):
 def _select(config: EngineConfig, traits, kv_dtype: str, hw, dtypes: str = ""):
     """dtypes: how the model and KV dtypes were resolved, for the trace (attnserve.dtypes.Dtypes.describe)."""
     serving = ServingFeatures(page_size=config.page_size, kv_cache_dtype=kv_dtype,
-                              speculative_topk=config.speculative_topk, dtypes=dtypes)
+                              speculative_topk=config.speculative_topk, dtypes=dtypes,
+                              deterministic=config.enable_deterministic_inference)
     return select_backends(hw, traits, serving, attention_backend=config.attention_backend,
                            prefill_backend=config.prefill_attention_backend,
                            decode_backend=config.decode_attention_backend, use_tuned=not config.no_tuned,
@@ -233,7 +234,8 @@ def _pack_weights(model: torch.nn.Module, loaded, config: EngineConfig) -> str:
         return done
     note = cpu_weights.pack_cpu_weights(model, loaded, config.weights_dtype)
     if deterministic:
-        cpu_weights.one_weight_format(model)
+        invariant = cpu_weights.make_batch_invariant(model)
+        note += f"; {invariant}" if invariant else ""
     model._weights_note, model._weights_asked = note, config.weights_dtype
     model._weights_deterministic = deterministic
     return note

@@ -10,8 +10,16 @@ Formats (`--weights-dtype`):
 - auto (the default): on a CPU model in bf16 loaded from a GGUF with Q4 weights, both: the int4
   kernel for steps of at most `INT4_MAX_ROWS` rows (one or two decoding requests: it reads 4x fewer
   bytes than bf16) and the prepacked bf16 GEMM above that (AMX tiles win once there are rows to fill
-  them). Anything else: dequantized. With deterministic inference (`one_weight_format`), a projection
-  holding both runs the dense one at every row count, so a row's result never depends on its batch.
+  them). Anything else: dequantized.
+
+Deterministic inference (`make_batch_invariant`): a projection holding both formats runs one of them at every
+row count, and every kernel call gets the same number of rows (`DETERMINISTIC_ROW_BLOCK`, the last block
+padded with zero rows). The kernels choose their code path by the row count: oneDNN's bf16 matmul on an
+AMX CPU runs another kernel above 32 rows, and MKL's fp32 GEMM another for a single row and again for
+larger blocks, each rounding a row differently, so a row's result depended on how many rows shared its
+step. At one fixed shape the kernel is the same in every call; a check at start-up makes sure a row's
+result does not depend on its place in the block or on the rows beside it, and a kernel that fails it
+runs one row a call.
 
 The int4 kernel takes bf16 activations (fp32 ones run a much slower scalar path), so an fp32 model
 casts around it.
@@ -53,20 +61,38 @@ class CPUMatmul:
 
     int4: (packed [N, K/2] uint8, scales_and_zeros [K/32, N, 2] bf16), used for <= int4_max_rows rows;
     dense: W prepacked by oneDNN (bf16) or plain, used for more rows (or always, without int4).
+    `row_block` (deterministic inference): every kernel call gets exactly this many rows (0: as many as come).
     """
 
     def __init__(self, dense: torch.Tensor | None, int4: tuple[torch.Tensor, torch.Tensor] | None,
-                 int4_max_rows: int, out_dtype: torch.dtype, min_rows: int = 0):
-        """`min_rows`: a plain dense matmul of fewer rows runs padded with zero rows to this many (BLAS
-        picks its kernel by the row count, so padding keeps a row's rounding the same whatever the batch)."""
+                 int4_max_rows: int, out_dtype: torch.dtype, row_block: int = 0):
         self.dense = dense
         self.int4 = int4
         self.int4_max_rows = int4_max_rows if dense is not None else 1 << 62
         self.out_dtype = out_dtype
         self.dense_packed = dense is not None and dense.is_mkldnn
-        self.min_rows = min_rows
+        self.row_block = row_block
+
+    @property
+    def kernel(self) -> str:
+        """The kernel a deterministic step runs (what the start-up log and the invariance check name)."""
+        if self.int4 is not None and (self.dense is None or self.int4_max_rows > 0):
+            return "int4"
+        if self.dense_packed:
+            return "oneDNN bf16"
+        return f"BLAS {str(self.dense.dtype).replace('torch.', '')}"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        block, rows = self.row_block, x.shape[0]
+        if not block or rows in (0, block):
+            return self._kernel(x, bias)
+        pad = -rows % block
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])  # [rows + pad, K]
+        blocks = [self._kernel(x[i : i + block], bias) for i in range(0, rows + pad, block)]
+        return (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[:rows]  # [rows, N]
+
+    def _kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
             packed, scales_zeros = self.int4
             if x.dtype != torch.bfloat16:
@@ -77,37 +103,92 @@ class CPUMatmul:
             return y if bias is None else y + bias
         if self.dense_packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.dense, bias, "none", [], "")
-        rows = x.shape[0]
-        if rows < self.min_rows:
-            padded = torch.cat([x, x.new_zeros(self.min_rows - rows, *x.shape[1:])])
-            return F.linear(padded, self.dense, bias)[:rows]
         return F.linear(x, self.dense, bias)
 
 
-DETERMINISTIC_MIN_ROWS = 16  # plain dense matmuls of fewer rows run padded to this many in deterministic mode
+# deterministic inference: rows per kernel call. Dense kernels cost about the same for 1 and 16 rows (they
+# read the weights once); the int4 kernel's cost grows with the rows, so its block is small
+DETERMINISTIC_ROW_BLOCK = 16
+DETERMINISTIC_INT4_ROW_BLOCK = 4
 
 
-def one_weight_format(model: nn.Module) -> None:
+def make_batch_invariant(model: nn.Module) -> str:
     """Deterministic inference on the CPU: a row's projections round the same whatever the rows beside it.
 
-    A projection holding both formats runs its dense one at every row count; a plain dense one (not prepacked
-    for oneDNN, e.g. fp32, whose BLAS kernel changes with the row count) runs padded to at least
-    DETERMINISTIC_MIN_ROWS rows. Tensor-parallel ranks and other devices are left as they are."""
+    Every projection and the LM head get a `CPUMatmul` that runs one format (the dense one where both are
+    held) in calls of a fixed row count, and each kernel and shape is checked once (`rows_are_independent`):
+    where a row's result changes with its place in the call, that shape runs one row a call. Returns the
+    start-up log's note. Tensor-parallel ranks and other devices are left as they are (`batch_variant_parts`
+    says so)."""
     params = [p for p in model.parameters() if p.is_floating_point()]
     if not params or params[0].device.type != "cpu" or parallel_state().active:
-        return
+        return ""
     modules = [m for _, m in _linears(model)]
     head = getattr(model, "lm_head", None)
     if head is not None:
         modules.append(head)
+    per_row: dict[str, int] = {}
+    blocks: dict[str, int] = {}
+    checked: dict[tuple, bool] = {}  # (kernel, out, in) -> rows independent: a kernel's path is its shape's
     for module in modules:
         mm = module.cpu_matmul
         if mm is None:
             module.cpu_matmul = mm = CPUMatmul(module.weight.data, None, 0, module.weight.dtype)
         if mm.int4 is not None and mm.dense is not None:
             mm.int4_max_rows = 0
-        if mm.dense is not None and not mm.dense_packed:
-            mm.min_rows = DETERMINISTIC_MIN_ROWS
+        mm.row_block = DETERMINISTIC_INT4_ROW_BLOCK if mm.kernel == "int4" else DETERMINISTIC_ROW_BLOCK
+        in_features = getattr(module, "in_features", None) or module.weight.shape[1]
+        shape = (mm.kernel, getattr(module, "out_features", None) or module.weight.shape[0], in_features)
+        if shape not in checked:
+            checked[shape] = rows_are_independent(mm, in_features, params[0].dtype)
+        if not checked[shape]:
+            mm.row_block = 1
+            per_row[mm.kernel] = per_row.get(mm.kernel, 0) + 1
+        else:
+            blocks[mm.kernel] = mm.row_block
+    for kernel, n in per_row.items():
+        log.warning("deterministic inference: the %s kernel's rows depend on their place in a call on this CPU "
+                    "(%d projections); they run one row a call (slower prefill)", kernel, n)
+    parts = [f"{k} in {b}-row calls" for k, b in blocks.items()] + [f"{k} one row a call" for k in per_row]
+    return "batch-invariant matmuls: " + ", ".join(parts)
+
+
+def batch_variant_parts(model: nn.Module) -> list[str]:
+    """What deterministic inference leaves depending on the batch in `model` where it runs (empty: nothing, so
+    a request's logits are bitwise the same whatever shares its step)."""
+    from attnserve.models.deepseek import MLAttention
+    from attnserve.models.moe import Experts, Router
+
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    device = params[0].device.type if params else "cpu"
+    if device != "cpu":
+        return [f"on {device} the matmul libraries choose their kernels by the row count"]
+    if parallel_state().active:
+        return ["tensor-parallel ranks run plain matmuls and sum partial results across ranks"]
+    gaps = []
+    if any(isinstance(m, (Router, Experts)) for m in model.modules()):
+        gaps.append("the MoE router and experts multiply the tokens each expert gets, a count set by the batch")
+    if any(isinstance(m, MLAttention) for m in model.modules()):
+        gaps.append("MLA's up-projections are batched matmuls over the step's tokens")
+    return gaps
+
+
+def rows_are_independent(mm: CPUMatmul, in_features: int, dtype: torch.dtype, seed: int = 0) -> bool:
+    """Whether `mm`'s result for a row is the same bits wherever the row sits among its call's rows and
+    whatever rows sit beside it (two blocks of random rows, then the same rows moved by a few places and
+    fewer of them). Raises if the same call twice gives different bits: nothing could be promised then."""
+    g = torch.Generator().manual_seed(seed)
+    block = max(mm.row_block, 1)
+    x = torch.randn(2 * block, in_features, generator=g).to(dtype)  # [2B, K]
+    with torch.no_grad():
+        y = mm(x)
+        if not torch.equal(y, mm(x)):
+            raise RuntimeError(f"deterministic inference: the {mm.kernel} kernel gives different results for the "
+                               "same input on this CPU; run without --enable-deterministic-inference")
+        shift = min(3, 2 * block - 1)
+        moved = mm(torch.roll(x, shift, dims=0))  # every row at another place, beside other rows
+        few = mm(x[: max(block // 2, 1) + 1])  # a partial block (padded)
+    return torch.equal(torch.roll(y, shift, dims=0), moved) and torch.equal(y[: few.shape[0]], few)
 
 
 def onednn_has_bf16() -> bool:
