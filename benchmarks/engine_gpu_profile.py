@@ -22,18 +22,19 @@ decoding, one more request of an N-token prompt joins, so the next step is MIXED
 --requests decodes plus the N-token chunk (budget off, the chunk is whole; the request asks
 for one token, so it ends in that step and the batch stays full). Overlap scheduling is off
 there, so each step is timed alone: wall (host, launch to tokens), GPU kernel time by kind
-and the host gap, against the same engine's full-batch decode step. N = 1 is a mixed step
-of decodes only (eager, planned as a mixed step): what being mixed costs before any prompt
-token. The least-squares line wall(N) = a + b * N over N >= `--fit-from` gives the per-token
+and the host gap, against the same engine's full-batch decode step. N >= 2 (a one-token
+prompt beside decodes makes a decode step); N = 2 is a mixed step of decodes and almost no
+prompt (eager, planned as a mixed step): what being mixed costs before the prompt tokens
+count. The least-squares line wall(N) = a + b * N over N >= `--fit-from` gives the per-token
 cost b and the fixed cost a; a - decode step is what a mixed step costs beyond a decode step
 besides its tokens (the step budget's cost model: schedule_policy.py). `--split-mixed on,off`
 measures both ways the triton backend can run a mixed step (its decodes through the decode
 kernel, or the whole step through the extend path) on the same engine.
 
     PYTHONPATH=src python3 benchmarks/engine_gpu_profile.py --out benchmarks/results/engine_gpu_profile.json
-    PYTHONPATH=src python3 benchmarks/engine_gpu_profile.py --modes none --mixed-chunks 1,256,512,1024,2048,8192
+    PYTHONPATH=src python3 benchmarks/engine_gpu_profile.py --modes none --mixed-chunks 2,256,512,1024,2048,8192
     PYTHONPATH=src python3 benchmarks/engine_gpu_profile.py --device cpu --preset smollm2-135m --requests 4 \
-        --input-len 32 --steps 2 --mixed-chunks 1,16,64 --fit-from 16 --out /tmp/profile.json   # script check
+        --input-len 32 --steps 2 --mixed-chunks 2,16,64 --fit-from 16 --out /tmp/profile.json   # script check
 """
 
 from __future__ import annotations
@@ -322,7 +323,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="kernels listed by name per configuration")
     ap.add_argument("--mixed-chunks", default="",
                     help="comma list of prompt-chunk sizes N: profile a mixed step of --requests decodes plus N prompt "
-                    "tokens for each (e.g. 1,256,512,1024,2048,4096,8192; default: none)")
+                    "tokens for each, N >= 2 (e.g. 2,256,512,1024,2048,4096,8192; default: none)")
     ap.add_argument("--split-mixed", default="on,off",
                     help="with --mixed-chunks on the triton backend: on (decodes through the decode kernel), off "
                     "(the whole mixed step through the extend path), or both")
@@ -333,8 +334,8 @@ def main() -> None:
                     help="default: triton (torch_native on a CPU)")
     args = ap.parse_args()
     args.mixed = [int(n) for n in args.mixed_chunks.split(",") if n.strip()]
-    if any(n < 1 for n in args.mixed):
-        raise SystemExit("--mixed-chunks: every size must be >= 1")
+    if any(n < 2 for n in args.mixed):
+        raise SystemExit("--mixed-chunks: every size must be >= 2 (a one-token prompt beside decodes is a decode step)")
 
     import triton
 

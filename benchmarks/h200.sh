@@ -42,7 +42,7 @@
 #               budget.png); about 3 minutes, no FlashInfer needed
 #   budget-profile
 #               engine_gpu_profile.py --modes none --mixed-chunks ...: one mixed step of 64 decodes + N prompt
-#               tokens (N = 1 ... 8192), the triton backend's split on and off, wall / kernels by kind / host gap
+#               tokens (N = 2 ... 8192), the triton backend's split on and off, wall / kernels by kind / host gap
 #               against the decode step, and the line wall = a + b * N -> engine_gpu_profile_mixed.json (~2 minutes)
 #   budget-served
 #               serve_h200_budget.py served: the server (--api-workers 2) at the default budget and with it off, c=64,
@@ -54,7 +54,7 @@
 #   serve-budget
 #               the three budget steps in a row (about 10 minutes: more than one call; run them one a call)
 #               BUDGET_ARGS adds flags to the three (--quick: the CPU dry run), PROFILE_ARGS to budget-profile
-#               (e.g. --device cpu --preset smollm2-135m --requests 2 --input-len 32 --steps 1 --mixed-chunks 1,16)
+#               (e.g. --device cpu --preset smollm2-135m --requests 2 --input-len 32 --steps 1 --mixed-chunks 2,16)
 #   tune        `attnserve tune --model llama-3-8b` and the selection trace citing it -> tune-h200-llama-3-8b.*
 #   tp          tp 1 through the tensor-parallel path against the plain engine, both orders -> tp_gpu_tp1.json
 #   spec        spec_h200.py, Llama-3-8B shape: the verify step (K = 2, 4, 8 drafts; batch 1, 8, 64) against a
@@ -428,7 +428,7 @@ step_budget_profile() {
   echo "== mixed-step profile ($(left) s left)"
   # shellcheck disable=SC2086
   timeout "$(cap 200)" python3 benchmarks/engine_gpu_profile.py --modes none --steps 5 \
-    --mixed-chunks 1,256,512,1024,2048,4096,8192 --split-mixed on,off ${PROFILE_ARGS:-} \
+    --mixed-chunks 2,256,512,1024,2048,4096,8192 --split-mixed on,off ${PROFILE_ARGS:-} \
     --out "$OUT/engine_gpu_profile_mixed.json" > "$LOGS/profile-mixed.log" 2>&1
   local rc=$?
   echo "profile rc=$rc"; grep -v -E '^(\{|USDT)' "$LOGS/profile-mixed.log" | tail -25

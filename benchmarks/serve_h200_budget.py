@@ -236,6 +236,42 @@ def _record_steps(engine, steps: list[dict]) -> None:
     engine._complete = recorded
 
 
+def _watch_syncs(engine, counts: dict, messages: list[str]):
+    """Count synchronizing CUDA calls (torch's sync debug mode) made while launching each step, by the step's
+    mode: launching never needs one (the one wait per step is for the previous step's tokens, outside the
+    launch). Returns the function that stops watching."""
+    import warnings
+
+    import torch
+
+    launch = engine._launch
+    if not torch.cuda.is_available():
+        return lambda: None
+
+    def watched(in_flight):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step = launch(in_flight)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        msgs = [str(w.message).splitlines()[0] for w in caught if "synchronizing" in str(w.message).lower()]
+        if step is not None:
+            mode = step.batch.mode.value
+            counts[mode] = counts.get(mode, 0) + len(msgs)
+            counts[f"{mode}_steps"] = counts.get(f"{mode}_steps", 0) + 1
+            messages.extend(m for m in msgs if m not in messages and len(messages) < 5)
+        return step
+
+    engine._launch = watched
+
+    def stop():
+        engine._launch = launch
+
+    return stop
+
+
 def step_offline(p: dict, out: Path, clock: Clock, notes: list[str], budgets: list[str]) -> dict:
     import torch
 
@@ -274,10 +310,17 @@ def step_offline(p: dict, out: Path, clock: Clock, notes: list[str], budgets: li
     # prompt share, decode at the full batch)
     t0 = time.perf_counter()
     numeric = [int(b) for b in budgets if b.strip().isdigit()]
-    for warm in ("off", str(min(numeric)) if numeric else (budgets[0] if budgets else "off")):
+    syncs, sync_messages = {}, []
+    for i, warm in enumerate(("off", str(min(numeric)) if numeric else (budgets[0] if budgets else "off"))):
         engine.set_step_budget(engine_value(budget_label(warm)))
-        run_wave(engine, prompts(), min(n_out, 8), [])
+        # the second warm wave runs with every launch watched for host syncs (compiles happened in the first)
+        stop = _watch_syncs(engine, syncs, sync_messages) if i == 1 else (lambda: None)
+        try:
+            run_wave(engine, prompts(), min(n_out, 8), [])
+        finally:
+            stop()
     record["warmup_s"] = round(time.perf_counter() - t0, 1)
+    record["sync_calls_launching_warmup_wave"] = {"by_mode": syncs, "messages": sync_messages}
     _write(path, record)
     steps: list[dict] = []
     _record_steps(engine, steps)

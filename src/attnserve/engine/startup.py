@@ -403,6 +403,10 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
     kv = size_kv_cache(config, model, attention)
     backend = build_backend(attention.selection, kv.pool, attention.hardware,
                             speculative_attention_mode=config.speculative_attention_mode)
+    if config.enable_deterministic_inference:  # every step through the extend path, mixed steps' decodes too
+        for side in (backend, getattr(backend, "prefill_backend", None)):
+            if hasattr(side, "split_mixed"):
+                side.split_mixed = False
     graphs = build_graphs(config, model, attention, backend, kv)
     # the one place the step budget's device default is resolved
     budget = resolve_step_budget(config.max_num_batched_tokens, config.max_running_requests, model.device.type)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attnserve.transfers import to_device
+
 
 @dataclass
 class ExtendTiles:
@@ -35,9 +37,10 @@ def build_extend_tiles(prefix_lens: list[int], extend_lens: list[int], positions
         for m0 in range(0, e, positions):
             tiles.append((p + min(m0 + positions, e), r, m0))
     tiles.sort(key=lambda x: -x[0])
-    req = torch.tensor([t[1] for t in tiles], dtype=torch.int32)  # [num_tiles]
-    m0 = torch.tensor([t[2] for t in tiles], dtype=torch.int32)  # [num_tiles]
-    return ExtendTiles(req.to(device, non_blocking=True), m0.to(device, non_blocking=True), positions)
+    device = torch.device(device)
+    # one copy through pinned memory: a copy from pageable memory may wait for the step in flight
+    both = to_device([[t[1] for t in tiles], [t[2] for t in tiles]], device, torch.int32)  # [2, num_tiles]
+    return ExtendTiles(both[0], both[1], positions)
 
 
 # what a custom mask covers (the kernels' HAS_CUSTOM_MASK constexpr): none (causal), every key of the request

@@ -256,7 +256,7 @@ class TritonBackendBase(AttentionBackend):
             mask = fb.custom_mask.to(self.pool.device)
             mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
             offsets = [0] + list(itertools.accumulate(sizes))[:-1]
-            mask_indptr = torch.tensor(offsets, dtype=torch.int64).to(self.pool.device, non_blocking=True)  # [B]
+            mask_indptr = to_device(offsets, self.pool.device)  # [B] int64
         return ExtendStep(meta, seq_lens, fb.prefix_lens_cpu, list(fb.extend_lens_cpu), {}, mask, mask_indptr,
                           verify=fb.mode is ForwardMode.TARGET_VERIFY)
 

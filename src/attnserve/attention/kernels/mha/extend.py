@@ -52,6 +52,7 @@ from attnserve.attention.kernels.gpu_target import (
     target_for,
 )
 from attnserve.attention.kernels.params import ExtendRows, LayerParams
+from attnserve.transfers import to_device
 
 
 @dataclass(frozen=True)
@@ -304,9 +305,9 @@ def plan_expanded_prefill(extend_lens: list[int], qk_dim: int, device, config: E
     for n in extend_lens:
         indptr.append(indptr[-1] + n)
     return ExpandedPrefillPlan(
-        qo_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
+        qo_indptr=to_device(indptr, device, torch.int32),
         token_slots=torch.arange(indptr[-1], dtype=torch.int32, device=device),
-        extend_lens=torch.tensor(extend_lens, dtype=torch.int32).to(device, non_blocking=True),
+        extend_lens=to_device(list(extend_lens), device, torch.int32),
         tiles=build_extend_tiles([0] * len(extend_lens), list(extend_lens), config.positions_per_tile(1), device),
         config=config,
         target=target,
