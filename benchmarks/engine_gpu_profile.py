@@ -132,8 +132,8 @@ def _by_kind(prof, device: str, steps: int) -> tuple[dict, float, list]:
     return per_step, busy, sorted(by_name.items(), key=lambda kv: -kv[1])
 
 
-def _release(engine, cpu: bool) -> None:
-    del engine
+def _release(cpu: bool) -> None:
+    """After the caller dropped its engine: its KV pool and graphs go back before the next one is built."""
     gc.collect()
     if not cpu:
         torch.cuda.empty_cache()
@@ -178,7 +178,8 @@ def profile_config(loaded, args, graphs: bool, fused: bool) -> dict:
         "top_kernels_ms_per_step": [(n[:120], round(t / args.steps / 1e3, 3)) for n, t in top],
         "pages_leaked": engine.pages_leaked(),
     }
-    _release(engine, cpu)
+    del engine
+    _release(cpu)
     return out
 
 
@@ -284,7 +285,8 @@ def profile_mixed(loaded, args, on_done=None) -> dict:
     engine.drain()
     out["pages_leaked"] = engine.pages_leaked()
     out["eager_steps"] = engine.runner.steps_eager
-    _release(engine, cpu)
+    del engine
+    _release(cpu)
     return out
 
 
