@@ -99,8 +99,9 @@ def test_the_device_default_is_resolved_in_one_place():
     assert "serve-budget-cpu.json" in cpu.reason  # the measurement behind it
     assert resolve_step_budget(None, 400, "cpu").tokens == 800
     gpu = resolve_step_budget(None, 64, "cuda")
-    assert (gpu.kind, gpu.label, gpu.stream_tokens) == ("auto", "auto", AUTO_STREAM_TOKENS)
-    assert "GPU default" in gpu.reason
+    assert (gpu.kind, gpu.tokens) == ("fixed", 2048)
+    assert "GPU default" in gpu.reason and "serve-budget-h200.json" in gpu.reason
+    assert resolve_step_budget(None, 2000, "cuda").tokens == 4000
     # an explicit value wins on every device
     for device in ("cpu", "cuda"):
         assert resolve_step_budget(1024, 64, device) == StepBudget("fixed", 1024, reason="--max-num-batched-tokens 1024")
