@@ -34,6 +34,9 @@
 #   moe         moe_gpu_paths.py: routed experts, dense against grouped GEMM -> moe_gpu_paths.json
 #   serve       `attnserve bench serve` against transformers serve and the offline engine -> serve-h200.{json,md}
 #               (knobs: MODEL_DIR, IN_LEN, OUT_LEN; PEER_DEVICE=cpu MODEL_ARGS=--tiny for a CPU smoke run)
+#   serve-waves serve_h200_waves.sh: three waves of 64 streams (after 64 warm-up) on the one-process server and
+#               on --api-workers 2, default budget, 1024/256; fails when a request is cut or failed ->
+#               serve-waves.{json,md,png} (about 4 minutes; needs the server wheels in .whl)
 #   budget-offline
 #               serve_h200_budget.py offline: the step token budget (--max-num-batched-tokens auto, off, 512, 2048,
 #               1024, 256, auto:32768, auto:131072) on the offline engine, one model and one engine for all, 2 waves
@@ -76,7 +79,7 @@ while [ $# -gt 0 ]; do
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
     tests|mha|mla|race|engine|engine-mla|moe|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
-    budget-offline|budget-profile|budget-served|budget-poisson) STEPS+=("$1"); shift ;;
+    serve-waves|budget-offline|budget-profile|budget-served|budget-poisson) STEPS+=("$1"); shift ;;
     serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
     -h|--help) sed -n '2,70p' "$0"; exit 0 ;;
     *) echo "unknown step: $1 (see: bash benchmarks/h200.sh --help)" >&2; exit 2 ;;
@@ -164,13 +167,13 @@ wait_warm() {
 step_tests() {
   echo "== tests on CUDA ($(left) s left)"
   local workers tests rc log=${TESTS_LOG:-benchmarks/results/logs/pytest-h200.log}
-  workers=$(python3 -c "import xdist" 2> /dev/null && echo "-n ${TEST_WORKERS:-6}")
+  workers=$(python3 -c "import xdist" 2> /dev/null && echo "-n ${TEST_WORKERS:-14}")
   # tests that load the embedded model (absent here: its package does not travel) skip themselves with the
   # reason, by their needs_embedded_model marker (tests/conftest.py); -rs lists every skip and why
   tests=${TESTS:-tests}
   mkdir -p "$(dirname "$log")"
   # shellcheck disable=SC2086
-  timeout "$(cap 280)" python3 -m pytest -q -rs -p no:cacheprovider $workers $tests ${TEST_K:+-k "$TEST_K"} \
+  timeout "$(cap "${TESTS_S:-500}")" python3 -m pytest -q -rs -p no:cacheprovider $workers $tests ${TEST_K:+-k "$TEST_K"} \
     > "$log" 2>&1
   rc=$?
   cp "$log" "$LOGS/pytest.log"  # and with the call's other logs under $OUT
@@ -420,6 +423,10 @@ budget_step() {
   echo "budget-$what rc=$rc"; grep -E '^\[' "$LOGS/budget-$what.log" | tail -15
   cat "$OUT/serve-budget/serve-budget.md" 2> /dev/null
   return $rc
+}
+step_serve_waves() {
+  echo "== three waves of 64 streams, one HTTP process and --api-workers 2 ($(left) s left)"
+  WAVES_TIMEOUT=$(cap 300) bash benchmarks/serve_h200_waves.sh
 }
 step_budget_offline() { budget_step offline 290; }
 step_budget_served() { budget_step served 290 ${OFFLINE_JSON:+--offline-json "$OFFLINE_JSON"}; }
