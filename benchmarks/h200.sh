@@ -172,14 +172,16 @@ step_tests() {
   # reason, by their needs_embedded_model marker (tests/conftest.py); -rs lists every skip and why
   tests=${TESTS:-tests}
   mkdir -p "$(dirname "$log")"
+  # SIGINT at the cap: pytest still prints which tests failed and the slowest ones; -v names each as it ends
   # shellcheck disable=SC2086
-  timeout "$(cap "${TESTS_S:-500}")" python3 -m pytest -q -rs -p no:cacheprovider $workers $tests ${TEST_K:+-k "$TEST_K"} \
-    > "$log" 2>&1
+  timeout -s INT -k 30 "$(cap "${TESTS_S:-500}")" python3 -m pytest -v -rfEs --durations=25 -p no:cacheprovider \
+    $workers $tests ${TEST_K:+-k "$TEST_K"} > "$log" 2>&1
   rc=$?
   cp "$log" "$LOGS/pytest.log"  # and with the call's other logs under $OUT
   echo "pytest rc=$rc (log: $log)"; grep -E "^(FAILED|ERROR)" "$log" | cut -c1-300 | head -40
+  grep -A27 "slowest 25 durations" "$log" | cut -c1-200
   echo "skipped, by reason:"
-  grep -E "^SKIPPED" "$log" | sed -E 's/^SKIPPED \[([0-9]+)\] [^ ]+: /\1 /' \
+  grep -E "^SKIPPED \[" "$log" | sed -E 's/^SKIPPED \[([0-9]+)\] [^ ]+: /\1 /' \
     | awk '{n = $1; $1 = ""; count[$0] += n} END {for (r in count) printf "%6d %s\n", count[r], r}' | sort -rn | head -20
   tail -1 "$log"
 }
