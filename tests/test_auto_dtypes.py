@@ -29,6 +29,12 @@ def _config(tmp_path, torch_dtype: str | None):
     return path
 
 
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """This machine as a CPU-only one (on a GPU machine `select` and `tune` would describe the GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def _json(capsys, argv) -> dict:
     assert main(argv) == 0
     return json.loads(capsys.readouterr().out)
@@ -42,7 +48,7 @@ def _serving_line(trace: list[str]) -> str:
 @pytest.mark.parametrize("cpu_bf16", [True, False], ids=["amx", "no-hardware-bf16"])
 @pytest.mark.parametrize("flags", [(), ("--kv-cache-dtype", "fp16"), ("--dtype", "fp32")],
                          ids=["auto", "kv-fp16", "dtype-fp32"])
-def test_select_says_what_the_engine_runs_on_this_cpu(monkeypatch, capsys, tmp_path, cpu_bf16, flags):
+def test_select_says_what_the_engine_runs_on_this_cpu(monkeypatch, capsys, tmp_path, cpu_bf16, flags, cpu_machine):
     monkeypatch.setattr(hardware, "cpu_has_hardware_bf16", lambda: cpu_bf16)
     path = _config(tmp_path, "float16")  # a GPU would take the checkpoint's fp16; a CPU decides by itself
     sel = _json(capsys, ["select", "--model", str(path), "--json", *flags])
@@ -87,7 +93,7 @@ def test_hypothetical_cpus_carry_their_bf16(capsys):
     assert PRESET_HARDWARE["cpu-amx"].cpu_bf16 and not PRESET_HARDWARE["arm-cpu"].cpu_bf16
 
 
-def test_tune_keys_its_results_by_the_kv_dtype_the_engine_runs(monkeypatch):
+def test_tune_keys_its_results_by_the_kv_dtype_the_engine_runs(monkeypatch, cpu_machine):
     """tune's "auto" is the engine's: a result measured on an AMX CPU is found by the engine there (bf16)."""
     from types import SimpleNamespace
 

@@ -138,8 +138,12 @@ def _kernels() -> list:
 
 @pytest.mark.parametrize("mm, dtype", _kernels())
 def test_a_row_gets_the_same_bits_from_every_cpu_kernel_in_any_batch(mm, dtype):
-    """Row counts on both sides of each kernel's own switch points (BLAS's 1 and 64 rows, oneDNN's 32 on AMX)."""
-    assert rows_are_independent(mm, 1536, dtype)
+    """Row counts on both sides of each kernel's own switch points (BLAS's 1 and 64 rows, oneDNN's 32 on AMX),
+    in the calls the start-up check settles on for this CPU: fixed blocks where a row's bits do not depend on
+    its place in the call, else one row a call (a many-threaded BLAS can split a block's reduction by row)."""
+    if not rows_are_independent(mm, 1536, dtype):
+        mm.row_block = 1  # what make_batch_invariant does with such a kernel and shape
+        assert rows_are_independent(mm, 1536, dtype), f"{mm.kernel}: one row a call still depends on the call"
     x = torch.randn(100, 1536, generator=torch.Generator().manual_seed(1)).to(dtype)  # [100, K]
     alone = torch.cat([mm(x[i : i + 1]) for i in range(100)])  # [100, N]
     for rows in (2, 5, 16, 17, 33, 64, 100):
