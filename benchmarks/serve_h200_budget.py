@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import os
 import shlex
 import statistics
@@ -445,17 +446,29 @@ def _ratio(a, b) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def _stated_budget(config: dict) -> str | None:
+    """The budget label ("2048", "off", "auto", ...) a launched server's start-up log states, if it does."""
+    for line in (config.get("server_info") or {}).get("startup_log", []):
+        m = re.match(r"\s*step budget: (off|auto(?::\d+)?|\d+)\b", line)
+        if m:
+            return m.group(1)
+    return None
+
+
 def budget_rows(offline: dict | None, served: dict | None, concurrency: int) -> list[dict]:
     """One row per budget: the offline engine (throughput, the stalls its streams saw) beside the server at
     c=`concurrency` with the same budget. The server's `default` joins the offline row of the budget the
     default resolves to (auto on a GPU)."""
     off = {r["budget"]: r for r in (offline or {}).get("results", [])}
     default = (offline or {}).get("default_budget")
+    configs = (served or {}).get("configs", [])
+    stated = next((b for c in configs if c["label"] == "default" for b in [_stated_budget(c)] if b), None)
+    default = stated or default  # the server's own word wins: the offline run may predate a new default
 
     def key(label: str) -> str:
         return default if label == "default" and default in off else label
 
-    srv = {key(c["label"]): c for c in (served or {}).get("configs", [])}
+    srv = {key(c["label"]): c for c in configs}
     rows = []
     for b in list(off) + [b for b in srv if b not in off]:
         if b == "default":
@@ -512,6 +525,8 @@ def _table(rows: list[dict]) -> list[str]:
 
 
 def plot_budgets(rows: list[dict], path: Path) -> None:
+    """The frontier: output tok/s against ITL p99, one point per budget (offline engine, and the server where it
+    ran), the default marked: the budgets up and to the left are the ones worth choosing among."""
     try:
         import matplotlib
 
@@ -521,23 +536,26 @@ def plot_budgets(rows: list[dict], path: Path) -> None:
         return
     if not rows:
         return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-    x = list(range(len(rows)))
-    names = [r["budget"] for r in rows]
-    for key, style, label in (("out_tok_s", "o-", "server"), ("offline_out_tok_s", "s--", "offline engine")):
-        left.plot(x, [r.get(key) or float("nan") for r in rows], style, label=label)
-    left.set_ylabel("output tok/s")
-    for key, style in (("itl_p99_ms", "o-"), ("offline_itl_p99_ms", "s--"), ("offline_itl_max_ms", "x:"),
-                       ("itl_p50_ms", "^-."), ("offline_decode_step_ms", "d-.")):
-        right.plot(x, [r.get(key) or float("nan") for r in rows], style, label=key)
-    right.set_ylabel("ms")
-    right.set_yscale("log")
-    for ax in (left, right):
-        ax.set_xticks(x, names, rotation=20, fontsize=8)
-        ax.set_xlabel("--max-num-batched-tokens")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("step token budget: throughput and inter-token latency (closed loop)", fontsize=10)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for itl, tok, style, label in (("offline_itl_p99_ms", "offline_out_tok_s", "s", "offline engine"),
+                                   ("itl_p99_ms", "out_tok_s", "o", "server (c=64)")):
+        pts = [(r[itl], r[tok], r["budget"]) for r in rows if r.get(itl) and r.get(tok)]
+        if not pts:
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, alpha=0.8)
+        for x, y, name in pts:
+            default = "default" in name
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8,
+                        fontweight="bold" if default else "normal")
+            if default:
+                ax.plot([x], [y], "*", markersize=16, color="crimson", zorder=5)
+    ax.plot([], [], "*", markersize=12, color="crimson", label="the default")
+    ax.set_xscale("log")
+    ax.set_xlabel("ITL p99 (ms, log scale)")
+    ax.set_ylabel("output tok/s")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("--max-num-batched-tokens: throughput against the stall streams see (closed loop)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -559,7 +577,9 @@ def merge(out: Path, p: dict, notes: list[str], offline_json: Path | None = None
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": (served or poisson or {}).get("gpu") or (offline or {}).get("device"),
         "versions": (offline or {}).get("versions") or _versions(),
-        "default_budget": (offline or {}).get("default_budget"),
+        "default_budget": next((_stated_budget(c) for c in (served or poisson or {}).get("configs", [])
+                                if c["label"] == "default" and _stated_budget(c)), None)
+        or (offline or {}).get("default_budget"),
         "slo_ms": SLO,
         "budget_sweep": rows,
         "cost_model": (offline or {}).get("cost_model_all_budgets"),
