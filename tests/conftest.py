@@ -31,6 +31,15 @@ os.environ["ATTNSERVE_CACHE_DIR"] = os.path.join(tempfile.mkdtemp(prefix="attnse
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`pytest -n N`), the workers share the machine's cores: each gets its share of threads, and
+# so do the engine and server processes it starts (OMP_NUM_THREADS is inherited). With torch's default of one
+# thread per core in every worker, OpenMP's spinning threads contend and a 5 s test took 100 s on 2 cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _SHARE = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    torch.set_num_threads(_SHARE)
+    os.environ["OMP_NUM_THREADS"] = str(_SHARE)
+
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     # the kernel tests launch kernels directly, not through the backend that applies it
