@@ -33,8 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import os
+import re
 import shlex
 import statistics
 import subprocess
