@@ -28,7 +28,6 @@ casts around it.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,16 +43,6 @@ log = logging.getLogger("attnserve.models")
 
 WEIGHT_FORMATS = ("auto", "dequantized", "int4")
 INT4_MAX_ROWS = 2  # auto: int4 up to this many rows per matmul, prepacked bf16 above
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: bf16 matmuls run in hardware (elsewhere they are emulated, slower than fp32)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("\n\nprocessor", 1)[0]
-    except OSError:
-        return False
-    words = set(flags.split())
-    return bool({"amx_bf16", "avx512_bf16"} & words)
 
 
 class CPUMatmul:
