@@ -36,7 +36,19 @@ from attnserve.engine.outputs import RequestStream
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.models.tokenizer import encode
 from attnserve.server.engine_owner import STOP_TIMEOUT_S, EngineProcess, dealer
-from attnserve.server.engine_process import from_wire, to_wire
+from attnserve.server.wire import (
+    Abort,
+    Accepted,
+    AddRequest,
+    EngineFailed,
+    RequestItem,
+    StateQuery,
+    StateReply,
+    StopRequest,
+    ToEngine,
+    from_wire,
+    to_wire,
+)
 
 log = logging.getLogger("attnserve.server")
 
@@ -165,14 +177,14 @@ class EngineClient:
         stream = RequestStream(self.tokenizer, params, None, prompt_ids, time.perf_counter())
         handle = RemoteRequest(self, rid, stream, sink)
         self._handles[rid] = handle
-        self._send(("add", rid, prompt_ids, params, speculative))
+        self._send(AddRequest(rid, prompt_ids, params, speculative))
         return handle
 
     def abort(self, rid: int) -> None:
-        self._send(("abort", rid))
+        self._send(Abort(rid))
 
     def stop_request(self, rid: int, stop: str) -> None:
-        self._send(("stop", rid, stop))
+        self._send(StopRequest(rid, stop))
 
     async def state(self) -> dict:
         """The engine's requests, KV pages and counters now (the last ones read once it is gone)."""
@@ -180,7 +192,7 @@ class EngineClient:
             return self.last_state
         qid = next(self._qids)
         future = self._queries[qid] = asyncio.get_running_loop().create_future()
-        self._send(("state", qid))
+        self._send(StateQuery(qid))
         try:
             return await asyncio.wait_for(future, QUERY_TIMEOUT_S)
         except (RuntimeError, TimeoutError):
@@ -188,7 +200,7 @@ class EngineClient:
         finally:
             self._queries.pop(qid, None)
 
-    def _send(self, cmd: tuple) -> None:
+    def _send(self, cmd: ToEngine) -> None:
         """Queue `cmd` for the engine (the send queue has no limit, so it goes at once). Through the asyncio
         view: after the send it looks again for messages that arrived meanwhile, which a send on the plain
         socket would leave unread until the next message, and the next may never come."""
@@ -215,34 +227,35 @@ class EngineClient:
                 return
             self._dispatch(from_wire(data))
 
-    def _dispatch(self, events: list[tuple]) -> None:
+    def _dispatch(self, events: list) -> None:
         for event in events:
-            kind = event[0]
-            if kind == "item":
-                handle = self._handles.get(event[1])
-                if handle is None:
-                    continue
-                item = event[2]
-                if item is None:
-                    del self._handles[event[1]]
-                elif not handle.accepted.done():
-                    if isinstance(item, BaseException):  # refused
-                        handle.accepted.set_exception(item)
+            match event:
+                case RequestItem(rid=rid, item=item):
+                    handle = self._handles.get(rid)
+                    if handle is None:
                         continue
-                    handle.accepted.set_result(None)  # queued as the engine stopped: it ends aborted
-                handle.deliver(item)
-            elif kind == "accepted":
-                handle = self._handles.get(event[1])
-                if handle is not None and not handle.accepted.done():
-                    handle.accepted.set_result(None)
-            elif kind == "state":
-                self.last_state = event[2]
-                future = self._queries.get(event[1])
-                if future is not None and not future.done():
-                    future.set_result(event[2])
-            elif kind == "failed":
-                self.error = self.error or f"the engine failed: {event[1]}"
-                log.error("%s; new requests are refused", self.error)
+                    if item is None:
+                        del self._handles[rid]
+                    elif not handle.accepted.done():
+                        if isinstance(item, BaseException):  # refused
+                            handle.accepted.set_exception(item)
+                            continue
+                        handle.accepted.set_result(None)  # queued as the engine stopped: it ends aborted
+                    handle.deliver(item)
+                case Accepted(rid=rid):
+                    handle = self._handles.get(rid)
+                    if handle is not None and not handle.accepted.done():
+                        handle.accepted.set_result(None)
+                case StateReply(qid=qid, state=state):
+                    self.last_state = state
+                    future = self._queries.get(qid)
+                    if future is not None and not future.done():
+                        future.set_result(state)
+                case EngineFailed(reason=reason):
+                    self.error = self.error or f"the engine failed: {reason}"
+                    log.error("%s; new requests are refused", self.error)
+                case _:
+                    log.warning("unknown message from the engine: %r", event)
 
     def _on_exit(self) -> None:
         """The engine process ended (its owner, this process, sees it): read its last messages, then end every

@@ -24,7 +24,8 @@ from pathlib import Path
 import zmq
 
 from attnserve.engine.config import EngineConfig
-from attnserve.server.engine_process import FAILURE_FILE, engine_address, run_engine_process, to_wire
+from attnserve.server.engine_process import FAILURE_FILE, engine_address, run_engine_process
+from attnserve.server.wire import ClientGone, Shutdown, ToEngine, to_wire
 
 log = logging.getLogger("attnserve.server")
 
@@ -102,7 +103,7 @@ class EngineProcess:
         except OSError:
             return exit_description(self.process.exitcode)
 
-    def send(self, cmd: tuple) -> None:
+    def send(self, cmd: ToEngine) -> None:
         """A control command to the engine (dropped if no engine is connected any more)."""
         try:
             self._control.send(to_wire(cmd), zmq.NOBLOCK)
@@ -111,13 +112,13 @@ class EngineProcess:
 
     def client_gone(self, identity: bytes) -> None:
         """Tell the engine that a client process (an API worker) has died: its requests end."""
-        self.send(("client_gone", identity))
+        self.send(ClientGone(identity))
 
     def request_stop(self) -> None:
         """Ask the engine to stop: its step in flight completes, every open request ends aborted, it exits."""
         if not self.stopping:
             self.stopping = True
-            self.send(("shutdown",))
+            self.send(Shutdown())
 
     def stop(self) -> None:
         """Stop the engine and wait for it (killed if it does not exit within STOP_TIMEOUT_S); for a thread

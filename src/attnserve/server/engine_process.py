@@ -11,17 +11,14 @@ engine outlives its server.
 
 One ZeroMQ ROUTER socket, bound here, serves every client (each HTTP worker
 connects a DEALER under its own identity). Requests, aborts and state queries
-come in as pickled tuples; every loop iteration sends each client what it
-produced for it (acceptances, token deltas, state replies) as one pickled list.
+come in as the messages of wire.py; every loop iteration sends each client what
+it produced for it (acceptances, token deltas, state replies) as one list.
 Client request ids are mapped to engine ids, so workers need not agree on
 theirs. When a client's process dies, the owner says so ("client_gone") and
 its requests are aborted, freeing their KV pages. Last words that cannot go
 through the socket (a dead tensor-parallel rank, seen on a watchdog thread) are
 written to FAILURE_FILE in the channel's directory, where the owner reads them
-once the process has ended. Pickle carries whole dataclasses (TokenDelta,
-SamplingParams), so a field added to them travels without changes here; every
-end is the same program on one machine, talking over IPC sockets in a private
-directory.
+once the process has ended.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import faulthandler
 import itertools
 import logging
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -44,6 +40,20 @@ from attnserve.distributed.launch import failure_reporters
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
 from attnserve.engine.loop import EngineLoop
+from attnserve.server.wire import (
+    Abort,
+    Accepted,
+    AddRequest,
+    ClientGone,
+    EngineFailed,
+    RequestItem,
+    Shutdown,
+    StateQuery,
+    StateReply,
+    StopRequest,
+    from_wire,
+    to_wire,
+)
 
 log = logging.getLogger("attnserve.engine")
 
@@ -51,14 +61,6 @@ PARENT_CHECK_MS = 200  # while idle, how often the loop looks whether its owner 
 PARENT_GONE_EXIT_S = 10.0  # how long a step may keep a parentless engine process alive
 EXIT_GRACE_S = 20.0  # how long the process may take to end once its loop has (else: stacks on stderr, exit 1)
 FAILURE_FILE = "engine-failure.txt"  # in the channel's directory: why the engine process is about to end
-
-
-def to_wire(obj) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def from_wire(data: bytes):
-    return pickle.loads(data)
 
 
 def engine_address(channel_dir: str) -> str:
@@ -89,10 +91,10 @@ class _RemoteHandle:
     def deliver(self, item) -> None:
         if isinstance(item, BaseException):
             item = portable_error(item)
-        self._outbox.append(("item", self.client_rid, item))
+        self._outbox.append(RequestItem(self.client_rid, item))
 
     def accepted(self) -> None:
-        self._outbox.append(("accepted", self.client_rid))
+        self._outbox.append(Accepted(self.client_rid))
 
 
 class ProcessLoop(EngineLoop):
@@ -113,7 +115,7 @@ class ProcessLoop(EngineLoop):
         if self.error is not None:
             failure_file.write_text(f"the engine failed: {self.error!r}")  # for the owner, once the process ends
             for box in self._outboxes.values():  # every client that has sent something hears it now
-                box.append(("failed", repr(self.error)))
+                box.append(EngineFailed(repr(self.error)))
         self.flush()
 
     def flush(self) -> None:
@@ -140,38 +142,37 @@ class ProcessLoop(EngineLoop):
             return super()._take_commands(block=False)
         return False
 
-    def _translate(self, identity: bytes, cmd: tuple) -> None:
-        """A client's command as the base loop's command; a state query is answered at once (this is the loop's
+    def _translate(self, identity: bytes, cmd) -> None:
+        """A client's message as the base loop's command; a state query is answered at once (this is the loop's
         thread, between steps)."""
-        kind = cmd[0]
         if identity in self._gone:
             return
         outbox = self._outboxes.setdefault(identity, [])
-        if kind == "add":
-            client_rid, prompt_ids, params, speculative = cmd[1:]
-            rid = next(self._next_rid)
-            handle = _RemoteHandle(rid, client_rid, outbox)
-            try:
-                req = self.engine.make_request(prompt_ids, params, rid=rid, speculative=speculative)
-            except ValueError as exc:  # bad input goes back to its sender
-                handle.deliver(exc)
-                handle.deliver(None)
-                return
-            self._owners[rid] = (identity, client_rid)
-            self._engine_rids[identity, client_rid] = rid
-            self._commands.put(("add", handle, req))
-        elif kind == "state":
-            outbox.append(("state", cmd[1], engine_state(self.engine)))
-        elif kind in ("abort", "stop"):
-            rid = self._engine_rids.get((identity, cmd[1]))
-            if rid is not None:
-                self._commands.put((kind, rid, *cmd[2:]))
-        elif kind == "client_gone":  # the owner saw a client's process end
-            self._client_gone(cmd[1])
-        elif kind == "shutdown":
-            self._commands.put(cmd)
-        else:
-            log.warning("engine process: unknown command %r", kind)
+        match cmd:
+            case AddRequest(rid=client_rid, prompt_ids=prompt_ids, params=params, speculative=speculative):
+                rid = next(self._next_rid)
+                handle = _RemoteHandle(rid, client_rid, outbox)
+                try:
+                    req = self.engine.make_request(prompt_ids, params, rid=rid, speculative=speculative)
+                except ValueError as exc:  # bad input goes back to its sender
+                    handle.deliver(exc)
+                    handle.deliver(None)
+                    return
+                self._owners[rid] = (identity, client_rid)
+                self._engine_rids[identity, client_rid] = rid
+                self._commands.put(("add", handle, req))
+            case StateQuery(qid=qid):
+                outbox.append(StateReply(qid, engine_state(self.engine)))
+            case Abort(rid=client_rid) | StopRequest(rid=client_rid):
+                rid = self._engine_rids.get((identity, client_rid))
+                if rid is not None:
+                    self._commands.put(("abort", rid) if isinstance(cmd, Abort) else ("stop", rid, cmd.stop))
+            case ClientGone(identity=gone):  # the owner saw a client's process end
+                self._client_gone(gone)
+            case Shutdown():
+                self._commands.put(("shutdown",))
+            case _:
+                log.warning("engine process: unknown message %r", cmd)
 
     def _client_gone(self, identity: bytes) -> None:
         """A client's process is gone: abort its requests (their pages go back) and forget it."""
