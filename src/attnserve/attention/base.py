@@ -30,10 +30,6 @@ class ForwardMode(enum.Enum):
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
 
-    @property
-    def is_extend_like(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
-
 
 @dataclass
 class ForwardBatch:

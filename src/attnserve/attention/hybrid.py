@@ -145,8 +145,6 @@ class HybridAttentionBackend(AttentionBackend):
         self._active.plan_for_replay(fb)
 
 
-HybridBackend = HybridAttentionBackend  # the shorter name the engine uses
-
 
 def build_backend(selection, pool, hw=None, speculative_attention_mode: str = "prefill", **options) -> AttentionBackend:
     """Instantiate what a Selection names: one backend, or a hybrid when prefill and decode differ."""
