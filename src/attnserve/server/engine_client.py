@@ -203,7 +203,10 @@ class EngineClient:
     def _send(self, cmd: ToEngine) -> None:
         """Queue `cmd` for the engine (the send queue has no limit, so it goes at once). Through the asyncio
         view: after the send it looks again for messages that arrived meanwhile, which a send on the plain
-        socket would leave unread until the next message, and the next may never come."""
+        socket would leave unread until the next message, and the next may never come. Nothing is sent once the
+        channel is released (the engine's end, or this server's, is being handled)."""
+        if self._io.closed:
+            return
         self._io.send(to_wire(cmd)).add_done_callback(self._sent)
 
     @staticmethod
