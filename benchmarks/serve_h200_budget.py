@@ -455,15 +455,23 @@ def _stated_budget(config: dict) -> str | None:
     return None
 
 
+def default_budget(offline: dict | None, *launched: dict | None) -> str | None:
+    """The default budget's label: as the first launched server's start-up log states it (the offline run may
+    predate a new default), else as the offline engine resolved it."""
+    for report in launched:
+        for config in (report or {}).get("configs", []):
+            if config["label"] == "default" and _stated_budget(config):
+                return _stated_budget(config)
+    return (offline or {}).get("default_budget")
+
+
 def budget_rows(offline: dict | None, served: dict | None, concurrency: int) -> list[dict]:
     """One row per budget: the offline engine (throughput, the stalls its streams saw) beside the server at
     c=`concurrency` with the same budget. The server's `default` joins the offline row of the budget the
     default resolves to (auto on a GPU)."""
     off = {r["budget"]: r for r in (offline or {}).get("results", [])}
-    default = (offline or {}).get("default_budget")
+    default = default_budget(offline, served)
     configs = (served or {}).get("configs", [])
-    stated = next((b for c in configs if c["label"] == "default" for b in [_stated_budget(c)] if b), None)
-    default = stated or default  # the server's own word wins: the offline run may predate a new default
 
     def key(label: str) -> str:
         return default if label == "default" and default in off else label
@@ -577,9 +585,7 @@ def merge(out: Path, p: dict, notes: list[str], offline_json: Path | None = None
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": (served or poisson or {}).get("gpu") or (offline or {}).get("device"),
         "versions": (offline or {}).get("versions") or _versions(),
-        "default_budget": next((_stated_budget(c) for c in (served or poisson or {}).get("configs", [])
-                                if c["label"] == "default" and _stated_budget(c)), None)
-        or (offline or {}).get("default_budget"),
+        "default_budget": default_budget(offline, served, poisson),
         "slo_ms": SLO,
         "budget_sweep": rows,
         "cost_model": (offline or {}).get("cost_model_all_budgets"),

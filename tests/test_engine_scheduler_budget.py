@@ -18,6 +18,7 @@ from attnserve.engine.schedule_policy import (
     AUTO_MIN_PREFILL,
     AUTO_STREAM_TOKENS,
     LPM_MAX_WAITING,
+    OFF,
     StepBudget,
     order_waiting,
     parse_step_budget,
@@ -66,15 +67,17 @@ def test_without_the_budget_a_chunk_comes_on_top_of_the_decodes():
     assert max(b.num_tokens for b, _ in steps if b.num_decodes) > BUDGET
 
 
+FIXED_512 = StepBudget("fixed", 512)
+
+
 def test_prefill_token_budget():
-    # (chunked_prefill_size, max_prefill_tokens, max_num_batched_tokens, step_tokens) -> prompt tokens
-    assert prefill_token_budget(2048, 16384, 512, 0) == 2048  # nothing decodes: the whole chunk
-    assert prefill_token_budget(2048, 16384, 512, 64) == 448
-    assert prefill_token_budget(256, 16384, 512, 64) == 256  # the chunk is the smaller limit
-    assert prefill_token_budget(2048, 16384, 512, 600) == 0  # decodes fill the step: prompts wait
-    assert prefill_token_budget(2048, 16384, None, 64) == 2048  # budget off
-    assert prefill_token_budget(None, 16384, 512, 64) == 16384  # no chunking: a prompt runs whole
-    assert prefill_token_budget(2048, 16384, StepBudget("fixed", 512), 64) == 448  # the same as a StepBudget
+    # (chunked_prefill_size, max_prefill_tokens, step budget, step_tokens) -> prompt tokens
+    assert prefill_token_budget(2048, 16384, FIXED_512, 0) == 2048  # nothing decodes: the whole chunk
+    assert prefill_token_budget(2048, 16384, FIXED_512, 64) == 448
+    assert prefill_token_budget(256, 16384, FIXED_512, 64) == 256  # the chunk is the smaller limit
+    assert prefill_token_budget(2048, 16384, FIXED_512, 600) == 0  # decodes fill the step: prompts wait
+    assert prefill_token_budget(2048, 16384, OFF, 64) == 2048  # budget off
+    assert prefill_token_budget(None, 16384, FIXED_512, 64) == 16384  # no chunking: a prompt runs whole
 
 
 def test_budget_default_and_checks():

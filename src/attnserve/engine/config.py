@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from attnserve.attention.registry import resolve_name
 from attnserve.distributed.launch import Topology
-from attnserve.engine.schedule_policy import SCHEDULE_POLICIES, parse_step_budget
+from attnserve.engine.schedule_policy import SCHEDULE_POLICIES, checked_step_budget
 from attnserve.models.cpu_weights import WEIGHT_FORMATS
 
 
@@ -163,12 +163,7 @@ class EngineConfig:
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         # unset stays None: the device's default is resolved at start-up (schedule_policy.resolve_step_budget)
-        self.max_num_batched_tokens = parse_step_budget(self.max_num_batched_tokens)
-        if isinstance(self.max_num_batched_tokens, int) and 0 < self.max_num_batched_tokens <= self.max_running_requests:
-            raise ValueError(
-                f"max_num_batched_tokens {self.max_num_batched_tokens} must exceed max_running_requests "
-                f"{self.max_running_requests} (a full decode batch would leave no room for a prompt token), "
-                "or be <= 0 to turn the step budget off")
+        self.max_num_batched_tokens = checked_step_budget(self.max_num_batched_tokens, self.max_running_requests)
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "

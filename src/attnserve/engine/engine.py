@@ -40,7 +40,7 @@ from attnserve.engine.request import FinishReason, Request
 from attnserve.engine.runner import ModelRunner
 from attnserve.engine.sampler import DeviceLogprobs, Sampler
 from attnserve.engine.sampling_params import SamplingParams
-from attnserve.engine.schedule_policy import StepBudget, parse_step_budget, resolve_step_budget
+from attnserve.engine.schedule_policy import StepBudget, checked_step_budget, resolve_step_budget
 from attnserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from attnserve.engine.speculative import build_drafter
 from attnserve.engine.speculative.acceptance import Acceptance, accept_greedy, accept_sampled
@@ -120,8 +120,7 @@ class Engine:
                 page_size=p.kv.pool.page_size,
                 chunked_prefill_size=config.chunked_prefill_size,
                 max_prefill_tokens=config.max_prefill_tokens,
-                step_budget=p.step_budget or resolve_step_budget(
-                    config.max_num_batched_tokens, config.max_running_requests, p.model.device.type),
+                step_budget=p.step_budget,
                 schedule_policy=config.schedule_policy,
                 disable_radix_cache=config.disable_radix_cache,
                 deterministic=config.enable_deterministic_inference,
@@ -230,10 +229,7 @@ class Engine:
         `value` as --max-num-batched-tokens takes it (N, <= 0, "auto", "auto:S", None: the device default)."""
         if self.has_work():
             raise RuntimeError("the step budget changes only while the engine is idle")
-        value = parse_step_budget(value)
-        if isinstance(value, int) and 0 < value <= self.config.max_running_requests:
-            raise ValueError(f"max_num_batched_tokens {value} must exceed max_running_requests "
-                             f"{self.config.max_running_requests}, or be <= 0 to turn the step budget off")
+        value = checked_step_budget(value, self.config.max_running_requests)
         budget = resolve_step_budget(value, self.config.max_running_requests, self.device.type)
         self.scheduler.config.step_budget = budget
         return budget

@@ -16,30 +16,22 @@ that turns the flag and the device into a `StepBudget`, with the reason the star
 - `<= 0`, `off`: a whole chunk joins the decodes;
 - `auto[:S]`, the decode-scaled policy: beside D running decodes a step adds
   min(chunk, max(AUTO_MIN_PREFILL, S / D)) prompt tokens (S: `AUTO_STREAM_TOKENS` unless given);
-- unset: the device's default. GPU: `auto`. CPU: `fixed` at max(512, 2 x max running requests),
-  the value `benchmarks/results/serve-budget-cpu.json` measured on a 2-core CPU.
+- unset: the device's default, a fixed max(floor, 2 x max running requests): on a GPU a floor of
+  2048, from the H200 sweep in `benchmarks/results/serve-budget-h200.json` (of the budgets within
+  0.95x of the best offline throughput, the one with the lowest ITL p99); on a CPU 512, from
+  `benchmarks/results/serve-budget-cpu.json` (there every prompt token beside the decodes is a stall).
 
-Why `auto` on a GPU (the cost model). A step of D decodes and P prompt tokens takes about
+The cost model behind `auto`. A step of D decodes and P prompt tokens takes about
 T = t0 + t_dec(D) + t_mix + t_tok * P: t0 reads the weights (Llama-3-8B on an H200: ~3.8 ms),
 t_dec(D) reads the decodes' K/V, t_mix is what a mixed step costs beyond a decode step besides
 its tokens (it runs eagerly, outside the decode CUDA graphs, and plans an extend step), and
 t_tok is the compute of one prompt token (~25 us there). Each of the D streams waits
 t_mix + t_tok * P longer than a decode step, so the step costs the streams D * (t_mix + t_tok * P)
-in all; the prompt work it moves, P tokens, is worth t_tok * P, and t_mix is its overhead.
-- Bounding D * P by S bounds what a step costs the running streams together: with many streams
-  each step adds few prompt tokens (64 decodes at S = 65,536: 1,024 tokens, ~25 ms beside a 7.3 ms
-  decode step on an H200), with few streams big chunks are cheap (they stall few streams) and
-  move the prompts sooner (time to first token) in fewer steps (t_mix paid fewer times).
-- A fixed N instead gives every mixed step the same P = N - D however few streams wait on it: a
-  small N pays t_mix on every small step (the measured tax: with an eager mixed step costing tens
-  of ms, throughput falls about in proportion to N), a large N stalls a full batch for long.
-- The floor, AUTO_MIN_PREFILL = 256 tokens, is where a step's matmuls turn from reading the
-  weights to computing (a large GPU's bf16 ridge point is a few hundred rows): fewer prompt
-  tokens than that would not shorten the step, only add steps.
-- The cap is the chunk (`--chunked-prefill-size`), as for a step with nothing decoding.
-
-On a CPU t_tok is large against t0 (the embedded 135M model on 2 cores: over a millisecond a prompt token), so
-every prompt token is a stall the streams see; there the fixed 512 stays the default.
+in all. `auto` bounds D * P by S: with many streams each step adds few prompt tokens, with few
+streams big chunks (they stall few streams). The floor, AUTO_MIN_PREFILL = 256 tokens, is where a
+step's matmuls turn from reading the weights to computing; the cap is the chunk. On the H200 sweep
+fixed budgets beat it on both counts: t_mix (about 16 ms) dominates a mixed step from 256 to 2,048
+prompt tokens, and a whole chunk beside a few streams stalls them for up to the chunk's time.
 
 Policy (`--schedule-policy`, SGLang's names):
 - fcfs: arrival order (a preempted request goes back to the front). No prompt waits behind
@@ -150,20 +142,29 @@ def parse_step_budget(value) -> int | str | None:
         raise ValueError(f"max_num_batched_tokens must be a number, auto or auto:S, got {value!r}") from None
 
 
+def checked_step_budget(value, max_running_requests: int) -> int | str | None:
+    """`parse_step_budget`, and a fixed budget refused when a full decode batch would fill it (no room for a
+    prompt token): what the config and `Engine.set_step_budget` accept."""
+    value = parse_step_budget(value)
+    if isinstance(value, int) and 0 < value <= max_running_requests:
+        raise ValueError(
+            f"max_num_batched_tokens {value} must exceed max_running_requests {max_running_requests} (a full "
+            "decode batch would leave no room for a prompt token), or be <= 0 to turn the step budget off")
+    return value
+
+
 def resolve_step_budget(value, max_running_requests: int, device_type: str) -> StepBudget:
     """The step budget the flag's value gives on this device (`device_type`: "cpu", "cuda", ...)."""
     value = parse_step_budget(value)
     if value is None:
-        if device_type == "cpu":
-            n = max(CPU_BUDGET_MIN, 2 * max_running_requests)
-            return StepBudget("fixed", n, reason=(
-                f"the CPU default (max({CPU_BUDGET_MIN}, 2 x --max-running-requests)): on a CPU every prompt "
-                f"token beside the decodes is a stall the streams see ({CPU_BUDGET_SOURCE})"))
-        n = max(GPU_BUDGET_MIN, 2 * max_running_requests)
-        return StepBudget("fixed", n, reason=(
-            f"the GPU default (max({GPU_BUDGET_MIN}, 2 x --max-running-requests)): on the H200 the lowest stall "
-            f"of the budgets within 0.95x of the best throughput: a mixed step's fixed cost (a 512-token one took "
-            f"23 ms against a 7.4 ms decode step) makes smaller budgets pay it too often ({GPU_BUDGET_SOURCE})"))
+        floor, why = ((CPU_BUDGET_MIN, f"on a CPU every prompt token beside the decodes is a stall the streams see "
+                                       f"({CPU_BUDGET_SOURCE})") if device_type == "cpu" else
+                      (GPU_BUDGET_MIN, "on the H200 the lowest stall of the budgets within 0.95x of the best "
+                                       "throughput: a mixed step's fixed cost (a 512-token one took 23 ms against a "
+                                       f"7.4 ms decode step) makes smaller budgets pay it too often ({GPU_BUDGET_SOURCE})"))
+        device = "CPU" if device_type == "cpu" else "GPU"
+        return StepBudget("fixed", max(floor, 2 * max_running_requests), reason=(
+            f"the {device} default (max({floor}, 2 x --max-running-requests)): {why}"))
     if isinstance(value, str):
         s = int(value.split(":")[1]) if ":" in value else AUTO_STREAM_TOKENS
         return StepBudget("auto", stream_tokens=s, reason=f"--max-num-batched-tokens {value}")
@@ -175,19 +176,14 @@ def resolve_step_budget(value, max_running_requests: int, device_type: str) -> S
 def prefill_token_budget(
     chunked_prefill_size: int | None,
     max_prefill_tokens: int,
-    budget: StepBudget | int | None,
+    budget: StepBudget,
     step_tokens: int,
 ) -> int:
     """Prompt tokens the step may add on top of the `step_tokens` its decodes already hold.
 
-    `budget`: a StepBudget, or (as before there was a policy) an int cap or None (off). 0 when a fixed
-    budget is filled by the decodes: the prompts wait for a step with room (the config check keeps room
-    for at least one prompt token beside a full decode batch)."""
+    0 when a fixed budget is filled by the decodes: the prompts wait for a step with room (the config check
+    keeps room for at least one prompt token beside a full decode batch)."""
     full = chunked_prefill_size or max_prefill_tokens
-    if budget is None:
-        budget = OFF
-    elif isinstance(budget, int):
-        budget = StepBudget("fixed", budget) if budget > 0 else OFF
     if step_tokens == 0 or chunked_prefill_size is None:
         return full
     return budget.prefill_tokens(step_tokens, full)

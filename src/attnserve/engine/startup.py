@@ -99,7 +99,7 @@ class EngineParts:
     kv: KVCacheSetup
     graphs: GraphSetup
     startup_lines: list[str]
-    step_budget: StepBudget | None = None  # prompt tokens a step that decodes may add (the scheduler's)
+    step_budget: StepBudget  # prompt tokens a step that decodes may add (the scheduler's)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -345,7 +345,7 @@ def _capture_verify_graphs(config: EngineConfig, runner: CudaGraphRunner, sizes:
 
 
 def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionChoice, kv: KVCacheSetup,
-                  graphs: GraphSetup, step_budget: StepBudget | None = None) -> list[str]:
+                  graphs: GraphSetup, step_budget: StepBudget) -> list[str]:
     """What the engine runs, in the words the start-up log prints."""
     spec = model.module.kv_cache_spec()
     pool = kv.pool
@@ -367,7 +367,7 @@ def startup_lines(config: EngineConfig, model: ModelSetup, attention: AttentionC
         f"speculative decoding: {_speculative_note(config, attention)}",
         (f"scheduler: max running {config.max_running_requests}, context {kv.max_context_len}, chunked prefill "
          f"{config.chunked_prefill_size or 'off'}, radix cache {'off' if config.disable_radix_cache else 'on'}"),
-        *([f"step budget: {step_budget.describe(_chunk(config))}"] if step_budget is not None else []),
+        f"step budget: {step_budget.describe(_chunk(config))}",
     ]
 
 
