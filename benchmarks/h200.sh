@@ -54,6 +54,9 @@
 #   budget-poisson
 #               serve_h200_budget.py poisson: the default budget at Poisson rates 4/8/12/16 with goodput under
 #               TTFT p99 <= 1 s, ITL p99 <= 50 ms -> serve-budget/poisson.json + the merged record (about 3 minutes)
+#   budget-c1   serve_h200_budget.py c1: one stream at the default budget, served TPOT (c=1, 8 requests) against the
+#               offline engine's decode step at batch 1 (target <= 1.02x) -> serve-budget/c1.json + the merged record
+#               (about 2.5 minutes)
 #   serve-budget
 #               the three budget steps in a row (about 10 minutes: more than one call; run them one a call)
 #               BUDGET_ARGS adds flags to the three (--quick: the CPU dry run), PROFILE_ARGS to budget-profile
@@ -79,7 +82,7 @@ while [ $# -gt 0 ]; do
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
     tests|mha|mla|race|engine|engine-mla|moe|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
-    serve-waves|budget-offline|budget-profile|budget-served|budget-poisson) STEPS+=("$1"); shift ;;
+    serve-waves|budget-offline|budget-profile|budget-served|budget-poisson|budget-c1) STEPS+=("$1"); shift ;;
     serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
     -h|--help) sed -n '2,70p' "$0"; exit 0 ;;
     *) echo "unknown step: $1 (see: bash benchmarks/h200.sh --help)" >&2; exit 2 ;;
@@ -145,7 +148,7 @@ MLA_BACKENDS=${MLA_BACKENDS:-triton flashinfer-mla-fa3}
 
 # FlashInfer's JIT kernels the chosen steps race, in step order, built in one background process
 WARM=()
-has tests && WARM+=("mla fa3" "decode tensor" "prefill fa3" "extend fa3")
+has tests && WARM+=("mla fa3" "decode tensor" "prefill fa3" "extend fa3" "extend fa2")  # fa2: the verify graphs
 has mha && WARM+=("decode tensor" "prefill fa3" "extend fa3")
 has race && WARM+=("decode tensor" "prefill fa3" "extend fa3")
 has mla && WARM+=("mla fa3") && case " $MLA_BACKENDS " in *" flashinfer-mla-fa2 "*) WARM+=("mla fa2") ;; esac
@@ -167,7 +170,8 @@ wait_warm() {
 step_tests() {
   echo "== tests on CUDA ($(left) s left)"
   local workers tests rc log=${TESTS_LOG:-benchmarks/results/logs/pytest-h200.log}
-  workers=$(python3 -c "import xdist" 2> /dev/null && echo "-n ${TEST_WORKERS:-14}")
+  # worksteal: idle workers take tests queued on busy ones, so the slow GPU tests (JIT builds) do not make the tail
+  workers=$(python3 -c "import xdist" 2> /dev/null && echo "-n ${TEST_WORKERS:-16} --dist worksteal")
   # tests that load the embedded model (absent here: its package does not travel) skip themselves with the
   # reason, by their needs_embedded_model marker (tests/conftest.py); -rs lists every skip and why
   tests=${TESTS:-tests}
@@ -433,6 +437,7 @@ step_serve_waves() {
 step_budget_offline() { budget_step offline 290; }
 step_budget_served() { budget_step served 290 ${OFFLINE_JSON:+--offline-json "$OFFLINE_JSON"}; }
 step_budget_poisson() { budget_step poisson 290 ${OFFLINE_JSON:+--offline-json "$OFFLINE_JSON"}; }
+step_budget_c1() { budget_step c1 200 ${OFFLINE_JSON:+--offline-json "$OFFLINE_JSON"}; }
 step_budget_profile() {
   echo "== mixed-step profile ($(left) s left)"
   # shellcheck disable=SC2086

@@ -45,12 +45,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SLO = {"ttft": 1000, "tpot": 50}  # ms: the Poisson target (TTFT p99 <= 1 s, ITL p99 <= 50 ms)
-STEPS = ("offline", "served", "poisson", "report", "all")
+STEPS = ("offline", "served", "poisson", "c1", "report", "all")
 
 GPU = {
     "offline_budgets": "auto,off,512,2048,1024,256,auto:32768,auto:131072", "waves": 2,
     "served_budgets": "default,off", "concurrency": 64, "num_prompts": 200, "rates": "4,8,12,16",
-    "rate_prompts": 120, "input_len": 1024, "output_len": 256, "chunk": 8192, "deadline_s": 270,
+    "rate_prompts": 120, "c1_prompts": 8, "input_len": 1024, "output_len": 256, "chunk": 8192, "deadline_s": 270,
     "preset": "llama-3-8b", "device": "cuda", "backend": "triton",
     # two API workers: one HTTP process is measured elsewhere; here the engine's schedule is what differs
     "server": "--random-weights --attention-backend triton --disable-radix-cache --max-running-requests 64 "
@@ -58,7 +58,7 @@ GPU = {
 }
 QUICK = {
     "offline_budgets": "auto:96,32,off", "waves": 1,
-    "served_budgets": "default,off", "concurrency": 4, "num_prompts": 8, "rates": "4,inf", "rate_prompts": 6,
+    "served_budgets": "default,off", "concurrency": 4, "num_prompts": 8, "rates": "4,inf", "rate_prompts": 6, "c1_prompts": 2,
     "input_len": 48, "output_len": 6, "chunk": 64, "deadline_s": 600,
     "preset": "smollm2-135m", "device": "cpu", "backend": "torch_native",
     "server": "--device cpu --disable-radix-cache --max-running-requests 4",
@@ -66,7 +66,7 @@ QUICK = {
 CPU = {  # the embedded model on a small CPU: prompts long enough that a whole chunk stalls the decodes
     "offline_budgets": "default,128,256,1024,off,auto", "waves": 1,
     "served_budgets": "default,128,256,1024,off", "concurrency": 8, "num_prompts": 32, "rates": "0.5,1,2",
-    "rate_prompts": 24, "input_len": 512, "output_len": 64, "chunk": 2048, "deadline_s": 1800,
+    "rate_prompts": 24, "c1_prompts": 4, "input_len": 512, "output_len": 64, "chunk": 2048, "deadline_s": 1800,
     "preset": "smollm2-135m", "device": "cpu", "backend": "torch_native",
     "server": "--device cpu --disable-radix-cache --max-running-requests 8",
 }
@@ -273,14 +273,26 @@ def _watch_syncs(engine, counts: dict, messages: list[str]):
     return stop
 
 
-def step_offline(p: dict, out: Path, clock: Clock, notes: list[str], budgets: list[str]) -> dict:
-    import torch
-
+def offline_engine(p: dict):
+    """(the engine, the vocabulary size): random weights, the servers' settings (max running = concurrency,
+    graphs to that batch, radix cache off), the device's default step budget."""
     from attnserve.engine.config import EngineConfig
     from attnserve.engine.engine import Engine
     from attnserve.models.loader import load_model
 
-    c, n_in, n_out, cuda = p["concurrency"], p["input_len"], p["output_len"], p["device"] == "cuda"
+    c, n_in, n_out = p["concurrency"], p["input_len"], p["output_len"]
+    loaded = load_model(p["preset"], dtype="bf16" if p["device"] == "cuda" else "fp32", device=p["device"],
+                        random_weights=True)
+    cfg = EngineConfig(device=p["device"], attention_backend=p["backend"], max_running_requests=c,
+                       cuda_graph_max_bs=c, max_total_tokens=c * (n_in + n_out) + 2 * p["chunk"] + 1024,
+                       chunked_prefill_size=p["chunk"], disable_radix_cache=True)
+    return Engine(cfg, loaded=loaded), loaded.config.vocab_size
+
+
+def step_offline(p: dict, out: Path, clock: Clock, notes: list[str], budgets: list[str]) -> dict:
+    import torch
+
+    c, n_in, n_out = p["concurrency"], p["input_len"], p["output_len"]
     path = out / "offline.json"
     record = {
         "what": f"the offline engine, {p['preset']} random weights, {p['backend']}, {c} prompts at once x {n_in} in / "
@@ -292,16 +304,11 @@ def step_offline(p: dict, out: Path, clock: Clock, notes: list[str], budgets: li
         "results": [], "notes": notes,
     }
     t0 = time.perf_counter()
-    loaded = load_model(p["preset"], dtype="bf16" if cuda else "fp32", device=p["device"], random_weights=True)
-    cfg = EngineConfig(device=p["device"], attention_backend=p["backend"], max_running_requests=c,
-                       cuda_graph_max_bs=c, max_total_tokens=c * (n_in + n_out) + 2 * p["chunk"] + 1024,
-                       chunked_prefill_size=p["chunk"], disable_radix_cache=True)
-    engine = Engine(cfg, loaded=loaded)
+    engine, vocab = offline_engine(p)
     record["startup_s"] = round(time.perf_counter() - t0, 1)
     record["default_budget"] = engine.step_budget.label
     record["startup_log"] = [line for line in engine.parts.startup_lines if line.startswith(("step budget", "attention",
                                                                                              "CUDA graphs"))]
-    vocab = loaded.config.vocab_size
     g = torch.Generator().manual_seed(0)
 
     def prompts():
@@ -405,12 +412,12 @@ def _model_flags(p: dict, out: Path, clock: Clock, notes: list[str]) -> tuple[li
 
 
 def _bench(p: dict, out: Path, clock: Clock, notes: list[str], what: str, compare: list[str], load: list[str],
-           json_path: Path, extra: list[str] = ()) -> dict | None:
+           json_path: Path, extra: list[str] = (), warmup: int | None = None) -> dict | None:
     model, tokenizer = _model_flags(p, out, clock, notes)
     engine_flags = f"{shlex.join(model)} {p['server']} --chunked-prefill-size {p['chunk']}".strip()
     cmd = [sys.executable, "-m", "attnserve", "bench", "serve", "--dataset-name", "random",
            "--input-len", str(p["input_len"]), "--output-len", str(p["output_len"]), *tokenizer,
-           "--warmup-requests", str(p["concurrency"]), "--no-progress",
+           "--warmup-requests", str(p["concurrency"] if warmup is None else warmup), "--no-progress",
            "--server-log-dir", str(out / "logs" / json_path.stem),
            "--max-point-seconds", "90", "--launch", engine_flags, "--compare", *compare, *load, *extra,
            "--title", what, "--json", str(json_path)]
@@ -439,6 +446,54 @@ def step_poisson(p: dict, out: Path, clock: Clock, notes: list[str]) -> dict | N
     return _bench(p, out, clock, notes, "the default budget under Poisson arrivals", ["default="],
                   ["--request-rate", p["rates"], "--num-prompts", ",".join([str(p["rate_prompts"])] * len(rates)),
                    "--goodput", *(f"{k}:{v}" for k, v in SLO.items())], out / "poisson.json")
+
+
+def step_c1(p: dict, out: Path, clock: Clock, notes: list[str]) -> dict:
+    """One stream: the served TPOT at the default budget against the offline engine's decode step at batch 1
+    (the target: TPOT <= 1.02x the step). The server first (then its GPU memory is free), the engine after."""
+    import torch
+
+    n_in, n_out, prompts = p["input_len"], p["output_len"], p["c1_prompts"]
+    path = out / "c1.json"
+    record = {
+        "what": f"one stream, {p['preset']} random weights, {p['backend']}, {n_in} in / {n_out} out, the default "
+                f"budget: served TPOT (bench serve, c=1, {prompts} requests) against the offline engine's decode "
+                "step at batch 1 (the same settings, one request at a time)",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": _device_name(p["device"]), "versions": _versions(),
+        "command": shlex.join(["python3", "benchmarks/serve_h200_budget.py", *sys.argv[1:]]), "notes": notes,
+    }
+    served = _bench(p, out, clock, notes, "one stream at the default budget", ["default="],
+                    ["--concurrency", "1", "--num-prompts", str(prompts)], out / "c1-served.json", warmup=2)
+    point = next((pt["median"] for cfg in (served or {}).get("configs", []) for pt in cfg.get("points", [])
+                  if pt["median"].get("completed")), None)
+    if point:
+        record["served"] = {k: point[k] for k in ("completed", "output_tok_s", "ttft_ms", "tpot_ms", "itl_ms")}
+        record["served"]["engine"] = point.get("engine")
+    _write(path, record)
+    if clock.left() < 60:
+        notes.append(f"c1 offline: not run, {clock.left():.0f} s left")
+        return record
+    engine, vocab = offline_engine(p)
+    g = torch.Generator().manual_seed(1)
+    run_wave(engine, [torch.randint(0, vocab, (n_in,), generator=g).tolist()], min(n_out, 8), [])  # warm-up
+    waves = []
+    for _ in range(3):
+        if clock.left() < 15:
+            break
+        waves.append(run_wave(engine, [torch.randint(0, vocab, (n_in,), generator=g).tolist()], n_out, []))
+    if waves:
+        step = statistics.median(w["decode_step_ms_median"] for w in waves)
+        record["offline"] = {"requests": len(waves), "decode_step_ms_median": step,
+                             "itl_ms_p50": statistics.median(w["itl_ms"]["p50"] for w in waves),
+                             "output_tok_s": statistics.median(w["output_tok_s"] for w in waves)}
+        if point and point["tpot_ms"]["p50"]:
+            record["served_tpot_p50_over_offline_step"] = round(point["tpot_ms"]["p50"] / step, 3)
+    _write(path, record)
+    print(f"[c1] served TPOT p50 {(point or {}).get('tpot_ms', {}).get('p50')} ms, offline decode step "
+          f"{(record.get('offline') or {}).get('decode_step_ms_median')} ms: "
+          f"{record.get('served_tpot_p50_over_offline_step')}x", flush=True)
+    return record
 
 
 # ---- the merged record -----------------------------------------------------------------------------------------
@@ -495,6 +550,12 @@ def budget_rows(offline: dict | None, served: dict | None, concurrency: int) -> 
             row.update(out_tok_s=m["output_tok_s"], tpot_p50_ms=m["tpot_ms"]["p50"], itl_p50_ms=m["itl_ms"]["p50"],
                        itl_p99_ms=m["itl_ms"]["p99"], ttft_p50_ms=m["ttft_ms"]["p50"], ttft_p99_ms=m["ttft_ms"]["p99"],
                        completed=m["completed"])
+            engine = m.get("engine") or {}
+            if engine:  # the server's engine during the point: how busy, and its steps (vs the offline waves')
+                row.update(served_engine_busy=engine.get("busy_fraction"),
+                           served_mixed_steps=engine.get("mixed_steps"),
+                           served_mixed_step_ms=engine.get("mixed_step_ms_mean"),
+                           served_decode_step_ms=engine.get("decode_step_ms_mean"))
             row["out_vs_offline"] = _ratio(row.get("out_tok_s"), row.get("offline_out_tok_s"))
             row["itl_p99_over_p50"] = _ratio(row.get("itl_p99_ms"), row.get("itl_p50_ms"))
         rows.append(row)
@@ -569,6 +630,14 @@ def plot_budgets(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def one_stream_line(c1: dict | None) -> str:
+    if not c1 or "offline" not in c1 or "served" not in c1:
+        return "not measured"
+    return (f"served TPOT p50 {c1['served']['tpot_ms']['p50']} ms against the offline decode step at batch 1 "
+            f"{c1['offline']['decode_step_ms_median']} ms: {c1.get('served_tpot_p50_over_offline_step')}x "
+            "(target <= 1.02x)")
+
+
 def merge(out: Path, p: dict, notes: list[str], offline_json: Path | None = None) -> dict:
     """serve-budget.{json,md} and budget.png from whatever steps wrote under `out` (offline.json there, else
     `offline_json`: an earlier call's offline step)."""
@@ -576,6 +645,7 @@ def merge(out: Path, p: dict, notes: list[str], offline_json: Path | None = None
     if not offline_path.exists() and offline_json is not None:
         offline_path = offline_json
     offline, served, poisson = _load(offline_path), _load(out / "served.json"), _load(out / "poisson.json")
+    c1 = _load(out / "c1.json")
     rows = budget_rows(offline, served, p["concurrency"])
     rate_rows, best = poisson_rows(poisson)
     prior = _load(out / "serve-budget.json") or {}
@@ -591,9 +661,12 @@ def merge(out: Path, p: dict, notes: list[str], offline_json: Path | None = None
         "cost_model": (offline or {}).get("cost_model_all_budgets"),
         "poisson": rate_rows,
         "highest_rate_within_slo": best,
+        "one_stream": {k: c1[k] for k in ("served", "offline", "served_tpot_p50_over_offline_step") if k in c1}
+        if c1 else None,
         "notes": list(dict.fromkeys([*prior.get("notes", []), *notes, *(offline or {}).get("notes", [])])),
         "inputs": {k: str(path) for k, path in (("offline", offline_path), ("served", out / "served.json"),
-                                                ("poisson", out / "poisson.json")) if path.exists()},
+                                                ("poisson", out / "poisson.json"), ("c1", out / "c1.json"))
+                   if path.exists()},
     }
     _write(out / "serve-budget.json", record)
     cm = record["cost_model"] or {}
@@ -606,7 +679,8 @@ def merge(out: Path, p: dict, notes: list[str], offline_json: Path | None = None
           *(f"- note: {n}" for n in record["notes"]), "", "## Budgets (closed loop)", "", *_table(rows), "",
           f"## Poisson, the default budget (SLO: TTFT p99 <= {SLO['ttft']} ms, ITL p99 <= {SLO['tpot']} ms; goodput "
           f"counts TPOT <= {SLO['tpot']} ms)", "", *_table(rate_rows), "",
-          f"Highest rate within the SLO: {best if best is not None else 'none measured'}"]
+          f"Highest rate within the SLO: {best if best is not None else 'none measured'}", "",
+          "## One stream (c=1, the default budget)", "", one_stream_line(record["one_stream"])]
     (out / "serve-budget.md").write_text("\n".join(md) + "\n")
     plot_budgets(rows, out / "budget.png")
     return record
@@ -635,7 +709,7 @@ def main() -> int:
     out = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     clock, notes = Clock(p["deadline_s"]), []
-    steps = ("offline", "served", "poisson") if args.step == "all" else (args.step,)
+    steps = ("offline", "served", "poisson", "c1") if args.step == "all" else (args.step,)
     ok = True
     for step in steps:
         started = time.monotonic()
@@ -648,6 +722,8 @@ def main() -> int:
                 ok &= bool(rep and any(_c_point(c, p["concurrency"]) for c in rep.get("configs", [])))
             elif step == "poisson":
                 ok &= bool(poisson_rows(step_poisson(p, out, clock, notes))[0])
+            elif step == "c1":
+                ok &= "served_tpot_p50_over_offline_step" in step_c1(p, out, clock, notes)
         except Exception as exc:  # noqa: BLE001 - the merged record is written whatever failed
             import traceback
 

@@ -13,7 +13,7 @@ FLAGS = "--device cpu --max-running-requests 4"
 POINT_FIELDS = set(
     "requests_sent completed failed cut_by_time_budget errors duration_s request_throughput input_tok_s "
     "output_tok_s total_tok_s output_tokens_mean usage_reported cached_prompt_fraction "
-    "ttft_ms tpot_ms itl_ms e2e_ms".split())
+    "ttft_ms tpot_ms itl_ms e2e_ms engine".split())
 
 
 def _check_report(rep: dict, label: str) -> dict:
@@ -30,6 +30,12 @@ def _check_report(rep: dict, label: str) -> dict:
         assert (m["completed"], m["failed"], m["cut_by_time_budget"]) == (4, 0, 0) and m["errors"] == {}
         assert m["usage_reported"] and m["output_tokens_mean"] == 4  # ignore_eos: exact output lengths
         assert m["output_tok_s"] > 0 and m["input_tok_s"] > 0
+        # the engine's own account of the point (read from /server_info before and after): 4 tokens a request
+        # take at least 4 steps (a prompt the radix cache already holds but for its last token is a decode row,
+        # so the second point may run no prefill at all); the steps' wall time lies inside the point's
+        e = p["per_seed"][0]["engine"]
+        assert e["decode_steps"] >= 3 and e["decode_steps"] + e["extend_steps"] + e["mixed_steps"] >= 4
+        assert 0 < e["busy_s"] <= m["duration_s"] and 0 < e["busy_fraction"] <= 1
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             assert set(m[key]) == {"mean", "p50", "p90", "p99"}
             assert m[key]["p50"] > 0 or key == "itl_ms"  # chunks read together have no gap between them

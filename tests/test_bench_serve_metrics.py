@@ -115,3 +115,18 @@ def test_report_without_matplotlib_still_writes_json_and_markdown(tmp_path, monk
     assert notes and "pip install 'attnserve[bench]'" in notes[0]
     assert (tmp_path / "r.json").is_file() and not (tmp_path / "r.png").exists()
     assert "| x | - | did not run: last line |" in (tmp_path / "r.md").read_text()
+
+
+def test_engine_activity_is_the_difference_of_two_server_info_reads():
+    from attnserve.bench.serve.metrics import engine_activity
+
+    before = {"engine_steps": {"by_mode": {"decode": 10, "extend": 2}, "seconds_by_mode": {"decode": 0.1, "extend": 0.2}}}
+    after = {"engine_steps": {"by_mode": {"decode": 110, "extend": 2, "mixed": 4},
+                              "seconds_by_mode": {"decode": 0.9, "extend": 0.2, "mixed": 0.4}}}
+    e = engine_activity(before, after, duration_s=2.0)
+    assert (e["decode_steps"], e["mixed_steps"], e["extend_steps"]) == (100, 4, 0)
+    assert e["decode_step_ms_mean"] == 8.0 and e["mixed_step_ms_mean"] == 100.0 and e["extend_step_ms_mean"] is None
+    assert e["busy_s"] == 1.2 and e["busy_fraction"] == 0.6
+    # a peer's /server_info (or none at all) has no engine_steps: nothing is made up
+    assert engine_activity({"kv_cache": {}}, {"kv_cache": {}}, 2.0) is None
+    assert engine_activity(None, after, 2.0) is None

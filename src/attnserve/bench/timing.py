@@ -10,6 +10,8 @@ import statistics
 
 import torch
 
+from attnserve.graph_capture import collector_paused_for_capture
+
 
 def time_eager(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     """Median microseconds per call with L2 cold before every call (triton.testing.do_bench).
@@ -29,7 +31,7 @@ def flush_buffer(device: str = "cuda") -> torch.Tensor:
 
 def _capture(calls, calls_per_graph: int):
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_paused_for_capture(), torch.cuda.graph(graph):
         for _ in range(calls_per_graph):
             for c in calls:
                 c()

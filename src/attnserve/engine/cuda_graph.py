@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from attnserve.graph_capture import collector_paused_for_capture
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool
 
 log = logging.getLogger("attnserve.engine")
@@ -196,7 +197,7 @@ class CudaGraphRunner:
         """Capture every batch size, largest first (smaller graphs reuse its memory pool)."""
         start = time.perf_counter()
         self.backend.init_graph_buffers(self.max_bs, self.max_tokens)
-        with torch.inference_mode():
+        with torch.inference_mode(), collector_paused_for_capture():
             # one eager step first: some backends learn per-layer facts from it before they can capture
             fb = self._batch(self.max_bs, [1] * self.max_bs)
             self.backend.plan(fb)
@@ -283,7 +284,7 @@ class CudaGraphRunner:
             self.verify_buffers[q] = VerifyBuffers.allocate(self.max_bs, q, self.padding_row, self.device)
         buf = self.verify_buffers[q]
         buf.pad_all(self.padding_row)
-        with torch.inference_mode():
+        with torch.inference_mode(), collector_paused_for_capture():
             # one eager step first, as for decode: the verify side of a hybrid may not have run a step yet
             fb = self._verify_batch(sizes[-1], q, tree, [q] * sizes[-1])
             self.backend.plan(fb)

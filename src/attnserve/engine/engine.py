@@ -85,6 +85,16 @@ class StepTimes:
     extend: deque = field(default_factory=_recent)
     mixed: deque = field(default_factory=_recent)
     target_verify: deque = field(default_factory=_recent)
+    # since start, by mode: steps and their summed wall time. Idle time between steps is in no step, so the
+    # sum over modes against a wall-clock interval is how busy the engine was (what a served run compares
+    # with the offline engine)
+    counts: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+
+    def add(self, mode: str, seconds: float) -> None:
+        getattr(self, mode).append(seconds)
+        self.counts[mode] = self.counts.get(mode, 0) + 1
+        self.seconds[mode] = self.seconds.get(mode, 0.0) + seconds
 
 
 class Engine:
@@ -298,8 +308,7 @@ class Engine:
         host = step.copy.wait() if step.copy is not None else {}
         now = time.perf_counter()
         batch = step.batch
-        times = getattr(self.step_times, batch.mode.value)
-        times.append(now - max(step.launched_at, self._last_done))
+        self.step_times.add(batch.mode.value, now - max(step.launched_at, self._last_done))
         self._last_done = now
         if batch.mode.value == "decode":
             self.step_times.decode_batch.append(batch.batch_size)
@@ -505,6 +514,8 @@ class Engine:
             "eager_steps": self.runner.steps_eager,
             "overlap_schedule": self.overlap and self.drafter is None,
             "step_budget": self.step_budget.label,
+            "steps_by_mode": dict(self.step_times.counts),
+            "step_seconds_by_mode": {mode: round(s, 6) for mode, s in self.step_times.seconds.items()},
             "cache": self.cache_stats(),
             **({"speculative": self.spec_stats.as_dict()} if self.drafter is not None else {}),
         }

@@ -65,6 +65,14 @@ class EngineState:
         for key, doc in _ENGINE_COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(f"attnserve:engine_{key}", doc, value=stats[key])
+        for key, name, doc in (("steps_by_mode", "engine_steps_by_mode", "Engine steps by mode"),
+                               ("step_seconds_by_mode", "engine_step_seconds",
+                                "Wall seconds of engine steps by mode (idle time between steps in none)")):
+            if key in stats:
+                family = CounterMetricFamily(f"attnserve:{name}", doc, labels=["mode"])
+                for mode, value in sorted(stats[key].items()):
+                    family.add_metric([mode], value)
+                yield family
         spec = stats.get("speculative")
         if spec:
             for key, doc in _SPEC_COUNTERS.items():

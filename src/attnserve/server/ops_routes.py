@@ -27,6 +27,8 @@ async def server_info(state: Shared):
     live = await state.engine.state()
     return {**state.info, "kv_cache": live["kv_cache"], "running": live["running"], "waiting": live["waiting"],
             "queued_in_server": state.admission.queued, "prefix_cache": live["prefix_cache"],
+            "engine_steps": {"by_mode": live["stats"].get("steps_by_mode", {}),
+                             "seconds_by_mode": live["stats"].get("step_seconds_by_mode", {})},
             **({"speculative_stats": live["stats"]["speculative"]} if "speculative" in live["stats"] else {}),
             "processes": {"http": os.getpid(), "engine": state.engine.pid,
                           "api_workers": state.settings.api_workers}}

@@ -112,6 +112,27 @@ def summarize(results, duration_s: float, slo: dict[str, float] | None = None) -
     return out
 
 
+def engine_activity(before: dict | None, after: dict | None, duration_s: float) -> dict | None:
+    """What the engine did during a point, from two /server_info reads around it (attnserve servers report
+    `engine_steps`; peers do not, and get None): steps and mean step time by mode, and the fraction of the
+    point the engine spent in steps. A busy fraction well under 1 at a load that keeps the engine full means
+    time lost outside the engine (HTTP, tokenizing, the wire); near 1, the steps themselves cost the time."""
+    b, a = (before or {}).get("engine_steps"), (after or {}).get("engine_steps")
+    if not b or not a or duration_s <= 0:
+        return None
+    out: dict = {}
+    busy = 0.0
+    for mode in ("decode", "mixed", "extend", "target_verify"):
+        steps = a["by_mode"].get(mode, 0) - b["by_mode"].get(mode, 0)
+        seconds = a["seconds_by_mode"].get(mode, 0.0) - b["seconds_by_mode"].get(mode, 0.0)
+        busy += seconds
+        out[f"{mode}_steps"] = steps
+        out[f"{mode}_step_ms_mean"] = round(1e3 * seconds / steps, 3) if steps else None
+    out["busy_s"] = round(busy, 3)
+    out["busy_fraction"] = round(busy / duration_s, 3)
+    return out
+
+
 def _numbers(values: list) -> list[float]:
     return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
 

@@ -35,7 +35,7 @@ from attnserve.bench.serve.datasets import (
 )
 from attnserve.bench.serve.launch import LaunchedServer, get_json
 from attnserve.bench.serve.load import run_point, warm_up
-from attnserve.bench.serve.metrics import aggregate_seeds, parse_goodput, summarize
+from attnserve.bench.serve.metrics import aggregate_seeds, engine_activity, parse_goodput, summarize
 from attnserve.bench.serve.plan import ServerConfig, load_points, server_configs
 from attnserve.bench.serve.prompts import Requests, tokenizer_path
 from attnserve.bench.serve.report import markdown, write_all
@@ -90,6 +90,7 @@ def _sweep(
         for seed in planned.seeds:
             reqs = requests.get(seed, planned.num_prompts)
             desc = f"{cfg.label} {planned.load.label} seed {seed}"
+            before = get_json(url + "/server_info", args.api_key)
             with _progress(len(reqs), desc, args.no_progress) as bar:
                 results, duration = asyncio.run(
                     run_point(
@@ -103,6 +104,9 @@ def _sweep(
                     )
                 )
             s = summarize(results, duration, slo)
+            engine = engine_activity(before, get_json(url + "/server_info", args.api_key), duration)
+            if engine is not None:
+                s["engine"] = engine
             s["seed"] = seed
             per_seed.append(s)
             print(
