@@ -37,6 +37,10 @@
 #   serve-waves serve_h200_waves.sh: three waves of 64 streams (after 64 warm-up) on the one-process server and
 #               on --api-workers 2, default budget, 1024/256; fails when a request is cut or failed ->
 #               serve-waves.{json,md,png} (about 4 minutes; needs the server wheels in .whl)
+#   serve-profile
+#               serve_profile.sh: the budget sweep's server (default budget, --api-workers 2), one warm-up wave, then
+#               py-spy samples the engine process through c=64 x 200 requests -> serve-profile/{top.txt, engine.txt,
+#               bench.json} (about 2 minutes; py-spy from .whl)
 #   budget-offline
 #               serve_h200_budget.py offline: the step token budget (--max-num-batched-tokens auto, off, 512, 2048,
 #               1024, 256, auto:32768, auto:131072) on the offline engine, one model and one engine for all, 2 waves
@@ -82,7 +86,7 @@ while [ $# -gt 0 ]; do
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
     tests|mha|mla|race|engine|engine-mla|moe|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
-    serve-waves|budget-offline|budget-profile|budget-served|budget-poisson|budget-c1) STEPS+=("$1"); shift ;;
+    serve-waves|serve-profile|budget-offline|budget-profile|budget-served|budget-poisson|budget-c1) STEPS+=("$1"); shift ;;
     serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
     -h|--help) sed -n '2,70p' "$0"; exit 0 ;;
     *) echo "unknown step: $1 (see: bash benchmarks/h200.sh --help)" >&2; exit 2 ;;
@@ -434,6 +438,12 @@ step_serve_waves() {
   echo "== three waves of 64 streams, one HTTP process and --api-workers 2 ($(left) s left)"
   WAVES_TIMEOUT=$(cap 300) bash benchmarks/serve_h200_waves.sh
 }
+step_serve_profile() {
+  echo "== serve-profile ($(left) s left)"
+  OUT=$OUT timeout "$(cap 300)" bash benchmarks/serve_profile.sh > "$LOGS/serve-profile.log" 2>&1
+  echo "serve-profile rc=$?"; cat "$LOGS/serve-profile.log" | cut -c1-220 | tail -45
+}
+
 step_budget_offline() { budget_step offline 290; }
 step_budget_served() { budget_step served 290 ${OFFLINE_JSON:+--offline-json "$OFFLINE_JSON"}; }
 step_budget_poisson() { budget_step poisson 290 ${OFFLINE_JSON:+--offline-json "$OFFLINE_JSON"}; }

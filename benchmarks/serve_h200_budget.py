@@ -284,7 +284,8 @@ def offline_engine(p: dict):
     loaded = load_model(p["preset"], dtype="bf16" if p["device"] == "cuda" else "fp32", device=p["device"],
                         random_weights=True)
     cfg = EngineConfig(device=p["device"], attention_backend=p["backend"], max_running_requests=c,
-                       cuda_graph_max_bs=c, max_total_tokens=c * (n_in + n_out) + 2 * p["chunk"] + 1024,
+                       cuda_graph_max_bs=c,
+                       max_total_tokens=p.get("pool_tokens") or c * (n_in + n_out) + 2 * p["chunk"] + 1024,
                        chunked_prefill_size=p["chunk"], disable_radix_cache=True)
     return Engine(cfg, loaded=loaded), loaded.config.vocab_size
 
@@ -697,13 +698,15 @@ def main() -> int:
     ap.add_argument("--waves", type=int, help="offline: closed waves per budget")
     ap.add_argument("--rates", help="poisson: request rates of the default configuration")
     ap.add_argument("--server-flags", help="flags of every launched server besides model, chunk and budget")
+    ap.add_argument("--pool-tokens", type=int, help="offline and c1: the KV pool's tokens (default: what the waves need)")
     ap.add_argument("--deadline-s", type=float, help="seconds for the step (the whole of it, all for `all`)")
     ap.add_argument("--offline-json", type=Path,
                     help="an earlier offline step's offline.json, merged when OUT has none (its rows beside the server's)")
     args = ap.parse_args()
     p = dict(QUICK if args.quick else CPU if args.cpu else GPU)
     for key, attr in (("offline_budgets", "budgets"), ("served_budgets", "served_budgets"), ("waves", "waves"),
-                      ("rates", "rates"), ("deadline_s", "deadline_s"), ("server", "server_flags")):
+                      ("rates", "rates"), ("deadline_s", "deadline_s"), ("server", "server_flags"),
+                      ("pool_tokens", "pool_tokens")):
         if getattr(args, attr) is not None:
             p[key] = getattr(args, attr)
     out = args.out

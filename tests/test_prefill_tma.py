@@ -14,6 +14,7 @@ from attention_helpers import poison_unused_slots, rel_err, run_layer
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import ForwardMode
 from attnserve.attention.kernels.extend_tiles import build_extend_tiles
+from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.kernels.mha.configs import fast_path_blocker
 from attnserve.attention.kernels.mha.prefill_tma import (
     PrefillTmaConfig,
@@ -23,7 +24,6 @@ from attnserve.attention.kernels.mha.prefill_tma import (
     request_slots,
     tma_rows_ok,
 )
-from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.kernels.params import LayerParams
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
@@ -194,3 +194,77 @@ def test_gpu_real_shapes_on_the_tma_path(prefix, page_size):
         assert backend.extend_path.startswith("prefill_tma")
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
+
+
+def _launch_arguments(monkeypatch, batches) -> list[dict]:
+    """The named arguments of every _prefill_tma_kernel launch the backend makes for these batches."""
+    import inspect
+
+    from attnserve.attention.kernels.mha import prefill_tma as module
+
+    kernel = module._prefill_tma_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append({**dict(zip(names, args)), **kwargs})
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, "_prefill_tma_kernel", Recorder())
+    for sb in batches:
+        tiles = build_extend_tiles(sb.fb.prefix_lens_cpu, sb.fb.extend_lens_cpu, SMALL.block_m, DEVICE)
+        meta = metadata_for_batch(sb.fb)
+        k_rows, v_rows, starts = _gathered_rows(sb)
+        out = torch.empty_like(sb.q)
+        prefill_tma_attention(sb.q, k_rows, v_rows, starts, out, tiles, meta.qo_indptr, sb.fb.seq_lens.to(torch.int32),
+                              LayerParams(sb.layer.scaling), config=SMALL)
+    return launches
+
+
+def test_no_integer_that_changes_between_steps_is_specialised(monkeypatch):
+    """A served mix of steps must not make Triton compile new variants mid-serving: every integer argument whose
+    value differs between two steps of one layer (token counts, key rows, work items) is left unspecialised."""
+    from attnserve.attention.kernels.mha import prefill_tma as module
+
+    steps = [make_batch(prefix, ext, num_heads=8, num_kv_heads=2, head_dim=128, page_size=4, dtype=torch.bfloat16,
+                        device=DEVICE, seed=i)
+             for i, (prefix, ext) in enumerate([([0, 0], [16, 16]), ([29, 3], [17, 1]), ([5], [1]), ([300], [47])])]
+    kernel = module._prefill_tma_kernel
+    launches = _launch_arguments(monkeypatch, steps)
+    assert len(launches) == len(steps)
+    varying = {name for name, value in launches[0].items()
+               if isinstance(value, int) and not isinstance(value, bool)
+               and any(launch[name] != value for launch in launches[1:])}
+    assert {"q_rows", "kv_rows"} <= varying  # the check sees the sizes that do change
+    declared = set(getattr(kernel, "do_not_specialize", None) or kernel.kwargs.get("do_not_specialize") or ())
+    assert varying <= declared, f"specialised on per-step sizes: {sorted(varying - declared)}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_one_compiled_variant_serves_every_token_count():
+    """The compiled kernel for a layer serves steps of any token count: none compiles mid-serving."""
+    from attnserve.attention.kernels.mha import prefill_tma as module
+
+    kernel = module._prefill_tma_kernel
+    cfg = default_prefill_tma_config(128, torch.device("cuda"))
+
+    def variants() -> int:
+        return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+    counts = []
+    for prefix, ext in [([0, 0], [16, 16]), ([29, 3], [17, 1]), ([5], [1]), ([300], [47]), ([1000, 37], [700, 33])]:
+        sb = make_batch(prefix, ext, num_heads=32, num_kv_heads=8, head_dim=128, page_size=1, dtype=torch.bfloat16,
+                        device="cuda", score_scale=20.0)
+        meta = metadata_for_batch(sb.fb)
+        k_rows, v_rows, starts = _gathered_rows(sb)
+        tiles = build_extend_tiles(sb.fb.prefix_lens_cpu, sb.fb.extend_lens_cpu, cfg.block_m, "cuda")
+        out = torch.empty_like(sb.q)
+        prefill_tma_attention(sb.q, k_rows, v_rows, starts, out, tiles, meta.qo_indptr, sb.fb.seq_lens.to(torch.int32),
+                              LayerParams(sb.layer.scaling), config=cfg)
+        assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
+        counts.append(variants())
+    assert counts[-1] == counts[0], f"compiled variants after each step: {counts}"

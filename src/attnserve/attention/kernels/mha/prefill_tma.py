@@ -41,9 +41,9 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile_fma,
     to_log2,
 )
-from attnserve.attention.kernels.params import LayerParams
 from attnserve.attention.kernels.extend_tiles import ExtendTiles
 from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, check_shared_memory
+from attnserve.attention.kernels.params import LayerParams
 from attnserve.transfers import to_device
 
 
@@ -211,7 +211,14 @@ def _attend_tile(
              o.to(Out.dtype.element_ty), mask=(q_row < ext)[:, None])
 
 
-@triton.jit
+# The kernel's sizes that change with every step's tokens. Triton would otherwise specialise a launch on each
+# integer's divisibility by 16 (and on == 1), so a served mix of chunk sizes compiled new variants in the middle of
+# serving: about 3 s of compiles in a 15 s run at c=64 on the H200 (benchmarks/serve_profile.sh). The TMA
+# descriptors take these as shapes, where no alignment is assumed anyway.
+PER_STEP_SIZES = ("num_work", "q_rows", "kv_rows")
+
+
+@triton.jit(do_not_specialize=PER_STEP_SIZES)
 def _prefill_tma_kernel(
     Q, K, V, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
     qk_scale_log2, sm_scale_k, softcap, window, stride_ot, stride_oh, num_work,
