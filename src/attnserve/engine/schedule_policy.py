@@ -160,7 +160,7 @@ def resolve_step_budget(value, max_running_requests: int, device_type: str) -> S
         floor, why = ((CPU_BUDGET_MIN, f"on a CPU every prompt token beside the decodes is a stall the streams see "
                                        f"({CPU_BUDGET_SOURCE})") if device_type == "cpu" else
                       (GPU_BUDGET_MIN, "on the H200 the lowest stall of the budgets within 0.95x of the best "
-                                       "throughput: a mixed step's fixed cost (a 512-token one took 23 ms against a "
+                                       "throughput: a mixed step's fixed cost (a 512-token one took 33 ms against a "
                                        f"7.4 ms decode step) makes smaller budgets pay it too often ({GPU_BUDGET_SOURCE})"))
         device = "CPU" if device_type == "cpu" else "GPU"
         return StepBudget("fixed", max(floor, 2 * max_running_requests), reason=(
