@@ -157,6 +157,12 @@ class BackendFeatures:
     implemented: bool = True  # False: a known SGLang backend attnserve has no implementation of
 
 
+# Feature groups several backends declare whole, spelled once: every speculative verify shape (a chain; trees,
+# contiguous or paged; each through a custom mask), and every per-layer variant a model may ask for.
+EVERY_VERIFY_SHAPE = {"custom_mask": True, "spec_topk1": True, "spec_topk_gt1": True, "spec_topk_gt1_paged": True}
+EVERY_LAYER_VARIANT = {"sliding_window": True, "attention_sinks": True, "logit_softcap": True}
+
+
 @dataclass(frozen=True)
 class AttentionRequirements:
     """What a model plus the serving flags ask of a backend (one side of a compatibility check)."""

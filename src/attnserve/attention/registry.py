@@ -1,8 +1,9 @@
 """Backend registry: every name SGLang knows, what each can do, and a lazy factory for ours.
 
-Backends implemented here are listed as "module:Class"; their features are read from
-the class (backend modules import heavy packages only inside methods, so reading
-features is cheap). Where a name has one class for MHA/GQA pools and another for MLA
+Backends implemented here are listed with a loader: a function whose import of the
+class is written out (so the import graph sees every backend), run only when the name is
+used. Features are read from the class (backend modules import heavy packages only inside
+methods, so reading features is cheap). Where a name has one class for MHA/GQA pools and another for MLA
 latent pools, the spec names both: `load_class(pool)` picks the one that fits the pool,
 and the name's features are what the two together support (`family_features`). SGLang
 backends attnserve does not implement keep their features here as data, so selection
@@ -12,12 +13,13 @@ and validation can still reason about them.
 from __future__ import annotations
 
 import dataclasses
-import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from attnserve.attention.base import ALL_KV_DTYPES, AttentionBackend, BackendFeatures
 from attnserve.hardware import Hardware, detect_hardware
 
+Loader = Callable[[], "type[AttentionBackend]"]  # imports and returns a backend class
 _MHA = frozenset({"MHA", "GQA"})
 _MLA = frozenset({"MLA"})
 _ANY = frozenset({"MHA", "GQA", "MLA"})
@@ -66,10 +68,10 @@ def family_features(mha: BackendFeatures, mla: BackendFeatures) -> BackendFeatur
 class BackendSpec:
     name: str
     summary: str
-    factory: str | None = None  # "module:Class" when attnserve implements it (the class for every pool, or MHA/GQA)
+    factory: Loader | None = None  # when attnserve implements it: the class for every pool, or for MHA/GQA
     data_features: BackendFeatures | None = None  # for backends without an implementation here
     removed: str | None = None  # SGLang removed it; why / when
-    mla_factory: str | None = None  # "module:Class" for MLA latent pools, when another class serves them
+    mla_factory: Loader | None = None  # the class for MLA latent pools, when another class serves them
 
     @property
     def implemented(self) -> bool:
@@ -79,7 +81,7 @@ class BackendSpec:
         """The class that serves `pool` (MLA latent pools take `mla_factory` where the name has one)."""
         if self.factory is None:
             raise ValueError(f"attention backend {self.name!r} is known (SGLang) but not implemented in attnserve")
-        return _import(self.mla_factory if self.mla_factory is not None and pool.is_mla else self.factory)
+        return (self.mla_factory if self.mla_factory is not None and pool.is_mla else self.factory)()
 
     @property
     def features(self) -> BackendFeatures:
@@ -87,36 +89,64 @@ class BackendSpec:
             assert self.data_features is not None
             return self.data_features
         if self.mla_factory is None:
-            return _import(self.factory).features
-        return family_features(_import(self.factory).features, _import(self.mla_factory).features)
+            return self.factory().features
+        return family_features(self.factory().features, self.mla_factory().features)
 
 
-def _import(target: str) -> type[AttentionBackend]:
-    module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)
+# ---- the classes attnserve implements, each imported when its name is first used --------------------------
+def _torch_native() -> type[AttentionBackend]:
+    from attnserve.attention.backends.torch_native import TorchNativeBackend
+    return TorchNativeBackend
+
+
+def _triton_mha() -> type[AttentionBackend]:
+    from attnserve.attention.backends.triton import TritonMHABackend
+    return TritonMHABackend
+
+
+def _triton_mla() -> type[AttentionBackend]:
+    from attnserve.attention.backends.triton import TritonMLABackend
+    return TritonMLABackend
+
+
+def _flashinfer_mha() -> type[AttentionBackend]:
+    from attnserve.attention.backends.flashinfer import FlashInferMHABackend
+    return FlashInferMHABackend
+
+
+def _flashinfer_mla() -> type[AttentionBackend]:
+    from attnserve.attention.backends.flashinfer import FlashInferMLABackend
+    return FlashInferMLABackend
+
+
+def _flex() -> type[AttentionBackend]:
+    from attnserve.attention.backends.flex import FlexAttentionBackend
+    return FlexAttentionBackend
+
+
+def _fa4() -> type[AttentionBackend]:
+    from attnserve.attention.backends.fa4 import FA4Backend
+    return FA4Backend
 
 
 def _f(**kw) -> BackendFeatures:
     return BackendFeatures(implemented=False, **kw)
 
 
-_PKG = "attnserve.attention.backends"
-# The triton name's classes: MHA/GQA pools, MLA latent pools
-_TRITON = (f"{_PKG}.triton:TritonMHABackend", f"{_PKG}.triton:TritonMLABackend")
 _SPECS = [
-    BackendSpec("torch_native", "PyTorch reference over the paged pool; CPU default", f"{_PKG}.torch_native:TorchNativeBackend"),
-    BackendSpec("triton", "attnserve's Triton kernels: split-KV decode, paged-prefix extend", _TRITON[0],
-                mla_factory=_TRITON[1]),
+    BackendSpec("torch_native", "PyTorch reference over the paged pool; CPU default", _torch_native),
+    BackendSpec("triton", "attnserve's Triton kernels: split-KV decode, paged-prefix extend", _triton_mha,
+                mla_factory=_triton_mla),
     BackendSpec("flashinfer", "FlashInfer paged decode/prefill; SGLang's general NVIDIA default",
-                f"{_PKG}.flashinfer:FlashInferMHABackend", mla_factory=f"{_PKG}.flashinfer:FlashInferMLABackend"),
-    BackendSpec("flex_attention", "PyTorch FlexAttention with a block mask from the page table", f"{_PKG}.flex:FlexAttentionBackend"),
+                _flashinfer_mha, mla_factory=_flashinfer_mla),
+    BackendSpec("flex_attention", "PyTorch FlexAttention with a block mask from the page table", _flex),
     BackendSpec("fa3", "FlashAttention 3 (SGLang sgl-kernel); the Hopper default", data_features=_f(
         kv_dtypes=frozenset({"bf16", "fp16", "fp8_e4m3"}), attention_types=_ANY, sliding_window=True,
         attention_sinks=True, logit_softcap=True, custom_mask=True, spec_topk1=True, spec_topk_gt1=True,
         spec_topk_gt1_paged=True, cuda_graph=True, deterministic=True, compute_capabilities=(8, 9),
         required_packages=("sgl_kernel",))),
     BackendSpec("fa4", "FlashAttention 4 (flash-attn-4, CuTe DSL): prefill/extend on Hopper and Blackwell; "
-                "decode on another backend", f"{_PKG}.fa4:FA4Backend"),
+                "decode on another backend", _fa4),
     BackendSpec("trtllm_mha", "TensorRT-LLM MHA kernels via FlashInfer (SM100/SM103, SM90 with limits)", data_features=_f(
         page_sizes=(16, 32, 64, 128), kv_dtypes=_FP8, attention_types=_MHA, sliding_window=True,
         attention_sinks=True, spec_topk1=True, cuda_graph=True, compute_capabilities=(9, 10),

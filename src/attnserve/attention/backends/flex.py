@@ -27,7 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch
+from attnserve.attention.base import (
+    EVERY_LAYER_VARIANT,
+    EVERY_VERIFY_SHAPE,
+    AttentionBackend,
+    BackendFeatures,
+    ForwardBatch,
+)
 
 Q_BLOCK = 128
 KV_BLOCK = 128
@@ -39,13 +45,8 @@ class FlexAttentionBackend(AttentionBackend):
         kv_dtypes=frozenset({"bf16", "fp16", "fp32"}),
         attention_types=frozenset({"MHA", "GQA"}),
         asymmetric_kv=True,
-        sliding_window=True,
-        attention_sinks=True,
-        logit_softcap=True,
-        custom_mask=True,
-        spec_topk1=True,
-        spec_topk_gt1=True,
-        spec_topk_gt1_paged=True,
+        **EVERY_LAYER_VARIANT,
+        **EVERY_VERIFY_SHAPE,
         cuda_graph=False,
         deterministic=False,  # see the module's docstring
         devices=frozenset({"cpu", "cuda"}),

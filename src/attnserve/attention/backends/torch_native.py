@@ -19,8 +19,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnserve.attention.backends.contiguous_decode_kv import ContiguousDecodeKV, DecodeStep, layer_kv, plan_decode_step
-from attnserve.attention.base import ALL_KV_DTYPES, AttentionBackend, BackendFeatures, ForwardBatch
+from attnserve.attention.backends.contiguous_decode_kv import (
+    ContiguousDecodeKV,
+    DecodeStep,
+    layer_kv,
+    plan_decode_step,
+)
+from attnserve.attention.base import (
+    ALL_KV_DTYPES,
+    EVERY_LAYER_VARIANT,
+    EVERY_VERIFY_SHAPE,
+    AttentionBackend,
+    BackendFeatures,
+    ForwardBatch,
+)
 
 
 @dataclass
@@ -50,13 +62,8 @@ class TorchNativeBackend(AttentionBackend):
         kv_dtypes=ALL_KV_DTYPES,
         attention_types=frozenset({"MHA", "GQA", "MLA"}),
         asymmetric_kv=True,
-        sliding_window=True,
-        attention_sinks=True,
-        logit_softcap=True,
-        custom_mask=True,
-        spec_topk1=True,
-        spec_topk_gt1=True,
-        spec_topk_gt1_paged=True,
+        **EVERY_LAYER_VARIANT,
+        **EVERY_VERIFY_SHAPE,
         cuda_graph=False,
         deterministic=True,
         devices=frozenset({"cpu", "cuda", "mps"}),

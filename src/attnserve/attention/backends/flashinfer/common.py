@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 
 from attnserve._lazy import require
-from attnserve.attention.base import BackendFeatures
+from attnserve.attention.base import EVERY_VERIFY_SHAPE, BackendFeatures
 
 FEATURES = BackendFeatures(
     kv_dtypes=frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}),
@@ -20,10 +20,7 @@ FEATURES = BackendFeatures(
     head_dims=(64, 128, 256),
     sliding_window=True,
     logit_softcap=True,
-    custom_mask=True,
-    spec_topk1=True,
-    spec_topk_gt1=True,
-    spec_topk_gt1_paged=True,
+    **EVERY_VERIFY_SHAPE,
     cuda_graph=True,
     devices=frozenset({"cuda"}),
     min_compute_capability=(8, 0),

@@ -37,11 +37,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnserve._lazy import require
-from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch, ForwardMode
+from attnserve.attention.base import (
+    EVERY_LAYER_VARIANT,
+    EVERY_VERIFY_SHAPE,
+    AttentionBackend,
+    BackendFeatures,
+    ForwardBatch,
+    ForwardMode,
+)
 from attnserve.attention.kernels.params import DecodeRows, ExtendRows, LayerParams
 from attnserve.attention.kernels.plan import KernelPlan
 from attnserve.attention.kernels.split_plan import SplitPolicy, max_splits_for_batch, plan_kv_splits
-from attnserve.attention.metadata import MetadataBuffers, PagedKVMetadata, build_paged_metadata, metadata_for_batch
+from attnserve.attention.metadata import (
+    MetadataBuffers,
+    PagedKVMetadata,
+    build_paged_metadata,
+    metadata_for_batch,
+)
 from attnserve.transfers import to_device
 
 if TYPE_CHECKING:
@@ -72,13 +84,8 @@ FEATURES = BackendFeatures(
     attention_types=frozenset({"MHA", "GQA", "MLA"}),
     head_dims=(32, 64, 80, 96, 112, 128, 160, 192, 256),
     asymmetric_kv=True,
-    sliding_window=True,
-    attention_sinks=True,
-    logit_softcap=True,
-    custom_mask=True,
-    spec_topk1=True,
-    spec_topk_gt1=True,
-    spec_topk_gt1_paged=True,
+    **EVERY_LAYER_VARIANT,
+    **EVERY_VERIFY_SHAPE,
     cuda_graph=True,
     devices=frozenset({"cuda"}),
     required_packages=("triton",),
