@@ -31,6 +31,7 @@ import httpx
 
 from attnserve.bench.serve.launch import LaunchedServer
 
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, from /proc (Linux)."""
     found, todo = [], [pid]

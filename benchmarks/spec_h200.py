@@ -82,7 +82,8 @@ def fill_kv(pool, slots: torch.Tensor) -> None:
 
 # ---- (a) the verify step's cost ---------------------------------------------------------------------------
 def verify_cost(loaded, backend_name: str, args) -> dict:
-    from attnserve.attention.base import ForwardBatch, ForwardMode
+    from attnserve.attention.layer import attention_backend
+    from attnserve.batch import ForwardBatch, ForwardMode
     from attnserve.engine.config import EngineConfig
     from attnserve.engine.engine import Engine
 
@@ -158,11 +159,11 @@ def verify_cost(loaded, backend_name: str, args) -> dict:
                     fb = ForwardBatch(
                         mode=ForwardMode.TARGET_VERIFY, req_pool_indices=rows_t[:bs], seq_lens=seq,
                         extend_lens=torch.full((bs,), q, dtype=torch.int32, device=device), positions=pos,
-                        out_cache_loc=loc, req_to_token=req_to_token, pool=pool, attn_backend=backend,
+                        out_cache_loc=loc, req_to_token=req_to_token, pool=pool,
                         seq_lens_cpu=[ctx + q] * bs, extend_lens_cpu=[q] * bs)
 
                     def eager(fb=fb, ids=ids, pos=pos):
-                        with torch.inference_mode():
+                        with torch.inference_mode(), attention_backend(backend):
                             backend.plan(fb)
                             return model(ids, pos, fb)
 

@@ -2,6 +2,8 @@
 
 import torch
 
+from attnserve.attention.layer import attention_backend
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64."""
@@ -24,7 +26,7 @@ def poison_unused_slots(sb) -> None:
 def run_layer(sb, backend) -> torch.Tensor:
     """One step the way a model runs it: plan, then the layer stores K/V (MLA: the latent) and calls the backend."""
     fb = sb.fb
-    fb.attn_backend = backend
     backend.plan(fb)
-    out = sb.layer(sb.q, sb.k, sb.v, fb)  # [T, Hq * Dv]
+    with attention_backend(backend):
+        out = sb.layer(sb.q, sb.k, sb.v, fb)  # [T, Hq * Dv]
     return out.view(sb.q.shape[0], sb.layer.num_heads, sb.layer.v_head_dim)

@@ -11,6 +11,7 @@ import torch
 from engine_helpers import make_engine, prompts
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
+from attnserve.attention.layer import attention_backend
 from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
 from attnserve.engine.runner import ModelRunner
 from attnserve.engine.sampling_params import SamplingParams
@@ -57,7 +58,8 @@ class EagerGraph:
         real = r.req_pool_indices[:bs] != r.padding_row  # [bs]
         before = _kv_snapshot(r.pool)
         fb = r._batch(bs, [int(x) for x in r.seq_lens[:bs].tolist()])
-        r.outputs[bs].copy_(r.model(r.input_ids[:bs], r.positions[:bs], fb))
+        with attention_backend(r.backend):  # a real graph holds its kernels; this rerun goes through the layers
+            r.outputs[bs].copy_(r.model(r.input_ids[:bs], r.positions[:bs], fb))
         if bool(real.all()):
             return
         r.padded_replays += 1

@@ -13,9 +13,9 @@ import pytest
 import torch
 from engine_helpers import VOCAB, make_engine, prompts
 
-from attnserve.transfers import HostCopy
 from attnserve.engine.request import FinishReason
 from attnserve.engine.sampling_params import SamplingParams
+from attnserve.transfers import HostCopy
 
 PROMPTS = prompts(10, seed=21, shared_prefix=6, lo=3, hi=30)
 SENTINEL = VOCAB + 1000  # not a token: a read before the copy landed would put it into an output

@@ -11,9 +11,9 @@ from engine_helpers import make_engine, shared_model, tiny_llama
 from attnserve import hardware
 from attnserve.attention import registry
 from attnserve.commands.select import model_from_args
+from attnserve.engine import startup
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
-from attnserve.engine import startup
 from attnserve.engine.startup import build_parts, model_shape, resolve_device
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig

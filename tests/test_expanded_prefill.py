@@ -12,10 +12,11 @@ import torch
 from engine_helpers import VOCAB, tiny_model
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
-from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from attnserve.attention.base import AttentionBackend
 from attnserve.attention.hybrid import HybridAttentionBackend
-from attnserve.attention.layer import AttentionLayer
+from attnserve.attention.layer import AttentionLayer, attention_backend
 from attnserve.attention.reference import attend
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.kvcache.pool import make_pool
 
 TINY_DEEPSEEK = {
@@ -70,14 +71,14 @@ def _steps(model, make_backend, prompts):
         first += p
     backend = make_backend(pool)
     rows = list(range(len(prompts)))
-    with torch.no_grad():
+    with torch.no_grad(), attention_backend(backend):
         fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, rows, [0] * len(rows), [len(p) for p in prompts],
-                                       req_to_token, pool, attn_backend=backend)
+                                       req_to_token, pool)
         backend.plan(fb)
         ids = torch.tensor([t for p in prompts for t in p])  # [T]
         extend = model(ids, fb.positions, fb, logits_indices=None)  # [T, vocab]
         fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [len(p) for p in prompts], [1] * len(rows),
-                                       req_to_token, pool, attn_backend=backend)
+                                       req_to_token, pool)
         backend.plan(fb)
         decode = model(extend.view(-1, VOCAB)[torch.tensor([len(p) for p in prompts]).cumsum(0) - 1].argmax(-1),
                        fb.positions, fb)  # [B, vocab]
@@ -134,15 +135,18 @@ def test_the_layer_refuses_expanded_prefill_without_the_feature():
     layer = AttentionLayer(0, 4, 1, 48, v_head_dim=32, is_mla=True)
     pool = make_pool(tiny_model(TINY_DEEPSEEK).model.kv_cache_spec(), 4, 4, dtype=torch.float32)
     fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, [0], [0], [3], torch.arange(8, dtype=torch.int32)[None],
-                                   pool, attn_backend=Undeclared(pool))
-    fb.attn_backend.plan(fb)
+                                   pool)
     q = torch.zeros(3, 4, 32)
-    assert not layer.expanded_prefill_applies(fb)
-    with pytest.raises(ValueError, match="does not declare expanded MLA prefill"):
-        layer.forward_expanded(q, q, q[..., :16], torch.zeros(3, 1, 48), fb)
+    with attention_backend(Undeclared(pool)) as undeclared:
+        undeclared.plan(fb)
+        assert not layer.expanded_prefill_applies(fb)
+        with pytest.raises(ValueError, match="does not declare expanded MLA prefill"):
+            layer.forward_expanded(q, q, q[..., :16], torch.zeros(3, 1, 48), fb)
     mha = AttentionLayer(0, 4, 4, 32)
-    fb.attn_backend = Expanded(pool)
-    assert layer.expanded_prefill_applies(fb) and not mha.expanded_prefill_applies(fb)
+    with attention_backend(Expanded(pool)):
+        assert layer.expanded_prefill_applies(fb) and not mha.expanded_prefill_applies(fb)
+    with pytest.raises(ValueError, match="no attention backend for this step"):  # outside any: said plainly
+        layer.expanded_prefill_applies(fb)
 
 
 def test_the_base_backend_neither_applies_nor_runs_it():

@@ -18,11 +18,12 @@ import torch
 from attnserve._lazy import is_installed
 from attnserve.attention.backends import fa4 as fa4_mod
 from attnserve.attention.backends.fa4 import FA4Backend, call_varlen, paged_args
-from attnserve.attention.base import AttentionRequirements, ForwardMode, unsupported
+from attnserve.attention.base import AttentionRequirements, unsupported
 from attnserve.attention.reference import attend, reference_for_batch
 from attnserve.attention.registry import REGISTRY, availability, get_spec
 from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardMode
 from attnserve.hardware import PRESET_HARDWARE, detect_hardware
 from attnserve.shape import GENERIC_GQA
 
@@ -82,7 +83,6 @@ def standin(monkeypatch):
 
 
 def _run(sb, backend):
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     return backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
 

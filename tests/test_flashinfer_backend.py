@@ -15,11 +15,12 @@ from attnserve._lazy import is_installed
 from attnserve.attention.backends.flashinfer import FlashInferBackend
 from attnserve.attention.backends.flex import FlexAttentionBackend
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.base import AttentionRequirements, ForwardBatch, ForwardMode, unsupported
+from attnserve.attention.base import AttentionRequirements, unsupported
 from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.registry import get_spec
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardBatch, ForwardMode
 
 needs_flashinfer = pytest.mark.skipif(
     not torch.cuda.is_available() or not is_installed("flashinfer"), reason="needs CUDA and flashinfer")
@@ -52,7 +53,6 @@ def _ragged(seed: int, bs: int, decode: bool, max_prefix: int = 300, max_ext: in
 
 
 def _check(sb, backend, tol=1e-2):
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
@@ -253,7 +253,6 @@ def test_mla_hybrid_with_triton_decode():
     fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [s - 1 for s in sb.fb.seq_lens_cpu], [1] * len(rows),
                                    sb.fb.req_to_token, sb.pool)
     q = torch.randn(len(rows), 16, 576, device="cuda", dtype=torch.bfloat16) * 2  # [B, H, rank + rope]
-    fb.attn_backend = hybrid
     hybrid.plan(fb)
     out = hybrid.forward(q, None, None, sb.layer, fb)
     ref = reference_for_batch(q, sb.layer, fb, compute_dtype=torch.float32)

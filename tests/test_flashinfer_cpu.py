@@ -23,12 +23,12 @@ from attnserve.attention.backends.flashinfer import (
     host_csr,
 )
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.attention.metadata import build_paged_metadata
-from attnserve.attention.registry import create_backend, get_spec
 from attnserve.attention.reference import attend, reference_for_batch
+from attnserve.attention.registry import create_backend, get_spec
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.hardware import PRESET_HARDWARE
 
 LOG2E = 1 / math.log(2)
@@ -235,7 +235,6 @@ def _backend(pool, **kw):
 
 
 def _check(sb, backend, tol=1e-5):
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
@@ -492,7 +491,6 @@ def test_mla_hybrid_flashinfer_prefill_triton_decode(fake_flashinfer):
     fb = ForwardBatch.from_lengths(ForwardMode.DECODE, [1, 2, 3], [12, 10, 21], [1, 1, 1], sb.fb.req_to_token,
                                    sb.pool)
     q = sb.q[:3].clone()
-    fb.attn_backend = hybrid
     hybrid.plan(fb)
     out = hybrid.forward(q, None, None, sb.layer, fb)  # decode: triton's MLA kernel over the same rows
     ref = reference_for_batch(q, sb.layer, fb)

@@ -22,8 +22,8 @@ from attnserve.attention.backends.flashinfer.workspace import (
     mla_scratch,
     prefill_graph_scratch,
 )
-from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.engine.cuda_graph import CudaGraphRunner, verify_batch_sizes
 from attnserve.engine.startup import verify_graph_shape
 from attnserve.kvcache.pool import ReqToTokenPool, make_pool
@@ -199,7 +199,6 @@ def test_verify_capture_grows_a_workspace_too_small_for_it(sized_flashinfer):
     sb = make_batch([90, 3, 250, 41], [q] * 4, num_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
                     mode=ForwardMode.TARGET_VERIFY, seed=5)
     backend = FlashInferBackend(sb.pool, workspace_mb=64, num_sms=SMS)
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
     backend.init_graph_buffers(max_bs=8, max_tokens=8)
@@ -222,7 +221,6 @@ def test_declared_graphs_all_fit_the_workspace_sized_at_the_first_capture(sized_
     sb = make_batch([90, 3, 250, 41, 7, 19, 64, 120], [1] * 8, num_heads=16, num_kv_heads=4, head_dim=128,
                     page_size=16, seed=3)
     backend = FlashInferBackend(sb.pool, workspace_mb=4, num_sms=SMS, use_tensor_cores=tensor_cores)
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     backend.forward(sb.q, None, None, sb.layer, sb.fb)
     backend.init_graph_buffers(max_bs=8, max_tokens=8 * q)
@@ -238,7 +236,6 @@ def test_declared_graphs_all_fit_the_workspace_sized_at_the_first_capture(sized_
 def test_a_capture_beyond_the_declared_graphs_is_refused_with_the_sizes(sized_flashinfer):
     sb = make_batch([40, 37], [1, 1], num_heads=16, num_kv_heads=4, head_dim=128, page_size=16)
     backend = FlashInferBackend(sb.pool, workspace_mb=1, num_sms=SMS)
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     backend.forward(sb.q, None, None, sb.layer, sb.fb)
     backend.init_graph_buffers(max_bs=2, max_tokens=2)  # decode only
@@ -260,7 +257,6 @@ def test_mla_workspace_holds_its_plan_from_the_start(sized_flashinfer):
     backend = FlashInferBackend(sb.pool, workspace_mb=1, num_sms=SMS)
     assert backend.workspace.numel() >= mla_scratch(512, SMS).nbytes > 1 << 20  # 2 x 132 x 64 rows of 512 latents
     workspace = backend.workspace
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     backend.forward(sb.q, None, None, sb.layer, sb.fb)  # the stand-in raises if a plan does not fit
     backend.init_graph_buffers(max_bs=8, max_tokens=8)

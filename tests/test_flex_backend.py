@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from attnserve.attention.backends.flex import KV_BLOCK, FlexAttentionBackend
-from attnserve.attention.base import ForwardMode
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardMode
 
 FEATURES = {
     "plain": {},
@@ -23,7 +23,6 @@ FEATURES = {
 
 
 def _run(sb, backend):
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex warns that it is unfused

@@ -19,9 +19,9 @@ from attention_helpers import rel_err
 from test_triton_mla import poison_unused_latent
 
 from attnserve.attention.kernels.mla.attention import mla_decode_attention
+from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig, rules_from_sweep
 from attnserve.attention.kernels.params import DecodeRows
 from attnserve.attention.kernels.resolve import plan_for_call
-from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig, rules_from_sweep
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
@@ -219,7 +219,7 @@ def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size):
     from attention_helpers import run_layer
 
     from attnserve.attention.backends.triton import TritonBackend
-    from attnserve.attention.base import ForwardMode
+    from attnserve.batch import ForwardMode
 
     batches = (([0, 1000, 37, 4096], [512, 256, 301, 3]), ([4096, 3000, 5], [3, 6, 2]))
     for heads, tokens in ((128, 1), (32, 2), (16, 4)):

@@ -7,13 +7,7 @@ import pytest
 
 from attnserve.attention.backends.flex import FlexAttentionBackend
 from attnserve.attention.backends.torch_native import TorchNativeBackend
-from attnserve.attention.base import (
-    AttentionBackend,
-    AttentionRequirements,
-    BackendFeatures,
-    ForwardMode,
-    unsupported,
-)
+from attnserve.attention.base import AttentionBackend, AttentionRequirements, BackendFeatures, unsupported
 from attnserve.attention.hybrid import (
     COMBINE_BOTH_SIDES,
     ONE_SIDE,
@@ -25,6 +19,7 @@ from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.registry import get_spec
 from attnserve.attention.selection import select_backends
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardMode
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.shape import GENERIC_GQA
 
@@ -79,7 +74,6 @@ def test_routes_by_forward_mode(mode, spec_mode, expected):
     sb = make_batch([5, 9], [3, 2] if mode is not ForwardMode.DECODE else [1, 1], mode=mode)
     p, d, hybrid = _pair(sb.pool, spec_mode)
     assert hybrid.backend_for(mode).tag == expected
-    sb.fb.attn_backend = hybrid
     hybrid.plan(sb.fb)
     hybrid.store_kv(sb.layer, sb.fb, sb.k, sb.v)
     hybrid.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
@@ -148,7 +142,6 @@ def test_bad_arguments():
 def test_hybrid_torch_native_prefill_flex_decode_matches_oracle(prefix, ext):
     sb = make_batch(prefix, ext, page_size=4, score_scale=20.0, sliding_window=9)
     hybrid = HybridAttentionBackend(TorchNativeBackend(sb.pool), FlexAttentionBackend(sb.pool))
-    sb.fb.attn_backend = hybrid
     hybrid.plan(sb.fb)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

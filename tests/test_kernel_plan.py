@@ -7,7 +7,6 @@ import torch
 from attention_helpers import run_layer
 
 from attnserve.attention.backends.triton import TritonBackend, TritonMHABackend, TritonMLABackend
-from attnserve.attention.base import ForwardMode
 from attnserve.attention.kernels import plan as kplan
 from attnserve.attention.kernels import resolve
 from attnserve.attention.kernels.gpu_target import GpuTarget
@@ -16,6 +15,7 @@ from attnserve.attention.kernels.split_plan import SplitPolicy
 from attnserve.attention.registry import get_spec
 from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardMode
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.models.config import ModelConfig
 from attnserve.shape import GENERIC_GQA

@@ -5,7 +5,6 @@ import random
 import pytest
 import torch
 
-from attnserve.attention.base import ForwardMode
 from attnserve.attention.metadata import (
     MetadataBuffers,
     build_paged_metadata,
@@ -13,6 +12,7 @@ from attnserve.attention.metadata import (
     slots_from_pages,
 )
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardMode
 
 
 def _random_table(rng: random.Random, page_size: int, bs: int):

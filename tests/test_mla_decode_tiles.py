@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, check_shared_memory
 from attnserve.attention.kernels.mla import decode_table as tiles
-from attnserve.attention.kernels.plan import LayerSignature
-from attnserve.attention.kernels.resolve import default_mla_decode_config, plan_mla_decode
-from attnserve.attention.kernels.split_plan import SplitPolicy
 from attnserve.attention.kernels.mla.decode_table import (
     MLADecodeConfig,
     rules_from_sweep,
     tiles_for,
     write_rules,
 )
-from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, check_shared_memory
+from attnserve.attention.kernels.plan import LayerSignature
+from attnserve.attention.kernels.resolve import default_mla_decode_config, plan_mla_decode
+from attnserve.attention.kernels.split_plan import SplitPolicy
 from attnserve.bench.workloads import MLA_WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]

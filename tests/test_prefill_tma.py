@@ -12,7 +12,6 @@ import torch
 from attention_helpers import poison_unused_slots, rel_err, run_layer
 
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.base import ForwardMode
 from attnserve.attention.kernels.extend_tiles import build_extend_tiles
 from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.kernels.mha.configs import fast_path_blocker
@@ -28,6 +27,7 @@ from attnserve.attention.kernels.params import LayerParams
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardMode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from streaming_oracles import flash_attention_forward, merge_attention_states, online_softmax
 
-from attnserve.attention.base import ForwardMode
 from attnserve.attention.reference import (
     attend,
     paged_attention_reference,
@@ -15,6 +14,7 @@ from attnserve.attention.reference import (
     visibility_mask,
 )
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardMode
 
 f64 = torch.float64
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import VOCAB, make_engine, prompts, shared_model, tiny_model
+from engine_helpers import VOCAB, make_engine, prompts, tiny_model
 from spec_helpers import OracleDrafter
 from test_engine_models import CONFIGS
 

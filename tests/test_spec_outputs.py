@@ -4,13 +4,10 @@ model (real weights, real tokenizer) giving the same greedy text with drafts acc
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from attnserve.cli import main
 from attnserve.commands import generate
-from attnserve.engine.config import EngineConfig
 from attnserve.engine.outputs import RequestStream, TokenDelta
 from attnserve.engine.sampling_params import SamplingParams
 

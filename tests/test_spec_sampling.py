@@ -14,9 +14,9 @@ import torch
 from engine_helpers import make_engine
 
 from attnserve.engine import engine as engine_module
+from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.speculative import DraftTree
 from attnserve.engine.speculative.acceptance import Acceptance
-from attnserve.engine.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 300, 42, 9, 77]
 N = 400

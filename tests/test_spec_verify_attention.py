@@ -9,11 +9,11 @@ import pytest
 import torch
 from attention_helpers import poison_unused_slots, rel_err, run_layer
 
-from attnserve.attention.base import ForwardMode
-from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.backends.triton import TritonBackend
+from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardMode
 from attnserve.engine.speculative import DraftTree
 from attnserve.engine.speculative.draft_tree import verify_masks
 from attnserve.transfers import to_device

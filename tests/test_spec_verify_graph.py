@@ -12,7 +12,8 @@ from attention_helpers import rel_err
 from engine_helpers import VOCAB, tiny_model
 
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.base import ForwardBatch, ForwardMode
+from attnserve.attention.layer import attention_backend
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.engine.cuda_graph import CudaGraphRunner, VerifyBuffers, verify_batch_sizes
 from attnserve.kvcache.pool import ReqToTokenPool, make_pool
 
@@ -22,19 +23,21 @@ Q = 4  # tokens a request per verify step: its last token and 3 drafts
 
 
 class Rerun:
-    """Stands in for torch.cuda.CUDAGraph: replay() recomputes the captured call into its output."""
+    """Stands in for torch.cuda.CUDAGraph: replay() recomputes the captured call into its output, on the backend
+    the capture ran on (a real graph holds its kernels; a rerun goes through the layers again)."""
 
-    def __init__(self, run, out):
-        self.run, self.out = run, out
+    def __init__(self, run, out, backend):
+        self.run, self.out, self.backend = run, out, backend
 
     def replay(self):
-        self.out.copy_(self.run())
+        with attention_backend(self.backend):
+            self.out.copy_(self.run())
 
 
 class CpuRecordingRunner(CudaGraphRunner):
     def _record(self, run):
         out = run()  # also the warm-up: the backend builds its tile lists here, as before a real capture
-        return Rerun(run, out), out
+        return Rerun(run, out, self.backend), out
 
 
 def test_verify_batch_sizes_fit_the_token_budget():
@@ -122,9 +125,9 @@ def _step(model, pool, req_pool, backend, rows, prefix_lens, tree: bool, seed: i
         full = torch.cat([torch.cat([torch.ones(Q, p, dtype=torch.bool), m], 1).reshape(-1)
                           for m, p in zip(compact, prefix_lens)]).to(device)
     fb = ForwardBatch.from_lengths(ForwardMode.TARGET_VERIFY, rows, prefix_lens, [Q] * bs, req_pool.req_to_token,
-                                   pool, custom_mask=full, attn_backend=backend)
+                                   pool, custom_mask=full)
     fb.positions = positions
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_backend(backend):
         backend.plan(fb)
         eager = model(ids, positions, fb)  # [bs * Q, vocab]
     mask = compact.to(device) if tree else None

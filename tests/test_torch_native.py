@@ -7,14 +7,13 @@ import pytest
 import torch
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
-from attnserve.attention.base import ForwardMode
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardMode
 
 
 def _run(sb):
     backend = TorchNativeBackend(sb.pool)
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     out = torch.full((sb.q.shape[0], sb.q.shape[1], sb.layer.v_head_dim), float("nan"), dtype=sb.q.dtype)
     out[:] = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)

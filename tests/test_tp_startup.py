@@ -14,9 +14,9 @@ from tp_helpers import TINY_LLAMA_TP, write_checkpoint
 from attnserve.distributed.launch import Topology, check_devices
 from attnserve.distributed.shard import check_split, unit_slice
 from attnserve.distributed.state import as_rank
+from attnserve.engine import startup
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
-from attnserve.engine import startup
 from attnserve.models import loader
 
 

@@ -12,10 +12,11 @@ import torch
 from attention_helpers import poison_unused_slots, rel_err, run_layer
 
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.base import AttentionRequirements, ForwardBatch, ForwardMode, unsupported
+from attnserve.attention.base import AttentionRequirements, unsupported
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.registry import get_spec
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.kvcache.pool import MHAKVPool, MLAKVPool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

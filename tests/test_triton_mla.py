@@ -11,9 +11,9 @@ import torch
 from attention_helpers import rel_err
 
 from attnserve.attention.kernels.mla.attention import mla_decode_attention
-from attnserve.attention.kernels.resolve import plan_for_call
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.kernels.params import DecodeRows, ExtendRows
+from attnserve.attention.kernels.resolve import plan_for_call
 from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.reference import reference_for_batch
@@ -136,7 +136,7 @@ def test_mla_extend_absorbed_over_cached_prefixes(page_size, kv_dtype, defer_pv)
 
 @pytest.mark.parametrize("defer_pv", [False, True])
 def test_mla_extend_with_a_custom_mask(defer_pv):
-    from attnserve.attention.base import ForwardMode
+    from attnserve.batch import ForwardMode
 
     sb = make_batch([12, 5], [4, 3], num_heads=2, mla=(LATENT, ROPE), dtype=torch.bfloat16, device=DEVICE,
                     custom_mask=True, mode=ForwardMode.TARGET_VERIFY, score_scale=8.0)

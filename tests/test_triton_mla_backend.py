@@ -10,10 +10,11 @@ from engine_helpers import VOCAB, tiny_model
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.backends.triton import TritonBackend, TritonMLABackend
-from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
+from attnserve.attention.layer import attention_backend
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.kvcache.pool import make_pool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,10 +71,10 @@ def test_mla_head_groups_learnt_at_the_first_layer_replan_the_splits():
                     score_scale=8.0)
     backend = TritonBackend(sb.pool, num_sms=4, min_split_tokens=16,
                             mla_decode_config=MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1))
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)
     before = backend._decode.max_splits
-    out = sb.layer(sb.q, sb.k, None, sb.fb).view(2, 40, 32)
+    with attention_backend(backend):
+        out = sb.layer(sb.q, sb.k, None, sb.fb).view(2, 40, 32)
     assert backend._head_groups == 3 and backend._decode.max_splits < before
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
@@ -152,10 +153,11 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
         ext = [min(chunk, len(p) - d) for d, p in zip(done, prompts)]
         live = [i for i, e in enumerate(ext) if e > 0]
         fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, [rows[i] for i in live], [done[i] for i in live],
-                                       [ext[i] for i in live], req_to_token, pool, attn_backend=backend)
+                                       [ext[i] for i in live], req_to_token, pool)
         backend.plan(fb)
         ids = torch.tensor([t for i in live for t in prompts[i][done[i]: done[i] + ext[i]]], device=device)  # [T]
-        logits = model(ids, fb.positions, fb, logits_indices=None)
+        with attention_backend(backend):
+            logits = model(ids, fb.positions, fb, logits_indices=None)
         ends = torch.tensor([ext[i] for i in live], device=device).cumsum(0) - 1
         for i, e in zip(live, ends.tolist()):
             done[i] += ext[i]
@@ -165,9 +167,10 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
     for _ in range(new_tokens - 1):
         seq = [len(t) for t in tokens]
         fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [s - 1 for s in seq], [1] * len(rows),
-                                       req_to_token, pool, attn_backend=backend)
+                                       req_to_token, pool)
         backend.plan(fb)
-        logits = model(torch.tensor([t[-1] for t in tokens], device=device), fb.positions, fb)
+        with attention_backend(backend):
+            logits = model(torch.tensor([t[-1] for t in tokens], device=device), fb.positions, fb)
         for i, tok in enumerate(logits.argmax(-1).tolist()):
             tokens[i].append(tok)
     return [t[len(p):] for t, p in zip(tokens, prompts)]

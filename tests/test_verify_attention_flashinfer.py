@@ -12,9 +12,9 @@ from test_flashinfer_cpu import FakePrefill, fake_flashinfer  # noqa: F401 - the
 
 from attnserve._lazy import is_installed
 from attnserve.attention.backends.flashinfer import FlashInferBackend
-from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.synthetic import make_batch
+from attnserve.batch import ForwardBatch, ForwardMode
 
 
 class FakeGraphPrefill(FakePrefill):
@@ -56,7 +56,6 @@ def test_chain_verify_graph_replays_other_lengths(fake_flashinfer, page_size):  
     sb = make_batch([20, 3, 41], [q] * 3, page_size=page_size, mode=ForwardMode.TARGET_VERIFY, score_scale=20.0)
     backend = FlashInferBackend(sb.pool, workspace_mb=1, q_dtype=torch.float32)
     backend.init_graph_buffers(max_bs=4, max_tokens=4)
-    sb.fb.attn_backend = backend
     backend.plan(sb.fb)  # one eager step first: the layer signatures are known after it
     backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
     backend.plan_for_capture(_padded_batch(sb, 3, q))

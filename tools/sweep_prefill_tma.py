@@ -39,7 +39,6 @@ TINY_CONFIGS = [PrefillTmaConfig(16, 16, 4, 1, False), PrefillTmaConfig(16, 32, 
 
 def run_once(rb, **options):
     backend = TritonBackend(rb.pool, **options)
-    rb.fb.attn_backend = backend
     backend.plan(rb.fb)
     fn = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb)  # noqa: E731
     out = fn()

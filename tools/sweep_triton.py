@@ -38,7 +38,6 @@ WAVES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 def measure(rb, **options) -> tuple[float, int, torch.Tensor]:
     backend = TritonBackend(rb.pool, **options)
-    rb.fb.attn_backend = backend
     backend.plan(rb.fb)
     if rb.workload.kind == "decode":
         fn = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.kernels.mla.decode_table import (
     ROWS_64_KERNELS,
     MLADecodeConfig,
@@ -29,7 +30,6 @@ from attnserve.attention.kernels.mla.decode_table import (
     write_rules,
 )
 from attnserve.attention.kernels.mla.extend import MLAExtendConfig
-from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.reference import reference_for_batch
 from attnserve.bench.racers import attnserve_racer, build_race_batch
 from attnserve.bench.timing import time_call

@@ -1,11 +1,6 @@
 """The attention-backend layer: the contract, CSR metadata, oracles, registry and backends."""
 
-from attnserve.attention.base import (
-    AttentionBackend,
-    BackendFeatures,
-    ForwardBatch,
-    ForwardMode,
-)
+from attnserve.attention.base import AttentionBackend, BackendFeatures
 from attnserve.attention.layer import AttentionLayer
 
-__all__ = ["AttentionBackend", "AttentionLayer", "BackendFeatures", "ForwardBatch", "ForwardMode"]
+__all__ = ["AttentionBackend", "AttentionLayer", "BackendFeatures"]

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch, ForwardMode
+from attnserve.attention.base import AttentionBackend, BackendFeatures
 from attnserve.attention.registry import create_backend
+from attnserve.batch import ForwardBatch, ForwardMode
 
 SPECULATIVE_ATTENTION_MODES = ("prefill", "decode")
 

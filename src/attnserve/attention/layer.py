@@ -1,8 +1,11 @@
 """AttentionLayer: the one place a model touches attention.
 
 Models hold one per transformer layer and call it with projected q/k/v; the
-layer writes this step's K/V into the pool and hands the rest to whichever
-backend the step was planned with (`fb.attn_backend`).
+layer writes this step's K/V into the pool and hands the rest to the backend
+the step runs on. Which backend that is is neither the model's nor the step's
+business: whoever runs the model names it for the call, `with
+attention_backend(backend): model(...)` (vLLM's forward context, with one
+field), so two engines can share one model object and each step finds its own.
 
 MLA models may also ask whether the step runs expanded prefill
 (`expanded_prefill_applies`) and, when it does, call `forward_expanded`: the
@@ -11,10 +14,28 @@ layer hands that only to a backend that declares `features.expanded_mla_prefill`
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
-from attnserve.attention.base import AttentionBackend, ForwardBatch
+from attnserve.attention.base import AttentionBackend
+from attnserve.batch import ForwardBatch
+
+_RUNNING_ON: contextvars.ContextVar[AttentionBackend | None] = contextvars.ContextVar(
+    "attnserve_attention_backend", default=None)
+
+
+@contextlib.contextmanager
+def attention_backend(backend: AttentionBackend) -> Iterator[AttentionBackend]:
+    """Every AttentionLayer called inside the block (this thread) runs on `backend`."""
+    token = _RUNNING_ON.set(backend)
+    try:
+        yield backend
+    finally:
+        _RUNNING_ON.reset(token)
 
 
 class AttentionLayer(nn.Module):
@@ -65,9 +86,11 @@ class AttentionLayer(nn.Module):
 
     @staticmethod
     def _backend(fb: ForwardBatch) -> AttentionBackend:
-        if fb.attn_backend is None:
-            raise ValueError("ForwardBatch has no attn_backend; plan the step with a backend first")
-        return fb.attn_backend
+        backend = _RUNNING_ON.get()
+        if backend is None:
+            raise ValueError("no attention backend for this step: run the model inside "
+                             "`with attention_backend(backend):` (attnserve.attention.layer)")
+        return backend
 
     def forward(
         self,

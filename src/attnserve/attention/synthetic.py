@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.layer import AttentionLayer
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
 
 

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attnserve.attention.base import ForwardBatch, ForwardMode
 from attnserve.attention.layer import AttentionLayer
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.attention.registry import get_spec
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.bench.workloads import Workload
 from attnserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
 
@@ -74,7 +74,6 @@ def build_race_batch(w: Workload, num_heads: int = 32, num_kv_heads: int = 8, he
 # ---- attnserve backends through the contract ---------------------------------------------------------
 def attnserve_racer(name: str, rb: RaceBatch, **options) -> Callable[[], torch.Tensor]:
     backend = get_spec(name).load_class(rb.pool)(rb.pool, **options)
-    rb.fb.attn_backend = backend
     backend.plan(rb.fb)
     rb.keep.append(backend)
     if rb.workload.kind == "decode":

@@ -12,7 +12,14 @@ from rich.table import Table
 
 from attnserve._lazy import require
 from attnserve.attention.traffic import (
-    FORMS, GPU_CEILINGS, ORDERS, Tile, backward_bytes, bytes_against_t, gpu_ceilings, traffic_report,
+    FORMS,
+    GPU_CEILINGS,
+    ORDERS,
+    Tile,
+    backward_bytes,
+    bytes_against_t,
+    gpu_ceilings,
+    traffic_report,
 )
 from attnserve.kvcache.calc import format_bytes
 from attnserve.models.config import attention_shape_of

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from attnserve.attention.base import AttentionBackend
+from attnserve.attention.layer import attention_backend
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.graph_capture import collector_paused_for_capture
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool
 
@@ -166,7 +168,6 @@ class CudaGraphRunner:
             out_cache_loc=self.out_cache_loc[:bs],
             req_to_token=self.req_pool.req_to_token,
             pool=self.pool,
-            attn_backend=self.backend,
             seq_lens_cpu=seq_lens_cpu,
             extend_lens_cpu=[1] * bs,
         )
@@ -197,7 +198,7 @@ class CudaGraphRunner:
         """Capture every batch size, largest first (smaller graphs reuse its memory pool)."""
         start = time.perf_counter()
         self.backend.init_graph_buffers(self.max_bs, self.max_tokens)
-        with torch.inference_mode(), collector_paused_for_capture():
+        with torch.inference_mode(), collector_paused_for_capture(), attention_backend(self.backend):
             # one eager step first: some backends learn per-layer facts from it before they can capture
             fb = self._batch(self.max_bs, [1] * self.max_bs)
             self.backend.plan(fb)
@@ -257,7 +258,6 @@ class CudaGraphRunner:
             out_cache_loc=buf.out_cache_loc[: bs * q],
             req_to_token=self.req_pool.req_to_token,
             pool=self.pool,
-            attn_backend=self.backend,
             seq_lens_cpu=seq_lens_cpu,
             extend_lens_cpu=[q] * bs,
             # the compact tree mask `[bs, q, q]` over the new tokens (module docstring), flattened like the
@@ -284,7 +284,7 @@ class CudaGraphRunner:
             self.verify_buffers[q] = VerifyBuffers.allocate(self.max_bs, q, self.padding_row, self.device)
         buf = self.verify_buffers[q]
         buf.pad_all(self.padding_row)
-        with torch.inference_mode(), collector_paused_for_capture():
+        with torch.inference_mode(), collector_paused_for_capture(), attention_backend(self.backend):
             # one eager step first, as for decode: the verify side of a hybrid may not have run a step yet
             fb = self._verify_batch(sizes[-1], q, tree, [q] * sizes[-1])
             self.backend.plan(fb)

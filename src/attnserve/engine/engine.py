@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnserve.attention.base import ForwardMode
+from attnserve.batch import ForwardMode
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.request import FinishReason, Request
 from attnserve.engine.runner import ModelRunner

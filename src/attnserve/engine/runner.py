@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from attnserve.attention.base import AttentionBackend
+from attnserve.attention.layer import attention_backend
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.distributed.state import broadcast_object, broadcast_tensor, parallel_state
 from attnserve.engine.cuda_graph import CudaGraphRunner
 from attnserve.engine.scheduler import ScheduleBatch
@@ -254,7 +256,8 @@ class ModelRunner:
         last = np.cumsum(step.extend_lens) - 1  # row of each request's last new token
         picked = [int(t) for t, s in zip(last, step.sample) if s]
         logits_indices = None if len(picked) == num_tokens else to_device(picked, dev)
-        return self.model(input_ids, pos, fb, logits_indices=logits_indices)
+        with attention_backend(self.backend):
+            return self.model(input_ids, pos, fb, logits_indices=logits_indices)
 
     def _eager_batch(self, step: StepInputs, pos, loc, req_rows, seq_lens) -> ForwardBatch:
         """The step's ForwardBatch over the device inputs (a tree verify step carries its mask)."""
@@ -268,7 +271,6 @@ class ModelRunner:
             out_cache_loc=loc,
             req_to_token=self.req_pool.req_to_token,
             pool=self.pool,
-            attn_backend=self.backend,
             seq_lens_cpu=step.seq_lens,
             extend_lens_cpu=list(step.extend_lens),
             custom_mask=to_device(step.custom_mask, dev) if step.custom_mask is not None else None,
@@ -290,4 +292,5 @@ class ModelRunner:
         self.steps_eager += 1
         fb = self._eager_batch(step, pos, loc, req_rows, seq_lens)
         self.backend.plan(fb)
-        return self.model(input_ids, pos, fb, logits_indices=None)
+        with attention_backend(self.backend):
+            return self.model(input_ids, pos, fb, logits_indices=None)

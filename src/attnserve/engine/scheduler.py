@@ -33,7 +33,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from attnserve.attention.base import ForwardMode
+from attnserve.batch import ForwardMode
 from attnserve.engine.request import FinishReason, Request, RequestStatus
 from attnserve.engine.schedule_policy import (
     OFF,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnserve.attention.base import ForwardBatch
+from attnserve.batch import ForwardBatch
 from attnserve.distributed.embedding import ParallelLMHead, VocabParallelEmbedding
 from attnserve.distributed.state import parallel_state
 from attnserve.models.config import attention_shape_of

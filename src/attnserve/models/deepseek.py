@@ -26,8 +26,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from attnserve.attention.base import ForwardBatch
 from attnserve.attention.layer import AttentionLayer
+from attnserve.batch import ForwardBatch
 from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from attnserve._lazy import require
-from attnserve.attention.base import AttentionBackend, BackendFeatures, ForwardBatch
+from attnserve.attention.base import AttentionBackend, BackendFeatures
+from attnserve.batch import ForwardBatch
 
 FA4_MODULE = "flash_attn.cute.interface"
 FA4_DISTRIBUTION = "flash-attn-4"

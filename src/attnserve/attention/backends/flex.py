@@ -32,8 +32,8 @@ from attnserve.attention.base import (
     EVERY_VERIFY_SHAPE,
     AttentionBackend,
     BackendFeatures,
-    ForwardBatch,
 )
+from attnserve.batch import ForwardBatch
 
 Q_BLOCK = 128
 KV_BLOCK = 128

@@ -31,8 +31,8 @@ from attnserve.attention.base import (
     EVERY_VERIFY_SHAPE,
     AttentionBackend,
     BackendFeatures,
-    ForwardBatch,
 )
+from attnserve.batch import ForwardBatch
 
 
 @dataclass

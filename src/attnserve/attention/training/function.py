@@ -14,7 +14,6 @@ behaviour.
 from __future__ import annotations
 
 import math
-
 import os
 
 import torch

@@ -39,8 +39,6 @@ import triton.language as tl
 from attnserve.attention.kernels.common import interpreting
 from attnserve.attention.kernels.interpreter_compat import let_interpreter_index_with_loaded_scalars
 
-
-
 # ---------------------------------------------------------------------------------------------- tiles
 
 @dataclass(frozen=True)

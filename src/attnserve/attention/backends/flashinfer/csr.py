@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.base import ForwardMode
 from attnserve.attention.metadata import PagedKVMetadata, build_paged_metadata
+from attnserve.batch import ForwardMode
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,14 @@ from attnserve.attention.backends.flashinfer.workspace import (
     graph_workspace,
     prefill_graph_scratch,
 )
-from attnserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from attnserve.attention.base import AttentionBackend
 from attnserve.attention.metadata import (
     MetadataBuffers,
     PagedKVMetadata,
     build_paged_metadata,
     metadata_for_batch,
 )
+from attnserve.batch import ForwardBatch, ForwardMode
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ from attnserve.attention.backends.flashinfer.workspace import (
     mla_scratch,
     with_margin,
 )
-from attnserve.attention.base import AttentionBackend, ForwardBatch
+from attnserve.attention.base import AttentionBackend
 from attnserve.attention.metadata import MetadataBuffers, metadata_for_batch
+from attnserve.batch import ForwardBatch
 
 
 @dataclass(frozen=True)

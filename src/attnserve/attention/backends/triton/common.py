@@ -42,8 +42,6 @@ from attnserve.attention.base import (
     EVERY_VERIFY_SHAPE,
     AttentionBackend,
     BackendFeatures,
-    ForwardBatch,
-    ForwardMode,
 )
 from attnserve.attention.kernels.params import DecodeRows, ExtendRows, LayerParams
 from attnserve.attention.kernels.plan import KernelPlan
@@ -54,6 +52,7 @@ from attnserve.attention.metadata import (
     build_paged_metadata,
     metadata_for_batch,
 )
+from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.transfers import to_device
 
 if TYPE_CHECKING:

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnserve.attention.backends.triton.common import FEATURES, DecodeStep, TritonBackendBase, kernels
-from attnserve.attention.base import ForwardBatch
 from attnserve.attention.kernels.gpu_target import target_for
 from attnserve.attention.kernels.plan import KernelPlan, LayerSignature
 from attnserve.attention.kernels.resolve import plan_mla_decode, plan_mla_extend_rows
+from attnserve.batch import ForwardBatch
 
 if TYPE_CHECKING:
     from attnserve.attention.backends.triton.common import ExtendStep

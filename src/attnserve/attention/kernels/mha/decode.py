@@ -12,7 +12,6 @@ Scores are kept in base 2 (scaled by log2(e)) so the kernels use exp2.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -26,20 +25,20 @@ from attnserve.attention.kernels.common import (
     online_softmax_tile,
     to_log2,
 )
-from attnserve.attention.kernels.params import DecodeRows, LayerParams
-from attnserve.attention.kernels.mha.configs import DecodeConfig, default_decode_config
-from attnserve.attention.kernels.split_kv import (
-    finish_split,
-    partial_strides,
-    split_bounds,
-    split_outputs,
-)
 from attnserve.attention.kernels.gpu_target import (
     GpuTarget,
     TileShape,
     check_shared_memory,
     fewest_stages_dropped,
     target_for,
+)
+from attnserve.attention.kernels.mha.configs import DecodeConfig, default_decode_config
+from attnserve.attention.kernels.params import DecodeRows, LayerParams
+from attnserve.attention.kernels.split_kv import (
+    finish_split,
+    partial_strides,
+    split_bounds,
+    split_outputs,
 )
 
 

@@ -24,7 +24,12 @@ import torch
 import triton
 
 from attnserve.attention.kernels.common import LOG2E
-from attnserve.attention.kernels.mla.decode_table import GLUON_BLOCK_H, GLUON_LATENT, GLUON_ROPE, tokens_per_cta
+from attnserve.attention.kernels.mla.decode_table import (
+    GLUON_BLOCK_H,
+    GLUON_LATENT,
+    GLUON_ROPE,
+    tokens_per_cta,
+)
 from attnserve.attention.kernels.mla.gluon.narrow import mla_decode_narrow_kernel
 from attnserve.attention.kernels.mla.gluon.scorer import mla_decode_scorer_kernel
 from attnserve.attention.kernels.mla.gluon.seesaw import mla_decode_seesaw_kernel
