@@ -1,4 +1,4 @@
-"""Forward + backward race of attnserve.attention.training against torch SDPA (flash and cuDNN backends).
+"""Forward + backward race of attnserve.analysis.training against torch SDPA (flash and cuDNN backends).
 
 Causal self-attention, bf16, head_dim 128, batch x T = 16k tokens, 16 heads, at T = 1k..16k. First a short
 sweep of the kernels' tiles at one T picks each kernel's tile (the chosen ones are recorded); then every
@@ -30,9 +30,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from attnserve.attention import traffic  # noqa: E402
-from attnserve.attention.training import flash_attention_with_lse, kernels  # noqa: E402
-from attnserve.attention.training.kernels import Tiles  # noqa: E402
+from attnserve.analysis import traffic  # noqa: E402
+from attnserve.analysis.training import flash_attention_with_lse, kernels  # noqa: E402
+from attnserve.analysis.training.kernels import Tiles  # noqa: E402
 
 FWD_CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3)]
 DKDV_CANDIDATES = [(32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 8, 3)]

@@ -2,7 +2,7 @@
 
 Online softmax, the blockwise FlashAttention forward and the merge of two partial results by their
 log-sum-exp: the pieces of the split-KV decode and the tiled extend kernels, each small enough to
-read. test_reference.py checks them against the dense oracle in attnserve.attention.reference.
+read. test_reference.py checks them against the dense oracle in attnserve.reference.attention.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from attnserve.attention import base
 from attnserve.attention.base import AttentionLayerParams
-from attnserve.attention.synthetic import make_batch
+from attnserve.reference.synthetic import make_batch
 
 
 def _imported_modules(path: Path) -> set[str]:

@@ -15,9 +15,9 @@ from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.base import AttentionBackend
 from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.attention.layer import AttentionLayer, attention_backend
-from attnserve.attention.reference import attend
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.kvcache.pool import make_pool
+from attnserve.reference.attention import attend
 
 TINY_DEEPSEEK = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": VOCAB,

@@ -19,12 +19,12 @@ from attnserve._lazy import is_installed
 from attnserve.attention.backends import fa4 as fa4_mod
 from attnserve.attention.backends.fa4 import FA4Backend, call_varlen, paged_args
 from attnserve.attention.base import AttentionRequirements, unsupported
-from attnserve.attention.reference import attend, reference_for_batch
 from attnserve.attention.registry import REGISTRY, availability, get_spec
 from attnserve.attention.selection import ServingFeatures, select_backends
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardMode
 from attnserve.hardware import PRESET_HARDWARE, detect_hardware
+from attnserve.reference.attention import attend, reference_for_batch
+from attnserve.reference.synthetic import make_batch
 from attnserve.shape import GENERIC_GQA
 
 H200, B200, A100 = (PRESET_HARDWARE[n] for n in ("h200", "b200", "a100"))

@@ -17,10 +17,10 @@ from attnserve.attention.backends.flex import FlexAttentionBackend
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, unsupported
 from attnserve.attention.hybrid import HybridAttentionBackend
-from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.registry import get_spec
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 needs_flashinfer = pytest.mark.skipif(
     not torch.cuda.is_available() or not is_installed("flashinfer"), reason="needs CUDA and flashinfer")

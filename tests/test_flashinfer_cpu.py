@@ -25,11 +25,11 @@ from attnserve.attention.backends.flashinfer import (
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.attention.metadata import build_paged_metadata
-from attnserve.attention.reference import attend, reference_for_batch
 from attnserve.attention.registry import create_backend, get_spec
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.hardware import PRESET_HARDWARE
+from attnserve.reference.attention import attend, reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 LOG2E = 1 / math.log(2)
 

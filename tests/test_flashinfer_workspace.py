@@ -22,11 +22,11 @@ from attnserve.attention.backends.flashinfer.workspace import (
     mla_scratch,
     prefill_graph_scratch,
 )
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.engine.cuda_graph import CudaGraphRunner, verify_batch_sizes
 from attnserve.engine.startup import verify_graph_shape
 from attnserve.kvcache.pool import ReqToTokenPool, make_pool
+from attnserve.reference.synthetic import make_batch
 
 SMS = 132  # an H100 / H200
 DECODE_BLOCKS_PER_SM = 16  # the CUDA-core decode kernel's occupancy at its highest

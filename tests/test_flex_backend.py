@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from attnserve.attention.backends.flex import KV_BLOCK, FlexAttentionBackend
-from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardMode
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 FEATURES = {
     "plain": {},

@@ -23,8 +23,8 @@ from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig, rules_
 from attnserve.attention.kernels.params import DecodeRows
 from attnserve.attention.kernels.resolve import plan_for_call
 from attnserve.attention.metadata import metadata_for_batch
-from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.synthetic import make_batch
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 GLUON = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_seesaw")
 SCORER = MLADecodeConfig(64, 64, 8, 2, kernel="gluon_scorer")

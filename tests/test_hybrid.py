@@ -15,12 +15,12 @@ from attnserve.attention.hybrid import (
     build_backend,
     hybrid_features,
 )
-from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.registry import get_spec
 from attnserve.attention.selection import select_backends
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardMode
 from attnserve.hardware import PRESET_HARDWARE
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 from attnserve.shape import GENERIC_GQA
 
 

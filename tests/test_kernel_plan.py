@@ -14,10 +14,10 @@ from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.kernels.split_plan import SplitPolicy
 from attnserve.attention.registry import get_spec
 from attnserve.attention.selection import ServingFeatures, select_backends
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardMode
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.models.config import ModelConfig
+from attnserve.reference.synthetic import make_batch
 from attnserve.shape import GENERIC_GQA
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

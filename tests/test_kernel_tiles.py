@@ -21,7 +21,7 @@ from attnserve.attention.kernels.mha.extend import (
 )
 from attnserve.attention.kernels.params import DecodeRows, ExtendRows, LayerParams
 from attnserve.attention.metadata import metadata_for_batch
-from attnserve.attention.synthetic import make_batch
+from attnserve.reference.synthetic import make_batch
 
 TARGETS = {"sm80": GpuTarget.of((8, 0)), "sm86": GpuTarget.of((8, 6)), "sm89": GpuTarget.of((8, 9)),
            "sm90": GpuTarget.of((9, 0)), "default": GpuTarget.of((7, 5))}

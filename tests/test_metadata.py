@@ -11,8 +11,8 @@ from attnserve.attention.metadata import (
     metadata_for_batch,
     slots_from_pages,
 )
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardMode
+from attnserve.reference.synthetic import make_batch
 
 
 def _random_table(rng: random.Random, page_size: int, bs: int):

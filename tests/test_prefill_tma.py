@@ -25,9 +25,9 @@ from attnserve.attention.kernels.mha.prefill_tma import (
 )
 from attnserve.attention.kernels.params import LayerParams
 from attnserve.attention.metadata import metadata_for_batch
-from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardMode
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu

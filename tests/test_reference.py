@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 from streaming_oracles import flash_attention_forward, merge_attention_states, online_softmax
 
-from attnserve.attention.reference import (
+from attnserve.batch import ForwardMode
+from attnserve.reference.attention import (
     attend,
     paged_attention_reference,
     reference_for_batch,
     visibility_mask,
 )
-from attnserve.attention.synthetic import make_batch
-from attnserve.batch import ForwardMode
+from attnserve.reference.synthetic import make_batch
 
 f64 = torch.float64
 

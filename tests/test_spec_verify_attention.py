@@ -11,11 +11,11 @@ from attention_helpers import poison_unused_slots, rel_err, run_layer
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardMode
 from attnserve.engine.speculative import DraftTree
 from attnserve.engine.speculative.draft_tree import verify_masks
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 from attnserve.transfers import to_device
 
 

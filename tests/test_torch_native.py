@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
-from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardMode
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 
 def _run(sb):

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from attnserve.attention.traffic import (
+from attnserve.analysis.traffic import (
     Tile,
     backward_bytes,
     forward_bytes,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from attnserve.attention.training import dense_attention, flash_attention, flash_attention_with_lse
+from attnserve.analysis.training import dense_attention, flash_attention, flash_attention_with_lse
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernels run on the CPU only interpreted")
@@ -152,7 +152,7 @@ def test_the_measurement_sees_a_materialised_score_matrix():
 
 
 def test_blockwise_backward_memory_is_linear_in_t():
-    from attnserve.attention.training.reference import REFERENCE_BLOCK
+    from attnserve.analysis.training.reference import REFERENCE_BLOCK
 
     small, big = _peak("torch", 1024), _peak("torch", 2048)
     assert big < 2048 * 2048 * 4 / 2  # well under one T x T float32 matrix

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnserve.attention.training import dense_attention, flash_attention
+from attnserve.analysis.training import dense_attention, flash_attention
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

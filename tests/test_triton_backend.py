@@ -13,11 +13,11 @@ from attention_helpers import poison_unused_slots, rel_err, run_layer
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, unsupported
-from attnserve.attention.reference import reference_for_batch
 from attnserve.attention.registry import get_spec
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.kvcache.pool import MHAKVPool, MLAKVPool
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu

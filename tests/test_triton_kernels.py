@@ -13,9 +13,9 @@ from attnserve.attention.kernels.params import DecodeRows, ExtendRows, LayerPara
 from attnserve.attention.kernels.split_plan import SplitPolicy, max_splits_for_batch, plan_kv_splits
 from attnserve.attention.kernels.store import store_kv
 from attnserve.attention.metadata import metadata_for_batch
-from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.synthetic import make_batch
 from attnserve.kvcache.pool import MHAKVPool
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

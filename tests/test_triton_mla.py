@@ -16,8 +16,8 @@ from attnserve.attention.kernels.params import DecodeRows, ExtendRows
 from attnserve.attention.kernels.resolve import plan_for_call
 from attnserve.attention.kernels.split_plan import SplitPolicy, plan_kv_splits
 from attnserve.attention.metadata import metadata_for_batch
-from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.synthetic import make_batch
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LATENT, ROPE = 32, 16
@@ -147,7 +147,7 @@ def test_mla_extend_with_a_custom_mask(defer_pv):
 def test_mla_expanded_prefill_with_v_narrower_than_k():
     """Per-head k 48 wide (nope 32 + rope 16), v 32 wide, fresh ragged prompts: the oracle per request."""
     from attnserve.attention.kernels.mha.extend import expanded_prefill_attention, plan_expanded_prefill
-    from attnserve.attention.reference import attend, visibility_mask
+    from attnserve.reference.attention import attend, visibility_mask
 
     g = torch.Generator().manual_seed(5)
     lens, heads = [19, 1, 33], 3
@@ -174,7 +174,7 @@ def test_mla_expanded_prefill_with_v_narrower_than_k():
 def test_gpu_mla_expanded_prefill_at_deepseek_widths():
     """qk 192 (128 nope + 64 rope) and v 128, 16 heads, ragged fresh prompts, against the float32 oracle."""
     from attnserve.attention.kernels.mha.extend import expanded_prefill_attention, plan_expanded_prefill
-    from attnserve.attention.reference import attend, visibility_mask
+    from attnserve.reference.attention import attend, visibility_mask
 
     g = torch.Generator(device="cuda").manual_seed(9)
     lens, heads = [1024, 7, 300], 16

@@ -12,10 +12,10 @@ from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.backends.triton import TritonBackend, TritonMLABackend
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.layer import attention_backend
-from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.kvcache.pool import make_pool
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu

@@ -15,9 +15,9 @@ from attention_helpers import rel_err, run_layer
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MLA = (32, 16)  # DeepSeek's latent + rope, scaled down

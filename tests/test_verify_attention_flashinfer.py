@@ -12,9 +12,9 @@ from test_flashinfer_cpu import FakePrefill, fake_flashinfer  # noqa: F401 - the
 
 from attnserve._lazy import is_installed
 from attnserve.attention.backends.flashinfer import FlashInferBackend
-from attnserve.attention.reference import reference_for_batch
-from attnserve.attention.synthetic import make_batch
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
 
 
 class FakeGraphPrefill(FakePrefill):

@@ -30,10 +30,10 @@ from attnserve.attention.kernels.mla.decode_table import (
     write_rules,
 )
 from attnserve.attention.kernels.mla.extend import MLAExtendConfig
-from attnserve.attention.reference import reference_for_batch
 from attnserve.bench.racers import attnserve_racer, build_race_batch
 from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS
+from attnserve.reference.attention import reference_for_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 # (block_h, block_n, num_warps, num_stages, defer_pv, split_waves, kernel); a workload's time share may end

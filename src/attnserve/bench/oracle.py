@@ -1,6 +1,6 @@
 """What a raced output is checked against, and how a time becomes a rate against the roofline.
 
-The oracle is the float32 reference attention (`attention.reference`) over the race batch; it
+The oracle is the float32 reference attention (`reference.attention`) over the race batch; it
 builds dense scores, so past `ORACLE_MAX_SCORES` per request there is none and the caller checks
 against a peer instead. `rel_err` is the one error measure both `bench kernels` and `tune` use.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.attention.reference import reference_for_batch
+from attnserve.reference.attention import reference_for_batch
 
 ORACLE_MAX_SCORES = 2**31  # float32 dense score elements the oracle may build per request
 

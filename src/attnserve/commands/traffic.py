@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from attnserve._lazy import require
-from attnserve.attention.traffic import (
+from attnserve.analysis.traffic import (
     FORMS,
     GPU_CEILINGS,
     ORDERS,

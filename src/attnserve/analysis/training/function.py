@@ -6,8 +6,8 @@ P = exp(QK^T * scale - LSE) tile by tile and forms
     dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = dS K * scale;  dK = dS^T Q * scale
 
 (with softcap, dS also carries the factor 1 - tanh^2 of the capped score). On CUDA, and on the CPU when
-TRITON_INTERPRET=1 asks for it, the Triton kernels of attention.training.kernels do the work; otherwise the
-blockwise torch path of attention.training.reference does, with the same interface and the same memory
+TRITON_INTERPRET=1 asks for it, the Triton kernels of analysis.training.kernels do the work; otherwise the
+blockwise torch path of analysis.training.reference does, with the same interface and the same memory
 behaviour.
 """
 
@@ -19,7 +19,7 @@ import os
 import torch
 
 from attnserve._lazy import is_installed
-from attnserve.attention.training import reference
+from attnserve.analysis.training import reference
 
 IMPLS = ("triton", "torch")
 
@@ -69,7 +69,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, sm_scale, window, softcap, impl):
         q, k, v = (_lastdim_contiguous(t) for t in (q, k, v))
         if impl == "triton":
-            from attnserve.attention.training import kernels
+            from attnserve.analysis.training import kernels
 
             o, lse = kernels.forward(q, k, v, causal, sm_scale, window, softcap)
         else:
@@ -85,7 +85,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         causal, sm_scale, window, softcap, impl = ctx.args
         do = _lastdim_contiguous(do)
         if impl == "triton":
-            from attnserve.attention.training import kernels
+            from attnserve.analysis.training import kernels
 
             dq, dk, dv = kernels.backward(do, q, k, v, o, lse, causal, sm_scale, window, softcap)
         else:

@@ -6,7 +6,7 @@ P = exp(S - LSE) for one row block at a time, so nothing of size Tq x Tk exists 
 scores are block x Tk). `dense_attention` is the plain formula (softmax(QK^T * scale) V over the full score
 matrix) that tests differentiate with autograd as the oracle.
 
-Shapes and visibility are those of attention.training.kernels: q [B, Hq, Tq, D], k and v [B, Hkv, Tk, D],
+Shapes and visibility are those of analysis.training.kernels: q [B, Hq, Tq, D], k and v [B, Hkv, Tk, D],
 query row i at key position i + Tk - Tq.
 """
 
