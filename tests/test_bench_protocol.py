@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attnserve.attention.ranking import backend_family, rank
 from attnserve.bench import kernels
 from attnserve.bench.protocol import (
     add_ratios,
@@ -23,6 +22,7 @@ from attnserve.bench.protocol import (
 )
 from attnserve.bench.racers import build_race_batch, racers_for
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
+from attnserve.choice.ranking import backend_family, rank
 from attnserve.cli import main
 
 
@@ -103,7 +103,7 @@ def test_another_installs_rows_are_labelled_and_merged_by_workload():
 
 
 def test_the_shipped_order_takes_fa4_from_a_race():
-    from attnserve.attention.measured import order_entry
+    from attnserve.choice.measured import order_entry
 
     race = {"gpu": "NVIDIA H200", "date": "2027-01-01", "records": [
         rec("prefill 8x2048", "triton", 10.0), rec("prefill 8x2048", "fa4", 8.0),

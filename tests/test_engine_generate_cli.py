@@ -2,7 +2,7 @@
 
 import pytest
 
-from attnserve.attention.registry import REGISTRY
+from attnserve.choice.registry import REGISTRY
 from attnserve.cli import build_parser, main
 from attnserve.commands import generate
 from attnserve.engine.config import EngineConfig

@@ -9,7 +9,7 @@ import torch
 from engine_helpers import make_engine, shared_model, tiny_llama
 
 from attnserve import hardware
-from attnserve.attention import registry
+from attnserve.choice import registry
 from attnserve.commands.select import model_from_args
 from attnserve.engine import startup
 from attnserve.engine.config import EngineConfig

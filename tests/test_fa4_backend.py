@@ -19,9 +19,9 @@ from attnserve._lazy import is_installed
 from attnserve.attention.backends import fa4 as fa4_mod
 from attnserve.attention.backends.fa4 import FA4Backend, call_varlen, paged_args
 from attnserve.attention.base import AttentionRequirements, unsupported
-from attnserve.attention.registry import REGISTRY, availability, get_spec
-from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.batch import ForwardMode
+from attnserve.choice.registry import REGISTRY, availability, get_spec
+from attnserve.choice.selection import ServingFeatures, select_backends
 from attnserve.hardware import PRESET_HARDWARE, detect_hardware
 from attnserve.reference.attention import attend, reference_for_batch
 from attnserve.reference.synthetic import make_batch

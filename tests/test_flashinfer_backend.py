@@ -17,8 +17,8 @@ from attnserve.attention.backends.flex import FlexAttentionBackend
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, unsupported
 from attnserve.attention.hybrid import HybridAttentionBackend
-from attnserve.attention.registry import get_spec
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.choice.registry import get_spec
 from attnserve.reference.attention import reference_for_batch
 from attnserve.reference.synthetic import make_batch
 

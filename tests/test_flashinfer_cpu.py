@@ -25,8 +25,8 @@ from attnserve.attention.backends.flashinfer import (
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.attention.metadata import build_paged_metadata
-from attnserve.attention.registry import create_backend, get_spec
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.choice.registry import create_backend, get_spec
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.reference.attention import attend, reference_for_batch
 from attnserve.reference.synthetic import make_batch

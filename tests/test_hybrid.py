@@ -12,12 +12,11 @@ from attnserve.attention.hybrid import (
     COMBINE_BOTH_SIDES,
     ONE_SIDE,
     HybridAttentionBackend,
-    build_backend,
     hybrid_features,
 )
-from attnserve.attention.registry import get_spec
-from attnserve.attention.selection import select_backends
 from attnserve.batch import ForwardMode
+from attnserve.choice.registry import build_backend, get_spec
+from attnserve.choice.selection import select_backends
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.reference.attention import reference_for_batch
 from attnserve.reference.synthetic import make_batch

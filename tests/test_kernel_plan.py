@@ -12,9 +12,9 @@ from attnserve.attention.kernels import resolve
 from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.kernels.split_plan import SplitPolicy
-from attnserve.attention.registry import get_spec
-from attnserve.attention.selection import ServingFeatures, select_backends
 from attnserve.batch import ForwardMode
+from attnserve.choice.registry import get_spec
+from attnserve.choice.selection import ServingFeatures, select_backends
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.models.config import ModelConfig
 from attnserve.reference.synthetic import make_batch

@@ -140,8 +140,8 @@ def test_logits_indices_select_rows(tmp_path_factory):
     _, path = _build("qwen3-qk-norm", tmp_path_factory)
     lm = load_model(path)
     prompts = _prompts(seed=3)
-    from attnserve.attention.registry import create_backend
     from attnserve.batch import ForwardBatch, ForwardMode
+    from attnserve.choice.registry import create_backend
 
     spec = lm.model.kv_cache_spec()
     total = sum(map(len, prompts))

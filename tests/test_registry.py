@@ -3,7 +3,7 @@
 import pytest
 
 from attnserve.attention.base import BackendFeatures
-from attnserve.attention.registry import (
+from attnserve.choice.registry import (
     ALIASES,
     REGISTRY,
     availability,

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from attnserve.attention import measured, selection
-from attnserve.attention.ranking import rank
-from attnserve.attention.registry import get_spec
-from attnserve.attention.selection import ServingFeatures, select_backends
+from attnserve.choice import measured, selection
+from attnserve.choice.ranking import rank
+from attnserve.choice.registry import get_spec
+from attnserve.choice.selection import ServingFeatures, select_backends
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.models.config import ModelConfig
 from attnserve.shape import GENERIC_GQA

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from attnserve.attention import measured
-from attnserve.attention.selection import ServingFeatures, select_backends
+from attnserve.choice import measured
+from attnserve.choice.selection import ServingFeatures, select_backends
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.models.config import ModelConfig
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from attnserve.attention import selection
-from attnserve.attention.selection import ServingFeatures, TraceEntry, select_backends
+from attnserve.choice import selection
+from attnserve.choice.selection import ServingFeatures, TraceEntry, select_backends
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.shape import GENERIC_GQA, AttentionShape
 

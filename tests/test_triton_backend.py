@@ -13,8 +13,8 @@ from attention_helpers import poison_unused_slots, rel_err, run_layer
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, unsupported
-from attnserve.attention.registry import get_spec
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.choice.registry import get_spec
 from attnserve.kvcache.pool import MHAKVPool, MLAKVPool
 from attnserve.reference.attention import reference_for_batch
 from attnserve.reference.synthetic import make_batch
@@ -26,7 +26,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 # ---- features and registry -------------------------------------------------------------------------
 def test_module_reads_features_without_importing_triton():
-    code = ("import sys; from attnserve.attention.registry import get_spec; "
+    code = ("import sys; from attnserve.choice.registry import get_spec; "
             "f = get_spec('triton').features; assert 'triton' not in sys.modules, 'triton imported'; print(f.cuda_graph)")
     res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

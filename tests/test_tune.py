@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from attnserve import hardware
-from attnserve.attention.selection import ServingFeatures, select_backends
-from attnserve.attention.tuned import RESULT_KIND, find_tuned
+from attnserve.choice.selection import ServingFeatures, select_backends
+from attnserve.choice.tuned import RESULT_KIND, find_tuned
 from attnserve.cli import main
 from attnserve.hardware import detect_hardware
 from attnserve.models.config import ModelConfig

@@ -3,7 +3,7 @@
     python tools/ship_measured_order.py benchmarks/results/kernels-h200.json \
         benchmarks/results/kernels-mla-h200.json
 
-Updates src/attnserve/attention/measured_order.json (keyed by GPU model, e.g. h200, then attention
+Updates src/attnserve/choice/measured_order.json (keyed by GPU model, e.g. h200, then attention
 type, MHA or MLA), which selection reads in any install, source checkout or wheel. Each file
 replaces the entries of the attention types it raced and leaves the others.
 """
@@ -12,14 +12,14 @@ import json
 import sys
 from pathlib import Path
 
-from attnserve.attention.measured import DATA_FILE, gpu_key, order_entry
+from attnserve.choice.measured import DATA_FILE, gpu_key, order_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def main(paths: list[str]) -> None:
-    target = ROOT / "src" / "attnserve" / "attention" / DATA_FILE
+    target = ROOT / "src" / "attnserve" / "choice" / DATA_FILE
     shipped = json.loads(target.read_text()) if target.is_file() else {}
     for path in paths:
         result = json.loads(Path(path).read_text())

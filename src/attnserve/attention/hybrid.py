@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 from attnserve.attention.base import AttentionBackend, BackendFeatures
-from attnserve.attention.registry import create_backend
 from attnserve.batch import ForwardBatch, ForwardMode
 
 SPECULATIVE_ATTENTION_MODES = ("prefill", "decode")
@@ -144,13 +143,3 @@ class HybridAttentionBackend(AttentionBackend):
     def plan_for_replay(self, fb: ForwardBatch) -> None:
         self._active = self.backend_for(fb.mode)
         self._active.plan_for_replay(fb)
-
-
-
-def build_backend(selection, pool, hw=None, speculative_attention_mode: str = "prefill", **options) -> AttentionBackend:
-    """Instantiate what a Selection names: one backend, or a hybrid when prefill and decode differ."""
-    if not selection.is_hybrid:
-        return create_backend(selection.prefill_backend, pool, hw, **options)
-    prefill = create_backend(selection.prefill_backend, pool, hw, **options)
-    decode = create_backend(selection.decode_backend, pool, hw, **options)
-    return HybridAttentionBackend(prefill, decode, speculative_attention_mode)

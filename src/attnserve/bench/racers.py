@@ -17,9 +17,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnserve.attention.layer import AttentionLayer
 from attnserve.attention.metadata import metadata_for_batch
-from attnserve.attention.registry import get_spec
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.bench.workloads import Workload
+from attnserve.choice.registry import get_spec
 from attnserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
 
 

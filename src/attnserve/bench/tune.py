@@ -7,7 +7,7 @@ lengths the engine runs, which backend is fastest per side. An MLA model is race
 latent (kv_lora_rank + rope, its query heads per rank) in the absorbed form the pool holds. Each contestant is the backend
 the engine would instantiate (through the attention contract), checked against the float32
 oracle before it is timed: one that disagrees is disqualified, not timed. The result goes to
-the user's cache (attention/tuned.py), where selection finds it.
+the user's cache (choice/tuned.py), where selection finds it.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from attnserve.attention.layer import AttentionLayer
-from attnserve.attention.ranking import rank
-from attnserve.attention.registry import REGISTRY, resolve_name
-from attnserve.attention.selection import ServingFeatures, problems, runnable_backends
-from attnserve.attention.tuned import RESULT_KIND, SCHEMA, shape_key
 from attnserve.bench.oracle import oracle_output, rates, rel_err
 from attnserve.bench.racers import attnserve_racer, build_race_batch, output_rows
 from attnserve.bench.timing import ceilings as measure_ceilings
 from attnserve.bench.timing import time_call
 from attnserve.bench.workloads import MLAShape, Workload
+from attnserve.choice.ranking import rank
+from attnserve.choice.registry import REGISTRY, resolve_name
+from attnserve.choice.selection import ServingFeatures, problems, runnable_backends
+from attnserve.choice.tuned import RESULT_KIND, SCHEMA, shape_key
 from attnserve.hardware import Hardware, cpu_model_name
 from attnserve.kvcache.dtypes import KV_DTYPES
 from attnserve.shape import AttentionShape
@@ -221,7 +221,7 @@ def machine_detail(hw: Hardware) -> str:
 def run_tune(hw: Hardware, model: AttentionShape, serving: ServingFeatures, *, model_name: str, tp_size: int,
              quick: bool, wanted: list[str] | None, max_context: int | None = None, progress_factory=None,
              log=print, checkpoint=None) -> dict:
-    """Race, check and time; the result dict `attnserve tune` writes (attention/tuned.py reads it).
+    """Race, check and time; the result dict `attnserve tune` writes (choice/tuned.py reads it).
 
     `checkpoint(records)` is called after each workload, so a run cut short still leaves what it measured."""
     device = "cuda" if hw.device == "cuda" else "cpu"

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from attnserve.attention.registry import ALIASES, REGISTRY, availability
+from attnserve.choice.registry import ALIASES, REGISTRY, availability
 from attnserve.commands.select import add_machine_arguments, hardware_from_args
 
 _FLAG_NAMES = {

@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import typing
 
-from attnserve.attention.registry import REGISTRY
+from attnserve.choice.registry import REGISTRY
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.tensor_parallel import run_node
 

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import sys
 
-from attnserve.attention.selection import ServingFeatures, select_backends
+from attnserve.choice.selection import ServingFeatures, select_backends
 from attnserve.dtypes import Dtypes, resolve_dtypes
 from attnserve.hardware import PRESET_HARDWARE, detect_hardware
 from attnserve.models.config import attention_shape_of, stated_dtype_of

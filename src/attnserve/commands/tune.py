@@ -20,10 +20,10 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from attnserve.attention.selection import ServingFeatures
-from attnserve.attention.tuned import RESULT_KIND, result_path, shape_key
 from attnserve.bench.baseline import add_guard_arguments, check_comparable, load_run, report
 from attnserve.bench.tune import run_tune
+from attnserve.choice.selection import ServingFeatures
+from attnserve.choice.tuned import RESULT_KIND, result_path, shape_key
 from attnserve.commands.engine_args import add_engine_arguments
 from attnserve.dtypes import resolve_dtypes
 from attnserve.hardware import detect_hardware

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from attnserve.attention.registry import resolve_name
+from attnserve.choice.registry import resolve_name
 from attnserve.distributed.launch import Topology
 from attnserve.engine.schedule_policy import SCHEDULE_POLICIES, checked_step_budget
 from attnserve.models.cpu_weights import WEIGHT_FORMATS

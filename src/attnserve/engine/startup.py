@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attnserve.attention.hybrid import build_backend
-from attnserve.attention.selection import ServingFeatures, select_backends
+from attnserve.choice.registry import build_backend
+from attnserve.choice.selection import ServingFeatures, select_backends
 from attnserve.distributed.state import min_over_ranks, parallel_state
 from attnserve.dtypes import Dtypes, resolve_dtypes
 from attnserve.engine.config import EngineConfig

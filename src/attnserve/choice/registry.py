@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from attnserve.attention.base import ALL_KV_DTYPES, AttentionBackend, BackendFeatures
+from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.hardware import Hardware, detect_hardware
 
 Loader = Callable[[], "type[AttentionBackend]"]  # imports and returns a backend class
@@ -266,5 +267,15 @@ def create_backend(name: str, pool, hw: Hardware | None = None, **options) -> At
     return spec.load_class(pool)(pool, **options)
 
 
-__all__ = ["ALIASES", "ALL_KV_DTYPES", "REGISTRY", "BackendSpec", "availability", "create_backend",
+def build_backend(selection, pool, hw=None, speculative_attention_mode: str = "prefill", **options) -> AttentionBackend:
+    """Instantiate what a Selection names: one backend, or a hybrid when prefill and decode differ (the choice
+    composes the hybrid; the runtime only routes steps through it)."""
+    if not selection.is_hybrid:
+        return create_backend(selection.prefill_backend, pool, hw, **options)
+    prefill = create_backend(selection.prefill_backend, pool, hw, **options)
+    decode = create_backend(selection.decode_backend, pool, hw, **options)
+    return HybridAttentionBackend(prefill, decode, speculative_attention_mode)
+
+
+__all__ = ["ALIASES", "ALL_KV_DTYPES", "REGISTRY", "BackendSpec", "availability", "build_backend", "create_backend",
            "family_features", "get_spec", "hardware_problems", "resolve_name"]

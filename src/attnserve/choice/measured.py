@@ -21,7 +21,7 @@ import json
 import math
 from importlib import resources
 
-from attnserve.attention.ranking import ATTENTION_TYPES, attention_of, heads_of, rank
+from attnserve.choice.ranking import ATTENTION_TYPES, attention_of, heads_of, rank
 from attnserve.hardware import Hardware
 
 DATA_FILE = "measured_order.json"
@@ -61,7 +61,7 @@ def order_entry(result: dict, source: str) -> dict[str, dict]:
 
 @functools.cache
 def _shipped() -> dict:
-    text = resources.files("attnserve.attention").joinpath(DATA_FILE).read_text(encoding="utf-8")
+    text = resources.files("attnserve.choice").joinpath(DATA_FILE).read_text(encoding="utf-8")
     return json.loads(text)
 
 

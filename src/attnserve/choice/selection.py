@@ -13,7 +13,7 @@ Policy first, availability second, both recorded in a trace:
    trace entry with its reasons.
 3. Measured beats assumed: with `use_tuned` (the engine's and `attnserve select`'s
    default), a current `attnserve tune` result for this machine and model shape
-   (attention/tuned.py) puts its winner per side ahead of the policy's choice,
+   (choice/tuned.py) puts its winner per side ahead of the policy's choice,
    and the trace cites the file, its date and the margin over the runner-up.
 
 SGLang backends attnserve does not implement: by default (`sglang=False`, what
@@ -35,9 +35,9 @@ from pathlib import Path
 
 from attnserve.attention.base import AttentionRequirements, BackendFeatures, unsupported
 from attnserve.attention.kernels.resolve import describe_kernels
-from attnserve.attention.measured import attention_key, describe_order, measured_order
-from attnserve.attention.registry import REGISTRY, get_spec, hardware_problems, resolve_name
-from attnserve.attention.tuned import TunedChoice, find_tuned
+from attnserve.choice.measured import attention_key, describe_order, measured_order
+from attnserve.choice.registry import REGISTRY, get_spec, hardware_problems, resolve_name
+from attnserve.choice.tuned import TunedChoice, find_tuned
 from attnserve.hardware import Hardware
 from attnserve.kvcache.dtypes import canonical_kv_dtype
 from attnserve.kvcache.pool import check_page_size
@@ -160,7 +160,7 @@ POLICY: tuple[PolicyRow, ...] = (
 # Candidates tried after the policy's choice, per platform. attnserve's own order: on NVIDIA, FlashInfer
 # first (tensor-core paged decode and fa3 prefill), then attnserve's Triton
 # kernels (portable, CUDA graphs), then FlexAttention (no CUDA graphs), then torch_native (reference
-# speed). On a GPU model with a shipped race (attention/measured_order.json), its measured order goes first.
+# speed). On a GPU model with a shipped race (choice/measured_order.json), its measured order goes first.
 FALLBACK_ORDER: dict[str, tuple[str, ...]] = {
     "cuda": ("flashinfer", "triton", "flex_attention", "torch_native"),
     "rocm": ("triton", "flex_attention", "torch_native"),

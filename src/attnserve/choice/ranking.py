@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnserve.attention.registry import REGISTRY
+from attnserve.choice.registry import REGISTRY
 
 ATTENTION_TYPES = ("MHA", "MLA")  # raced apart: an MLA kernel's speed says nothing about its MHA one
 
