@@ -13,9 +13,9 @@ from collections import Counter
 import torch
 from engine_helpers import make_engine
 
-from attnserve.engine import engine as engine_module
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.speculative import DraftTree
+from attnserve.engine.speculative import verify as verify_module
 from attnserve.engine.speculative.acceptance import Acceptance
 
 PROMPT = [5, 17, 300, 42, 9, 77]
@@ -81,7 +81,7 @@ def test_distribution_preserved_and_the_test_can_fail(monkeypatch):
     st = e.stats()["speculative"]
     assert 0 < st["accepted_tokens"] < st["draft_tokens"]
     assert chi_square_p(plain, spec) > 1e-3
-    monkeypatch.setattr(engine_module, "accept_sampled", _always_accept)
+    monkeypatch.setattr(verify_module, "accept_sampled", _always_accept)
     wrong, _, _ = _second_tokens(drafts=[mode, 3], seed0=10_000, speculative_algorithm="ngram",
                                  speculative_num_draft_tokens=2)
     assert chi_square_p(plain, wrong) < 1e-6

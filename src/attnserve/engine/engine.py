@@ -43,9 +43,9 @@ from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.schedule_policy import StepBudget, checked_step_budget, resolve_step_budget
 from attnserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from attnserve.engine.speculative import build_drafter
-from attnserve.engine.speculative.acceptance import Acceptance, accept_greedy, accept_sampled
 from attnserve.engine.speculative.draft_tree import DraftTree
 from attnserve.engine.speculative.stats import SpecStats
+from attnserve.engine.speculative.verify import complete_verify
 from attnserve.engine.startup import EngineParts, build_parts
 from attnserve.engine.tensor_parallel import start_world
 from attnserve.models.cpu_weights import batch_variant_parts
@@ -381,65 +381,10 @@ class Engine:
         return self.drafter.propose(r) if r.speculative else None
 
     def _complete_verify(self, step: LaunchedStep, now: float) -> list[Request]:
-        """Accept each request's drafts against the step's logits and emit the accepted tokens plus the bonus."""
-        batch, logits = step.batch, step.logits
-        argmax = torch.argmax(logits, dim=-1).tolist()  # [T] on the host
-        self.spec_stats.verify_steps += 1
-        out = []
-        t = 0
-        for r, tree, q in zip(batch.reqs, batch.drafts, batch.extend_lens):
-            t, lo = t + q, t
-            if r.finished:
-                continue
-            try:
-                rows = logits[lo : lo + q]  # [q, vocab]: after the root, then after each draft
-                acc = self._accept(r, tree, rows, argmax[lo : lo + q])
-                self._emit_accepted(r, tree, acc, rows, now)
-            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
-                self._fail(r, exc)
-            out.append(r)
-        return out
-
-    def _accept(self, r: Request, tree: DraftTree, rows: torch.Tensor, argmax: list[int]) -> Acceptance:
-        p = r.params
-        if p.greedy:
-            return accept_greedy(tree, argmax)
-        probs = Sampler.filtered_probs(rows.float(), [p] * rows.shape[0])  # [q, vocab]
-        g = self.sampler.generator_for(r.rid, p)
-        dev = probs.device
-        return accept_sampled(tree, probs, lambda: float(torch.rand((), generator=g, device=dev)),
-                              lambda dist: int(torch.multinomial(dist, 1, generator=g)))
-
-    def _emit_accepted(self, r: Request, tree: DraftTree, acc: Acceptance, rows: torch.Tensor, now: float) -> None:
-        """Move the accepted branch's K/V next to the prefix, then append the tokens one by one with the usual
-        stop checks (the first finish cuts the rest); kv_len covers the root and the accepted drafts."""
-        accepted = len(acc.path)
-        if tree.num_real:  # a request without drafts rides along on padding: nothing to count
-            self.drafter.observe(r, tree, accepted)
-            r.spec_verify_steps += 1
-            r.spec_draft_tokens += tree.num_real
-            r.spec_accepted_tokens += accepted
-            self.spec_stats.record(tree.num_real, accepted)
-        old = r.kv_len
-        moved = [(old + 1 + node, old + depth) for depth, node in enumerate(acc.path, 1) if node + 1 != depth]
-        if moved:
-            slot = self.runner.slot_of
-            self.runner.defer_kv_move([slot(r.pages, s) for s, _ in moved], [slot(r.pages, d) for _, d in moved])
-        tokens = acc.tokens(tree)
-        logprobs = [None] * len(tokens)
-        if r.params.logprobs is not None:
-            picked = rows[to_device(acc.rows(), rows.device)]  # [len(tokens), vocab]
-            lp = self.sampler.logprobs(picked, to_device(tokens, rows.device), [r.params] * len(tokens))
-            logprobs = lp.on_host(tokens, {k: v.cpu() for k, v in lp.tensors().items()})
-        emitted = 0
-        for j, (token, logprob) in enumerate(zip(tokens, logprobs), 1):
-            r.kv_len = old + 1 + min(j, accepted)
-            emitted += 1
-            self._append_token(r, token, logprob, now)
-            if r.finished:
-                break
-        self.spec_stats.emitted_tokens += emitted
-        self.scheduler.settle_verify(r, emitted)
+        """What the verify step's logits mean for each request (engine/speculative/verify.py)."""
+        return complete_verify(step.batch, step.logits, now, drafter=self.drafter, stats=self.spec_stats,
+                               sampler=self.sampler, runner=self.runner, scheduler=self.scheduler,
+                               append_token=self._append_token, fail=self._fail)
 
     def _append_token(self, r: Request, token: int, logprob, now: float) -> None:
         r.output_ids.append(token)
