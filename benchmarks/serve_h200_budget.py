@@ -273,6 +273,13 @@ def _watch_syncs(engine, counts: dict, messages: list[str]):
     return stop
 
 
+def _header(p: dict, notes: list[str], what: str) -> dict:
+    """What every step's record starts with: what ran, when, where, with which versions and command."""
+    return {"what": what, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": _device_name(p["device"]), "versions": _versions(),
+            "command": shlex.join(["python3", "benchmarks/serve_h200_budget.py", *sys.argv[1:]]), "notes": notes}
+
+
 def offline_engine(p: dict):
     """(the engine, the vocabulary size): random weights, the servers' settings (max running = concurrency,
     graphs to that batch, radix cache off), the device's default step budget."""
@@ -296,13 +303,10 @@ def step_offline(p: dict, out: Path, clock: Clock, notes: list[str], budgets: li
     c, n_in, n_out = p["concurrency"], p["input_len"], p["output_len"]
     path = out / "offline.json"
     record = {
-        "what": f"the offline engine, {p['preset']} random weights, {p['backend']}, {c} prompts at once x {n_in} in / "
-                f"{n_out} out, chunks of {p['chunk']}, radix cache off, {p['waves']} wave(s) per budget; one model "
-                "and one engine, the step budget swapped between budgets",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": _device_name(p["device"]), "versions": _versions(),
-        "command": shlex.join(["python3", "benchmarks/serve_h200_budget.py", *sys.argv[1:]]),
-        "results": [], "notes": notes,
+        **_header(p, notes, f"the offline engine, {p['preset']} random weights, {p['backend']}, {c} prompts at once "
+                            f"x {n_in} in / {n_out} out, chunks of {p['chunk']}, radix cache off, {p['waves']} "
+                            "wave(s) per budget; one model and one engine, the step budget swapped between budgets"),
+        "results": [],
     }
     t0 = time.perf_counter()
     engine, vocab = offline_engine(p)
@@ -456,14 +460,9 @@ def step_c1(p: dict, out: Path, clock: Clock, notes: list[str]) -> dict:
 
     n_in, n_out, prompts = p["input_len"], p["output_len"], p["c1_prompts"]
     path = out / "c1.json"
-    record = {
-        "what": f"one stream, {p['preset']} random weights, {p['backend']}, {n_in} in / {n_out} out, the default "
-                f"budget: served TPOT (bench serve, c=1, {prompts} requests) against the offline engine's decode "
-                "step at batch 1 (the same settings, one request at a time)",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": _device_name(p["device"]), "versions": _versions(),
-        "command": shlex.join(["python3", "benchmarks/serve_h200_budget.py", *sys.argv[1:]]), "notes": notes,
-    }
+    record = _header(p, notes, f"one stream, {p['preset']} random weights, {p['backend']}, {n_in} in / {n_out} out, "
+                               f"the default budget: served TPOT (bench serve, c=1, {prompts} requests) against the "
+                               "offline engine's decode step at batch 1 (the same settings, one request at a time)")
     served = _bench(p, out, clock, notes, "one stream at the default budget", ["default="],
                     ["--concurrency", "1", "--num-prompts", str(prompts)], out / "c1-served.json", warmup=2)
     point = next((pt["median"] for cfg in (served or {}).get("configs", []) for pt in cfg.get("points", [])

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_helpers import VOCAB, prompts, tiny_model
+from engine_helpers import TINY_DEEPSEEK, VOCAB, prompts, tiny_model
 
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
@@ -26,19 +26,12 @@ LLAMA = {
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
 }
-DEEPSEEK = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": VOCAB,
-    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
-    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
-    "qk_nope_head_dim": 16, "v_head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-}
 CASES = {  # name: (model config, engine settings)
     "llama-torch_native": (LLAMA, {"attention_backend": "torch_native"}),
     "llama-torch_native-page4": (LLAMA, {"attention_backend": "torch_native", "page_size": 4}),
     "llama-flex-page2": (LLAMA, {"attention_backend": "flex_attention", "page_size": 2}),
-    "deepseek-torch_native": (DEEPSEEK, {"attention_backend": "torch_native"}),
-    "deepseek-torch_native-page4": (DEEPSEEK, {"attention_backend": "torch_native", "page_size": 4}),
+    "deepseek-torch_native": (TINY_DEEPSEEK, {"attention_backend": "torch_native"}),
+    "deepseek-torch_native-page4": (TINY_DEEPSEEK, {"attention_backend": "torch_native", "page_size": 4}),
 }
 NEW_TOKENS = 8
 

@@ -6,7 +6,7 @@ CPU: TRITON_INTERPRET=1 with DeepSeek's shapes scaled down (latent 32 + rope 16)
 import pytest
 import torch
 from attention_helpers import rel_err, run_layer
-from engine_helpers import VOCAB, tiny_model
+from engine_helpers import TINY_DEEPSEEK, VOCAB, tiny_model
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.backends.triton import TritonBackend, TritonMLABackend
@@ -122,13 +122,6 @@ def test_mla_graph_buffers_replay_new_lengths_in_place():
 
 
 # ---- a tiny DeepSeek model end to end ----------------------------------------------------------------
-TINY_DEEPSEEK = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": VOCAB,
-    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
-    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
-    "qk_nope_head_dim": 16, "v_head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-}
 
 
 @torch.no_grad()
