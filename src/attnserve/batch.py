@@ -2,8 +2,8 @@
 
 The engine's runner builds it, models and ops read it, attention backends plan from it; none of them owns it,
 so it lives here, below all of them. It says which requests run, how many tokens each and where their K/V
-lives; which backend serves the step is not the step's business (a model's attention layers are bound to
-their backend once, `attention.layer.bind_attention_backend`).
+lives; which backend serves the step is not the step's business (whoever runs the model names it for the call:
+`attention.layer.attention_backend`).
 """
 
 from __future__ import annotations

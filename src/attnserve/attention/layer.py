@@ -85,7 +85,7 @@ class AttentionLayer(nn.Module):
         return self.num_heads // self.num_kv_heads
 
     @staticmethod
-    def _backend(fb: ForwardBatch) -> AttentionBackend:
+    def _backend() -> AttentionBackend:
         backend = _RUNNING_ON.get()
         if backend is None:
             raise ValueError("no attention backend for this step: run the model inside "
@@ -106,7 +106,7 @@ class AttentionLayer(nn.Module):
         rope: the model's RopeStep when q and k still need rotating; the backend then rotates and
         stores in one call (fused into one kernel where the model and pool allow).
         """
-        backend = self._backend(fb)
+        backend = self._backend()
         tokens = q.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         if k is not None:
@@ -129,7 +129,7 @@ class AttentionLayer(nn.Module):
         planned step fits (e.g. fresh prompts only)."""
         if not self.is_mla:
             return False
-        backend = self._backend(fb)
+        backend = self._backend()
         return backend.features.expanded_mla_prefill and backend.expanded_prefill_applies(fb)
 
     def forward_expanded(
@@ -140,7 +140,7 @@ class AttentionLayer(nn.Module):
         q, k `[T, H, nope + rope]`, v `[T, H, v]`; latent_row `[T, 1, kv_lora_rank + rope]` is what the
         pool stores, written here for the steps that follow (which read it in the absorbed form).
         """
-        backend = self._backend(fb)
+        backend = self._backend()
         if not self.is_mla:
             raise ValueError(f"layer {self.layer_id} is not MLA; expanded prefill is an MLA path")
         if not backend.features.expanded_mla_prefill:

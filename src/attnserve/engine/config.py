@@ -101,7 +101,7 @@ class EngineConfig:
         "pays its fixed cost, so a small N costs throughput on a GPU. auto: beside D decodes, "
         "min(chunk, max(256, S / D)) prompt tokens (S = 65536 unless auto:S): many streams get short "
         "stalls, few streams big chunks. <= 0: off (a whole chunk joins the decodes: the best throughput, "
-        "and every stream stalls for the chunk). Default: 2048 on a GPU (on an H200, 0.98x the best "
+        "and every stream stalls for the chunk). Default: 2048 on a GPU (on an H200, 0.99x the best "
         "throughput at an ITL p99 of 52 ms), 512 on a CPU (there every prompt token is a stall), or "
         "2 x --max-running-requests when larger")
     schedule_policy: str = knob(

@@ -30,7 +30,7 @@ t_mix + t_tok * P longer than a decode step, so the step costs the streams D * (
 in all. `auto` bounds D * P by S: with many streams each step adds few prompt tokens, with few
 streams big chunks (they stall few streams). The floor, AUTO_MIN_PREFILL = 256 tokens, is where a
 step's matmuls turn from reading the weights to computing; the cap is the chunk. On the H200 sweep
-fixed budgets beat it on both counts: t_mix (about 16 ms) dominates a mixed step from 256 to 2,048
+fixed budgets beat it on both counts: t_mix (about 23 ms) dominates a mixed step from 256 to 2,048
 prompt tokens, and a whole chunk beside a few streams stalls them for up to the chunk's time.
 
 Policy (`--schedule-policy`, SGLang's names):
