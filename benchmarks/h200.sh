@@ -134,8 +134,11 @@ PY
   return $rc
 }
 
-# compare alone needs no GPU
-if [ "${STEPS[*]}" = compare ]; then step_compare; exit $?; fi
+# compare alone needs no GPU; on the GPU machine the CLI's own dependencies are in /tmp/site from an earlier step
+if [ "${STEPS[*]}" = compare ]; then
+  [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  step_compare; exit $?
+fi
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.total --format=csv \
   > "$LOGS/smi.txt" 2>&1
