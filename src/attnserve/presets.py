@@ -72,6 +72,18 @@ def _deepseek(name_or_path: str, arch: str, model_type: str, **overrides: Any) -
     return cfg
 
 
+def _deepseek_yarn(mscale: float) -> dict[str, Any]:
+    """The YaRN RoPE scaling every DeepSeek MLA model publishes (4k trained, 40x); only the mscale differs."""
+    return {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": mscale, "mscale_all_dim": mscale}
+
+
+def _deepseek_v2(name_or_path: str, **overrides: Any) -> dict[str, Any]:
+    """DeepSeek-V2 and V2-Lite share their routing (softmax scores, top-k weights not renormalised) and YaRN."""
+    return _deepseek(name_or_path, "DeepseekV2ForCausalLM", "deepseek_v2", **overrides,
+                     scoring_func="softmax", norm_topk_prob=False, rope_scaling=_deepseek_yarn(0.707))
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-2-7b": _llama(
         "meta-llama/Llama-2-7b-hf",
@@ -123,25 +135,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000,
         tie_word_embeddings=True,
     ),
-    "deepseek-v2": _deepseek(
-        "deepseek-ai/DeepSeek-V2", "DeepseekV2ForCausalLM", "deepseek_v2",
+    "deepseek-v2": _deepseek_v2(
+        "deepseek-ai/DeepSeek-V2",
         hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=60,
         num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
         n_routed_experts=160, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
         topk_method="group_limited_greedy", n_group=8, topk_group=3, routed_scaling_factor=16.0,
-        scoring_func="softmax", norm_topk_prob=False,
-        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
     ),
-    "deepseek-v2-lite": _deepseek(
-        "deepseek-ai/DeepSeek-V2-Lite", "DeepseekV2ForCausalLM", "deepseek_v2",
+    "deepseek-v2-lite": _deepseek_v2(
+        "deepseek-ai/DeepSeek-V2-Lite",
         hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
         num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
         n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
         topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
-        scoring_func="softmax", norm_topk_prob=False,
-        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
     ),
     "deepseek-v3": _deepseek(
         "deepseek-ai/DeepSeek-V3", "DeepseekV3ForCausalLM", "deepseek_v3",
@@ -151,8 +157,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         topk_method="noaux_tc", n_group=8, topk_group=4, routed_scaling_factor=2.5,
         scoring_func="sigmoid", norm_topk_prob=True, num_nextn_predict_layers=1,
         bos_token_id=0, eos_token_id=1,
-        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        rope_scaling=_deepseek_yarn(1.0),
     ),
 }
 

@@ -233,14 +233,8 @@ class Selection:
         return self.prefill_backend != self.decode_backend
 
     def to_dict(self) -> dict:
-        return {
-            "prefill_backend": self.prefill_backend,
-            "decode_backend": self.decode_backend,
-            "page_size": self.page_size,
-            "cuda_graph": self.cuda_graph,
-            "policy_choice": self.policy_choice,
-            "trace": [e.to_dict() for e in self.trace],
-        }
+        """The fields in their order, each trace entry in its own key order (select --json)."""
+        return {**dataclasses.asdict(self), "trace": [e.to_dict() for e in self.trace]}
 
     def describe(self) -> str:
         head = (f"prefill: {self.prefill_backend}   decode: {self.decode_backend}   page size: {self.page_size}"

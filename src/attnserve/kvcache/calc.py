@@ -167,6 +167,11 @@ class KVCacheReport:
         return d
 
 
+# the rank's own figures, which the report repeats as they are
+_SHAPE_FIELDS = ("attention_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "v_head_dim",
+                 "sliding_window", "num_params")
+
+
 def kv_cache_report(
     model: str,
     shape: AttentionShape,
@@ -200,22 +205,15 @@ def kv_cache_report(
     bpt = kv_bytes_per_token(shape, kv_dtype)
     return KVCacheReport(
         model=model,
-        attention_type=shape.attention_type,
         kv_cache_dtype=kv_dtype,
         weight_dtype=weight_dtype,
         context=context,
         batch=batch,
-        num_layers=shape.num_layers,
-        num_q_heads=shape.num_q_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        v_head_dim=shape.v_head_dim,
-        sliding_window=shape.sliding_window,
+        **{name: getattr(shape, name) for name in _SHAPE_FIELDS},
         bytes_per_token_per_layer=kv_bytes_per_token_per_layer(shape, kv_dtype),
         bytes_per_token=bpt,
         bytes_per_request=bpt * context,
         total_bytes=kv_cache_bytes(shape, context, batch, kv_dtype),
-        num_params=shape.num_params,
         weight_bytes=weight_bytes(shape, weight_dtype),
         decode_intensity=decode_intensity(shape, context, kv_dtype),
         prefill_intensity=prefill_intensity(shape, context, kv_dtype),

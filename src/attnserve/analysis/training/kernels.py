@@ -111,6 +111,62 @@ def _visible_t(offs_m, offs_n, off, window, CAUSAL: tl.constexpr, WINDOW: tl.con
     return ok
 
 
+@triton.jit
+def _batch_head(heads):
+    """program_id(1), the grid's (batch x head) axis over `heads` heads, as (its index, batch, head); batch and
+    head in int64, as the offsets they scale need."""
+    bh = tl.program_id(1)
+    return bh, (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+
+
+@triton.jit
+def _query_program(H, GROUP, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """A query-block program's first row, its (batch x head) index, batch, query head and KV head."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh, b, h = _batch_head(H)
+    return pid_m * BLOCK_M, bh, b, h, h // GROUP
+
+
+@triton.jit
+def _key_blocks(start_m, Tk, off, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                WINDOW: tl.constexpr):
+    """The key blocks a query block visits: [lo, full) need no score mask (every row sees every key there),
+    [full, hi) do. Under a window every block is masked: full == lo."""
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(Tk, start_m + BLOCK_M + off)
+    if WINDOW:
+        lo = tl.maximum(start_m + off - window + 1, 0) // BLOCK_N * BLOCK_N
+        full = lo
+    else:
+        lo = 0
+        full = Tk // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            full = tl.minimum(full, (start_m + off + 1) // BLOCK_N * BLOCK_N)
+    return lo, full, hi
+
+
+@triton.jit
+def _head_rows(base, stride_t, offs, offs_d, n, MASKED: tl.constexpr):
+    """Rows `offs` `[BLOCK, HEAD_DIM]` of one (batch, head)'s n rows at base; MASKED: rows past n load as zeros
+    (a block that cannot reach past n skips the mask)."""
+    if MASKED:
+        return tl.load(base + offs[:, None] * stride_t + offs_d[None, :], mask=offs[:, None] < n, other=0.0)
+    return tl.load(base + offs[:, None] * stride_t + offs_d[None, :])
+
+
+@triton.jit
+def _key_block(q, k_base, stride_kt, start_n, offs_d, Tk, sm_scale, softcap, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The key block at start_n against a query block: its key offsets, K rows, and _logits' two results."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _head_rows(k_base, stride_kt, offs_n, offs_d, Tk, MASKED)
+    s, t = _logits(tl.dot(q, tl.trans(k)), sm_scale, softcap, SOFTCAP)
+    return offs_n, k, s, t
+
+
 # ---------------------------------------------------------------------------------------------- forward
 
 @triton.jit
@@ -118,15 +174,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
                Tq, Tk, off, window, sm_scale, softcap,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                SOFTCAP: tl.constexpr):
-    offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        if MASKED:
-            kmask = offs_n[:, None] < Tk
-            k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)
-        else:
-            k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :])
-        s, _t = _logits(tl.dot(q, tl.trans(k)), sm_scale, softcap, SOFTCAP)
+        offs_n, _k, s, _t = _key_block(q, k_base, stride_kt, start_n, offs_d, Tk, sm_scale, softcap, BLOCK_N, MASKED,
+                                       SOFTCAP)
         if MASKED:
             s = tl.where(_visible(offs_m, offs_n, Tq, Tk, off, window, CAUSAL, WINDOW), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -138,10 +188,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0)
-        else:
-            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :])
+        v = _head_rows(v_base, stride_vt, offs_n, offs_d, Tk, MASKED)
         acc += tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, l_i, m_i
@@ -154,40 +201,24 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 H, GROUP, Tq, Tk, off, window, sm_scale, softcap,
                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                 ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    start_m = pid_m * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hk = h // GROUP
+    start_m, bh, b, h, hk = _query_program(H, GROUP, BLOCK_M, CAUSAL)
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < Tq, other=0.0)
+    q = _head_rows(q_base, stride_qt, offs_m, offs_d, Tq, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC_DTYPE)
     l_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)
 
-    hi = Tk
-    if CAUSAL:
-        hi = tl.minimum(Tk, start_m + BLOCK_M + off)
-    if WINDOW:
-        lo = tl.maximum(start_m + off - window + 1, 0) // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi,
-                                   Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
-    else:
-        full = Tk // BLOCK_N * BLOCK_N
-        if CAUSAL:
-            full = tl.minimum(full, (start_m + off + 1) // BLOCK_N * BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full,
+    lo, full, hi = _key_blocks(start_m, Tk, off, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    if not WINDOW:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, full,
                                    Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, False, CAUSAL, WINDOW, SOFTCAP)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full, hi,
-                                   Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full, hi,
+                               Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -203,16 +234,11 @@ def _fwd_kernel(Q, K, V, O, LSE,
 @triton.jit
 def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_db, stride_dh, stride_dt, H, Tq,
                   HEAD_DIM: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr):
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh, b, h = _batch_head(H)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask = offs_m[:, None] < Tq
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :], mask=mask,
-                other=0.0)
-    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dt + offs_d[None, :], mask=mask,
-                 other=0.0)
+    o = _head_rows(O + b * stride_ob + h * stride_oh, stride_ot, offs_m, offs_d, Tq, True)
+    do = _head_rows(DO + b * stride_db + h * stride_dh, stride_dt, offs_m, offs_d, Tq, True)
     delta = tl.sum(o.to(ACC_DTYPE) * do.to(ACC_DTYPE), 1)
     tl.store(DELTA + bh.to(tl.int64) * Tq + offs_m, delta, mask=offs_m < Tq)
 
@@ -234,7 +260,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)
         if MASKED:
             pT = tl.where(_visible_t(offs_m, offs_n, off, window, CAUSAL, WINDOW), pT, 0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = _head_rows(do_base, stride_dot, offs_m, offs_d, Tq, True)
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         dv += tl.dot(pT.to(do.dtype), do)
         dpT = tl.dot(v, tl.trans(do))
@@ -254,16 +280,12 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                  ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
-    b = (bhk // HK).to(tl.int64)
-    hk = (bhk % HK).to(tl.int64)
+    _bhk, b, hk = _batch_head(HK)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_mask = offs_n[:, None] < Tk
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
-                other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask,
-                other=0.0)
+    k = _head_rows(K + b * stride_kb + hk * stride_kh, stride_kt, offs_n, offs_d, Tk, True)
+    v = _head_rows(V + b * stride_vb + hk * stride_vh, stride_vt, offs_n, offs_d, Tk, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
 
@@ -307,17 +329,10 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
               Tq, Tk, off, window, sm_scale, softcap,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
               SOFTCAP: tl.constexpr):
-    offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        if MASKED:
-            kmask = offs_n[:, None] < Tk
-            k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kmask, other=0.0)
-        else:
-            k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :])
-            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :])
-        s, t = _logits(tl.dot(q, tl.trans(k)), sm_scale, softcap, SOFTCAP)
+        offs_n, k, s, t = _key_block(q, k_base, stride_kt, start_n, offs_d, Tk, sm_scale, softcap, BLOCK_N, MASKED,
+                                     SOFTCAP)
+        v = _head_rows(v_base, stride_vt, offs_n, offs_d, Tk, MASKED)
         p = tl.exp2(s - lse[:, None])
         if MASKED:
             p = tl.where(_visible(offs_m, offs_n, Tq, Tk, off, window, CAUSAL, WINDOW), p, 0.0)
@@ -337,21 +352,12 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                H, GROUP, Tq, Tk, off, window, sm_scale, softcap,
                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    start_m = pid_m * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hk = h // GROUP
+    start_m, bh, b, h, hk = _query_program(H, GROUP, BLOCK_M, CAUSAL)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Tq
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
+    q = _head_rows(Q + b * stride_qb + h * stride_qh, stride_qt, offs_m, offs_d, Tq, True)
+    do = _head_rows(DO + b * stride_dob + h * stride_doh, stride_dot, offs_m, offs_d, Tq, True)
     row = bh.to(tl.int64) * Tq
     lse = tl.load(LSE + row + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + row + offs_m, mask=row_ok, other=0.0)
@@ -359,21 +365,12 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     v_base = V + b * stride_vb + hk * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)
 
-    hi = Tk
-    if CAUSAL:
-        hi = tl.minimum(Tk, start_m + BLOCK_M + off)
-    if WINDOW:
-        lo = tl.maximum(start_m + off - window + 1, 0) // BLOCK_N * BLOCK_N
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi,
-                       Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
-    else:
-        full = Tk // BLOCK_N * BLOCK_N
-        if CAUSAL:
-            full = tl.minimum(full, (start_m + off + 1) // BLOCK_N * BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full,
+    lo, full, hi = _key_blocks(start_m, Tk, off, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    if not WINDOW:
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, full,
                        Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, False, CAUSAL, WINDOW, SOFTCAP)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full, hi,
-                       Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full, hi,
+                   Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])

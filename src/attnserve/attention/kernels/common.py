@@ -2,7 +2,8 @@
 
 Scores are kept in base 2 (scaled by log2(e)) so the kernels use exp2. Every kernel (MHA decode,
 extend, MLA decode) turns a raw q.k^T tile into probabilities through `online_softmax_tile`, so the
-scaling, soft-cap and running max/sum update are written once.
+scaling, soft-cap and running max/sum update are written once; the paged MHA kernels take a layer's
+scales and masking features as `layer_scalars` and `layer_constexprs` give them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,22 @@ def next_pow2(n: int) -> int:
 def dot_dtype_is_f32(*tensors: torch.Tensor) -> bool:
     """The tl.dot inputs must be float32: under the interpreter, or when any input is float32."""
     return interpreting() or any(t.dtype == torch.float32 for t in tensors)
+
+
+def layer_scalars(layer) -> tuple[float, float, float, float, int]:
+    """A LayerParams as the paged MHA kernels take it: (qk_scale_log2, sm_scale_k, v_scale, softcap, window).
+    The pool's K scale folds into the softmax scale; 1.0 and 0 stand in for no soft cap and no window, which
+    the HAS_SOFTCAP / HAS_WINDOW constexprs (`layer_constexprs`) switch off."""
+    sm_scale_k = layer.sm_scale * layer.k_scale
+    return sm_scale_k * LOG2E, sm_scale_k, layer.v_scale, float(layer.logit_cap or 1.0), int(layer.sliding_window or 0)
+
+
+def layer_constexprs(layer, head_dim: int, v_dim: int) -> dict:
+    """The paged MHA kernels' constexprs of a layer: its K and V widths padded to powers of two for tl.arange,
+    and its masking features."""
+    return dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
+                HAS_WINDOW=layer.sliding_window is not None, HAS_SOFTCAP=layer.logit_cap is not None,
+                HAS_SINKS=layer.sinks is not None)
 
 
 @triton.jit
@@ -74,6 +91,17 @@ def dot_pv(p, v, acc, q, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+
+
+@triton.jit
+def online_softmax_start(ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The running max and sum `[ROWS]` and the output accumulator `[ROWS, COLS]` before the first key tile.
+
+    The max starts at -1e30, not -inf: a row whose tiles so far hid every key then rescales by
+    exp2(m_i - m_new) = 1, where -inf - -inf would make it NaN.
+    """
+    return (tl.full([ROWS], -1.0e30, dtype=tl.float32), tl.zeros([ROWS], dtype=tl.float32),
+            tl.zeros([ROWS, COLS], dtype=tl.float32))
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 A tile is `positions` consecutive new tokens of one request (for MHA, of one KV head's query group); the list
 runs heaviest first so the longest tiles start in the first wave. `key_tile_range` bounds the key tiles a query
 tile visits, `visible_keys` masks a key tile: causal or a custom mask (over every key, or over the new tokens
-only), then the sliding window.
+only), then the sliding window. `extend_tile` reads what a program needs of its tile.
 """
 
 from __future__ import annotations
@@ -76,6 +76,22 @@ def visible_keys(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, wi
     if HAS_WINDOW:
         visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
     return visible
+
+
+@triton.jit
+def extend_tile(tile_req, tile_m0, qo_indptr, kv_indptr, seq_lens, mask_indptr, HAS_CUSTOM_MASK: tl.constexpr):
+    """The tile of program_id(1) in the host's list: (m0 its first row among the request's new tokens, q_start
+    the request's first query row, ext its new tokens, seq its keys, prefix, page_base its first kv_indices
+    entry, mask_base its custom mask's offset)."""
+    t = tl.program_id(1)
+    r = tl.load(tile_req + t)
+    q_start = tl.load(qo_indptr + r)
+    ext = tl.load(qo_indptr + r + 1) - q_start
+    seq = tl.load(seq_lens + r)
+    mask_base = 0
+    if HAS_CUSTOM_MASK:
+        mask_base = tl.load(mask_indptr + r)
+    return tl.load(tile_m0 + t), q_start, ext, seq, seq - ext, tl.load(kv_indptr + r), mask_base
 
 
 @triton.jit

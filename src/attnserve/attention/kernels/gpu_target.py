@@ -113,3 +113,12 @@ def check_shared_memory(kernel: str, tiles: TileShape, target: GpuTarget | None)
             f"{need // 1024} KiB of shared memory, but this GPU (sm{target.capability[0]}{target.capability[1]}) "
             f"allows {target.smem_bytes // 1024} KiB per block; choose smaller block sizes or fewer stages"
         )
+
+
+def settle_config(kernel: str, config, default, shape_of, target: GpuTarget | None):
+    """The tiles a launch runs: `config` as given, or `default` with stages dropped until it fits (a given config
+    is the caller's to keep); either way checked against the GPU's shared memory before Triton launches it."""
+    if config is None:
+        config = fewest_stages_dropped(default, shape_of, target)
+    check_shared_memory(kernel, shape_of(config), target)
+    return config

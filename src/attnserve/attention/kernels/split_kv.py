@@ -1,4 +1,4 @@
-"""Split-KV pieces both decode families share: a split's key range, a split's epilogue, the partial buffers.
+"""Split-KV pieces both decode families share: a program's split, its key range, its epilogue, the partial buffers.
 
 A decode program owns one (request, head group, split); each split writes a normalised partial output and its
 base-2 log-sum-exp, which a merge kernel combines (mha/decode.py's, or merge_tiled.py's for many splits). With
@@ -12,6 +12,14 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.kernels.common import to_log2
+
+
+@triton.jit
+def split_program(num_splits):
+    """A split decode program's (request, head group, split) and its request's split count: a split past the count
+    has nothing to do, which the kernel checks before it reads anything else."""
+    b = tl.program_id(0)
+    return b, tl.program_id(1), tl.program_id(2), tl.load(num_splits + b)
 
 
 @triton.jit

@@ -69,6 +69,24 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(ptrs, row_ok, k_ok, EVEN_K: tl.constexpr):
+    """`[BLOCK_M, BLOCK_K]` of the pairs' rows; padding rows (and columns past K) load as zeros."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    return tl.load(ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _weight_tile(ptrs, k_ok, col_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """`[BLOCK_K, BLOCK_N]` of an expert's weights, masked only where K or N does not divide into tiles."""
+    if EVEN_K:
+        if EVEN_N:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    return tl.load(ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _gate_up_silu_kernel(
     X, W, WS, Out, SortedPairs, BlockExpert,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, shared_up_rows, stride_om,
@@ -96,19 +114,10 @@ def _gate_up_silu_kernel(
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            if EVEN_N:
-                gate = tl.load(gate_ptrs)
-                up = tl.load(up_ptrs)
-            else:
-                gate = tl.load(gate_ptrs, mask=col_ok[None, :], other=0.0)
-                up = tl.load(up_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < K - k0
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            gate = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        k_ok = offs_k < K - k0
+        x = _row_tile(x_ptrs, row_ok, k_ok, EVEN_K)
+        gate = _weight_tile(gate_ptrs, k_ok, col_ok, EVEN_K, EVEN_N)
+        up = _weight_tile(up_ptrs, k_ok, col_ok, EVEN_K, EVEN_N)
         acc_gate = _dot(x, gate, acc_gate, DOT_F32)
         acc_up = _dot(x, up, acc_up, DOT_F32)
         x_ptrs += BLOCK_K
@@ -147,16 +156,9 @@ def _down_weighted_kernel(
         w_ptrs = WS + (expert - NUM_EXPERTS) * stride_se + offs_n[None, :] * stride_sn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < K - k0
-            h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        k_ok = offs_k < K - k0
+        h = _row_tile(h_ptrs, row_ok, k_ok, EVEN_K)
+        w = _weight_tile(w_ptrs, k_ok, col_ok, EVEN_K, EVEN_N)
         acc = _dot(h, w, acc, DOT_F32)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

@@ -16,22 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.kernels.common import (
-    LOG2E,
-    dot_dtype_is_f32,
-    dot_pv,
-    dot_qk,
-    next_pow2,
-    online_softmax_tile,
-    to_log2,
-)
-from attnserve.attention.kernels.gpu_target import (
-    GpuTarget,
-    TileShape,
-    check_shared_memory,
-    fewest_stages_dropped,
-    target_for,
-)
+from attnserve.attention.kernels import common
+from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, settle_config, target_for
 from attnserve.attention.kernels.mha.configs import DecodeConfig, default_decode_config
 from attnserve.attention.kernels.params import DecodeRows, LayerParams
 from attnserve.attention.kernels.split_kv import (
@@ -39,6 +25,7 @@ from attnserve.attention.kernels.split_kv import (
     partial_strides,
     split_bounds,
     split_outputs,
+    split_program,
 )
 
 
@@ -54,10 +41,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, WRITE_FINAL: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    n_splits = tl.load(num_splits + b)
+    b, kvh, split, n_splits = split_program(num_splits)
     if split >= n_splits:
         return
     seq = tl.load(seq_lens + b)
@@ -79,9 +63,7 @@ def _decode_split_kernel(
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     if DOT_F32:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    m_i, l_i, acc = common.online_softmax_start(BLOCK_H, BLOCK_DV)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
@@ -89,12 +71,12 @@ def _decode_split_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
         k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = dot_qk(q, k, DOT_F32)  # [BLOCK_H, BLOCK_N]
-        p, alpha, m_i, l_i = online_softmax_tile(s, n_mask[None, :], m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
-                                                 HAS_SOFTCAP, True)
+        s = common.dot_qk(q, k, DOT_F32)  # [BLOCK_H, BLOCK_N]
+        p, alpha, m_i, l_i = common.online_softmax_tile(s, n_mask[None, :], m_i, l_i, qk_scale_log2, sm_scale_k,
+                                                        softcap, HAS_SOFTCAP, True)
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
                     mask=n_mask[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-        acc = dot_pv(p, v, acc * alpha[:, None], q, DOT_F32)
+        acc = common.dot_pv(p, v, acc * alpha[:, None], q, DOT_F32)
 
     finish_split(acc, m_i, l_i, Out, PartialO, PartialLse, Sinks, b, head, h_mask, split, offs_dv, dv_mask, v_scale,
                  stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HAS_SINKS, WRITE_FINAL)
@@ -124,7 +106,7 @@ def _merge_splits_kernel(
         total = total * alpha + w
         m = m_new
     if HAS_SINKS:
-        total += tl.exp2(tl.minimum(to_log2(tl.load(Sinks + h)) - m, 126.0))
+        total += tl.exp2(tl.minimum(common.to_log2(tl.load(Sinks + h)) - m, 126.0))
     total = tl.where(total > 0.0, total, 1.0)
     out = acc / total * v_scale
     tl.store(Out + b * stride_ot + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_mask)
@@ -137,7 +119,7 @@ def merge_splits(out: torch.Tensor, partial_o: torch.Tensor, partial_lse: torch.
     _merge_splits_kernel[(batch, num_heads)](
         out, partial_o, partial_lse, num_splits, sinks if sinks is not None else out, v_scale,
         out.stride(0), out.stride(1), *partial_strides(partial_o, partial_lse),
-        V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim), HAS_SINKS=sinks is not None,
+        V_DIM=v_dim, BLOCK_DV=common.next_pow2(v_dim), HAS_SINKS=sinks is not None,
         num_warps=4 if v_dim >= 256 else 2,
     )
 
@@ -164,8 +146,6 @@ def decode_attention(
     """
     kv_indptr, kv_indices, seq_lens, num_splits = rows.kv_indptr, rows.kv_indices, rows.seq_lens, rows.num_splits
     max_splits, page_size = rows.max_splits, rows.page_size
-    sm_scale, k_scale, v_scale = layer.sm_scale, layer.k_scale, layer.v_scale
-    sliding_window, logit_cap, sinks = layer.sliding_window, layer.logit_cap, layer.sinks
     batch, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
     if num_heads % num_kv_heads:
@@ -174,34 +154,27 @@ def decode_attention(
         return out
     group = num_heads // num_kv_heads
     target = target or target_for(q.device)
-    block_h = max(16, next_pow2(group))
+    block_h = max(16, common.next_pow2(group))
 
     def tile_shape(c: DecodeConfig) -> TileShape:
-        return TileShape(block_h, next_pow2(head_dim), c.block_n, next_pow2(head_dim) + next_pow2(v_dim),
-                         c.num_stages, q.element_size())
+        return TileShape(block_h, common.next_pow2(head_dim), c.block_n,
+                         common.next_pow2(head_dim) + common.next_pow2(v_dim), c.num_stages, q.element_size())
 
-    if config is None:
-        config = fewest_stages_dropped(default_decode_config(head_dim, page_size, target), tile_shape, target)
-    check_shared_memory("decode", tile_shape(config), target)
+    config = settle_config("decode", config, default_decode_config(head_dim, page_size, target), tile_shape, target)
     if write_final is None:
         write_final = max_splits == 1
     partial_o, partial_lse = split_outputs(out, partials, max_splits, write_final)
-    sm_scale_k = sm_scale * k_scale
-    dot_f32 = dot_dtype_is_f32(q)
-    sinks_arg = sinks if sinks is not None else q
     grid = (batch, num_kv_heads, max_splits)
     _decode_split_kernel[grid](
         q, k_buffer, v_buffer, out, partial_o, partial_lse,
-        kv_indptr, kv_indices, seq_lens, num_splits, sinks_arg,
-        sm_scale_k * LOG2E, sm_scale_k, v_scale, float(logit_cap or 1.0), int(sliding_window or 0),
+        kv_indptr, kv_indices, seq_lens, num_splits, layer.sinks if layer.sinks is not None else q,
+        *common.layer_scalars(layer),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1), *partial_strides(partial_o, partial_lse),
-        GROUP=group, BLOCK_H=block_h, BLOCK_N=config.block_n,
-        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
-        PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
-        HAS_SINKS=sinks is not None, WRITE_FINAL=write_final, DOT_F32=dot_f32,
+        GROUP=group, BLOCK_H=block_h, BLOCK_N=config.block_n, PAGE_SIZE=page_size, WRITE_FINAL=write_final,
+        DOT_F32=common.dot_dtype_is_f32(q), **common.layer_constexprs(layer, head_dim, v_dim),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not write_final:
-        merge_splits(out, partial_o, partial_lse, num_splits, sinks, v_scale)
+        merge_splits(out, partial_o, partial_lse, num_splits, layer.sinks, layer.v_scale)
     return out

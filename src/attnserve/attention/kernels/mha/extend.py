@@ -28,29 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.kernels.common import (
-    LOG2E,
-    dot_dtype_is_f32,
-    dot_pv,
-    dot_qk,
-    next_pow2,
-    online_softmax_tile,
-    to_log2,
-)
+from attnserve.attention.kernels import common
 from attnserve.attention.kernels.extend_tiles import (
     ExtendTiles,
     build_extend_tiles,
+    extend_tile,
     key_tile_range,
     mask_kind,
     visible_keys,
 )
-from attnserve.attention.kernels.gpu_target import (
-    GpuTarget,
-    TileShape,
-    check_shared_memory,
-    fewest_stages_dropped,
-    target_for,
-)
+from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, settle_config, target_for
 from attnserve.attention.kernels.params import ExtendRows, LayerParams
 from attnserve.transfers import to_device
 
@@ -105,49 +92,50 @@ def verify_extend_config(tokens: int, group: int, head_dim: int, device: torch.d
     once per KV head instead of once per query head.
     """
     base = default_extend_config(head_dim, device)
-    rows = min(base.block_m, max(16, next_pow2(tokens * group)))
+    rows = min(base.block_m, max(16, common.next_pow2(tokens * group)))
     return replace(base, block_m=rows, pack_gqa=True)
 
 
 @triton.jit
+def _kv_rows(ptrs, n_valid, col_mask, MASKED: tl.constexpr, PAD_D: tl.constexpr):
+    """A key tile's K or V rows: a masked tile also drops keys past the request's end; a padded head dim
+    masks its columns either way."""
+    if MASKED:
+        return tl.load(ptrs, mask=n_valid[:, None] & col_mask[None, :], other=0.0)
+    if PAD_D:
+        return tl.load(ptrs, mask=col_mask[None, :], other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
 def _extend_block(
-    acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
-    qk_scale_log2, sm_scale_k, softcap, window,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    acc, m_i, l_i, q, n0, k_head, v_head, kv_indices, page_base, q_pos, seq, q_row, m_mask, Mask, mask_base,
+    qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_vt,
     offs_d, d_mask, offs_dv, dv_mask,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PAD_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """One key tile. MASKED: a tile on the diagonal (or any tile with a window / custom mask)."""
+    """One key tile; k_head / v_head: the pool at the program's KV head. MASKED: a tile on the diagonal (or any
+    tile with a window / custom mask)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < seq  # read by a masked tile only: every key of the others is in the request
     if MASKED:
-        n_valid = offs_n < seq
         page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_valid, other=0)
     else:
         page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE)
     slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
-    k_ptrs = K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-    v_ptrs = V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :]
-    if MASKED:
-        k = tl.load(k_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
-    elif PAD_D:
-        k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
-    else:
-        k = tl.load(k_ptrs)  # [BLOCK_N, BLOCK_D]
-    s = dot_qk(q, k, DOT_F32)  # [BLOCK_M, BLOCK_N]
+    # [BLOCK_N, BLOCK_D]
+    k = _kv_rows(k_head + slot[:, None] * stride_kt + offs_d[None, :], n_valid, d_mask, MASKED, PAD_D)
+    s = common.dot_qk(q, k, DOT_F32)  # [BLOCK_M, BLOCK_N]
     visible = None
     if MASKED:
         visible = visible_keys(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, window,
                            HAS_WINDOW, HAS_CUSTOM_MASK)
-    p, alpha, m_new, l_i = online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
-                                               HAS_SOFTCAP, MASKED)
-    if MASKED:
-        v = tl.load(v_ptrs, mask=n_valid[:, None] & dv_mask[None, :], other=0.0)
-    elif PAD_D:
-        v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
-    else:
-        v = tl.load(v_ptrs)  # [BLOCK_N, BLOCK_DV]
-    acc = dot_pv(p, v, acc * alpha[:, None], q, DOT_F32)
+    p, alpha, m_new, l_i = common.online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, sm_scale_k, softcap,
+                                                      HAS_SOFTCAP, MASKED)
+    # [BLOCK_N, BLOCK_DV]
+    v = _kv_rows(v_head + slot[:, None] * stride_vt + offs_dv[None, :], n_valid, dv_mask, MASKED, PAD_D)
+    acc = common.dot_pv(p, v, acc * alpha[:, None], q, DOT_F32)
     return acc, m_new, l_i
 
 
@@ -165,18 +153,11 @@ def _extend_kernel(
     # PACK == GROUP: program_id(0) is a KV head and row i is position i // PACK of head i % PACK.
     POSITIONS: tl.constexpr = BLOCK_M // PACK
     pid_h = tl.program_id(0)
-    t = tl.program_id(1)
-    r = tl.load(tile_req + t)
-    m0 = tl.load(tile_m0 + t)
-    q_start = tl.load(qo_indptr + r)
-    ext = tl.load(qo_indptr + r + 1) - q_start
-    seq = tl.load(seq_lens + r)
-    prefix = seq - ext
+    m0, q_start, ext, seq, prefix, page_base, mask_base = extend_tile(tile_req, tile_m0, qo_indptr, kv_indptr,
+                                                                     seq_lens, mask_indptr, HAS_CUSTOM_MASK)
     kvh = pid_h * PACK // GROUP
-    page_base = tl.load(kv_indptr + r)
-    mask_base = 0
-    if HAS_CUSTOM_MASK:
-        mask_base = tl.load(mask_indptr + r)
+    k_head = K + kvh * stride_kh
+    v_head = V + kvh * stride_vh
 
     rows = tl.arange(0, BLOCK_M)
     q_row = m0 + rows // PACK  # [BLOCK_M] position of each row among the request's new tokens
@@ -193,26 +174,22 @@ def _extend_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i, l_i, acc = common.online_softmax_start(BLOCK_M, BLOCK_DV)
 
     lo, full_end, hi = key_tile_range(prefix, m0, seq, window, POSITIONS, BLOCK_N, HAS_WINDOW, HAS_CUSTOM_MASK)
     for n0 in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = _extend_block(
-            acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
-            qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt, stride_vh,
-            offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, False, PAD_D,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
+            acc, m_i, l_i, q, n0, k_head, v_head, kv_indices, page_base, q_pos, seq, q_row, m_mask, Mask, mask_base,
+            qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_vt, offs_d, d_mask, offs_dv, dv_mask,
+            BLOCK_N, PAGE_SIZE, False, PAD_D, HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
     for n0 in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _extend_block(
-            acc, m_i, l_i, q, n0, K, V, kv_indices, page_base, kvh, q_pos, seq, q_row, m_mask, Mask, mask_base,
-            qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_kh, stride_vt, stride_vh,
-            offs_d, d_mask, offs_dv, dv_mask, BLOCK_N, PAGE_SIZE, True, PAD_D,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
+            acc, m_i, l_i, q, n0, k_head, v_head, kv_indices, page_base, q_pos, seq, q_row, m_mask, Mask, mask_base,
+            qk_scale_log2, sm_scale_k, softcap, window, stride_kt, stride_vt, offs_d, d_mask, offs_dv, dv_mask,
+            BLOCK_N, PAGE_SIZE, True, PAD_D, HAS_WINDOW, HAS_SOFTCAP, HAS_CUSTOM_MASK, DOT_F32)
 
     if HAS_SINKS:
-        sink = to_log2(tl.load(Sinks + head))
+        sink = common.to_log2(tl.load(Sinks + head))
         l_i += tl.exp2(tl.minimum(sink - m_i, 126.0))  # capped: no overflow when nothing is visible
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None] * v_scale
@@ -239,8 +216,6 @@ def extend_attention(
     """
     tiles, qo_indptr, kv_indptr, kv_indices = rows.tiles, rows.qo_indptr, rows.kv_indptr, rows.kv_indices
     seq_lens, page_size, custom_mask, mask_indptr = rows.seq_lens, rows.page_size, rows.custom_mask, rows.mask_indptr
-    sm_scale, k_scale, v_scale = layer.sm_scale, layer.k_scale, layer.v_scale
-    sliding_window, logit_cap, sinks = layer.sliding_window, layer.logit_cap, layer.sinks
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[-1]
     if num_heads % num_kv_heads:
@@ -248,12 +223,10 @@ def extend_attention(
     target = target or target_for(q.device)
 
     def tile_shape(c: ExtendConfig) -> TileShape:
-        return TileShape(c.block_m, next_pow2(head_dim), c.block_n, next_pow2(head_dim) + next_pow2(v_dim),
-                         c.num_stages, q.element_size())
+        return TileShape(c.block_m, common.next_pow2(head_dim), c.block_n,
+                         common.next_pow2(head_dim) + common.next_pow2(v_dim), c.num_stages, q.element_size())
 
-    if config is None:
-        config = fewest_stages_dropped(default_extend_config(head_dim, q.device, target), tile_shape, target)
-    check_shared_memory("extend", tile_shape(config), target)
+    config = settle_config("extend", config, default_extend_config(head_dim, q.device, target), tile_shape, target)
     group = num_heads // num_kv_heads
     pack = pack_factor(config, group)
     if tiles.positions != config.positions_per_tile(group):
@@ -265,19 +238,16 @@ def extend_attention(
         raise ValueError("custom_mask and mask_indptr must be given together")
     if custom_mask is not None and custom_mask.dtype == torch.bool:
         custom_mask = custom_mask.view(torch.uint8)
-    sm_scale_k = sm_scale * k_scale
     _extend_kernel[(num_heads // pack, tiles.num_tiles)](
         q, k_buffer, v_buffer, out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_indptr, kv_indices, seq_lens,
         custom_mask if custom_mask is not None else q, mask_indptr if mask_indptr is not None else qo_indptr,
-        sinks if sinks is not None else q,
-        sm_scale_k * LOG2E, sm_scale_k, v_scale, float(logit_cap or 1.0), int(sliding_window or 0),
+        layer.sinks if layer.sinks is not None else q,
+        *common.layer_scalars(layer),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, PACK=pack, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), V_DIM=v_dim, BLOCK_DV=next_pow2(v_dim),
-        PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
-        HAS_SINKS=sinks is not None, HAS_CUSTOM_MASK=mask_kind(custom_mask, rows.mask_new_keys_only),
-        DOT_F32=dot_dtype_is_f32(q),
+        GROUP=group, PACK=pack, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE_SIZE=page_size,
+        HAS_CUSTOM_MASK=mask_kind(custom_mask, rows.mask_new_keys_only), DOT_F32=common.dot_dtype_is_f32(q),
+        **common.layer_constexprs(layer, head_dim, v_dim),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -37,6 +37,7 @@ from attnserve.attention.kernels.common import (
     dot_dtype_is_f32,
     dot_pv,
     dot_qk,
+    online_softmax_start,
     online_softmax_tile,
     online_softmax_tile_fma,
     to_log2,
@@ -169,9 +170,7 @@ def _attend_tile(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_M, HEAD_DIM)
 
     hi = tl.minimum(seq, prefix + m0 + BLOCK_M)  # nothing past the last row's position is visible
     lo = 0

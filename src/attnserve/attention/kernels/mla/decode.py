@@ -16,38 +16,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnserve.attention.kernels.common import (
-    LOG2E,
-    dot_dtype_is_f32,
-    dot_pv,
-    dot_qk,
-    dot_qk_into,
-    next_pow2,
-    online_softmax_tile,
-)
+from attnserve.attention.kernels import common
 from attnserve.attention.kernels.gpu_target import check_shared_memory
 from attnserve.attention.kernels.mla.decode_table import mla_tile_shape
+from attnserve.attention.kernels.mla.latent import latent_query, latent_rows
 from attnserve.attention.kernels.params import DecodeRows
 from attnserve.attention.kernels.plan import KernelPlan
-from attnserve.attention.kernels.split_kv import finish_split, partial_strides, split_bounds
-
-
-@triton.jit
-def _latent_rows(KV, kv_indices, page_base, n0, lo, hi, stride_kvt,
-                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
-    """Row pointers `[BLOCK_N, 1]` of the key tile starting at n0, and which rows lie in [lo, hi) `[BLOCK_N]`."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = (offs_n >= lo) & (offs_n < hi)
-    if TILE_IN_PAGE:
-        # the tile lies inside one page (tiles start at multiples of BLOCK_N, which divides the page):
-        # one page index per tile, and its rows are contiguous in the pool
-        page = tl.load(kv_indices + page_base + tl.maximum(n0, 0) // PAGE_SIZE)
-        first = page.to(tl.int64) * PAGE_SIZE + (n0 % PAGE_SIZE)
-        row = KV + (first + tl.arange(0, BLOCK_N))[:, None] * stride_kvt
-    else:
-        page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_mask, other=0)
-        row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kvt
-    return row, n_mask
+from attnserve.attention.kernels.split_kv import finish_split, partial_strides, split_bounds, split_program
 
 
 @triton.jit
@@ -61,10 +36,7 @@ def mla_decode_split_kernel(
     PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, DEFER_PV: tl.constexpr, WRITE_FINAL: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    hg = tl.program_id(1)
-    split = tl.program_id(2)
-    n_splits = tl.load(num_splits + b)
+    b, hg, split, n_splits = split_program(num_splits)
     if split >= n_splits:
         return
     seq = tl.load(seq_lens + b)
@@ -76,16 +48,10 @@ def mla_decode_split_kernel(
     offs_c = tl.arange(0, LATENT)  # the latent width is a power of two (512 in DeepSeek)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < ROPE
-    q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh
-    q_c = tl.load(q_ptrs + offs_c[None, :], mask=h_mask[:, None], other=0.0)  # [BLOCK_H, LATENT]
-    q_r = tl.load(q_ptrs + LATENT + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
-    if DOT_F32:
-        q_c = q_c.to(tl.float32)
-        q_r = q_r.to(tl.float32)
+    # [BLOCK_H, LATENT] and [BLOCK_H, BLOCK_R]
+    q_c, q_r = latent_query(Q + b * stride_qb + head[:, None] * stride_qh, h_mask, LATENT, ROPE, BLOCK_R, DOT_F32)
 
-    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, LATENT], dtype=tl.float32)
+    m_i, l_i, acc = common.online_softmax_start(BLOCK_H, LATENT)
     # DEFER_PV: a tile's probabilities are multiplied by its latent one iteration later (the tile is read again,
     # from L2). The score dot then feeds no dot of its own iteration, so Triton's Hopper layout splits its keys
     # over the two warpgroups of 8 warps instead of computing the whole score tile on both.
@@ -95,31 +61,31 @@ def mla_decode_split_kernel(
     alpha_prev = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         if DEFER_PV:
-            row_prev, prev_mask = _latent_rows(KV, kv_indices, page_base, n0 - BLOCK_N, lo, hi, stride_kvt,
-                                               BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
+            row_prev, prev_mask = latent_rows(KV, kv_indices, page_base, n0 - BLOCK_N, lo, hi, stride_kvt,
+                                              BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
             c_prev = tl.load(row_prev + offs_c[None, :], mask=prev_mask[:, None], other=0.0)  # [BLOCK_N, LATENT]
-            acc = dot_pv(p_prev, c_prev, acc * alpha_prev[:, None], q_c, DOT_F32)
-        row, n_mask = _latent_rows(KV, kv_indices, page_base, n0, lo, hi, stride_kvt, BLOCK_N, PAGE_SIZE,
-                                   TILE_IN_PAGE)
+            acc = common.dot_pv(p_prev, c_prev, acc * alpha_prev[:, None], q_c, DOT_F32)
+        row, n_mask = latent_rows(KV, kv_indices, page_base, n0, lo, hi, stride_kvt, BLOCK_N, PAGE_SIZE,
+                                  TILE_IN_PAGE)
         c = tl.load(row + offs_c[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, LATENT]: K and V
         k_pe = tl.load(row + LATENT + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         if DEFER_PV:  # the latent dot, the larger, must be the one that feeds no dot (common.dot_qk_into)
-            s = dot_qk_into(q_c, c, dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_H, BLOCK_N]
+            s = common.dot_qk_into(q_c, c, common.dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_H, BLOCK_N]
         else:  # both dots, then their sum: the layouts ptxas keeps apart from the deferred PV
-            s = dot_qk(q_c, c, DOT_F32) + dot_qk(q_r, k_pe, DOT_F32)
-        p, alpha, m_i, l_i = online_softmax_tile(s, n_mask[None, :], m_i, l_i, qk_scale_log2, 1.0, 1.0,
-                                                 False, True)
+            s = common.dot_qk(q_c, c, DOT_F32) + common.dot_qk(q_r, k_pe, DOT_F32)
+        p, alpha, m_i, l_i = common.online_softmax_tile(s, n_mask[None, :], m_i, l_i, qk_scale_log2, 1.0, 1.0,
+                                                        False, True)
         if DEFER_PV:
             p_prev = p
             alpha_prev = alpha
         else:
-            acc = dot_pv(p, c, acc * alpha[:, None], q_c, DOT_F32)
+            acc = common.dot_pv(p, c, acc * alpha[:, None], q_c, DOT_F32)
     if DEFER_PV:  # the last tile's values
         last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N
-        row_last, last_mask = _latent_rows(KV, kv_indices, page_base, last, lo, hi, stride_kvt, BLOCK_N,
-                                           PAGE_SIZE, TILE_IN_PAGE)
+        row_last, last_mask = latent_rows(KV, kv_indices, page_base, last, lo, hi, stride_kvt, BLOCK_N,
+                                          PAGE_SIZE, TILE_IN_PAGE)
         c_last = tl.load(row_last + offs_c[None, :], mask=last_mask[:, None], other=0.0)
-        acc = dot_pv(p_prev, c_last, acc * alpha_prev[:, None], q_c, DOT_F32)
+        acc = common.dot_pv(p_prev, c_last, acc * alpha_prev[:, None], q_c, DOT_F32)
 
     finish_split(acc, m_i, l_i, Out, PartialO, PartialLse, Q, b, head, h_mask, split, offs_c, offs_c < LATENT,
                  v_scale, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -139,13 +105,13 @@ def launch_triton_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows: De
     grid = (batch, plan.programs_per_split, max_splits)
     mla_decode_split_kernel[grid](
         q, kv_buffer, out, partial_o, partial_lse, kv_indptr, kv_indices, seq_lens, num_splits,
-        sm_scale * kv_scale * LOG2E, kv_scale,
+        sm_scale * kv_scale * common.LOG2E, kv_scale,
         q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1),
         *partial_strides(partial_o, partial_lse),
         NUM_HEADS=num_heads, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        LATENT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)),
+        LATENT=kv_lora_rank, ROPE=rope, BLOCK_R=max(16, common.next_pow2(rope)),
         PAGE_SIZE=page_size, TILE_IN_PAGE=page_size % config.block_n == 0, DEFER_PV=config.defer_pv,
         WRITE_FINAL=write_final,
-        DOT_F32=dot_dtype_is_f32(q),
+        DOT_F32=common.dot_dtype_is_f32(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

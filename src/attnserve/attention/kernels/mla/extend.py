@@ -17,23 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.kernels.common import (
-    LOG2E,
-    dot_dtype_is_f32,
-    dot_pv,
-    dot_qk,
-    dot_qk_into,
-    next_pow2,
-    online_softmax_tile,
-)
-from attnserve.attention.kernels.extend_tiles import key_tile_range, mask_kind, visible_keys
-from attnserve.attention.kernels.gpu_target import (
-    GpuTarget,
-    TileShape,
-    check_shared_memory,
-    fewest_stages_dropped,
-    target_for,
-)
+from attnserve.attention.kernels import common
+from attnserve.attention.kernels.extend_tiles import extend_tile, key_tile_range, mask_kind, visible_keys
+from attnserve.attention.kernels.gpu_target import GpuTarget, TileShape, settle_config, target_for
+from attnserve.attention.kernels.mla.latent import latent_query, latent_rows
 from attnserve.attention.kernels.mla.shapes import check_mla_shapes
 from attnserve.attention.kernels.params import ExtendRows
 
@@ -72,15 +59,6 @@ def default_mla_extend_config(device: torch.device, target: GpuTarget | None = N
 
 
 @triton.jit
-def _latent_tile(KV, kv_indices, page_base, n0, lo, seq, stride_kvt, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Row pointers `[BLOCK_N, 1]` of the key tile at n0 and which of its rows are keys in [lo, seq) `[BLOCK_N]`."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_valid = (offs_n >= lo) & (offs_n < seq)
-    page = tl.load(kv_indices + page_base + offs_n // PAGE_SIZE, mask=n_valid, other=0)
-    return KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kvt, n_valid
-
-
-@triton.jit
 def _mla_block(acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indices, page_base, seq, q_row, q_pos,
                m_mask, Mask, mask_base, qk_scale_log2, stride_kvt, offs_c, offs_r, r_mask,
                BLOCK_N: tl.constexpr, LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
@@ -90,24 +68,24 @@ def _mla_block(acc, m_i, l_i, p_prev, alpha_prev, q_c, q_r, n0, lo, KV, kv_indic
     DEFER_PV (as in mla/decode.py): the previous tile's probabilities p_prev meet its latent here, read again,
     and this tile's are returned for the next call; otherwise p_prev / alpha_prev pass through untouched."""
     if DEFER_PV:
-        row_prev, prev_valid = _latent_tile(KV, kv_indices, page_base, n0 - BLOCK_N, lo, seq, stride_kvt, BLOCK_N,
-                                            PAGE_SIZE)
+        row_prev, prev_valid = latent_rows(KV, kv_indices, page_base, n0 - BLOCK_N, lo, seq, stride_kvt, BLOCK_N,
+                                           PAGE_SIZE, False)
         c_prev = tl.load(row_prev + offs_c[None, :], mask=prev_valid[:, None], other=0.0)  # [BLOCK_N, LATENT]
-        acc = dot_pv(p_prev, c_prev, acc * alpha_prev[:, None], q_c, DOT_F32)
-    row, n_valid = _latent_tile(KV, kv_indices, page_base, n0, lo, seq, stride_kvt, BLOCK_N, PAGE_SIZE)
+        acc = common.dot_pv(p_prev, c_prev, acc * alpha_prev[:, None], q_c, DOT_F32)
+    row, n_valid = latent_rows(KV, kv_indices, page_base, n0, lo, seq, stride_kvt, BLOCK_N, PAGE_SIZE, False)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     c = tl.load(row + offs_c[None, :], mask=n_valid[:, None], other=0.0)  # [BLOCK_N, LATENT]: K and V
     k_pe = tl.load(row + LATENT + offs_r[None, :], mask=n_valid[:, None] & r_mask[None, :], other=0.0)
-    s = dot_qk_into(q_c, c, dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_M, BLOCK_N]
+    s = common.dot_qk_into(q_c, c, common.dot_qk(q_r, k_pe, DOT_F32), DOT_F32)  # [BLOCK_M, BLOCK_N]
     visible = None
     if MASKED:
         visible = visible_keys(offs_n, n_valid, m_mask, q_row, q_pos, seq, Mask, mask_base, 0, False, HAS_CUSTOM_MASK)
-    p, alpha, m_i, l_i = online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, 1.0, 1.0, False, MASKED)
+    p, alpha, m_i, l_i = common.online_softmax_tile(s, visible, m_i, l_i, qk_scale_log2, 1.0, 1.0, False, MASKED)
     if DEFER_PV:
         p_prev = p
         alpha_prev = alpha
     else:
-        acc = dot_pv(p, c, acc * alpha[:, None], q_c, DOT_F32)
+        acc = common.dot_pv(p, c, acc * alpha[:, None], q_c, DOT_F32)
     return acc, m_i, l_i, p_prev, alpha_prev
 
 
@@ -120,17 +98,8 @@ def mla_extend_kernel(
     PAGE_SIZE: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, DEFER_PV: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     head = tl.program_id(0)
-    t = tl.program_id(1)
-    r = tl.load(tile_req + t)
-    m0 = tl.load(tile_m0 + t)
-    q_start = tl.load(qo_indptr + r)
-    ext = tl.load(qo_indptr + r + 1) - q_start
-    seq = tl.load(seq_lens + r)
-    prefix = seq - ext
-    page_base = tl.load(kv_indptr + r)
-    mask_base = 0
-    if HAS_CUSTOM_MASK:
-        mask_base = tl.load(mask_indptr + r)
+    m0, q_start, ext, seq, prefix, page_base, mask_base = extend_tile(tile_req, tile_m0, qo_indptr, kv_indptr,
+                                                                     seq_lens, mask_indptr, HAS_CUSTOM_MASK)
 
     q_row = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows among the request's new tokens
     m_mask = q_row < ext
@@ -138,16 +107,11 @@ def mla_extend_kernel(
     offs_c = tl.arange(0, LATENT)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < ROPE
-    q_ptrs = Q + (q_start + q_row)[:, None] * stride_qt + head * stride_qh
-    q_c = tl.load(q_ptrs + offs_c[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, LATENT]
-    q_r = tl.load(q_ptrs + LATENT + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-    if DOT_F32:
-        q_c = q_c.to(tl.float32)
-        q_r = q_r.to(tl.float32)
+    # [BLOCK_M, LATENT] and [BLOCK_M, BLOCK_R]
+    q_c, q_r = latent_query(Q + (q_start + q_row)[:, None] * stride_qt + head * stride_qh, m_mask, LATENT, ROPE,
+                            BLOCK_R, DOT_F32)
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, LATENT], dtype=tl.float32)
+    m_i, l_i, acc = common.online_softmax_start(BLOCK_M, LATENT)
     p_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # DEFER_PV's carried tile (see _mla_block)
     alpha_prev = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     lo, full_end, hi = key_tile_range(prefix, m0, seq, 0, BLOCK_M, BLOCK_N, False, HAS_CUSTOM_MASK)
@@ -163,9 +127,10 @@ def mla_extend_kernel(
             BLOCK_N, LATENT, PAGE_SIZE, True, HAS_CUSTOM_MASK, DEFER_PV, DOT_F32)
     if DEFER_PV:  # the last tile's values
         last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N
-        row_last, last_valid = _latent_tile(KV, kv_indices, page_base, last, lo, seq, stride_kvt, BLOCK_N, PAGE_SIZE)
+        row_last, last_valid = latent_rows(KV, kv_indices, page_base, last, lo, seq, stride_kvt, BLOCK_N, PAGE_SIZE,
+                                           False)
         c_last = tl.load(row_last + offs_c[None, :], mask=last_valid[:, None], other=0.0)
-        acc = dot_pv(p_prev, c_last, acc * alpha_prev[:, None], q_c, DOT_F32)
+        acc = common.dot_pv(p_prev, c_last, acc * alpha_prev[:, None], q_c, DOT_F32)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None] * v_scale
@@ -202,9 +167,7 @@ def mla_extend_attention(
         return TileShape(c.block_m, width, c.block_n, width + kv_lora_rank * c.defer_pv, c.num_stages,
                          q.element_size())
 
-    if config is None:
-        config = fewest_stages_dropped(default_mla_extend_config(q.device, target), tile_shape, target)
-    check_shared_memory("MLA extend", tile_shape(config), target)
+    config = settle_config("MLA extend", config, default_mla_extend_config(q.device, target), tile_shape, target)
     if tiles.positions != config.block_m:
         raise ValueError(f"tiles cover {tiles.positions} positions, the config's tiles {config.block_m}")
     if num_tokens == 0 or tiles.num_tiles == 0:
@@ -214,12 +177,13 @@ def mla_extend_attention(
     mla_extend_kernel[(num_heads, tiles.num_tiles)](
         q, kv_buffer, out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_indptr, kv_indices, seq_lens,
         custom_mask if custom_mask is not None else q, mask_indptr if mask_indptr is not None else qo_indptr,
-        sm_scale * kv_scale * LOG2E, kv_scale,
+        sm_scale * kv_scale * common.LOG2E, kv_scale,
         q.stride(0), q.stride(1), kv_buffer.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, LATENT=kv_lora_rank, ROPE=rope,
-        BLOCK_R=max(16, next_pow2(rope)), PAGE_SIZE=page_size,
+        BLOCK_R=max(16, common.next_pow2(rope)), PAGE_SIZE=page_size,
         HAS_CUSTOM_MASK=mask_kind(custom_mask, rows.mask_new_keys_only),
-        DEFER_PV=config.defer_pv, DOT_F32=dot_dtype_is_f32(q), num_warps=config.num_warps, num_stages=config.num_stages,
+        DEFER_PV=config.defer_pv, DOT_F32=common.dot_dtype_is_f32(q), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 

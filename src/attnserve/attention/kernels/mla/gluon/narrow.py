@@ -20,21 +20,11 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from attnserve.attention.kernels.mla.gluon.parts import (
-    copy_columns,
-    copy_query,
-    release_stage,
-    split_range,
-    tile_rows,
-)
+from attnserve.attention.kernels.mla.gluon import parts
 
 
 @gluon.jit
@@ -43,16 +33,15 @@ def _narrow_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c
     """Tile i into stage i % STAGES once the consumer freed it; the next tile's page indices are loaded before
     this tile's copies wait for their stage."""
     BLOCK_N: gl.constexpr = 64
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 128 B of a row per 8 threads
-    copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
-    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
-    rows = tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
+    copy_rows: gl.constexpr = gl.SliceLayout(1, parts.COPY_LAYOUT)
+    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, parts.COPY_LAYOUT))
+    rows = parts.tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
     for i in range(num_tiles):
         s = i % STAGES
         base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [BLOCK_N, ROPE] pointers
-        rows = tile_rows(kv_indices, page_base, lo + (i + 1) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        rows = parts.tile_rows(kv_indices, page_base, lo + (i + 1) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
         mbarrier.wait(free.index(s), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-        copy_columns(c_ring.index(s), base, 0, LATENT // ROPE, ROPE)
+        parts.copy_columns(c_ring.index(s), base, 0, LATENT // ROPE, ROPE)
         async_copy.async_copy_global_to_shared(r_ring.index(s), base + LATENT)
         async_copy.mbarrier_arrive(loaded.index(s), increment_count=False)
 
@@ -79,10 +68,10 @@ def _narrow_consumer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles,
         s = i % STAGES
         c_tile = c_ring.index(s)
         mbarrier.wait(loaded.index(s), (i // STAGES) & 1)
-        fence_async_shared()  # cp.async's writes (and the query's, the first time) before the wgmmas read them
-        st = warpgroup_mma(c_tile, q_c_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma(r_ring.index(s), q_r_smem.permute((1, 0)), st, is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
+        hopper.fence_async_shared()  # cp.async's writes (and the query's, the first time) before the wgmmas read them
+        st = hopper.warpgroup_mma(c_tile, q_c_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = hopper.warpgroup_mma(r_ring.index(s), q_r_smem.permute((1, 0)), st, is_async=True)
+        st = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(st,))
         offs_n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=per_row)
         st = gl.where((offs_n < hi)[:, None], st * qk_scale_log2, float("-inf"))
         m_new = gl.maximum(m_run, gl.max(st, axis=0))
@@ -92,11 +81,11 @@ def _narrow_consumer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles,
         m_run = m_new
         acc = acc * alpha[None, :]
         p_smem.store(p.to(dtype))
-        fence_async_shared()  # P^T's stores before the wgmma reads them
+        hopper.fence_async_shared()  # P^T's stores before the wgmma reads them
         gl.thread_barrier()
-        acc = warpgroup_mma(c_tile.permute((1, 0)), p_smem, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        release_stage(free.index(s))
+        acc = hopper.warpgroup_mma(c_tile.permute((1, 0)), p_smem, acc, is_async=True)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        parts.release_stage(free.index(s))
 
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[None, :]  # [LATENT, H]
@@ -122,7 +111,6 @@ def mla_decode_narrow_kernel(
     BLOCK_N: gl.constexpr = 64
     STAGES: gl.constexpr = 2
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # the producer's copy layout
     c_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype)
     r_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
     qc_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LATENT], dtype)
@@ -132,19 +120,19 @@ def mla_decode_narrow_kernel(
     hg = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
-    lo, hi, num_tiles, active = split_range(gl.load(seq_lens + b), gl.load(num_splits + b), split, BLOCK_N)
+    lo, hi, num_tiles, active = parts.split_range(gl.load(seq_lens + b), gl.load(num_splits + b), split, BLOCK_N)
     page_base = gl.load(kv_indptr + b)
 
     # the query by cp.async from these (the producer's) threads, waited for by the consumer: q_c [H, 512], q_pe [H, 64]
-    head = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
+    head = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, parts.COPY_LAYOUT))
+    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, parts.COPY_LAYOUT))
     q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [H, 64]: 64 columns a time
     q_mask = (head < NUM_HEADS)[:, None] & (offs < ROPE)[None, :]  # heads past NUM_HEADS are zeros
     q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], qc_smem_layout)
     q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qr_smem_layout)
     q_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_loaded, count=128)
-    copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)
+    parts.copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)
     c_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
     r_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], r_smem_layout)  # 16 KB
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], p_smem_layout)  # P^T, the PV's B
@@ -153,7 +141,7 @@ def mla_decode_narrow_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(loaded.index(i), count=128)  # every producer thread's copies
         mbarrier.init(free.index(i), count=1)
-    fence_async_shared()  # the barriers' init before the partitions use them
+    hopper.fence_async_shared()  # the barriers' init before the partitions use them
 
     gl.warp_specialize([
         (_narrow_producer, (KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c_ring, r_ring, loaded, free,

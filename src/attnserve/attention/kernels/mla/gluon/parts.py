@@ -9,6 +9,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+# how a warpgroup holds `[rows, 64]` bf16 chunks for cp.async (the query's and the key tiles'): 128 B of a row per
+# 8 threads, 4 rows a warp
+COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+
 
 @gluon.jit
 def split_range(seq, n_splits, split, BLOCK_N: gl.constexpr):

@@ -28,42 +28,27 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from attnserve.attention.kernels.mla.gluon.parts import (
-    copy_columns,
-    copy_query,
-    release_stage,
-    row_token_head,
-    split_range,
-    tile_probabilities,
-    tile_rows,
-    tma_tile,
-    two_warpgroup_epilogue,
-    zero_rows_past,
-)
+from attnserve.attention.kernels.mla.gluon import parts
 
 
 @gluon.jit
 def _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t, num_tiles,
-               LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, copy_layout: gl.constexpr):
+               LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr):
     """Tile t `[64 keys, 576]` into stage t % 2. Over pages of 64 tokens or more a tile is 64 rows of one page:
     nine TMA boxes, loaded[t % 2] counting their bytes. Else by cp.async from `rows` (its pool rows), loaded[t % 2]
     counting this thread's arrival once its copies land. Nothing past the last tile."""
     if t < num_tiles:
         if PAGE_SIZE % 64 == 0:
-            tma_tile(kv_desc, kv_indices, page_base, lo + t * 64, loaded, t % 2, c_ring, r_ring, t % 2, 0,
-                      LATENT // ROPE, True, LATENT, ROPE, PAGE_SIZE)
+            parts.tma_tile(kv_desc, kv_indices, page_base, lo + t * 64, loaded, t % 2, c_ring, r_ring, t % 2, 0,
+                            LATENT // ROPE, True, LATENT, ROPE, PAGE_SIZE)
         else:
-            offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
+            offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, parts.COPY_LAYOUT))
             base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [64, ROPE] pointers, 4 rows a thread
-            copy_columns(c_ring.index(t % 2), base, 0, LATENT // ROPE, ROPE)
+            parts.copy_columns(c_ring.index(t % 2), base, 0, LATENT // ROPE, ROPE)
             async_copy.async_copy_global_to_shared(r_ring.index(t % 2), base + LATENT)
             async_copy.mbarrier_arrive(loaded.index(t % 2), increment_count=False)
 
@@ -84,7 +69,6 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 0-255
     m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
@@ -92,23 +76,24 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
     for t in range(num_tiles):
         st = t % 2
         mbarrier.wait(loaded.index(st), (t // 2) & 1)
-        fence_async_shared()  # cp.async's writes before the wgmmas read them
-        s = warpgroup_mma(q_c_smem, c_ring.index(st).permute((1, 0)),
-                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-        s = warpgroup_mma(q_r_smem, r_ring.index(st).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        hopper.fence_async_shared()  # cp.async's writes before the wgmmas read them
+        s = hopper.warpgroup_mma(q_c_smem, c_ring.index(st).permute((1, 0)),
+                                 gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                                 is_async=True)
+        s = hopper.warpgroup_mma(q_r_smem, r_ring.index(st).permute((1, 0)), s, is_async=True)
+        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if PAGE_SIZE % BLOCK_N == 0:
             if hi - (lo + t * BLOCK_N) < BLOCK_N:  # a TMA tile's rows past the request's end: zeros for the PVs
-                zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), zero_layout)
+                parts.zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), parts.COPY_LAYOUT)
                 gl.thread_barrier()
-                fence_async_shared()  # the zeros before either PV reads the stage
+                hopper.fence_async_shared()  # the zeros before either PV reads the stage
         if hi - (lo + t * BLOCK_N) >= BLOCK_N:  # a whole tile: no key to mask
             s = s * qk_scale_log2
             m_new = gl.maximum(m_run, gl.max(s, axis=1))
             p = gl.exp2(s - m_new[:, None])
             alpha = gl.exp2(m_run - m_new)
         else:
-            p, m_new, alpha = tile_probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
+            p, m_new, alpha = parts.tile_probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_run = m_new
         p = p.to(dtype)
@@ -117,16 +102,16 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
             alpha_smem.slice(0, BLOCK_H).store(alpha)
         else:
             alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
-        fence_async_shared()  # the loader's wgmma reads p
-        release_stage(p_ready.index(st))
+        hopper.fence_async_shared()  # the loader's wgmma reads p
+        parts.release_stage(p_ready.index(st))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p, p_layout), c_ring.index(st).slice(0, HALF, dim=1), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        release_stage(pv_done.index(st))  # this warpgroup is done with the stage
-    two_warpgroup_epilogue(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg, split, active,
-            stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, NUM_HEADS, LATENT,
-            WRITE_FINAL, SCALED, row_s, row_o)
+        acc = hopper.warpgroup_mma(gl.convert_layout(p, p_layout), c_ring.index(st).slice(0, HALF, dim=1), acc,
+                                   is_async=True)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        parts.release_stage(pv_done.index(st))  # this warpgroup is done with the stage
+    parts.two_warpgroup_epilogue(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg,
+            split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, NUM_HEADS,
+            LATENT, WRITE_FINAL, SCALED, row_s, row_o)
 
 
 @gluon.jit
@@ -139,50 +124,49 @@ def _loader(Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split,
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
     HALF: gl.constexpr = LATENT // 2
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 128 B of a row per 8 threads
-    copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
+    copy_rows: gl.constexpr = gl.SliceLayout(1, parts.COPY_LAYOUT)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    tok, head, row_ok = row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, copy_rows)
-    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
+    tok, head, row_ok = parts.row_token_head(b, 1, hg, NUM_HEADS, 1, BLOCK_H, copy_rows)
+    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, parts.COPY_LAYOUT))
     q_ptrs = Q + tok[:, None] * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]
     q_mask = row_ok[:, None] & (offs < ROPE)[None, :]  # rows past the heads are zeros
-    rows = tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [64] pool rows
-    rows1 = tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
-    copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # while the page indices come
+    rows = parts.tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [64] pool rows
+    rows1 = parts.tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+    parts.copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # while the page indices come
     _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 0, num_tiles,
-               LATENT, ROPE, PAGE_SIZE, copy_layout)
+               LATENT, ROPE, PAGE_SIZE)
     _copy_tile(KV, kv_desc, rows1, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 1, num_tiles,
-               LATENT, ROPE, PAGE_SIZE, copy_layout)
-    rows = tile_rows(kv_indices, page_base, lo + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+               LATENT, ROPE, PAGE_SIZE)
+    rows = parts.tile_rows(kv_indices, page_base, lo + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
 
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 256-511
     for t in range(num_tiles):
         st = t % 2
         mbarrier.wait(p_ready.index(st), (t // 2) & 1)
-        fence_async_shared()  # the scorer's stores of p before this wgmma reads them
+        hopper.fence_async_shared()  # the scorer's stores of p before this wgmma reads them
         if st == 0:
             alpha = alpha_smem.slice(0, BLOCK_H).load(row_o)
         else:
             alpha = alpha_smem.slice(BLOCK_H, BLOCK_H).load(row_o)
         acc = acc * alpha[:, None]
-        acc = warpgroup_mma(r_ring.index(st), c_ring.index(st).slice(HALF, HALF, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = hopper.warpgroup_mma(r_ring.index(st), c_ring.index(st).slice(HALF, HALF, dim=1), acc, is_async=True)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp's PV has read the stage
         if t + 2 < num_tiles:
             mbarrier.wait(pv_done.index(st), (t // 2) & 1)  # and the scorer's
             _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t + 2,
-                       num_tiles, LATENT, ROPE, PAGE_SIZE, copy_layout)
-            rows = tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+                       num_tiles, LATENT, ROPE, PAGE_SIZE)
+            rows = parts.tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
     async_copy.wait_group(0)  # no copy outlives the CTA (a split with no tiles never waited for its query)
-    two_warpgroup_epilogue(acc, gl.zeros([BLOCK_H], gl.float32, layout=row_s), gl.zeros([BLOCK_H], gl.float32, layout=row_s),
-            c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg, split, active, stride_ob, stride_oh,
-            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 1, NUM_HEADS, LATENT, WRITE_FINAL, SCALED, row_s,
-            row_o)
+    parts.two_warpgroup_epilogue(acc, gl.zeros([BLOCK_H], gl.float32, layout=row_s),
+            gl.zeros([BLOCK_H], gl.float32, layout=row_s), c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse,
+            b, hg, split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 1,
+            NUM_HEADS, LATENT, WRITE_FINAL, SCALED, row_s, row_o)
 
 
 @gluon.jit
@@ -208,7 +192,7 @@ def mla_decode_scorer_kernel(
     hg = gl.program_id(0)
     g = gl.program_id(1)
     split = gl.program_id(2)
-    lo, hi, num_tiles, active = split_range(gl.load(seq_lens + g), gl.load(num_splits + g), split, BLOCK_N)
+    lo, hi, num_tiles, active = parts.split_range(gl.load(seq_lens + g), gl.load(num_splits + g), split, BLOCK_N)
     page_base = gl.load(kv_indptr + g)
 
     q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout)  # 64 KB
@@ -229,7 +213,7 @@ def mla_decode_scorer_kernel(
         mbarrier.init(pv_done.index(i), count=1)
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(fin.index(i), count=1)
-    fence_async_shared()  # the barriers' init before the partitions use them
+    hopper.fence_async_shared()  # the barriers' init before the partitions use them
 
     gl.warp_specialize([
         (_scorer, (Out, PartialO, PartialLse, g, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob,

@@ -31,24 +31,11 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from attnserve.attention.kernels.mla.gluon.parts import (
-    copy_columns,
-    copy_query,
-    release_stage,
-    row_token_head,
-    split_range,
-    store_output,
-    tile_probabilities,
-    tile_rows,
-)
+from attnserve.attention.kernels.mla.gluon import parts
 
 
 @gluon.jit
@@ -58,10 +45,10 @@ def _load_stage0(base, c_ring, r_ring, loaded_e, loaded_l, free_e, free_l, phase
     them, then 256-511 and the rope."""
     QUARTER: gl.constexpr = LATENT // 2 // ROPE
     mbarrier.wait(free_e.index(0), phase, pred=refill)
-    copy_columns(c_ring.index(0), base, 0, QUARTER, ROPE)
+    parts.copy_columns(c_ring.index(0), base, 0, QUARTER, ROPE)
     async_copy.mbarrier_arrive(loaded_e.index(0), increment_count=False)
     mbarrier.wait(free_l.index(0), phase, pred=refill)
-    copy_columns(c_ring.index(0), base, QUARTER, QUARTER, ROPE)
+    parts.copy_columns(c_ring.index(0), base, QUARTER, QUARTER, ROPE)
     async_copy.async_copy_global_to_shared(r_ring.index(0), base + LATENT)
     async_copy.mbarrier_arrive(loaded_l.index(0), increment_count=False)
 
@@ -75,25 +62,24 @@ def _seesaw_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c
     round's page indices are loaded while this round's copies wait for their stages."""
     BLOCK_N: gl.constexpr = 64
     QUARTER: gl.constexpr = LATENT // 2 // ROPE  # 4 chunks of 64 columns: one warpgroup's half
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 128 B of a row per 8 threads
-    copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
-    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, copy_layout))
-    rows0 = tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
-    rows1 = tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+    copy_rows: gl.constexpr = gl.SliceLayout(1, parts.COPY_LAYOUT)
+    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, parts.COPY_LAYOUT))
+    rows0 = parts.tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
+    rows1 = parts.tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
     rounds = num_tiles // 2
     for j in range(rounds):
         phase = (j & 1) ^ 1  # the free barriers' phase of round j - 1
         base0 = KV + rows0[:, None] * stride_kvt + offs[None, :]  # [BLOCK_N, ROPE] pointers, 4 rows a thread
         base1 = KV + rows1[:, None] * stride_kvt + offs[None, :]
-        rows0 = tile_rows(kv_indices, page_base, lo + (2 * j + 2) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
-        rows1 = tile_rows(kv_indices, page_base, lo + (2 * j + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        rows0 = parts.tile_rows(kv_indices, page_base, lo + (2 * j + 2) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        rows1 = parts.tile_rows(kv_indices, page_base, lo + (2 * j + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
         _load_stage0(base0, c_ring, r_ring, loaded_e, loaded_l, free_e, free_l, phase, j > 0, LATENT, ROPE)
         mbarrier.wait(free_l.index(1), phase, pred=j > 0)
-        copy_columns(c_ring.index(1), base1, 0, QUARTER, ROPE)
+        parts.copy_columns(c_ring.index(1), base1, 0, QUARTER, ROPE)
         async_copy.async_copy_global_to_shared(r_ring.index(1), base1 + LATENT)
         async_copy.mbarrier_arrive(loaded_l.index(1), increment_count=False)
         mbarrier.wait(free_e.index(1), phase, pred=j > 0)
-        copy_columns(c_ring.index(1), base1, QUARTER, QUARTER, ROPE)
+        parts.copy_columns(c_ring.index(1), base1, QUARTER, QUARTER, ROPE)
         async_copy.mbarrier_arrive(loaded_e.index(1), increment_count=False)
     if num_tiles % 2:  # a last, odd tile: a round of stage 0 alone
         _load_stage0(KV + rows0[:, None] * stride_kvt + offs[None, :], c_ring, r_ring, loaded_e, loaded_l, free_e,
@@ -107,18 +93,18 @@ def _score(q_c_smem, q_r_smem, c_tile, r_tile, first_bar, second_bar, phase, ROP
     rope with the group that carries it."""
     s = gl.zeros([64, 64], gl.float32, layout=s_layout)
     mbarrier.wait(first_bar, phase)
-    fence_async_shared()  # cp.async's writes before the wgmmas read them
-    s = warpgroup_mma(q_c_smem.slice(0, HALF, dim=1), c_tile.slice(0, HALF, dim=1).permute((1, 0)), s,
-                      use_acc=False, is_async=True)
+    hopper.fence_async_shared()  # cp.async's writes before the wgmmas read them
+    s = hopper.warpgroup_mma(q_c_smem.slice(0, HALF, dim=1), c_tile.slice(0, HALF, dim=1).permute((1, 0)), s,
+                             use_acc=False, is_async=True)
     if ROPE_FIRST:
-        s = warpgroup_mma(q_r_smem, r_tile.permute((1, 0)), s, is_async=True)
+        s = hopper.warpgroup_mma(q_r_smem, r_tile.permute((1, 0)), s, is_async=True)
     mbarrier.wait(second_bar, phase)
-    fence_async_shared()
-    s = warpgroup_mma(q_c_smem.slice(HALF, HALF, dim=1), c_tile.slice(HALF, HALF, dim=1).permute((1, 0)), s,
-                      is_async=True)
+    hopper.fence_async_shared()
+    s = hopper.warpgroup_mma(q_c_smem.slice(HALF, HALF, dim=1), c_tile.slice(HALF, HALF, dim=1).permute((1, 0)), s,
+                             is_async=True)
     if not ROPE_FIRST:
-        s = warpgroup_mma(q_r_smem, r_tile.permute((1, 0)), s, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = hopper.warpgroup_mma(q_r_smem, r_tile.permute((1, 0)), s, is_async=True)
+    return hopper.warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
 
 @gluon.jit
@@ -127,7 +113,7 @@ def _publish(p, alpha, m_new, p_dst, scale_dst, max_dst, ready_bar):
     p_dst.store(p)
     scale_dst.store(alpha)
     max_dst.store(m_new)
-    fence_async_shared()  # the other warpgroup's wgmma reads p_dst
+    hopper.fence_async_shared()  # the other warpgroup's wgmma reads p_dst
     gl.thread_barrier()
     mbarrier.arrive(ready_bar, count=1)
 
@@ -137,7 +123,7 @@ def _scale_to_other(scale_smem, max_smem, ready, acc, l_i, phase, OWNER: gl.cons
                     row_o: gl.constexpr):
     """Once the owner of the other tile has published: this warpgroup's output and row sums moved to its max."""
     mbarrier.wait(ready.index(OWNER), phase)
-    fence_async_shared()  # its probabilities' stores before this warpgroup's wgmma reads them
+    hopper.fence_async_shared()  # its probabilities' stores before this warpgroup's wgmma reads them
     alpha = scale_smem.slice(OWNER * 64, 64).load(row_s)
     m_run = max_smem.slice(OWNER * 64, 64).load(row_s)
     return acc * gl.convert_layout(alpha, row_o)[:, None], l_i * alpha, m_run
@@ -152,14 +138,15 @@ def _wg0_own_tile(q_c_smem, q_r_smem, c0, r_ring, scale_smem, max_smem, loaded_e
     BLOCK_N: gl.constexpr = 64
     s = _score(q_c_smem, q_r_smem, c0, r_ring.index(0), loaded_e.index(0), loaded_l.index(0), j & 1, False, HALF,
                s_layout)
-    p, m_new, alpha = tile_probabilities(s, m_run, lo + 2 * j * BLOCK_N, hi, hi_row, qk_scale_log2, TOKENS, s_layout)
+    p, m_new, alpha = parts.tile_probabilities(s, m_run, lo + 2 * j * BLOCK_N, hi, hi_row, qk_scale_log2, TOKENS,
+                                               s_layout)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p = p.to(c0.dtype)
     _publish(p, alpha, m_new, r_ring.index(0), scale_smem.slice(0, 64), max_smem.slice(0, 64), ready.index(0))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    acc = warpgroup_mma(gl.convert_layout(p, p_layout), c0.slice(0, HALF, dim=1), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    release_stage(free_e.index(0))
+    acc = hopper.warpgroup_mma(gl.convert_layout(p, p_layout), c0.slice(0, HALF, dim=1), acc, is_async=True)
+    acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    parts.release_stage(free_e.index(0))
     return acc, l_i, m_new
 
 
@@ -184,7 +171,7 @@ def _seesaw_consumer(
 
     hi_row = hi
     if TOKENS > 1:  # rows of earlier tokens see fewer keys
-        row_tok, _, row_ok = row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
+        row_tok, _, row_ok = parts.row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
         hi_row = gl.minimum(gl.load(seq_lens + row_tok, mask=row_ok, other=0), hi)
     mbarrier.wait(q_loaded, 0)  # (the scores' fence after their tiles' waits covers the query's copies too)
     m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # the running max after the last round
@@ -200,9 +187,9 @@ def _seesaw_consumer(
                                             TOKENS, HALF, s_layout, o_layout, p_layout)
             # warpgroup 1's tile: its probabilities times columns 0-255
             acc, l_i, m_run = _scale_to_other(scale_smem, max_smem, ready, acc, l_i, j & 1, 1, row_s, row_o)
-            acc = warpgroup_mma(r_ring.index(1), c1.slice(0, HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            release_stage(free_l.index(1))
+            acc = hopper.warpgroup_mma(r_ring.index(1), c1.slice(0, HALF, dim=1), acc, is_async=True)
+            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            parts.release_stage(free_l.index(1))
         if num_tiles % 2:  # a last, odd tile: warpgroup 0's alone
             acc, l_i, m_run = _wg0_own_tile(q_c_smem, q_r_smem, c0, r_ring, scale_smem, max_smem, loaded_e,
                                             loaded_l, free_e, ready, acc, l_i, m_run, rounds, lo, hi, hi_row,
@@ -214,25 +201,25 @@ def _seesaw_consumer(
                        HALF, s_layout)
             # warpgroup 0's tile first: its probabilities times columns 256-511, in flight under this softmax
             acc, l_i, m_run = _scale_to_other(scale_smem, max_smem, ready, acc, l_i, phase, 0, row_s, row_o)
-            acc = warpgroup_mma(r_ring.index(0), c0.slice(HALF, HALF, dim=1), acc, is_async=True)
-            p, m_new, alpha = tile_probabilities(s, m_run, lo + (2 * j + 1) * BLOCK_N, hi, hi_row, qk_scale_log2,
-                                             TOKENS, s_layout)
+            acc = hopper.warpgroup_mma(r_ring.index(0), c0.slice(HALF, HALF, dim=1), acc, is_async=True)
+            p, m_new, alpha = parts.tile_probabilities(s, m_run, lo + (2 * j + 1) * BLOCK_N, hi, hi_row,
+                                                       qk_scale_log2, TOKENS, s_layout)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             p = p.to(dtype)
             _publish(p, alpha, m_new, r_ring.index(1), scale_smem.slice(64, 64), max_smem.slice(64, 64),
                      ready.index(1))
             m_run = m_new
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            release_stage(free_l.index(0))
+            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            parts.release_stage(free_l.index(0))
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p, p_layout), c1.slice(HALF, HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            release_stage(free_e.index(1))
+            acc = hopper.warpgroup_mma(gl.convert_layout(p, p_layout), c1.slice(HALF, HALF, dim=1), acc, is_async=True)
+            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            parts.release_stage(free_e.index(1))
         if num_tiles % 2:
             acc, l_i, m_run = _scale_to_other(scale_smem, max_smem, ready, acc, l_i, rounds & 1, 0, row_s, row_o)
-            acc = warpgroup_mma(r_ring.index(0), c0.slice(HALF, HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            release_stage(free_l.index(0))
+            acc = hopper.warpgroup_mma(r_ring.index(0), c0.slice(HALF, HALF, dim=1), acc, is_async=True)
+            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            parts.release_stage(free_l.index(0))
 
     # the row sum is the two warpgroups' (each kept at the final max, m_run in both)
     l_smem.slice(W * BLOCK_H, BLOCK_H).store(l_i)
@@ -242,10 +229,10 @@ def _seesaw_consumer(
     l_tot = l_i + l_smem.slice((1 - W) * BLOCK_H, BLOCK_H).load(row_s)
     l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
     o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    store_output(o, c_ring.index(W), Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh, stride_pb,
-                  stride_ph, stride_ps, W * HALF, NUM_HEADS, TOKENS, BLOCK_H, HALF, WRITE_FINAL)
+    parts.store_output(o, c_ring.index(W), Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh,
+                       stride_pb, stride_ph, stride_ps, W * HALF, NUM_HEADS, TOKENS, BLOCK_H, HALF, WRITE_FINAL)
     if not WRITE_FINAL and W == 0:
-        tok_l, head_l, ok_l = row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
+        tok_l, head_l, ok_l = parts.row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
         lse = gl.where(l_tot > 0.0, m_run + gl.log2(l_safe), float("-inf"))
         gl.store(PartialLse + tok_l * stride_lb + head_l * stride_lh + split, lse, mask=ok_l & active)
 
@@ -264,7 +251,6 @@ def mla_decode_seesaw_kernel(
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # the producer's copy layout
     c_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype)
     r_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
     gl.static_assert(ROPE == BLOCK_N, "a tile's probabilities [64 rows, 64 keys] live in its [64 keys, 64] rope slot")
@@ -279,20 +265,21 @@ def mla_decode_seesaw_kernel(
     else:
         tok0 = g
         ntok = 1
-    lo, hi, num_tiles, active = split_range(gl.load(seq_lens + tok0 + ntok - 1), gl.load(num_splits + tok0), split,
-                                             BLOCK_N)
+    lo, hi, num_tiles, active = parts.split_range(gl.load(seq_lens + tok0 + ntok - 1), gl.load(num_splits + tok0),
+                                                  split, BLOCK_N)
     page_base = gl.load(kv_indptr + tok0)
 
     # the query in shared memory, both scores' A: q_c [64, 512] (64 KB) and q_pe [64, 64] (8 KB)
-    tok, head, row_ok = row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, gl.SliceLayout(1, q_layout))
-    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
+    tok, head, row_ok = parts.row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H,
+                                             gl.SliceLayout(1, parts.COPY_LAYOUT))
+    offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, parts.COPY_LAYOUT))
     q_ptrs = Q + tok[:, None] * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]: 64 columns a time
     q_mask = row_ok[:, None] & (offs < ROPE)[None, :]  # rows past the heads / tokens are zeros
     q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout)
     q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], r_smem_layout)
     q_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_loaded, count=128)
-    copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # the consumers wait on q_loaded
+    parts.copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # the consumers wait on q_loaded
     c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
     r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)  # 16 KB: rope, then probabilities
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)  # each tile owner's factor
@@ -312,7 +299,7 @@ def mla_decode_seesaw_kernel(
         mbarrier.init(free_l.index(i), count=1)
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(fin.index(i), count=1)
-    fence_async_shared()  # the barriers' init before the partitions use them
+    hopper.fence_async_shared()  # the barriers' init before the partitions use them
 
     gl.warp_specialize([
         (_seesaw_producer, (KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c_ring, r_ring, loaded_e,
