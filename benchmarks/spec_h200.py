@@ -82,7 +82,7 @@ def fill_kv(pool, slots: torch.Tensor) -> None:
 
 # ---- (a) the verify step's cost ---------------------------------------------------------------------------
 def verify_cost(loaded, backend_name: str, args) -> dict:
-    from attnserve.attention.layer import attention_backend
+    from attnserve.attention.layer import attention_step
     from attnserve.batch import ForwardBatch, ForwardMode
     from attnserve.engine.config import EngineConfig
     from attnserve.engine.engine import Engine
@@ -163,8 +163,7 @@ def verify_cost(loaded, backend_name: str, args) -> dict:
                         seq_lens_cpu=[ctx + q] * bs, extend_lens_cpu=[q] * bs)
 
                     def eager(fb=fb, ids=ids, pos=pos):
-                        with torch.inference_mode(), attention_backend(backend):
-                            backend.plan(fb)
+                        with torch.inference_mode(), attention_step(backend, backend.plan(fb)):
                             return model(ids, pos, fb)
 
                     case[f"eager_verify_ms K={k}"] = time_ms(eager, max(3, args.iters // 3), device)

@@ -2,7 +2,7 @@
 
 import torch
 
-from attnserve.attention.layer import attention_backend
+from attnserve.attention.layer import attention_step
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -23,10 +23,16 @@ def poison_unused_slots(sb) -> None:
             buf[~used] = float("nan")
 
 
-def run_layer(sb, backend) -> torch.Tensor:
-    """One step the way a model runs it: plan, then the layer stores K/V (MLA: the latent) and calls the backend."""
+def run_layer_step(sb, backend):
+    """One step the way a model runs it: plan, then the layer stores K/V (MLA: the latent) and calls the backend.
+    The output `[T, Hq, Dv]` and what plan() returned (which kernels ran, e.g. its `extend_path`)."""
     fb = sb.fb
-    backend.plan(fb)
-    with attention_backend(backend):
+    meta = backend.plan(fb)
+    with attention_step(backend, meta):
         out = sb.layer(sb.q, sb.k, sb.v, fb)  # [T, Hq * Dv]
-    return out.view(sb.q.shape[0], sb.layer.num_heads, sb.layer.v_head_dim)
+    return out.view(sb.q.shape[0], sb.layer.num_heads, sb.layer.v_head_dim), meta
+
+
+def run_layer(sb, backend) -> torch.Tensor:
+    """run_layer_step's output alone."""
+    return run_layer_step(sb, backend)[0]

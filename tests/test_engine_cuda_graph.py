@@ -11,7 +11,7 @@ import torch
 from engine_helpers import make_engine, prompts
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
-from attnserve.attention.layer import attention_backend
+from attnserve.attention.layer import attention_step
 from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
 from attnserve.engine.runner import ModelRunner
 from attnserve.engine.sampling_params import SamplingParams
@@ -25,10 +25,10 @@ class GraphableNative(TorchNativeBackend):
         self.graph_max_bs = max_bs
 
     def plan_for_capture(self, fb):
-        self.plan(fb)
+        return self.plan(fb)
 
     def plan_for_replay(self, fb):
-        self.plan(fb)
+        return None  # EagerGraph.replay plans the step it reruns
 
 
 def _kv_snapshot(pool) -> list[torch.Tensor]:
@@ -58,7 +58,8 @@ class EagerGraph:
         real = r.req_pool_indices[:bs] != r.padding_row  # [bs]
         before = _kv_snapshot(r.pool)
         fb = r._batch(bs, [int(x) for x in r.seq_lens[:bs].tolist()])
-        with attention_backend(r.backend):  # a real graph holds its kernels; this rerun goes through the layers
+        # a real graph holds its kernels; this rerun plans the step and goes through the layers
+        with attention_step(r.backend, r.backend.plan(fb)):
             r.outputs[bs].copy_(r.model(r.input_ids[:bs], r.positions[:bs], fb))
         if bool(real.all()):
             return

@@ -14,7 +14,7 @@ from engine_helpers import TINY_DEEPSEEK, VOCAB, tiny_model
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.base import AttentionBackend
 from attnserve.attention.hybrid import HybridAttentionBackend
-from attnserve.attention.layer import AttentionLayer, attention_backend
+from attnserve.attention.layer import AttentionLayer, attention_step
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.kvcache.pool import make_pool
 from attnserve.reference.attention import attend
@@ -29,10 +29,10 @@ class Expanded(TorchNativeBackend):
         super().__init__(pool)
         self.calls = []
 
-    def expanded_prefill_applies(self, fb):
+    def expanded_prefill_applies(self, fb, meta):
         return fb.custom_mask is None and not any(fb.prefix_lens_cpu)
 
-    def forward_expanded_prefill(self, q, k, v, layer, fb):
+    def forward_expanded_prefill(self, q, k, v, layer, fb, meta):
         self.calls.append((layer.layer_id, fb.extend_lens_cpu))
         out, start = [], 0
         for n in fb.extend_lens_cpu:
@@ -63,17 +63,17 @@ def _steps(model, make_backend, prompts):
         first += p
     backend = make_backend(pool)
     rows = list(range(len(prompts)))
-    with torch.no_grad(), attention_backend(backend):
+    with torch.no_grad():
         fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, rows, [0] * len(rows), [len(p) for p in prompts],
                                        req_to_token, pool)
-        backend.plan(fb)
         ids = torch.tensor([t for p in prompts for t in p])  # [T]
-        extend = model(ids, fb.positions, fb, logits_indices=None)  # [T, vocab]
+        with attention_step(backend, backend.plan(fb)):
+            extend = model(ids, fb.positions, fb, logits_indices=None)  # [T, vocab]
         fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [len(p) for p in prompts], [1] * len(rows),
                                        req_to_token, pool)
-        backend.plan(fb)
-        decode = model(extend.view(-1, VOCAB)[torch.tensor([len(p) for p in prompts]).cumsum(0) - 1].argmax(-1),
-                       fb.positions, fb)  # [B, vocab]
+        with attention_step(backend, backend.plan(fb)):
+            decode = model(extend.view(-1, VOCAB)[torch.tensor([len(p) for p in prompts]).cumsum(0) - 1].argmax(-1),
+                           fb.positions, fb)  # [B, vocab]
     return extend, decode, backend
 
 
@@ -129,13 +129,14 @@ def test_the_layer_refuses_expanded_prefill_without_the_feature():
     fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, [0], [0], [3], torch.arange(8, dtype=torch.int32)[None],
                                    pool)
     q = torch.zeros(3, 4, 32)
-    with attention_backend(Undeclared(pool)) as undeclared:
-        undeclared.plan(fb)
+    undeclared = Undeclared(pool)
+    with attention_step(undeclared, undeclared.plan(fb)):
         assert not layer.expanded_prefill_applies(fb)
         with pytest.raises(ValueError, match="does not declare expanded MLA prefill"):
             layer.forward_expanded(q, q, q[..., :16], torch.zeros(3, 1, 48), fb)
     mha = AttentionLayer(0, 4, 4, 32)
-    with attention_backend(Expanded(pool)):
+    expanded = Expanded(pool)
+    with attention_step(expanded, expanded.plan(fb)):
         assert layer.expanded_prefill_applies(fb) and not mha.expanded_prefill_applies(fb)
     with pytest.raises(ValueError, match="no attention backend for this step"):  # outside any: said plainly
         layer.expanded_prefill_applies(fb)
@@ -146,15 +147,15 @@ def test_the_base_backend_neither_applies_nor_runs_it():
         name = "plain"
 
         def plan(self, fb):
-            pass
+            return None
 
-        def forward_extend(self, q, k, v, layer, fb):
+        def forward_extend(self, q, k, v, layer, fb, meta):
             raise AssertionError
 
-        def forward_decode(self, q, layer, fb):
+        def forward_decode(self, q, layer, fb, meta):
             raise AssertionError
 
     backend = Plain(None)
-    assert not backend.features.expanded_mla_prefill and not backend.expanded_prefill_applies(None)
+    assert not backend.features.expanded_mla_prefill and not backend.expanded_prefill_applies(None, None)
     with pytest.raises(NotImplementedError, match="backend plain has no expanded MLA prefill"):
-        backend.forward_expanded_prefill(None, None, None, None, None)
+        backend.forward_expanded_prefill(None, None, None, None, None, None)

@@ -83,8 +83,8 @@ def standin(monkeypatch):
 
 
 def _run(sb, backend):
-    backend.plan(sb.fb)
-    return backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)
+    return backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
 
 
 def _rel(out, ref):
@@ -178,11 +178,12 @@ def test_matches_the_oracle_through_the_standin(standin, page_size, prefix, laye
     sb = make_batch(prefix, [7, 12, 3], num_heads=8, num_kv_heads=2, head_dim=64, page_size=page_size,
                     seed=page_size, score_scale=3.0, **layer_kw)
     backend = FA4Backend(sb.pool)
-    out = _run(sb, backend)
+    step = backend.plan(sb.fb)
+    out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, step)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float64)
     assert out.shape == ref.shape and _rel(out, ref) < 1e-5
     ragged = not any(prefix)
-    assert backend.extend_path.startswith("ragged" if ragged else "paged")
+    assert step.extend_path.startswith("ragged" if ragged else "paged")
     assert ("page_table" in standin[-1]) == (not ragged) and ("cu_seqlens_k" in standin[-1]) == ragged
 
 

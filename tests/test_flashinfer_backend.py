@@ -53,8 +53,8 @@ def _ragged(seed: int, bs: int, decode: bool, max_prefix: int = 300, max_ext: in
 
 
 def _check(sb, backend, tol=1e-2):
-    backend.plan(sb.fb)
-    out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)
+    out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
     assert out.shape == ref.shape
     assert torch.isfinite(out).all()
@@ -126,17 +126,17 @@ def test_base_decode_cuda_graph(page_size):
     backend = _backend(sb)
     _check(sb, backend)  # eager warm-up: the layer signature becomes known
     backend.init_graph_buffers(max_bs=8, max_tokens=8)
-    backend.plan_for_capture(sb.fb)
+    meta = backend.plan_for_capture(sb.fb)
     q_static = sb.q.clone()  # [4, HQ, DIM]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_static = backend.forward(q_static, None, None, sb.layer, sb.fb)
+        out_static = backend.forward(q_static, None, None, sb.layer, sb.fb, meta)
     # next step: rows in another order and shorter, over KV already in the pool (rows 1..4 hold 91/4/251/42)
     rows, new_prefix = [3, 1, 4, 2], [200, 50, 30, 2]
     fb2 = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, new_prefix, [1] * 4, sb.fb.req_to_token, sb.pool)
     q_static.copy_(torch.randn_like(q_static) * 4)
-    backend.plan_for_replay(fb2)
+    meta = backend.plan_for_replay(fb2)
     graph.replay()
     ref = reference_for_batch(q_static, sb.layer, fb2, compute_dtype=torch.float32)
     rel = ((out_static.float() - ref).norm() / ref.norm()).item()
@@ -213,16 +213,16 @@ def test_mla_decode_cuda_graph():
     backend = _backend(sb)
     _check(sb, backend)
     backend.init_graph_buffers(max_bs=8, max_tokens=8)
-    backend.plan_for_capture(sb.fb)
+    meta = backend.plan_for_capture(sb.fb)
     q_static = sb.q.clone()  # [4, 16, 576]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_static = backend.forward(q_static, None, None, sb.layer, sb.fb)
+        out_static = backend.forward(q_static, None, None, sb.layer, sb.fb, meta)
     fb2 = ForwardBatch.from_lengths(ForwardMode.DECODE, [3, 1, 4, 2], [200, 50, 30, 2], [1] * 4,
                                     sb.fb.req_to_token, sb.pool)
     q_static.copy_(torch.randn_like(q_static) * 2)
-    backend.plan_for_replay(fb2)
+    meta = backend.plan_for_replay(fb2)
     graph.replay()
     ref = reference_for_batch(q_static, sb.layer, fb2, compute_dtype=torch.float32)
     rel = ((out_static.float() - ref).norm() / ref.norm()).item()
@@ -253,7 +253,7 @@ def test_mla_hybrid_with_triton_decode():
     fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [s - 1 for s in sb.fb.seq_lens_cpu], [1] * len(rows),
                                    sb.fb.req_to_token, sb.pool)
     q = torch.randn(len(rows), 16, 576, device="cuda", dtype=torch.bfloat16) * 2  # [B, H, rank + rope]
-    hybrid.plan(fb)
-    out = hybrid.forward(q, None, None, sb.layer, fb)
+    meta = hybrid.plan(fb)
+    out = hybrid.forward(q, None, None, sb.layer, fb, meta)
     ref = reference_for_batch(q, sb.layer, fb, compute_dtype=torch.float32)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2

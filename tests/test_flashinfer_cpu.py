@@ -235,8 +235,8 @@ def _backend(pool, **kw):
 
 
 def _check(sb, backend, tol=1e-5):
-    backend.plan(sb.fb)
-    out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)
+    out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     assert ((out.double() - ref).norm() / ref.norm()).item() < tol
     return out
@@ -272,8 +272,9 @@ def test_verify_custom_mask_runs_on_fa2(fake_flashinfer):
 def test_one_plan_per_layer_signature_per_step(fake_flashinfer):
     sb = make_batch([9, 30], [1, 1])
     backend = _backend(sb.pool)
-    _check(sb, backend)
-    backend.forward(sb.q, None, None, sb.layer, sb.fb)  # a second layer of the same shape
+    meta = backend.plan(sb.fb)
+    backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)
+    backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)  # a second layer of the same shape
     (wrapper,) = backend._decode_wrappers.values()
     assert wrapper.plans == 1
     _check(sb, backend)  # next step plans again
@@ -289,11 +290,11 @@ def test_decode_graph_buffers_follow_replays(fake_flashinfer):
     with pytest.raises(ValueError, match="eager step"):
         backend.plan_for_capture(sb.fb)
     _check(sb, backend)
-    backend.plan_for_capture(sb.fb)
+    meta = backend.plan_for_capture(sb.fb)
     fb2 = ForwardBatch.from_lengths(ForwardMode.DECODE, [3, 1, 4, 2], [30, 12, 5, 2], [1] * 4,
                                     sb.fb.req_to_token, sb.pool)
-    backend.plan_for_replay(fb2)
-    out = backend.forward(sb.q, None, None, sb.layer, fb2)
+    meta = backend.plan_for_replay(fb2)
+    out = backend.forward(sb.q, None, None, sb.layer, fb2, meta)
     ref = reference_for_batch(sb.q, sb.layer, fb2)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
     assert list(backend._graph_wrappers) == [(4, next(iter(backend._decode_wrappers)))]
@@ -344,13 +345,13 @@ def test_graph_page_buffer_holds_batches_listing_more_pages_than_the_pool(fake_f
     fb6 = _shared_prefix_decode(sb, [1, 2, 1, 2, 1, 2], [41, 38, 30, 38, 41, 9])
     listed = sum(-(-s // 4) for s in fb6.seq_lens_cpu)
     assert listed > num_pages
-    backend.plan_for_capture(fb6)
+    meta = backend.plan_for_capture(fb6)
     width_pages = -(-sb.fb.req_to_token.shape[1] // 4)
     assert backend._graph_buffers.kv_indices.numel() == 8 * width_pages
     fb6 = _shared_prefix_decode(sb, [2, 1, 2, 1, 2, 1], [38, 41, 38, 41, 20, 41])
-    backend.plan_for_replay(fb6)
+    meta = backend.plan_for_replay(fb6)
     q = torch.randn(6, *sb.q.shape[1:], generator=torch.Generator().manual_seed(1)) * 20
-    out = backend.forward(q, None, None, sb.layer, fb6)
+    out = backend.forward(q, None, None, sb.layer, fb6, meta)
     ref = reference_for_batch(q, sb.layer, fb6)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
     (wrapper,) = backend._graph_wrappers.values()
@@ -378,7 +379,7 @@ def test_replay_plans_only_the_graph_metadata(fake_flashinfer, monkeypatch):
     backend = _backend(sb.pool)
     _check(sb, backend)
     backend.init_graph_buffers(max_bs=2, max_tokens=2)
-    backend.plan_for_capture(sb.fb)
+    meta = backend.plan_for_capture(sb.fb)
     calls = {"eager": 0, "graph": 0}
     real_build = fi_backend.build_paged_metadata
 
@@ -389,9 +390,9 @@ def test_replay_plans_only_the_graph_metadata(fake_flashinfer, monkeypatch):
     monkeypatch.setattr(fi_backend, "build_paged_metadata", counting_build)
     monkeypatch.setattr(fi_csr, "build_paged_metadata", counting_build)
     monkeypatch.setattr(fi_backend, "metadata_for_batch", lambda *a, **k: calls.__setitem__("eager", 99))
-    backend.plan_for_replay(sb.fb)
+    meta = backend.plan_for_replay(sb.fb)
     assert calls == {"eager": 0, "graph": 1}
-    out = backend.forward(sb.q, None, None, sb.layer, sb.fb)
+    out = backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
 
@@ -464,13 +465,13 @@ def test_mla_decode_graph_buffers_follow_replays(fake_flashinfer):
     with pytest.raises(ValueError, match="eager step"):
         backend.plan_for_capture(sb.fb)
     _check(sb, backend)
-    backend.plan_for_capture(sb.fb)
+    meta = backend.plan_for_capture(sb.fb)
     (captured,) = backend._graph_wrappers.values()
     for lens in ([31, 13, 6, 3], [2, 21, 42, 10]):
         fb = ForwardBatch.from_lengths(ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in lens], [1] * 4,
                                        sb.fb.req_to_token, sb.pool)
-        backend.plan_for_replay(fb)
-        out = backend.forward(sb.q, None, None, sb.layer, fb)
+        meta = backend.plan_for_replay(fb)
+        out = backend.forward(sb.q, None, None, sb.layer, fb, meta)
         ref = reference_for_batch(sb.q, sb.layer, fb)
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
     assert list(backend._graph_wrappers.values()) == [captured]  # one wrapper for batch size 4, planned again
@@ -491,8 +492,8 @@ def test_mla_hybrid_flashinfer_prefill_triton_decode(fake_flashinfer):
     fb = ForwardBatch.from_lengths(ForwardMode.DECODE, [1, 2, 3], [12, 10, 21], [1, 1, 1], sb.fb.req_to_token,
                                    sb.pool)
     q = sb.q[:3].clone()
-    hybrid.plan(fb)
-    out = hybrid.forward(q, None, None, sb.layer, fb)  # decode: triton's MLA kernel over the same rows
+    meta = hybrid.plan(fb)
+    out = hybrid.forward(q, None, None, sb.layer, fb, meta)  # decode: triton's MLA kernel over the same rows
     ref = reference_for_batch(q, sb.layer, fb)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
     assert hybrid.backend_for(fb.mode).name == "triton"

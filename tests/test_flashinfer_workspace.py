@@ -199,18 +199,18 @@ def test_verify_capture_grows_a_workspace_too_small_for_it(sized_flashinfer):
     sb = make_batch([90, 3, 250, 41], [q] * 4, num_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
                     mode=ForwardMode.TARGET_VERIFY, seed=5)
     backend = FlashInferBackend(sb.pool, workspace_mb=64, num_sms=SMS)
-    backend.plan(sb.fb)
-    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)
+    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     backend.init_graph_buffers(max_bs=8, max_tokens=8)
     with pytest.raises(RuntimeError, match="Buffer overflow .* batch_prefill_tmp_v with size 69206016"):
         lay_out(backend.workspace, prefill_plan_allocations([0, 5, 10, 15, 20], [0] * 5, 16, 4, 128, 16, True))
-    backend.plan_for_capture(_padded_batch(sb, 4, q))  # the stand-in raises if the plan does not fit
+    meta = backend.plan_for_capture(_padded_batch(sb, 4, q))  # the stand-in raises if the plan does not fit
     assert backend.workspace.numel() >= prefill_graph_scratch(4, 20, 16, 4, 128, SMS).nbytes
-    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     (wrapper,) = backend._graph_wrappers.values()
     assert wrapper.workspace is backend.workspace
-    backend.plan(sb.fb)  # eager wrappers are built again over the grown workspace
-    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)  # eager wrappers are built again over the grown workspace
+    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     assert all(w.workspace is backend.workspace for w in backend._prefill_wrappers.values())
 
 
@@ -221,25 +221,25 @@ def test_declared_graphs_all_fit_the_workspace_sized_at_the_first_capture(sized_
     sb = make_batch([90, 3, 250, 41, 7, 19, 64, 120], [1] * 8, num_heads=16, num_kv_heads=4, head_dim=128,
                     page_size=16, seed=3)
     backend = FlashInferBackend(sb.pool, workspace_mb=4, num_sms=SMS, use_tensor_cores=tensor_cores)
-    backend.plan(sb.fb)
-    backend.forward(sb.q, None, None, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)
+    backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)
     backend.init_graph_buffers(max_bs=8, max_tokens=8 * q)
-    backend.plan_for_capture(sb.fb)
+    meta = backend.plan_for_capture(sb.fb)
     workspace = backend.workspace
     assert workspace.numel() >= backend.graph_workspace_bytes(8, 8 * q)
     for bs in reversed(sizes):
-        backend.plan_for_capture(_padded_batch(sb, bs, 1))
-        backend.plan_for_capture(_padded_batch(sb, bs, q))
+        meta = backend.plan_for_capture(_padded_batch(sb, bs, 1))
+        meta = backend.plan_for_capture(_padded_batch(sb, bs, q))
     assert backend.workspace is workspace
 
 
 def test_a_capture_beyond_the_declared_graphs_is_refused_with_the_sizes(sized_flashinfer):
     sb = make_batch([40, 37], [1, 1], num_heads=16, num_kv_heads=4, head_dim=128, page_size=16)
     backend = FlashInferBackend(sb.pool, workspace_mb=1, num_sms=SMS)
-    backend.plan(sb.fb)
-    backend.forward(sb.q, None, None, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)
+    backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)
     backend.init_graph_buffers(max_bs=2, max_tokens=2)  # decode only
-    backend.plan_for_capture(sb.fb)
+    meta = backend.plan_for_capture(sb.fb)
     have = backend.workspace.numel()
     need = prefill_graph_scratch(2, 80, 16, 4, 128, SMS)
     assert need.nbytes > have
@@ -257,11 +257,11 @@ def test_mla_workspace_holds_its_plan_from_the_start(sized_flashinfer):
     backend = FlashInferBackend(sb.pool, workspace_mb=1, num_sms=SMS)
     assert backend.workspace.numel() >= mla_scratch(512, SMS).nbytes > 1 << 20  # 2 x 132 x 64 rows of 512 latents
     workspace = backend.workspace
-    backend.plan(sb.fb)
-    backend.forward(sb.q, None, None, sb.layer, sb.fb)  # the stand-in raises if a plan does not fit
+    meta = backend.plan(sb.fb)
+    backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)  # the stand-in raises if a plan does not fit
     backend.init_graph_buffers(max_bs=8, max_tokens=8)
-    backend.plan_for_capture(sb.fb)
-    backend.forward(sb.q, None, None, sb.layer, sb.fb)
+    meta = backend.plan_for_capture(sb.fb)
+    backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)
     assert next(iter(backend._graph_wrappers.values())).workspace is workspace is backend.workspace
 
 
@@ -269,8 +269,8 @@ def test_off_cuda_without_an_sm_count_the_workspace_stays_as_given(sized_flashin
     sb = make_batch([20, 3], [1, 1])
     backend = FlashInferBackend(sb.pool, workspace_mb=1)
     assert backend.num_sms is None
-    backend.plan(sb.fb)
-    backend.forward(sb.q, None, None, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)
+    backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)
     backend.init_graph_buffers(max_bs=2, max_tokens=2)
     with pytest.raises(RuntimeError, match="Buffer overflow"):  # the stand-in counts 132 SMs; the backend none
         backend.plan_for_capture(sb.fb)

@@ -23,10 +23,10 @@ FEATURES = {
 
 
 def _run(sb, backend):
-    backend.plan(sb.fb)
+    meta = backend.plan(sb.fb)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex warns that it is unfused
-        return backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+        return backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
 
 
 def _rel_err(out, ref):
@@ -62,7 +62,7 @@ def test_block_mask_skips_blocks_no_request_owns():
     sb = make_batch([20, 3], [5, 2], page_size=16, extra_pages=60, seed=3)
     backend = FlexAttentionBackend(sb.pool)
     out = _run(sb, backend)
-    kv_num_blocks, kv_indices = backend._blocks
+    kv_num_blocks, kv_indices = backend.plan(sb.fb).blocks
     total_blocks = -(-sb.pool.num_slots // KV_BLOCK)
     slots = torch.cat([sb.fb.req_to_token[r, :s].long() for r, s in zip([1, 2], sb.fb.seq_lens_cpu)])
     owned = set((slots // KV_BLOCK).tolist())

@@ -216,7 +216,7 @@ def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size):
     """The backend's absorbed extend runs as Gluon decode rows at 128 heads (a token a CTA) and at 32 and 16 (2
     and 4 tokens a CTA, each row masked to its own horizon), and matches the oracle: a fresh prompt, chunks over
     prefixes, short tails over long prefixes; the few-token batch is split."""
-    from attention_helpers import run_layer
+    from attention_helpers import run_layer_step
 
     from attnserve.attention.backends.triton import TritonBackend
     from attnserve.batch import ForwardMode
@@ -228,10 +228,10 @@ def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size):
                             device="cuda", score_scale=2.0, mode=ForwardMode.EXTEND, seed=heads + len(prefix))
             poison_unused_latent(sb)
             backend = TritonBackend(sb.pool)
-            out = run_layer(sb, backend)
+            out, step = run_layer_step(sb, backend)
             path = f"mla decode rows (gluon_seesaw, {tokens} token{'s' * (tokens > 1)} a CTA)"
-            assert backend.extend_path == path
-            assert backend._extend.mla_rows[0].max_splits > 1 or not split, (heads, prefix)
+            assert step.extend_path == path
+            assert step.extend.mla_rows[0].max_splits > 1 or not split, (heads, prefix)
             assert not out.isnan().any(), (heads, prefix)
             err = rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32))
             assert err < 1e-2, (heads, prefix, err)

@@ -33,11 +33,11 @@ class Recording(TorchNativeBackend):
 
     def plan(self, fb):
         self.calls.append(("plan", fb.mode))
-        super().plan(fb)
+        return super().plan(fb)
 
-    def forward(self, q, k, v, layer, fb):
+    def forward(self, q, k, v, layer, fb, meta):
         self.calls.append(("forward", fb.mode))
-        return super().forward(q, k, v, layer, fb)
+        return super().forward(q, k, v, layer, fb, meta)
 
     def store_kv(self, layer, fb, k, v):
         self.calls.append(("store", fb.mode))
@@ -73,9 +73,9 @@ def test_routes_by_forward_mode(mode, spec_mode, expected):
     sb = make_batch([5, 9], [3, 2] if mode is not ForwardMode.DECODE else [1, 1], mode=mode)
     p, d, hybrid = _pair(sb.pool, spec_mode)
     assert hybrid.backend_for(mode).tag == expected
-    hybrid.plan(sb.fb)
+    meta = hybrid.plan(sb.fb)
     hybrid.store_kv(sb.layer, sb.fb, sb.k, sb.v)
-    hybrid.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    hybrid.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     chosen, other = (p, d) if expected == "prefill" else (d, p)
     assert [c[0] for c in chosen.calls] == ["plan", "store", "forward"]
     assert other.calls == []
@@ -141,10 +141,10 @@ def test_bad_arguments():
 def test_hybrid_torch_native_prefill_flex_decode_matches_oracle(prefix, ext):
     sb = make_batch(prefix, ext, page_size=4, score_scale=20.0, sliding_window=9)
     hybrid = HybridAttentionBackend(TorchNativeBackend(sb.pool), FlexAttentionBackend(sb.pool))
-    hybrid.plan(sb.fb)
+    meta = hybrid.plan(sb.fb)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = hybrid.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+        out = hybrid.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
 

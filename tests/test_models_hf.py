@@ -15,7 +15,7 @@ import torch
 import transformers
 from engine_runs import max_rel_err, run_engine
 
-from attnserve.attention.layer import attention_backend
+from attnserve.attention.layer import attention_step
 from attnserve.kvcache.pool import make_pool
 from attnserve.models.loader import load_model
 
@@ -151,10 +151,9 @@ def test_logits_indices_select_rows(tmp_path_factory):
     req_to_token[1, :5] = torch.arange(14, 19)
     backend = create_backend("torch_native", pool)
     fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, [0, 1], [0, 0], [13, 5], req_to_token, pool)
-    backend.plan(fb)
     ids = torch.tensor([t for p in prompts for t in p])
     last = torch.tensor([12, 17])
-    with torch.no_grad(), attention_backend(backend):
+    with torch.no_grad(), attention_step(backend, backend.plan(fb)):
         full = lm.model(ids, fb.positions, fb)  # [18, vocab]: every position
         picked = lm.model(ids, fb.positions, fb, logits_indices=last)
     assert picked.shape == (2, VOCAB)

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from attention_helpers import poison_unused_slots, rel_err, run_layer
+from attention_helpers import poison_unused_slots, rel_err, run_layer, run_layer_step
 
 from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.kernels.extend_tiles import build_extend_tiles
@@ -90,8 +90,8 @@ def test_backend_takes_the_tma_path_with_each_feature(feature):
                     dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, seed=len(feature), **feature)
     poison_unused_slots(sb)
     backend = TritonBackend(sb.pool, prefill_tma=True)
-    out = run_layer(sb, backend)
-    assert backend.extend_path.startswith("prefill_tma")
+    out, step = run_layer_step(sb, backend)
+    assert step.extend_path.startswith("prefill_tma")
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
@@ -104,10 +104,10 @@ def test_common_case_takes_the_tma_path_by_default(prefix):
                         dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, seed=page_size)
         poison_unused_slots(sb)
         backend = TritonBackend(sb.pool)
-        out = run_layer(sb, backend)
-        assert backend.extend_path.startswith("prefill_tma"), backend.extend_path
+        out, step = run_layer_step(sb, backend)
+        assert step.extend_path.startswith("prefill_tma"), step.extend_path
         if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-            assert backend.extend_path == "prefill_tma (warp-specialised)"
+            assert step.extend_path == "prefill_tma (warp-specialised)"
         assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
@@ -149,8 +149,8 @@ def test_what_the_tma_path_lacks_falls_back_to_the_paged_kernel(case):
                     device=DEVICE, score_scale=20.0, seed=len(case), **kw)
     poison_unused_slots(sb)
     backend = TritonBackend(sb.pool)
-    out = run_layer(sb, backend)
-    assert backend.extend_path.startswith("paged") and reason in backend.extend_path
+    out, step = run_layer_step(sb, backend)
+    assert step.extend_path.startswith("paged") and reason in step.extend_path
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
     with pytest.raises(ValueError, match="does not apply"):
         run_layer(sb, TritonBackend(sb.pool, prefill_tma=True))
@@ -160,11 +160,11 @@ def test_the_tma_path_can_be_switched_off_and_bounded():
     sb = make_batch([40, 0], [8, 8], num_heads=4, num_kv_heads=2, head_dim=64, page_size=1, dtype=torch.bfloat16,
                     device=DEVICE, seed=4)
     backend = TritonBackend(sb.pool, prefill_tma=False)
-    run_layer(sb, backend)
-    assert backend.extend_path == "paged (TMA path off)"
+    _, step = run_layer_step(sb, backend)
+    assert step.extend_path == "paged (TMA path off)"
     backend = TritonBackend(sb.pool, prefill_tma_gather_mib=0)  # the prefix may not be gathered
-    out = run_layer(sb, backend)
-    assert "gathering the prefix" in backend.extend_path
+    out, step = run_layer_step(sb, backend)
+    assert "gathering the prefix" in step.extend_path
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
@@ -189,9 +189,9 @@ def test_gpu_real_shapes_on_the_tma_path(prefix, page_size):
                     page_size=page_size, dtype=torch.bfloat16, device="cuda", score_scale=20.0)
     poison_unused_slots(sb)
     backend = TritonBackend(sb.pool)
-    out = run_layer(sb, backend)
+    out, step = run_layer_step(sb, backend)
     if torch.cuda.get_device_capability()[0] == 9:
-        assert backend.extend_path.startswith("prefill_tma")
+        assert step.extend_path.startswith("prefill_tma")
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
 

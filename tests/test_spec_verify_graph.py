@@ -12,7 +12,7 @@ from attention_helpers import rel_err
 from engine_helpers import VOCAB, tiny_model
 
 from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.layer import attention_backend
+from attnserve.attention.layer import attention_step
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.engine.cuda_graph import CudaGraphRunner, VerifyBuffers, verify_batch_sizes
 from attnserve.kvcache.pool import ReqToTokenPool, make_pool
@@ -23,21 +23,20 @@ Q = 4  # tokens a request per verify step: its last token and 3 drafts
 
 
 class Rerun:
-    """Stands in for torch.cuda.CUDAGraph: replay() recomputes the captured call into its output, on the backend
-    the capture ran on (a real graph holds its kernels; a rerun goes through the layers again)."""
+    """Stands in for torch.cuda.CUDAGraph: replay() recomputes the captured call into its output, over the step
+    metadata the capture ran with (a real graph holds its kernels; a rerun goes through the layers again)."""
 
-    def __init__(self, run, out, backend):
-        self.run, self.out, self.backend = run, out, backend
+    def __init__(self, run, out):
+        self.run, self.out = run, out
 
     def replay(self):
-        with attention_backend(self.backend):
-            self.out.copy_(self.run())
+        self.out.copy_(self.run())
 
 
 class CpuRecordingRunner(CudaGraphRunner):
     def _record(self, run):
         out = run()  # also the warm-up: the backend builds its tile lists here, as before a real capture
-        return Rerun(run, out, self.backend), out
+        return Rerun(run, out), out
 
 
 def test_verify_batch_sizes_fit_the_token_budget():
@@ -127,8 +126,7 @@ def _step(model, pool, req_pool, backend, rows, prefix_lens, tree: bool, seed: i
     fb = ForwardBatch.from_lengths(ForwardMode.TARGET_VERIFY, rows, prefix_lens, [Q] * bs, req_pool.req_to_token,
                                    pool, custom_mask=full)
     fb.positions = positions
-    with torch.inference_mode(), attention_backend(backend):
-        backend.plan(fb)
+    with torch.inference_mode(), attention_step(backend, backend.plan(fb)):
         eager = model(ids, positions, fb)  # [bs * Q, vocab]
     mask = compact.to(device) if tree else None
     return (ids, positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu, Q, mask), eager

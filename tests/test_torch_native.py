@@ -14,9 +14,9 @@ from attnserve.reference.synthetic import make_batch
 
 def _run(sb):
     backend = TorchNativeBackend(sb.pool)
-    backend.plan(sb.fb)
+    meta = backend.plan(sb.fb)
     out = torch.full((sb.q.shape[0], sb.q.shape[1], sb.layer.v_head_dim), float("nan"), dtype=sb.q.dtype)
-    out[:] = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    out[:] = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     return out
 
 
@@ -112,5 +112,6 @@ def test_idle_step_returns_empty():
     sb = make_batch([4], [1], 4, 2, 64)
     backend = TorchNativeBackend(sb.pool)
     sb.fb.mode = ForwardMode.IDLE
-    out = backend.forward(sb.q[:0], None, None, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)
+    out = backend.forward(sb.q[:0], None, None, sb.layer, sb.fb, meta)
     assert out.shape == (0, 4, 64)

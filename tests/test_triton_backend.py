@@ -9,9 +9,10 @@ import sys
 
 import pytest
 import torch
-from attention_helpers import poison_unused_slots, rel_err, run_layer
+from attention_helpers import poison_unused_slots, rel_err, run_layer, run_layer_step
 
 from attnserve.attention.backends.triton import TritonBackend
+from attnserve.attention.backends.triton.common import TritonStep
 from attnserve.attention.base import AttentionRequirements, unsupported
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.choice.registry import get_spec
@@ -53,8 +54,8 @@ def test_rejects_what_it_cannot_run():
         TritonBackend(pool, num_splits=3)
     sb = make_batch([4], [1], num_heads=2, num_kv_heads=2, head_dim=16, device=DEVICE)
     backend = TritonBackend(sb.pool)
-    with pytest.raises(ValueError, match="plan"):
-        backend.forward_decode(sb.q, sb.layer, sb.fb)
+    with pytest.raises(ValueError, match="no decode plan"):  # metadata of a step planned as something else
+        backend.forward_decode(sb.q, sb.layer, sb.fb, TritonStep())
     with pytest.raises(ValueError, match="init_graph_buffers"):
         backend.plan_for_replay(sb.fb)
 
@@ -83,8 +84,8 @@ def test_decode_matches_oracle(case):
     sb = make_batch([45, 1, 130, 16], [1, 1, 1, 1], device=DEVICE, **kw)
     poison_unused_slots(sb)
     backend = TritonBackend(sb.pool, num_sms=64, min_split_tokens=16)  # several splits on short requests
-    out = run_layer(sb, backend)
-    assert backend._decode.max_splits > 1
+    out, step = run_layer_step(sb, backend)
+    assert step.decode.max_splits > 1
     assert not out.isnan().any()
     tol = 1e-4 if kw["dtype"] == torch.float32 else 1e-2
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < tol
@@ -94,8 +95,8 @@ def test_decode_with_a_custom_mask_runs_the_extend_kernel():
     sb = make_batch([20, 9], [1, 1], num_heads=4, num_kv_heads=2, head_dim=32, page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, custom_mask=True, mode=ForwardMode.DECODE, seed=3)
     backend = TritonBackend(sb.pool)
-    out = run_layer(sb, backend)
-    assert backend._decode is None and backend._extend is not None
+    out, step = run_layer_step(sb, backend)
+    assert step.decode is None and step.extend is not None
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
@@ -152,17 +153,16 @@ def test_a_mixed_step_runs_its_leading_decodes_through_the_decode_kernel():
     for split in (True, False):
         sb = make_batch(prefix, ext, seed=3, **kw)
         backend = TritonBackend(sb.pool, split_mixed=split)
-        outs[split] = run_layer(sb, backend)
-        assert backend.mixed_decode_rows == (3 if split else 0)
+        outs[split], step = run_layer_step(sb, backend)
+        assert step.mixed_decode_rows == (3 if split else 0)
         # only the prompt chunks were planned as an extend step
-        assert backend._extend.extend_lens == (ext[3:] if split else ext)
+        assert step.extend.extend_lens == (ext[3:] if split else ext)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     assert rel_err(outs[True], ref) < 1e-2 and rel_err(outs[False], ref) < 1e-2
-    # the next step plans afresh: a plain extend step is not split
+    # a plain extend step is not split
     sb = make_batch([5, 0], [1, 9], seed=4, **(kw | {"mode": ForwardMode.EXTEND}))
-    backend = TritonBackend(sb.pool)
-    run_layer(sb, backend)
-    assert backend.mixed_decode_rows == 0
+    _, step = run_layer_step(sb, TritonBackend(sb.pool))
+    assert step.mixed_decode_rows == 0
 
 
 def test_store_through_the_layer_quantises_like_the_pool():
@@ -195,23 +195,23 @@ def test_graph_buffers_replay_new_lengths_in_place():
     """Capture-time plan with short lengths, replay-time plans with others: same buffers, right answers."""
     sb, backend, full = _graph_scenario()
     capture_fb = _decode_batch(sb, [1, 1, 1, 1])
-    backend.plan_for_capture(capture_fb)
-    captured = backend._decode
+    meta = backend.plan_for_capture(capture_fb)
+    captured = meta.decode
     addresses = (captured.meta.kv_indptr.data_ptr(), captured.meta.kv_indices.data_ptr(),
                  captured.seq_lens.data_ptr(), captured.num_splits.data_ptr())
-    backend.forward_decode(sb.q, sb.layer, capture_fb)  # what capture would record
+    backend.forward_decode(sb.q, sb.layer, capture_fb, meta)  # what capture would record
     for lens in ([5, 9, 2, 77], full):
         fb = _decode_batch(sb, lens)
-        backend.plan_for_replay(fb)
-        plan = backend._decode
+        meta = backend.plan_for_replay(fb)
+        plan = meta.decode
         assert (plan.meta.kv_indptr.data_ptr(), plan.meta.kv_indices.data_ptr(), plan.seq_lens.data_ptr(),
                 plan.num_splits.data_ptr()) == addresses
         assert plan.max_splits == captured.max_splits > 1
-        out = backend.forward_decode(sb.q, sb.layer, fb)
+        out = backend.forward_decode(sb.q, sb.layer, fb, meta)
         ref = reference_for_batch(sb.q, sb.layer, fb)
         assert rel_err(out, ref) < 1e-2
-        backend.plan(fb)
-        eager = backend.forward_decode(sb.q, sb.layer, fb)
+        meta = backend.plan(fb)
+        eager = backend.forward_decode(sb.q, sb.layer, fb, meta)
         assert (eager.float() - out.float()).abs().max().item() < 2e-2
     with pytest.raises(ValueError, match="never captured"):
         backend.plan_for_replay(_decode_batch(sb, [3, 3]))
@@ -223,20 +223,20 @@ def test_gpu_cuda_graph_capture_then_replay_with_other_lengths():
     sb, backend, full = _graph_scenario()
     q_static = sb.q.clone()
     capture_fb = _decode_batch(sb, [1, 1, 1, 1])
-    backend.plan_for_capture(capture_fb)
-    backend.forward_decode(q_static, sb.layer, capture_fb)  # warm-up compiles outside the capture
+    meta = backend.plan_for_capture(capture_fb)
+    backend.forward_decode(q_static, sb.layer, capture_fb, meta)  # warm-up compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = backend.forward_decode(q_static, sb.layer, capture_fb)
+        graph_out = backend.forward_decode(q_static, sb.layer, capture_fb, meta)
     for lens in ([5, 9, 2, 77], full):
         fb = _decode_batch(sb, lens)
         backend.plan_for_replay(fb)
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(graph_out, reference_for_batch(sb.q, sb.layer, fb)) < 1e-2
-        backend.plan(fb)
-        eager = backend.forward_decode(sb.q, sb.layer, fb)
+        meta = backend.plan(fb)
+        eager = backend.forward_decode(sb.q, sb.layer, fb, meta)
         assert (eager.float() - graph_out.float()).abs().max().item() < 2e-2
 
 

@@ -5,13 +5,13 @@ CPU: TRITON_INTERPRET=1 with DeepSeek's shapes scaled down (latent 32 + rope 16)
 
 import pytest
 import torch
-from attention_helpers import rel_err, run_layer
+from attention_helpers import rel_err, run_layer, run_layer_step
 from engine_helpers import TINY_DEEPSEEK, VOCAB, tiny_model
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.backends.triton import TritonBackend, TritonMLABackend
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
-from attnserve.attention.layer import attention_backend
+from attnserve.attention.layer import attention_step
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.kvcache.pool import make_pool
 from attnserve.reference.attention import reference_for_batch
@@ -27,8 +27,8 @@ def test_mla_decode_through_the_layer(page_size, kv_dtype):
     sb = make_batch([60, 1, 200, 17], [1] * 4, num_heads=16, mla=(32, 16), page_size=page_size,
                     dtype=torch.bfloat16, kv_dtype=kv_dtype, device=DEVICE, score_scale=8.0)
     backend = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16)  # several splits on short requests
-    out = run_layer(sb, backend)
-    assert backend._decode.max_splits > 1 and backend._head_groups == 1
+    out, step = run_layer_step(sb, backend)
+    assert step.decode.max_splits > 1 and backend._head_groups == 1
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
@@ -48,14 +48,14 @@ def test_mla_extend_takes_decode_rows_where_asked_and_says_which_path_ran(rows):
     sb = make_batch([0, 40, 9], [12, 9, 1], num_heads=16, mla=(32, 16), page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, score_scale=8.0, mode=ForwardMode.EXTEND)
     backend = TritonBackend(sb.pool, mla_extend_rows=rows, num_sms=64, min_split_tokens=16)
-    out = run_layer(sb, backend)
+    out, step = run_layer_step(sb, backend)
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
     why_not_gluon = gluon_blocker(backend._signature(16, sb.q.dtype))
     expected = {None: f"mla tiles ({why_not_gluon})", True: "mla decode rows (triton, 1 token a CTA)",
                 False: "mla tiles (decode rows off)"}[rows]
-    assert backend.extend_path == expected
+    assert step.extend_path == expected
     if rows:
-        assert backend._extend.mla_rows[0].max_splits > 1  # a 40-token prefix under 9 tokens is split
+        assert step.extend.mla_rows[0].max_splits > 1  # a 40-token prefix under 9 tokens is split
 
 
 def test_mla_extend_rows_forced_under_a_custom_mask_says_why():
@@ -71,11 +71,11 @@ def test_mla_head_groups_learnt_at_the_first_layer_replan_the_splits():
                     score_scale=8.0)
     backend = TritonBackend(sb.pool, num_sms=4, min_split_tokens=16,
                             mla_decode_config=MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1))
-    backend.plan(sb.fb)
-    before = backend._decode.max_splits
-    with attention_backend(backend):
+    meta = backend.plan(sb.fb)
+    before = meta.decode.max_splits
+    with attention_step(backend, meta):
         out = sb.layer(sb.q, sb.k, None, sb.fb).view(2, 40, 32)
-    assert backend._head_groups == 3 and backend._decode.max_splits < before
+    assert backend._head_groups == 3 and meta.decode.max_splits < before
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
@@ -87,16 +87,16 @@ def test_an_mla_tiles_split_waves_replan_unless_the_backend_was_given_some(given
                     score_scale=8.0)
     tile = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
     default = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16, mla_decode_config=tile)
-    run_layer(sb, default)
+    _, default_step = run_layer_step(sb, default)
     options = {"split_waves": 2.0} if given else {}
     backend = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16,
                             mla_decode_config=MLADecodeConfig(16, 16, 4, 1, split_waves=0.5), **options)
-    out = run_layer(sb, backend)
+    out, step = run_layer_step(sb, backend)
     assert backend.split_policy.waves == (2.0 if given else 0.5)
     if given:
-        assert backend._decode.max_splits == default._decode.max_splits
+        assert step.decode.max_splits == default_step.decode.max_splits
     else:
-        assert 1 < backend._decode.max_splits < default._decode.max_splits
+        assert 1 < step.decode.max_splits < default_step.decode.max_splits
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
@@ -112,12 +112,12 @@ def test_mla_graph_buffers_replay_new_lengths_in_place():
         return ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [n - 1 for n in lens], [1] * 4,
                                          sb.fb.req_to_token, sb.pool)
 
-    backend.plan_for_capture(batch([1, 1, 1, 1]))
-    assert backend._decode.max_splits > 1
+    meta = backend.plan_for_capture(batch([1, 1, 1, 1]))
+    assert meta.decode.max_splits > 1
     for lens in ([5, 9, 2, 77], full):
         fb = batch(lens)
-        backend.plan_for_replay(fb)
-        out = backend.forward_decode(sb.q, sb.layer, fb)
+        meta = backend.plan_for_replay(fb)
+        out = backend.forward_decode(sb.q, sb.layer, fb, meta)
         assert rel_err(out, reference_for_batch(sb.q, sb.layer, fb)) < 1e-2
 
 
@@ -147,9 +147,8 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
         live = [i for i, e in enumerate(ext) if e > 0]
         fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, [rows[i] for i in live], [done[i] for i in live],
                                        [ext[i] for i in live], req_to_token, pool)
-        backend.plan(fb)
         ids = torch.tensor([t for i in live for t in prompts[i][done[i]: done[i] + ext[i]]], device=device)  # [T]
-        with attention_backend(backend):
+        with attention_step(backend, backend.plan(fb)):
             logits = model(ids, fb.positions, fb, logits_indices=None)
         ends = torch.tensor([ext[i] for i in live], device=device).cumsum(0) - 1
         for i, e in zip(live, ends.tolist()):
@@ -161,8 +160,7 @@ def greedy(model, prompts, make_backend, page_size, new_tokens, chunk):
         seq = [len(t) for t in tokens]
         fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [s - 1 for s in seq], [1] * len(rows),
                                        req_to_token, pool)
-        backend.plan(fb)
-        with attention_backend(backend):
+        with attention_step(backend, backend.plan(fb)):
             logits = model(torch.tensor([t[-1] for t in tokens], device=device), fb.positions, fb)
         for i, tok in enumerate(logits.argmax(-1).tolist()):
             tokens[i].append(tok)
@@ -178,9 +176,9 @@ def test_tiny_deepseek_greedy_tokens_through_triton_equal_torch_native():
     expanded_calls = []
 
     class CountingTriton(TritonMLABackend):
-        def forward_expanded_prefill(self, *args):
-            expanded_calls.append(self._extend.extend_lens)
-            return super().forward_expanded_prefill(*args)
+        def forward_expanded_prefill(self, q, k, v, layer, fb, meta):
+            expanded_calls.append(meta.extend.extend_lens)
+            return super().forward_expanded_prefill(q, k, v, layer, fb, meta)
 
     got = greedy(model, prompts, lambda pool: CountingTriton(pool, num_sms=4, min_split_tokens=8), page_size,
                  new_tokens=6, chunk=8)
@@ -228,13 +226,13 @@ def test_gpu_mla_cuda_graph_capture_then_replay_with_other_lengths():
                                          sb.fb.req_to_token, sb.pool)
 
     capture_fb = batch([1, 1, 1, 1])
-    backend.plan_for_capture(capture_fb)
+    meta = backend.plan_for_capture(capture_fb)
     q_static = sb.q.clone()
-    backend.forward_decode(q_static, sb.layer, capture_fb)
+    backend.forward_decode(q_static, sb.layer, capture_fb, meta)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = backend.forward_decode(q_static, sb.layer, capture_fb)
+        graph_out = backend.forward_decode(q_static, sb.layer, capture_fb, meta)
     for lens in ([5, 9, 2, 77], full):
         fb = batch(lens)
         backend.plan_for_replay(fb)

@@ -11,7 +11,7 @@ re-runs what the capture recorded on the same buffers); tests/test_spec_verify_g
 
 import pytest
 import torch
-from attention_helpers import rel_err, run_layer
+from attention_helpers import rel_err, run_layer, run_layer_step
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
 from attnserve.attention.backends.triton import TritonBackend
@@ -80,12 +80,12 @@ CASES = [  # backend, mla, page size, tree
 def test_verify_matches_oracle(name, mla, page_size, tree):
     sb, _ = verify_batch([3, 17, 40], 5, tree, page_size, mla, seed=page_size + 7 * tree)
     backend = TritonBackend(sb.pool) if name == "triton" else TorchNativeBackend(sb.pool)
-    out = run_layer(sb, backend)
+    out, step = run_layer_step(sb, backend)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     assert rel_err(out, ref) < tolerance()
     if name == "triton" and not mla:  # GQA-packed tiles sized to the step: one tile a request and KV head
-        assert backend.extend_path.startswith("paged")
-        assert [t.num_tiles for t in backend._extend.tiles.values()] == [3]
+        assert step.extend_path.startswith("paged")
+        assert [t.num_tiles for t in step.extend.tiles.values()] == [3]
 
 
 def test_triton_verify_never_takes_the_tma_prefill_path():
@@ -93,8 +93,8 @@ def test_triton_verify_never_takes_the_tma_prefill_path():
     sb = make_batch([12, 30], [4, 4], num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
                     device=DEVICE, mode=ForwardMode.TARGET_VERIFY, score_scale=4.0)
     backend = TritonBackend(sb.pool)
-    out = run_layer(sb, backend)
-    assert backend.extend_path == "paged (verify step)"
+    out, step = run_layer_step(sb, backend)
+    assert step.extend_path == "paged (verify step)"
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 2e-2
     with pytest.raises(ValueError, match="does not apply"):
         run_layer(sb, TritonBackend(sb.pool, prefill_tma=True))
@@ -119,8 +119,8 @@ def capture_batch(sb, bs: int, q: int, mask_buffer: torch.Tensor | None) -> Forw
         req_to_token=sb.fb.req_to_token, pool=sb.pool, custom_mask=mask_buffer)
 
 
-def graph_step(sb, backend, fb):
-    return backend.forward_extend(sb.q, sb.k, sb.v, sb.layer, fb)
+def graph_step(sb, backend, fb, meta):
+    return backend.forward_extend(sb.q, sb.k, sb.v, sb.layer, fb, meta)
 
 
 @pytest.mark.parametrize("mla,page_size,tree", [(False, 1, True), (False, 16, False), (True, 16, True),
@@ -132,9 +132,9 @@ def test_graph_plan_replays_other_lengths_in_place(mla, page_size, tree):
     backend.init_graph_buffers(bs, bs)
     mask_buffer = torch.ones(bs, q, q, dtype=torch.bool, device=DEVICE).tril() if tree else None  # [bs, q, q]
     cap = capture_batch(sb, bs, q, mask_buffer)
-    backend.plan_for_capture(cap)
-    graph_step(sb, backend, cap)  # what a capture records: the tile list is built here, once
-    captured = backend._extend
+    meta = backend.plan_for_capture(cap)
+    graph_step(sb, backend, cap, meta)  # what a capture records: the tile list is built here, once
+    captured = meta.extend
     tiles = dict(captured.tiles)
     addresses = (captured.meta.qo_indptr.data_ptr(), captured.meta.kv_indptr.data_ptr(),
                  captured.meta.kv_indices.data_ptr(), captured.seq_lens.data_ptr())
@@ -144,27 +144,27 @@ def test_graph_plan_replays_other_lengths_in_place(mla, page_size, tree):
     if tree:
         mask_buffer.copy_(compact)
         replay.custom_mask = mask_buffer
-    backend.plan_for_replay(replay)
-    plan = backend._extend
+    meta = backend.plan_for_replay(replay)
+    plan = meta.extend
     assert plan is captured and plan.tiles == tiles
     assert (plan.meta.qo_indptr.data_ptr(), plan.meta.kv_indptr.data_ptr(), plan.meta.kv_indices.data_ptr(),
             plan.seq_lens.data_ptr()) == addresses
-    out = graph_step(sb, backend, replay)
+    out = graph_step(sb, backend, replay, meta)
     replay.custom_mask = full
     ref = reference_for_batch(sb.q, sb.layer, replay)
     assert rel_err(out, ref) < tolerance()
     if mla:
-        assert backend.extend_path.startswith("mla tiles")
-        assert not backend.expanded_prefill_applies(replay)
+        assert meta.extend_path.startswith("mla tiles")
+        assert not backend.expanded_prefill_applies(replay, meta)
     else:
-        assert backend.extend_path.startswith("paged")
+        assert meta.extend_path.startswith("paged")
 
     if tree:  # a mask held elsewhere is copied into the captured buffer
         mask_buffer.zero_()
         replay.custom_mask = compact.to(DEVICE)
-        backend.plan_for_replay(replay)
+        meta = backend.plan_for_replay(replay)
         assert torch.equal(mask_buffer, compact.to(DEVICE))
-        assert rel_err(graph_step(sb, backend, replay), ref) < tolerance()
+        assert rel_err(graph_step(sb, backend, replay, meta), ref) < tolerance()
 
 
 def test_graph_plan_refuses_what_was_not_captured():

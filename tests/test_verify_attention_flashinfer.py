@@ -56,23 +56,26 @@ def test_chain_verify_graph_replays_other_lengths(fake_flashinfer, page_size):  
     sb = make_batch([20, 3, 41], [q] * 3, page_size=page_size, mode=ForwardMode.TARGET_VERIFY, score_scale=20.0)
     backend = FlashInferBackend(sb.pool, workspace_mb=1, q_dtype=torch.float32)
     backend.init_graph_buffers(max_bs=4, max_tokens=4)
-    backend.plan(sb.fb)  # one eager step first: the layer signatures are known after it
-    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
-    backend.plan_for_capture(_padded_batch(sb, 3, q))
-    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)  # what a capture records
+    meta = backend.plan(sb.fb)  # one eager step first: the layer signatures are known after it
+    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
+    meta = backend.plan_for_capture(_padded_batch(sb, 3, q))
+    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)  # what a capture records
     (key,) = [k for k in backend._graph_wrappers if k[0] == "verify"]
     assert key[1:3] == (3, q)
     wrapper = backend._graph_wrappers[key]
     assert wrapper.graph and wrapper.backend == "fa2"
     assert wrapper.qo_buf.data_ptr() == backend._graph_buffers.qo_indptr.data_ptr()
 
-    backend.plan_for_replay(sb.fb)
-    out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    meta = backend.plan_for_replay(sb.fb)
+    out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     assert backend._graph_wrappers[key] is wrapper and wrapper.plans == 2
     assert _rel(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-5
     # an eager step after a replay plans its own wrappers again
-    backend.plan(sb.fb)
-    assert backend._graph_verify is None
+    meta = backend.plan(sb.fb)
+    assert meta.graph_verify is None
+    out = backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
+    assert wrapper.plans == 2  # the graph's wrapper is not planned for an eager step
+    assert _rel(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-5
 
 
 def test_tree_verify_and_ragged_batches_are_not_captured(fake_flashinfer):  # noqa: F811
@@ -80,8 +83,8 @@ def test_tree_verify_and_ragged_batches_are_not_captured(fake_flashinfer):  # no
     sb = make_batch([12, 5], [3, 3], custom_mask=True, mode=ForwardMode.TARGET_VERIFY)
     backend = FlashInferBackend(sb.pool, workspace_mb=1, q_dtype=torch.float32)
     backend.init_graph_buffers(max_bs=2, max_tokens=2)
-    backend.plan(sb.fb)
-    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)
+    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     with pytest.raises(ValueError, match="chain verify steps only"):
         backend.plan_for_capture(sb.fb)
     ragged = make_batch([12, 5], [3, 2], mode=ForwardMode.TARGET_VERIFY)
@@ -107,21 +110,21 @@ def test_gpu_chain_verify_graph_replays_other_lengths(page_size):
     sb = make_batch([90, 3, 250, 41], [q] * 4, num_heads=16, num_kv_heads=4, head_dim=128, page_size=page_size,
                     dtype=torch.bfloat16, device="cuda", mode=ForwardMode.TARGET_VERIFY, seed=5, score_scale=4.0)
     backend = FlashInferBackend(sb.pool, workspace_mb=64)
-    backend.plan(sb.fb)  # eager warm-up: the layer signature becomes known
-    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb)
+    meta = backend.plan(sb.fb)  # eager warm-up: the layer signature becomes known
+    backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     backend.init_graph_buffers(max_bs=8, max_tokens=8)
-    backend.plan_for_capture(_padded_batch(sb, 4, q))
+    meta = backend.plan_for_capture(_padded_batch(sb, 4, q))
     q_static = sb.q.clone()  # [4 * q, 16, 128]
-    backend.forward(q_static, None, None, sb.layer, sb.fb)  # warm-up outside the capture
+    backend.forward(q_static, None, None, sb.layer, sb.fb, meta)  # warm-up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_static = backend.forward(q_static, None, None, sb.layer, sb.fb)
+        out_static = backend.forward(q_static, None, None, sb.layer, sb.fb, meta)
     # the next step: the requests in another order with other lengths, over K/V already in the pool
     fb2 = ForwardBatch.from_lengths(ForwardMode.TARGET_VERIFY, [3, 1, 4, 2], [200, 50, 30, 2], [q] * 4,
                                     sb.fb.req_to_token, sb.pool)
     q_static.copy_(torch.randn_like(q_static) * 4)
-    backend.plan_for_replay(fb2)
+    meta = backend.plan_for_replay(fb2)
     graph.replay()
     ref = reference_for_batch(q_static, sb.layer, fb2, compute_dtype=torch.float32)
     assert _rel(out_static.float(), ref.double()) < 1e-2

@@ -38,12 +38,12 @@ WAVES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 def measure(rb, **options) -> tuple[float, int, torch.Tensor]:
     backend = TritonBackend(rb.pool, **options)
-    backend.plan(rb.fb)
+    meta = backend.plan(rb.fb)
     if rb.workload.kind == "decode":
-        fn = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb)
+        fn = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb, meta)
         out = fn()
-        return (time_graph(fn) if rb.q.is_cuda else 0.0), backend._decode.max_splits, out
-    fn = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb)
+        return (time_graph(fn) if rb.q.is_cuda else 0.0), meta.decode.max_splits, out
+    fn = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb, meta)
     out = fn()
     return (time_eager(fn) if rb.q.is_cuda else 0.0), 0, out
 

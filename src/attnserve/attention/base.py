@@ -1,8 +1,11 @@
 """The backend contract: features, requirements, the ABC (the step it plans from is attnserve.batch).
 
-Every backend keeps the same shape of work: `plan(fb)` once per step, outside
-any CUDA graph, then `forward(q, k, v, layer, fb)` for every layer. Features are
-data so that selection and validation can reason about a backend without
+Every backend keeps the same shape of work: `meta = plan(fb)` once per step,
+outside any CUDA graph, then `forward(q, k, v, layer, fb, meta)` for every layer.
+What plan() builds is returned as a value (vLLM's metadata builder), never kept
+on the backend, so a backend holds only what outlives a step (kernel choices per
+layer signature, graph buffers, FlashInfer's wrappers, caches of K/V). Features
+are data so that selection and validation can reason about a backend without
 instantiating it.
 """
 
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -19,6 +22,10 @@ from attnserve.batch import ForwardBatch, ForwardMode
 if TYPE_CHECKING:
     from attnserve.kvcache.pool import KVPool
 
+
+# What a backend's plan(fb) returns for one step: its own dataclass (CSR metadata, split plans, masks), read by
+# the same backend's forward calls of that step and by nobody else.
+StepMetadata = Any
 
 ALL_KV_DTYPES = frozenset({"bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"})
 
@@ -162,8 +169,8 @@ class AttentionBackend(ABC):
 
     # ---- per step -------------------------------------------------------------------------
     @abstractmethod
-    def plan(self, fb: ForwardBatch) -> None:
-        """Build this step's metadata once, before the layers run. Host-side, never inside a graph."""
+    def plan(self, fb: ForwardBatch) -> StepMetadata:
+        """This step's metadata, built once before the layers run. Host-side, never inside a graph."""
 
     def store_kv(self, layer: AttentionLayerParams, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Write this step's K/V at `fb.out_cache_loc`. Backends with their own store kernel override it."""
@@ -189,18 +196,20 @@ class AttentionBackend(ABC):
         return q, k
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerParams, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerParams,
+        fb: ForwardBatch, meta: StepMetadata,
     ) -> torch.Tensor:
-        """q `[tokens, heads_q, head_dim]` -> o `[tokens, heads_q, v_head_dim]`."""
+        """q `[tokens, heads_q, head_dim]` -> o `[tokens, heads_q, v_head_dim]`; meta is what plan(fb) returned."""
         if fb.mode is ForwardMode.IDLE or q.shape[0] == 0:
             return q.new_empty(q.shape[0], q.shape[1], layer.v_head_dim)
         if fb.mode.is_decode:
-            return self.forward_decode(q, layer, fb)
-        return self.forward_extend(q, k, v, layer, fb)
+            return self.forward_decode(q, layer, fb, meta)
+        return self.forward_extend(q, k, v, layer, fb, meta)
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerParams, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerParams,
+        fb: ForwardBatch, meta: StepMetadata,
     ) -> torch.Tensor:
         """Prefill / chunked prefill / verify: new tokens attend to the cached prefix and, causally, each other.
 
@@ -209,11 +218,13 @@ class AttentionBackend(ABC):
         """
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayerParams, fb: ForwardBatch) -> torch.Tensor:
+    def forward_decode(
+        self, q: torch.Tensor, layer: AttentionLayerParams, fb: ForwardBatch, meta: StepMetadata
+    ) -> torch.Tensor:
         """One query token per request against its whole KV."""
 
     # ---- expanded MLA prefill (declared by `features.expanded_mla_prefill`) ---------------------
-    def expanded_prefill_applies(self, fb: ForwardBatch) -> bool:
+    def expanded_prefill_applies(self, fb: ForwardBatch, meta: StepMetadata) -> bool:
         """Whether this planned step may run MLA attention over K/V expanded per head.
 
         Only a backend that declares `features.expanded_mla_prefill` is asked (`AttentionLayer` checks
@@ -222,7 +233,8 @@ class AttentionBackend(ABC):
         return False
 
     def forward_expanded_prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerParams, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerParams, fb: ForwardBatch,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         """MLA prefill with the latent expanded per head: q, k `[T, H, nope + rope]`, v `[T, H, v]` -> `[T, H, v]`.
 
@@ -236,10 +248,12 @@ class AttentionBackend(ABC):
         """Allocate fixed-address buffers sized for the largest captured batch."""
         raise NotImplementedError(f"backend {self.name} does not support CUDA graphs")
 
-    def plan_for_capture(self, fb: ForwardBatch) -> None:
-        """Fill the fixed buffers' first rows for capture (the graph records their addresses)."""
+    def plan_for_capture(self, fb: ForwardBatch) -> StepMetadata:
+        """Fill the fixed buffers' first rows for capture (the graph records their addresses); the step's
+        metadata over those buffers, for the captured forward calls."""
         raise NotImplementedError(f"backend {self.name} does not support CUDA graphs")
 
-    def plan_for_replay(self, fb: ForwardBatch) -> None:
-        """Rewrite the fixed buffers in place for this step's (padded) batch before replay."""
+    def plan_for_replay(self, fb: ForwardBatch) -> StepMetadata:
+        """Rewrite the fixed buffers in place for this step's (padded) batch before replay; the step's
+        metadata over them (a replay reads only the buffers)."""
         raise NotImplementedError(f"backend {self.name} does not support CUDA graphs")

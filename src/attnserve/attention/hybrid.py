@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from attnserve.attention.base import AttentionBackend, BackendFeatures
+from attnserve.attention.base import AttentionBackend, BackendFeatures, StepMetadata
 from attnserve.batch import ForwardBatch, ForwardMode
 
 SPECULATIVE_ATTENTION_MODES = ("prefill", "decode")
@@ -91,7 +91,6 @@ class HybridAttentionBackend(AttentionBackend):
         self.name = f"hybrid(prefill={prefill.name}, decode={decode.name})"
         verify = prefill if speculative_attention_mode == "prefill" else decode
         self.features = hybrid_features(prefill.features, decode.features, verify.features)
-        self._active: AttentionBackend = prefill
 
     def backend_for(self, mode: ForwardMode) -> AttentionBackend:
         if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
@@ -100,10 +99,9 @@ class HybridAttentionBackend(AttentionBackend):
             return self.decode_backend
         return self.prefill_backend
 
-    # ---- per step: plan once on the backend that serves this mode ---------------------------------------
-    def plan(self, fb: ForwardBatch) -> None:
-        self._active = self.backend_for(fb.mode)
-        self._active.plan(fb)
+    # ---- per step: planned on, and run by, the side that serves the step's mode (its metadata as it is) ----
+    def plan(self, fb: ForwardBatch) -> StepMetadata:
+        return self.backend_for(fb.mode).plan(fb)
 
     def store_kv(self, layer, fb: ForwardBatch, k, v) -> None:
         self.backend_for(fb.mode).store_kv(layer, fb, k, v)
@@ -111,22 +109,22 @@ class HybridAttentionBackend(AttentionBackend):
     def rotate_and_store_kv(self, layer, fb: ForwardBatch, q, k, v, rope):
         return self.backend_for(fb.mode).rotate_and_store_kv(layer, fb, q, k, v, rope)
 
-    def forward(self, q, k, v, layer, fb: ForwardBatch):
-        return self.backend_for(fb.mode).forward(q, k, v, layer, fb)
+    def forward(self, q, k, v, layer, fb: ForwardBatch, meta: StepMetadata):
+        return self.backend_for(fb.mode).forward(q, k, v, layer, fb, meta)
 
-    def forward_extend(self, q, k, v, layer, fb: ForwardBatch):
-        return self.backend_for(fb.mode).forward_extend(q, k, v, layer, fb)
+    def forward_extend(self, q, k, v, layer, fb: ForwardBatch, meta: StepMetadata):
+        return self.backend_for(fb.mode).forward_extend(q, k, v, layer, fb, meta)
 
-    def forward_decode(self, q, layer, fb: ForwardBatch):
-        return self.backend_for(fb.mode).forward_decode(q, layer, fb)
+    def forward_decode(self, q, layer, fb: ForwardBatch, meta: StepMetadata):
+        return self.backend_for(fb.mode).forward_decode(q, layer, fb, meta)
 
     # ---- expanded MLA prefill: asked of, and run by, the side that serves the step (prefill for fresh prompts) ----
-    def expanded_prefill_applies(self, fb: ForwardBatch) -> bool:
+    def expanded_prefill_applies(self, fb: ForwardBatch, meta: StepMetadata) -> bool:
         side = self.backend_for(fb.mode)
-        return side.features.expanded_mla_prefill and side.expanded_prefill_applies(fb)
+        return side.features.expanded_mla_prefill and side.expanded_prefill_applies(fb, meta)
 
-    def forward_expanded_prefill(self, q, k, v, layer, fb: ForwardBatch):
-        return self.backend_for(fb.mode).forward_expanded_prefill(q, k, v, layer, fb)
+    def forward_expanded_prefill(self, q, k, v, layer, fb: ForwardBatch, meta: StepMetadata):
+        return self.backend_for(fb.mode).forward_expanded_prefill(q, k, v, layer, fb, meta)
 
     # ---- CUDA graphs: decode graphs belong to the decode backend; verify graphs to whichever serves verify ----
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
@@ -136,10 +134,8 @@ class HybridAttentionBackend(AttentionBackend):
         if verify is not self.decode_backend and verify.features.cuda_graph:
             verify.init_graph_buffers(max_bs, max_tokens)
 
-    def plan_for_capture(self, fb: ForwardBatch) -> None:
-        self._active = self.backend_for(fb.mode)
-        self._active.plan_for_capture(fb)
+    def plan_for_capture(self, fb: ForwardBatch) -> StepMetadata:
+        return self.backend_for(fb.mode).plan_for_capture(fb)
 
-    def plan_for_replay(self, fb: ForwardBatch) -> None:
-        self._active = self.backend_for(fb.mode)
-        self._active.plan_for_replay(fb)
+    def plan_for_replay(self, fb: ForwardBatch) -> StepMetadata:
+        return self.backend_for(fb.mode).plan_for_replay(fb)

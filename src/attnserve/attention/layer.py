@@ -2,10 +2,10 @@
 
 Models hold one per transformer layer and call it with projected q/k/v; the
 layer writes this step's K/V into the pool and hands the rest to the backend
-the step runs on. Which backend that is is neither the model's nor the step's
-business: whoever runs the model names it for the call, `with
-attention_backend(backend): model(...)` (vLLM's forward context, with one
-field), so two engines can share one model object and each step finds its own.
+the step runs on, with what that backend planned for the step. Neither is the
+model's business: whoever runs the model names both for the call, `with
+attention_step(backend, backend.plan(fb)): model(...)` (vLLM's forward context),
+so two engines can share one model object and each step finds its own.
 
 MLA models may also ask whether the step runs expanded prefill
 (`expanded_prefill_applies`) and, when it does, call `forward_expanded`: the
@@ -21,17 +21,18 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from attnserve.attention.base import AttentionBackend
+from attnserve.attention.base import AttentionBackend, StepMetadata
 from attnserve.batch import ForwardBatch
 
-_RUNNING_ON: contextvars.ContextVar[AttentionBackend | None] = contextvars.ContextVar(
-    "attnserve_attention_backend", default=None)
+_RUNNING_ON: contextvars.ContextVar[tuple[AttentionBackend, StepMetadata] | None] = contextvars.ContextVar(
+    "attnserve_attention_step", default=None)
 
 
 @contextlib.contextmanager
-def attention_backend(backend: AttentionBackend) -> Iterator[AttentionBackend]:
-    """Every AttentionLayer called inside the block (this thread) runs on `backend`."""
-    token = _RUNNING_ON.set(backend)
+def attention_step(backend: AttentionBackend, metadata: StepMetadata) -> Iterator[AttentionBackend]:
+    """Every AttentionLayer called inside the block (this thread) runs on `backend`, over `metadata`: what
+    `backend.plan(fb)` (or plan_for_capture) returned for the step the block runs."""
+    token = _RUNNING_ON.set((backend, metadata))
     try:
         yield backend
     finally:
@@ -85,12 +86,12 @@ class AttentionLayer(nn.Module):
         return self.num_heads // self.num_kv_heads
 
     @staticmethod
-    def _backend() -> AttentionBackend:
-        backend = _RUNNING_ON.get()
-        if backend is None:
+    def _step() -> tuple[AttentionBackend, StepMetadata]:
+        running = _RUNNING_ON.get()
+        if running is None:
             raise ValueError("no attention backend for this step: run the model inside "
-                             "`with attention_backend(backend):` (attnserve.attention.layer)")
-        return backend
+                             "`with attention_step(backend, backend.plan(fb)):` (attnserve.attention.layer)")
+        return running
 
     def forward(
         self,
@@ -106,7 +107,7 @@ class AttentionLayer(nn.Module):
         rope: the model's RopeStep when q and k still need rotating; the backend then rotates and
         stores in one call (fused into one kernel where the model and pool allow).
         """
-        backend = self._backend()
+        backend, meta = self._step()
         tokens = q.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         if k is not None:
@@ -119,7 +120,7 @@ class AttentionLayer(nn.Module):
             q, k = rope.rotate(q, k)
         elif save_kv and k is not None:
             backend.store_kv(self, fb, k, v)
-        o = backend.forward(q, k, v, self, fb)  # [T, H, v_head_dim]
+        o = backend.forward(q, k, v, self, fb, meta)  # [T, H, v_head_dim]
         return o.reshape(tokens, self.num_heads * self.v_head_dim)
 
     # ---- expanded MLA prefill -------------------------------------------------------------------------
@@ -129,8 +130,8 @@ class AttentionLayer(nn.Module):
         planned step fits (e.g. fresh prompts only)."""
         if not self.is_mla:
             return False
-        backend = self._backend()
-        return backend.features.expanded_mla_prefill and backend.expanded_prefill_applies(fb)
+        backend, meta = self._step()
+        return backend.features.expanded_mla_prefill and backend.expanded_prefill_applies(fb, meta)
 
     def forward_expanded(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, latent_row: torch.Tensor, fb: ForwardBatch
@@ -140,12 +141,12 @@ class AttentionLayer(nn.Module):
         q, k `[T, H, nope + rope]`, v `[T, H, v]`; latent_row `[T, 1, kv_lora_rank + rope]` is what the
         pool stores, written here for the steps that follow (which read it in the absorbed form).
         """
-        backend = self._backend()
+        backend, meta = self._step()
         if not self.is_mla:
             raise ValueError(f"layer {self.layer_id} is not MLA; expanded prefill is an MLA path")
         if not backend.features.expanded_mla_prefill:
             raise ValueError(f"backend {backend.name} does not declare expanded MLA prefill")
         tokens = q.shape[0]
         backend.store_kv(self, fb, latent_row, None)
-        o = backend.forward_expanded_prefill(q, k, v, self, fb)  # [T, H, v]
+        o = backend.forward_expanded_prefill(q, k, v, self, fb, meta)  # [T, H, v]
         return o.reshape(tokens, self.num_heads * v.shape[-1])

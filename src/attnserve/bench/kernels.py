@@ -162,7 +162,7 @@ def race(workloads: list[Workload], wanted, device: str, check: bool, ceilings: 
             try:
                 fn = field_[name]()
                 out = output_rows(fn(), rb)  # also compiles / JIT-builds outside the timing
-                path = getattr(getattr(fn, "backend", None), "extend_path", None)
+                path = getattr(getattr(fn, "step", None), "extend_path", None)
                 if path and w.kind != "decode":
                     rec["kernel_path"] = path  # which of the backend's kernels ran (triton: TMA or paged)
                 if check:

@@ -74,13 +74,13 @@ def build_race_batch(w: Workload, num_heads: int = 32, num_kv_heads: int = 8, he
 # ---- attnserve backends through the contract ---------------------------------------------------------
 def attnserve_racer(name: str, rb: RaceBatch, **options) -> Callable[[], torch.Tensor]:
     backend = get_spec(name).load_class(rb.pool)(rb.pool, **options)
-    backend.plan(rb.fb)
+    meta = backend.plan(rb.fb)
     rb.keep.append(backend)
     if rb.workload.kind == "decode":
-        call = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb)
+        call = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb, meta)
     else:
-        call = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb)
-    call.backend = backend  # the race reports which of its kernels ran (extend_path)
+        call = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb, meta)
+    call.step = meta  # the race reports which of its kernels ran (the step's extend_path)
     return call
 
 
@@ -104,6 +104,13 @@ def _paged_cache(rb: RaceBatch):
     return p.k_buffer[0].view(shape), p.v_buffer[0].view(shape)
 
 
+def _run_over_pool(rb: RaceBatch, wrapper) -> Callable[[], torch.Tensor]:
+    """A planned paged wrapper, run on the pool's K and V as FlashInfer's NHD page layout."""
+    rb.keep.append(wrapper)
+    cache = _paged_cache(rb)
+    return lambda: wrapper.run(rb.q, cache)
+
+
 def flashinfer_decode_racer(rb: RaceBatch, tensor_cores: bool) -> Callable[[], torch.Tensor]:
     flashinfer = _flashinfer()
     m = metadata_for_batch(rb.fb)
@@ -111,9 +118,7 @@ def flashinfer_decode_racer(rb: RaceBatch, tensor_cores: bool) -> Callable[[], t
     wrapper.plan(m.kv_indptr, m.kv_indices, m.kv_last_page_len, rb.layer.num_heads, rb.layer.num_kv_heads,
                  rb.layer.head_dim, m.page_size, sm_scale=rb.layer.scaling, q_data_type=rb.q.dtype,
                  kv_data_type=rb.pool.dtype)
-    rb.keep.append(wrapper)
-    cache = _paged_cache(rb)
-    return lambda: wrapper.run(rb.q, cache)
+    return _run_over_pool(rb, wrapper)
 
 
 def flashinfer_prefill_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.Tensor]:
@@ -131,9 +136,7 @@ def flashinfer_prefill_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.T
     wrapper.plan(m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len, lay.num_heads, lay.num_kv_heads,
                  lay.head_dim, m.page_size, causal=True, sm_scale=lay.scaling, q_data_type=rb.q.dtype,
                  kv_data_type=rb.pool.dtype)
-    rb.keep.append(wrapper)
-    cache = _paged_cache(rb)
-    return lambda: wrapper.run(rb.q, cache)
+    return _run_over_pool(rb, wrapper)
 
 
 def flashinfer_mla_racer(rb: RaceBatch, kernel: str) -> Callable[[], torch.Tensor]:

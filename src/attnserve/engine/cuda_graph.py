@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from attnserve.attention.base import AttentionBackend
-from attnserve.attention.layer import attention_backend
+from attnserve.attention.layer import attention_step
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.graph_capture import collector_paused_for_capture
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool
@@ -194,20 +194,25 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         return graph, out
 
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, meta) -> torch.Tensor:
+        """The model over one step, its attention on this runner's backend over the step's metadata (what
+        plan or plan_for_capture returned: a captured graph keeps the buffers it points at)."""
+        with attention_step(self.backend, meta):
+            return self.model(input_ids, positions, fb)
+
     def capture(self) -> float:
         """Capture every batch size, largest first (smaller graphs reuse its memory pool)."""
         start = time.perf_counter()
         self.backend.init_graph_buffers(self.max_bs, self.max_tokens)
-        with torch.inference_mode(), collector_paused_for_capture(), attention_backend(self.backend):
+        with torch.inference_mode(), collector_paused_for_capture():
             # one eager step first: some backends learn per-layer facts from it before they can capture
             fb = self._batch(self.max_bs, [1] * self.max_bs)
-            self.backend.plan(fb)
-            self.model(self.input_ids, self.positions, fb)
+            self._run_model(self.input_ids, self.positions, fb, self.backend.plan(fb))
             for bs in reversed(self.batch_sizes):
                 fb = self._batch(bs, [1] * bs)
-                self.backend.plan_for_capture(fb)
+                meta = self.backend.plan_for_capture(fb)
                 self.graphs[bs], self.outputs[bs] = self._record(
-                    lambda bs=bs, fb=fb: self.model(self.input_ids[:bs], self.positions[:bs], fb))
+                    lambda bs=bs, fb=fb, meta=meta: self._run_model(self.input_ids[:bs], self.positions[:bs], fb, meta))
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
 
@@ -284,17 +289,16 @@ class CudaGraphRunner:
             self.verify_buffers[q] = VerifyBuffers.allocate(self.max_bs, q, self.padding_row, self.device)
         buf = self.verify_buffers[q]
         buf.pad_all(self.padding_row)
-        with torch.inference_mode(), collector_paused_for_capture(), attention_backend(self.backend):
+        with torch.inference_mode(), collector_paused_for_capture():
             # one eager step first, as for decode: the verify side of a hybrid may not have run a step yet
             fb = self._verify_batch(sizes[-1], q, tree, [q] * sizes[-1])
-            self.backend.plan(fb)
-            self.model(buf.input_ids[: sizes[-1] * q], buf.positions[: sizes[-1] * q], fb)
+            self._run_model(buf.input_ids[: sizes[-1] * q], buf.positions[: sizes[-1] * q], fb, self.backend.plan(fb))
             for bs in reversed(sizes):
                 fb = self._verify_batch(bs, q, tree, [q] * bs)
-                self.backend.plan_for_capture(fb)
+                meta = self.backend.plan_for_capture(fb)
                 ids, pos = buf.input_ids[: bs * q], buf.positions[: bs * q]
                 # the warm-up also builds the backend's tile lists; the logits are every token's [bs * q, vocab]
-                graph, out = self._record(lambda ids=ids, pos=pos, fb=fb: self.model(ids, pos, fb))
+                graph, out = self._record(lambda ids=ids, pos=pos, fb=fb, meta=meta: self._run_model(ids, pos, fb, meta))
                 self.verify_graphs[(bs, q, tree)] = graph
                 self.verify_outputs[(bs, q, tree)] = out
         self.verify_sizes[(q, tree)] = sizes

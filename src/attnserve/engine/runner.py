@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from attnserve.attention.base import AttentionBackend
-from attnserve.attention.layer import attention_backend
+from attnserve.attention.layer import attention_step
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.distributed.state import broadcast_object, broadcast_tensor, parallel_state
 from attnserve.engine.cuda_graph import CudaGraphRunner
@@ -252,11 +252,11 @@ class ModelRunner:
 
         self.steps_eager += 1
         fb = self._eager_batch(step, pos, loc, req_rows, seq_lens)
-        self.backend.plan(fb)
+        meta = self.backend.plan(fb)
         last = np.cumsum(step.extend_lens) - 1  # row of each request's last new token
         picked = [int(t) for t, s in zip(last, step.sample) if s]
         logits_indices = None if len(picked) == num_tokens else to_device(picked, dev)
-        with attention_backend(self.backend):
+        with attention_step(self.backend, meta):
             return self.model(input_ids, pos, fb, logits_indices=logits_indices)
 
     def _eager_batch(self, step: StepInputs, pos, loc, req_rows, seq_lens) -> ForwardBatch:
@@ -291,6 +291,5 @@ class ModelRunner:
             return gr.replay_verify(input_ids, pos, loc, req_rows, seq_lens, step.seq_lens, q, tree_mask)
         self.steps_eager += 1
         fb = self._eager_batch(step, pos, loc, req_rows, seq_lens)
-        self.backend.plan(fb)
-        with attention_backend(self.backend):
+        with attention_step(self.backend, self.backend.plan(fb)):
             return self.model(input_ids, pos, fb, logits_indices=None)

@@ -147,6 +147,15 @@ def _unset(val) -> bool:
     return isinstance(val, float) and val == 0.0
 
 
+@dataclass
+class FA4Step:
+    """What plan() built for one step: fresh prompts run ragged over cu_seqlens, others paged."""
+
+    extend_path: str  # which of FA4's entries the step runs, as the kernel race reports it
+    cu_seqlens: torch.Tensor | None = None  # [B+1] int32, fresh prompts
+    paged: PagedArgs | None = None  # a step with a prefix
+
+
 class FA4Backend(AttentionBackend):
     """FlashAttention 4 over an MHA/GQA pool: ragged prefill, paged extend; no decode."""
 
@@ -160,22 +169,14 @@ class FA4Backend(AttentionBackend):
         if pool.is_fp8:
             raise ValueError("fa4 reads bf16/fp16 KV only (FA4 takes q, K and V in one dtype, no FP8 on SM90)")
         self._fa4 = fa4_varlen()
-        self.extend_path: str | None = None
-        self._fb: ForwardBatch | None = None
 
-    def plan(self, fb: ForwardBatch) -> None:
+    def plan(self, fb: ForwardBatch) -> FA4Step:
         """Lengths and, when a request has a prefix, the page table: once per step, on the host's lengths."""
         if fb.custom_mask is not None:
             raise ValueError("fa4 has no custom attention masks (speculative verify): use flashinfer or triton")
-        self._fb = fb
-        self._ragged = not any(fb.prefix_lens_cpu)
-        device = fb.req_to_token.device
-        if self._ragged:
-            self._cu = cu_seqlens(fb.extend_lens_cpu, device)  # [B+1]
-            self._paged = None
-        else:
-            self._paged = paged_args(fb, self.pool.page_size)
-        self.extend_path = "ragged (fresh prompts)" if self._ragged else f"paged (page size {self.pool.page_size})"
+        if not any(fb.prefix_lens_cpu):
+            return FA4Step("ragged (fresh prompts)", cu_seqlens=cu_seqlens(fb.extend_lens_cpu, fb.req_to_token.device))
+        return FA4Step(f"paged (page size {self.pool.page_size})", paged=paged_args(fb, self.pool.page_size))
 
     def _common(self, layer) -> dict:
         if layer.sinks is not None:
@@ -183,12 +184,12 @@ class FA4Backend(AttentionBackend):
         return {"softmax_scale": float(layer.scaling), "causal": True, "window_size": window_of(layer),
                 "softcap": float(layer.logit_cap) if layer.logit_cap is not None else 0.0}
 
-    def forward_extend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        if self._ragged and k is not None and v is not None:
+    def forward_extend(self, q, k, v, layer, fb: ForwardBatch, meta: FA4Step) -> torch.Tensor:
+        if meta.cu_seqlens is not None and k is not None and v is not None:
             n = max(fb.extend_lens_cpu, default=0)
-            return call_varlen(self._fa4, q, k.to(q.dtype), v.to(q.dtype), cu_seqlens_q=self._cu,
-                               cu_seqlens_k=self._cu, max_seqlen_q=n, max_seqlen_k=n, **self._common(layer))
-        pa = self._paged or paged_args(fb, self.pool.page_size)
+            return call_varlen(self._fa4, q, k.to(q.dtype), v.to(q.dtype), cu_seqlens_q=meta.cu_seqlens,
+                               cu_seqlens_k=meta.cu_seqlens, max_seqlen_q=n, max_seqlen_k=n, **self._common(layer))
+        pa = meta.paged or paged_args(fb, self.pool.page_size)
         pool, lid, ps = self.pool, layer.layer_id, self.pool.page_size
         kb, vb = pool.get_key_buffer(lid), pool.get_value_buffer(lid)  # [num_slots, Hkv, D], [num_slots, Hkv, Dv]
         k_cache = kb.view(pool.num_pages, ps, kb.shape[1], kb.shape[2])  # [num_pages, page_size, Hkv, D]
@@ -197,7 +198,7 @@ class FA4Backend(AttentionBackend):
                            max_seqlen_q=pa.max_seqlen_q, max_seqlen_k=pa.max_seqlen_k, page_table=pa.page_table,
                            **self._common(layer))  # [T, Hq, Dv]
 
-    def forward_decode(self, q, layer, fb: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q, layer, fb: ForwardBatch, meta: FA4Step) -> torch.Tensor:
         raise NotImplementedError("fa4 serves prefill and extend only (no split-KV decode on SM90); "
                                   "name a decode backend, e.g. --decode-attention-backend triton")
 
@@ -207,6 +208,7 @@ __all__ = [
     "FA4_MODULE",
     "FEATURES",
     "FA4Backend",
+    "FA4Step",
     "PagedArgs",
     "call_varlen",
     "cu_seqlens",

@@ -25,6 +25,8 @@ the batch. `--enable-deterministic-inference` refuses this backend.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from attnserve.attention.base import (
@@ -37,6 +39,20 @@ from attnserve.batch import ForwardBatch
 
 Q_BLOCK = 128
 KV_BLOCK = 128
+
+
+@dataclass
+class FlexStep:
+    """What plan() built for one step: the lookups the mask reads and the block table it is sparse over."""
+
+    req_slots: torch.Tensor  # [B, max(max_len, 1)] int64: each request's position -> slot, -1 past its length
+    kv_pos: torch.Tensor  # [num_slots] int64: slot -> position
+    q_req: torch.Tensor  # [T] int64: each new token's request
+    q_pos: torch.Tensor  # [T] int64: each new token's position
+    custom: torch.Tensor | None  # [T, max_len] bool verify masks, or None
+    blocks: tuple[torch.Tensor, torch.Tensor]  # (kv_num_blocks [1, 1, nqb], kv_indices [1, 1, nqb, nkvb])
+    num_tokens: int
+    masks: dict = field(default_factory=dict)  # sliding window -> BlockMask, built at its first layer
 
 
 class FlexAttentionBackend(AttentionBackend):
@@ -61,7 +77,7 @@ class FlexAttentionBackend(AttentionBackend):
         self._flex = None
 
     # ---- per step -----------------------------------------------------------------------------
-    def plan(self, fb: ForwardBatch) -> None:
+    def plan(self, fb: ForwardBatch) -> FlexStep:
         device = fb.req_to_token.device
         bs = fb.batch_size
         num_slots = self.pool.num_slots
@@ -84,11 +100,9 @@ class FlexAttentionBackend(AttentionBackend):
         num_tokens = fb.num_tokens
         q_req = torch.repeat_interleave(torch.arange(bs, device=device), extend_lens, output_size=num_tokens)  # [T]
         q_pos = fb.positions.to(device=device, dtype=torch.int64)  # [T]
-        self._req_slots, self._kv_pos, self._q_req, self._q_pos = req_slots, kv_pos, q_req, q_pos
-        self._custom = self._dense_custom_mask(fb, max_len) if fb.custom_mask is not None else None
-        self._blocks = self._block_table(q_req, owners, slots, bs, num_tokens, num_slots)
-        self._masks: dict[int | None, object] = {}  # sliding window -> BlockMask, built on first use
-        self._num_tokens = num_tokens
+        custom = self._dense_custom_mask(fb, max_len) if fb.custom_mask is not None else None
+        blocks = self._block_table(q_req, owners, slots, bs, num_tokens, num_slots)
+        return FlexStep(req_slots, kv_pos, q_req, q_pos, custom, blocks, num_tokens)
 
     @staticmethod
     def _check_one_position_per_slot(kv_pos, slots, slot_positions) -> None:
@@ -131,12 +145,12 @@ class FlexAttentionBackend(AttentionBackend):
         kv_indices = torch.argsort((~touches).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # [nqb, nkvb]
         return kv_num_blocks[None, None], kv_indices[None, None]
 
-    def _block_mask(self, sliding_window: int | None):
-        if sliding_window in self._masks:
-            return self._masks[sliding_window]
+    def _block_mask(self, step: FlexStep, sliding_window: int | None):
+        if sliding_window in step.masks:
+            return step.masks[sliding_window]
         from torch.nn.attention.flex_attention import BlockMask
 
-        req_slots, kpos, qreq, qpos, custom = self._req_slots, self._kv_pos, self._q_req, self._q_pos, self._custom
+        req_slots, kpos, qreq, qpos, custom = step.req_slots, step.kv_pos, step.q_req, step.q_pos, step.custom
 
         def visible(b, h, q_idx, kv_idx):
             p, k = qpos[q_idx], kpos[kv_idx]
@@ -147,12 +161,12 @@ class FlexAttentionBackend(AttentionBackend):
                 seen = seen & (k > p - sliding_window)
             return same & seen
 
-        kv_num_blocks, kv_indices = self._blocks
+        kv_num_blocks, kv_indices = step.blocks
         mask = BlockMask.from_kv_blocks(
             kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=visible,
-            seq_lengths=(self._num_tokens, self.pool.num_slots),
+            seq_lengths=(step.num_tokens, self.pool.num_slots),
         )
-        self._masks[sliding_window] = mask
+        step.masks[sliding_window] = mask
         return mask
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -163,7 +177,7 @@ class FlexAttentionBackend(AttentionBackend):
             self._flex = torch.compile(flex_attention) if self.compile else flex_attention
         return self._flex
 
-    def _attend(self, q: torch.Tensor, layer) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, layer, step: FlexStep) -> torch.Tensor:
         lid = layer.layer_id
         k_buf = self.pool.get_key_buffer(lid)  # [num_slots, Hkv, D]
         v_buf = self.pool.get_value_buffer(lid)  # [num_slots, Hkv, Dv]
@@ -180,7 +194,7 @@ class FlexAttentionBackend(AttentionBackend):
 
         sinks = layer.sinks
         out = self._flex_fn()(
-            query, key, value, score_mod=score_mod, block_mask=self._block_mask(layer.sliding_window),
+            query, key, value, score_mod=score_mod, block_mask=self._block_mask(step, layer.sliding_window),
             scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads, return_lse=sinks is not None,
         )
         if sinks is not None:
@@ -189,8 +203,8 @@ class FlexAttentionBackend(AttentionBackend):
             out = out * torch.sigmoid(lse.float() - sinks.float()[None, :, None]).to(out.dtype)[..., None]
         return out[0].permute(1, 0, 2)  # [T, Hq, Dv]
 
-    def forward_extend(self, q, k, v, layer, fb):
-        return self._attend(q, layer)
+    def forward_extend(self, q, k, v, layer, fb, meta: FlexStep):
+        return self._attend(q, layer, meta)
 
-    def forward_decode(self, q, layer, fb):
-        return self._attend(q, layer)
+    def forward_decode(self, q, layer, fb, meta: FlexStep):
+        return self._attend(q, layer, meta)

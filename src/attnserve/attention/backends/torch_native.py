@@ -14,7 +14,7 @@ the layer (slots, masks) is built once in plan().
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,31 @@ class _DecodePlan:
     positions: torch.Tensor  # [max_len] int64
     seq_lens: torch.Tensor  # [B] int64
 
+    @classmethod
+    def of(cls, fb: ForwardBatch) -> _DecodePlan:
+        max_len = max(fb.seq_lens_cpu, default=0)
+        rows = fb.req_to_token[fb.req_pool_indices.long(), :max_len].long()  # [B, max_len]
+        positions = torch.arange(max_len, device=rows.device)
+        seq_lens = fb.seq_lens.to(rows.device, torch.int64)
+        return cls(rows.masked_fill(positions[None, :] >= seq_lens[:, None], 0), positions, seq_lens)
+
+
+@dataclass
+class TorchNativeStep:
+    """What plan() built for one step."""
+
+    fb: ForwardBatch
+    mirrored: DecodeStep | None = None  # a decode step's share of the kept K/V (the fused SDPA path)
+    extend: list[_ExtendRequest] = field(default_factory=list)  # an extend step's requests
+    _padded: _DecodePlan | None = None
+
+    @property
+    def padded_decode(self) -> _DecodePlan:
+        """The general decode path's padded slots, built at the first layer that takes that path."""
+        if self._padded is None:
+            self._padded = _DecodePlan.of(self.fb)
+        return self._padded
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     if x.dtype in (torch.float32, torch.float64) or x.device.type == "cuda":
@@ -70,24 +95,17 @@ class TorchNativeBackend(AttentionBackend):
     )
 
     _mirror: ContiguousDecodeKV | None = None  # the decode batch's K/V copies, kept from step to step
-    _step: DecodeStep | None = None  # this step's share of them (set by plan)
-    _decode_plan = None
-    _decode_fb: ForwardBatch | None = None
 
-    def plan(self, fb: ForwardBatch) -> None:
-        self._decode_plan: _DecodePlan | None = None
-        self._decode_fb: ForwardBatch | None = None
-        self._step: DecodeStep | None = None
-        self._extend: list[_ExtendRequest] = []
+    def plan(self, fb: ForwardBatch) -> TorchNativeStep:
+        step = TorchNativeStep(fb)
         if fb.mode.is_decode:
-            self._decode_fb = fb  # the general path's padded plan is built only if a layer needs it
             if self._mirror_ok():
                 pool = self.pool
                 row_bytes = (pool.get_key_buffer(0)[0].numel() + pool.get_value_buffer(0)[0].numel()) \
                     * pool.get_key_buffer(0).element_size()
-                self._step = plan_decode_step(self._mirror, fb, row_bytes, pool.num_layers)
-                self._mirror = self._step.mirror
-            return
+                step.mirrored = plan_decode_step(self._mirror, fb, row_bytes, pool.num_layers)
+                self._mirror = step.mirrored.mirror
+            return step
         self._mirror = None  # a prefill chunk may bring new requests into rows: rebuild at the next decode
         q_start = 0
         mask_start = 0
@@ -98,33 +116,21 @@ class TorchNativeBackend(AttentionBackend):
             if fb.custom_mask is not None:
                 mask = fb.custom_mask[mask_start : mask_start + ext * seq].view(ext, seq).to(torch.bool)
                 mask_start += ext * seq
-            self._extend.append(_ExtendRequest(q_start, q_start + ext, slots, mask))
+            step.extend.append(_ExtendRequest(q_start, q_start + ext, slots, mask))
             q_start += ext
+        return step
 
     def _mirror_ok(self) -> bool:
         pool = self.pool
         return not pool.is_mla and not pool.is_fp8 and pool.num_layers > 0
 
-    @property
-    def _decode(self) -> _DecodePlan | None:
-        """The general decode path's padded slots (built on first use in a step)."""
-        if self._decode_plan is None and self._decode_fb is not None:
-            fb = self._decode_fb
-            max_len = max(fb.seq_lens_cpu, default=0)
-            rows = fb.req_to_token[fb.req_pool_indices.long(), :max_len].long()  # [B, max_len]
-            positions = torch.arange(max_len, device=rows.device)
-            seq_lens = fb.seq_lens.to(rows.device, torch.int64)
-            rows = rows.masked_fill(positions[None, :] >= seq_lens[:, None], 0)
-            self._decode_plan = _DecodePlan(rows, positions, seq_lens)
-        return self._decode_plan
-
-    def forward(self, q, k, v, layer, fb):
-        step = self._step
+    def forward(self, q, k, v, layer, fb, meta: TorchNativeStep):
+        step = meta.mirrored
         if (step is not None and fb.mode.is_decode and q.shape[0] and k is not None and v is not None
                 and layer.logit_cap is None and layer.sinks is None and layer.sliding_window is None
                 and q.dtype == self.pool.dtype):
             return self._forward_decode_sdpa(q, k, v, layer, step)
-        return super().forward(q, k, v, layer, fb)
+        return super().forward(q, k, v, layer, fb, meta)
 
     def _forward_decode_sdpa(self, q, k, v, layer, step: DecodeStep) -> torch.Tensor:
         """Fused SDPA over the kept K/V; the GQA group rides as the query length: q `[B, Hkv, G, D]`."""
@@ -158,9 +164,8 @@ class TorchNativeBackend(AttentionBackend):
         return torch.matmul(p, v) / denom.clamp_min(torch.finfo(p.dtype).tiny)
 
     # ---- decode ------------------------------------------------------------------------
-    def forward_decode(self, q, layer, fb):
-        plan = self._decode
-        assert plan is not None, "plan() was not called for this decode step"
+    def forward_decode(self, q, layer, fb, meta: TorchNativeStep):
+        plan = meta.padded_decode
         cdt = _compute_dtype(q)
         bs, hq, _ = q.shape
         hkv, group = layer.num_kv_heads, layer.gqa_group
@@ -177,11 +182,11 @@ class TorchNativeBackend(AttentionBackend):
         return out.reshape(bs, hq, layer.v_head_dim).to(q.dtype)
 
     # ---- extend ------------------------------------------------------------------------
-    def forward_extend(self, q, k, v, layer, fb):
+    def forward_extend(self, q, k, v, layer, fb, meta: TorchNativeStep):
         cdt = _compute_dtype(q)
         out = torch.empty(q.shape[0], q.shape[1], layer.v_head_dim, dtype=q.dtype, device=q.device)
         fused_ok = layer.logit_cap is None and layer.sinks is None
-        for req in self._extend:
+        for req in meta.extend:
             ext = req.q_end - req.q_start
             seq = req.slots.numel()
             kr, vr = self._kv(layer, req.slots, cdt)  # [L, Hkv, D], [L, Hkv, Dv]

@@ -33,7 +33,7 @@ MLA latent pools have their own backend (mla.py); the registry picks by pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,6 +75,20 @@ class _Signature:
         window = -1 if layer.sliding_window is None else layer.sliding_window - 1  # ours counts the query
         return cls(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim, window,
                    layer.logit_cap, float(layer.scaling))
+
+
+@dataclass
+class FlashInferStep:
+    """What plan() built for one step. FlashInfer's own plans live in its wrappers, which the backend keeps
+    across steps; `planned` says which (path, signature) this step has planned so far."""
+
+    meta: PagedKVMetadata
+    host: HostCSR  # the indptrs FlashInfer's plan() reads on the host
+    planned: set = field(default_factory=set)
+    prefix_meta: PagedKVMetadata | None = None  # the ragged path's cached prefixes, built at its first layer
+    prefix_host: HostCSR | None = None
+    graph_bs: int | None = None  # a decode graph's batch size: run its wrappers
+    graph_verify: tuple[int, int] | None = None  # a verify graph's (batch size, q): run its wrappers
 
 
 class FlashInferMHABackend(AttentionBackend):
@@ -124,10 +138,8 @@ class FlashInferMHABackend(AttentionBackend):
         self._prefill_wrappers: dict[tuple[str, _Signature], object] = {}
         self._ragged_wrappers: dict[tuple[str, _Signature], object] = {}
         self._graph_wrappers: dict[tuple, object] = {}  # (bs, sig) decode, ("verify", bs, q, sig) verify
-        self._graph_verify: tuple[int, int] | None = None  # (bs, q) of the planned verify graph step
         self._graph_buffers: MetadataBuffers | None = None
         self.graph_max_tokens = 0
-        self._fb: ForwardBatch | None = None
 
     def _choose_prefill_kernel(self, requested: str, device: torch.device) -> tuple[str, str]:
         if requested != "auto":
@@ -145,16 +157,9 @@ class FlashInferMHABackend(AttentionBackend):
         return "fa3", "Hopper (SM90, CUDA >= 12.3), equal K/V widths and no FP8 KV: FlashInfer's fa3 prefill applies"
 
     # ---- per step -------------------------------------------------------------------------------
-    def plan(self, fb: ForwardBatch) -> None:
+    def plan(self, fb: ForwardBatch) -> FlashInferStep:
         """CSR metadata once per step; FlashInfer plans follow per layer signature (host side)."""
-        self._fb = fb
-        self._meta: PagedKVMetadata = metadata_for_batch(fb)
-        self._host = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
-        self._prefix_meta: PagedKVMetadata | None = None
-        self._prefix_host: HostCSR | None = None
-        self._planned: set = set()
-        self._graph_bs: int | None = None
-        self._graph_verify = None
+        return FlashInferStep(metadata_for_batch(fb), host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size))
 
     def _kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.pool
@@ -191,18 +196,18 @@ class FlashInferMHABackend(AttentionBackend):
             q_data_type=self.q_dtype, kv_data_type=self.pool.dtype,
         )
 
-    def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch, meta: FlashInferStep) -> torch.Tensor:
         sig = _Signature.of(layer)
         self._remember(sig)
-        if self._graph_bs is not None:
-            wrapper = self._graph_wrappers[(self._graph_bs, sig)]
+        if meta.graph_bs is not None:
+            wrapper = self._graph_wrappers[(meta.graph_bs, sig)]
         else:
             wrapper = self._decode_wrappers.get(sig)
             if wrapper is None:
                 wrapper = self._decode_wrappers[sig] = self._new_decode_wrapper()
-            if ("decode", sig) not in self._planned:
-                self._plan_decode(wrapper, self._host, self._meta.kv_indices, sig)
-                self._planned.add(("decode", sig))
+            if ("decode", sig) not in meta.planned:
+                self._plan_decode(wrapper, meta.host, meta.meta.kv_indices, sig)
+                meta.planned.add(("decode", sig))
         return wrapper.run(q, self._kv_cache(layer.layer_id), **self._scales(layer.layer_id))  # [B, Hq, Dv]
 
     # ---- extend ------------------------------------------------------------------------------------
@@ -215,57 +220,57 @@ class FlashInferMHABackend(AttentionBackend):
             table[key] = getattr(self._fi, cls_name)(self.workspace, "NHD", backend=kernel)
         return table[key]
 
-    def forward_extend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+    def forward_extend(self, q, k, v, layer, fb: ForwardBatch, meta: FlashInferStep) -> torch.Tensor:
         sig = _Signature.of(layer)
         self._remember(sig)
-        if self._graph_verify is not None:
-            wrapper = self._graph_wrappers[("verify", *self._graph_verify, sig)]
+        if meta.graph_verify is not None:
+            wrapper = self._graph_wrappers[("verify", *meta.graph_verify, sig)]
             return wrapper.run(q, self._kv_cache(layer.layer_id), **self._scales(layer.layer_id))  # [T, Hq, Dv]
         use_ragged = (self.prefill_path == "ragged" and k is not None and v is not None
                       and fb.custom_mask is None and sig.window_left < 0)
         if use_ragged:
-            return self._extend_ragged(q, k, v, layer, fb, sig)
+            return self._extend_ragged(q, k, v, layer, fb, meta, sig)
         kernel = self._kernel_for(fb)
         wrapper = self._prefill_wrapper(self._prefill_wrappers, "BatchPrefillWithPagedKVCacheWrapper", kernel, sig)
-        if ("paged", sig) not in self._planned:
-            m = self._meta
+        if ("paged", sig) not in meta.planned:
+            m = meta.meta
             # the custom-mask packer works on the mask's device, so that plan keeps device indptrs
-            csr = m if fb.custom_mask is not None else self._host
+            csr = m if fb.custom_mask is not None else meta.host
             wrapper.plan(
                 csr.qo_indptr, csr.kv_indptr, m.kv_indices, csr.kv_last_page_len, sig.num_heads, sig.num_kv_heads,
                 sig.head_dim, m.page_size, head_dim_vo=sig.v_head_dim, custom_mask=fb.custom_mask,
                 causal=fb.custom_mask is None, sm_scale=sig.scale, window_left=sig.window_left,
                 logits_soft_cap=sig.logit_cap, q_data_type=self.q_dtype, kv_data_type=self.pool.dtype,
             )
-            self._planned.add(("paged", sig))
+            meta.planned.add(("paged", sig))
         return wrapper.run(q, self._kv_cache(layer.layer_id), **self._scales(layer.layer_id))  # [T, Hq, Dv]
 
-    def _extend_ragged(self, q, k, v, layer, fb: ForwardBatch, sig: _Signature) -> torch.Tensor:
+    def _extend_ragged(self, q, k, v, layer, fb: ForwardBatch, step: FlashInferStep, sig: _Signature) -> torch.Tensor:
         kernel = self._kernel_for(fb)
         ragged = self._prefill_wrapper(self._ragged_wrappers, "BatchPrefillWithRaggedKVCacheWrapper", kernel, sig)
-        host = self._host
-        if ("ragged", sig) not in self._planned:
+        host = step.host
+        if ("ragged", sig) not in step.planned:
             ragged.plan(host.qo_indptr, host.qo_indptr, sig.num_heads, sig.num_kv_heads, sig.head_dim,
                         head_dim_vo=sig.v_head_dim, causal=True, sm_scale=sig.scale,
                         logits_soft_cap=sig.logit_cap, q_data_type=self.q_dtype, kv_data_type=self.q_dtype)
-            self._planned.add(("ragged", sig))
+            step.planned.add(("ragged", sig))
         o_new, lse_new = ragged.run(q, k.to(q.dtype), v.to(q.dtype), return_lse=True)  # [T, Hq, Dv], [T, Hq]
         if not any(fb.prefix_lens_cpu):
             return o_new
-        if self._prefix_meta is None:
-            self._prefix_meta = build_paged_metadata(
+        if step.prefix_meta is None:
+            step.prefix_meta = build_paged_metadata(
                 fb.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, self.pool.page_size,
                 seq_lens_cpu=fb.prefix_lens_cpu)
-            self._prefix_host = host_csr(fb.prefix_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
-        pm, ph = self._prefix_meta, self._prefix_host
+            step.prefix_host = host_csr(fb.prefix_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
+        pm, ph = step.prefix_meta, step.prefix_host
         paged = self._prefill_wrapper(self._prefill_wrappers, "BatchPrefillWithPagedKVCacheWrapper", kernel, sig)
-        if ("prefix", sig) not in self._planned:
+        if ("prefix", sig) not in step.planned:
             paged.plan(ph.qo_indptr, ph.kv_indptr, pm.kv_indices, ph.kv_last_page_len, sig.num_heads,
                        sig.num_kv_heads, sig.head_dim, pm.page_size, head_dim_vo=sig.v_head_dim, causal=False,
                        sm_scale=sig.scale, logits_soft_cap=sig.logit_cap, q_data_type=self.q_dtype,
                        kv_data_type=self.pool.dtype)
-            self._planned.add(("prefix", sig))
-            self._planned.discard(("paged", sig))  # the paged wrapper now holds the prefix plan
+            step.planned.add(("prefix", sig))
+            step.planned.discard(("paged", sig))  # the paged wrapper now holds the prefix plan
         o_pre, lse_pre = paged.run(q, self._kv_cache(layer.layer_id), return_lse=True, **self._scales(layer.layer_id))
         # requests without a prefix: their prefix side is empty, whatever the kernel wrote there
         no_prefix = torch.repeat_interleave(fb.prefix_lens == 0, fb.extend_lens.long(), output_size=q.shape[0])  # [T]
@@ -331,16 +336,13 @@ class FlashInferMHABackend(AttentionBackend):
             paged_kv_indptr_buf=bufs.kv_indptr[: bs + 1], paged_kv_indices_buf=bufs.kv_indices,
             paged_kv_last_page_len_buf=bufs.kv_last_page_len[:bs], backend="fa2")
 
-    def _plan_graph(self, fb: ForwardBatch, capture: bool) -> None:
+    def _plan_graph(self, fb: ForwardBatch, capture: bool) -> FlashInferStep:
         bs = fb.batch_size
         meta = graph_step_metadata(fb, self._graph_buffers, self.graph_max_bs, self.pool, bool(self._signatures),
                                    captured=bool(self._graph_wrappers), verify=True)
         if capture:
             self._size_workspace_for_capture(fb, verify=fb.mode is ForwardMode.TARGET_VERIFY)
         host = host_csr(fb.seq_lens_cpu, fb.extend_lens_cpu, self.pool.page_size)
-        self._fb, self._meta, self._host = fb, meta, host
-        self._prefix_meta = self._prefix_host = None
-        self._planned = set()
         verify = (bs, fb.extend_lens_cpu[0]) if fb.mode is ForwardMode.TARGET_VERIFY else None
         for sig in self._signatures:
             if verify is None:
@@ -358,11 +360,10 @@ class FlashInferMHABackend(AttentionBackend):
                 sm_scale=sig.scale, window_left=sig.window_left, logits_soft_cap=sig.logit_cap,
                 q_data_type=self.q_dtype, kv_data_type=self.pool.dtype,
             )
-        self._graph_bs = None if verify else bs
-        self._graph_verify = verify
+        return FlashInferStep(meta, host, graph_bs=None if verify else bs, graph_verify=verify)
 
-    def plan_for_capture(self, fb: ForwardBatch) -> None:
-        self._plan_graph(fb, capture=True)
+    def plan_for_capture(self, fb: ForwardBatch) -> FlashInferStep:
+        return self._plan_graph(fb, capture=True)
 
-    def plan_for_replay(self, fb: ForwardBatch) -> None:
-        self._plan_graph(fb, capture=False)
+    def plan_for_replay(self, fb: ForwardBatch) -> FlashInferStep:
+        return self._plan_graph(fb, capture=False)

@@ -19,7 +19,7 @@ latent width only, so the workspace holds it from the start (workspace.py); a ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,7 +35,7 @@ from attnserve.attention.backends.flashinfer.workspace import (
     with_margin,
 )
 from attnserve.attention.base import AttentionBackend
-from attnserve.attention.metadata import MetadataBuffers, metadata_for_batch
+from attnserve.attention.metadata import MetadataBuffers, PagedKVMetadata, metadata_for_batch
 from attnserve.batch import ForwardBatch
 
 
@@ -59,6 +59,16 @@ def choose_mla_kernel(requested: str, device: torch.device) -> tuple[str, str]:
     if major != 9:
         return "fa2", f"FlashInfer's fa3 MLA kernel is built for SM90 (this is sm{major}x)"
     return "fa3", "Hopper (SM90): FlashInfer's fa3 MLA kernel applies"
+
+
+@dataclass
+class FlashInferMLAStep:
+    """What plan() built for one step; FlashInfer's plans live in the wrappers the backend keeps."""
+
+    meta: PagedKVMetadata
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (qo_indptr [B+1], kv_indptr [B+1], kv lengths [B])
+    planned: set = field(default_factory=set)  # signatures planned so far this step
+    graph_bs: int | None = None  # a decode graph's batch size: run its wrappers
 
 
 class FlashInferMLABackend(AttentionBackend):
@@ -100,18 +110,13 @@ class FlashInferMLABackend(AttentionBackend):
         self._signatures: list[MLASignature] = []
         self._graph: MetadataBuffers | None = None
         self._graph_kv_lens: torch.Tensor | None = None  # [max_bs] int32
-        self._planned: set = set()
-        self._graph_bs: int | None = None
         self.graph_max_tokens = 0
 
     # ---- per step ------------------------------------------------------------------------------
-    def plan(self, fb: ForwardBatch) -> None:
+    def plan(self, fb: ForwardBatch) -> FlashInferMLAStep:
         if fb.custom_mask is not None:
             raise ValueError("FlashInfer's MLA wrapper has no custom masks (speculative verify with a tree)")
-        self._meta = metadata_for_batch(fb)
-        self._host = self._host_arrays(fb)
-        self._planned = set()
-        self._graph_bs = None
+        return FlashInferMLAStep(metadata_for_batch(fb), self._host_arrays(fb))
 
     def _host_arrays(self, fb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qo_indptr, kv_indptr in pages, kv lengths) on the host, where FlashInfer's plan() reads them."""
@@ -130,21 +135,21 @@ class FlashInferMLABackend(AttentionBackend):
         rows = p.get_key_buffer(layer_id).view(p.num_pages, p.page_size, p.head_dim)
         return rows[..., : p.kv_lora_rank], rows[..., p.kv_lora_rank :]
 
-    def _attend(self, q: torch.Tensor, layer, fb) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, layer, fb, step: FlashInferMLAStep) -> torch.Tensor:
         """q `[T, H, rank + rope]` -> `[T, H, rank]`, decode or extend."""
         sig = MLASignature(layer.num_heads, float(layer.scaling))
         if sig not in self._signatures:
             self._signatures.append(sig)
-        if self._graph_bs is not None:
-            wrapper = self._graph_wrappers[(self._graph_bs, sig)]
+        if step.graph_bs is not None:
+            wrapper = self._graph_wrappers[(step.graph_bs, sig)]
         else:
             wrapper = self._wrappers.get(sig)
             if wrapper is None:
                 wrapper = self._wrappers[sig] = self._fi.mla.BatchMLAPagedAttentionWrapper(
                     self.workspace, backend=self.kernel)
-            if sig not in self._planned:
-                self._plan(wrapper, self._host, self._meta.kv_indices, sig, causal=not fb.mode.is_decode)
-                self._planned.add(sig)
+            if sig not in step.planned:
+                self._plan(wrapper, step.host, step.meta.kv_indices, sig, causal=not fb.mode.is_decode)
+                step.planned.add(sig)
         rank = self.pool.kv_lora_rank
         ckv, kpe = self._caches(layer.layer_id)
         q = q.to(self.q_dtype)
@@ -154,11 +159,11 @@ class FlashInferMLABackend(AttentionBackend):
             scales = {"ckv_scale": scale, "kpe_scale": scale}
         return wrapper.run(q[..., :rank], q[..., rank:], ckv, kpe, **scales)  # [T, H, rank]
 
-    def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
-        return self._attend(q, layer, fb)
+    def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch, meta: FlashInferMLAStep) -> torch.Tensor:
+        return self._attend(q, layer, fb, meta)
 
-    def forward_extend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        return self._attend(q, layer, fb)  # the new latent rows are read from the pool
+    def forward_extend(self, q, k, v, layer, fb: ForwardBatch, meta: FlashInferMLAStep) -> torch.Tensor:
+        return self._attend(q, layer, fb, meta)  # the new latent rows are read from the pool
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_graph_buffers(self, max_bs: int, max_tokens: int) -> None:
@@ -182,7 +187,7 @@ class FlashInferMLABackend(AttentionBackend):
             self.workspace = grown
             self._wrappers.clear()  # eager wrappers hold the old buffer: built again over this one when next used
 
-    def _plan_graph(self, fb: ForwardBatch, capture: bool) -> None:
+    def _plan_graph(self, fb: ForwardBatch, capture: bool) -> FlashInferMLAStep:
         """Capture or replay: page ids into the fixed buffer, then every signature's wrapper planned in place."""
         bs = fb.batch_size
         meta = graph_step_metadata(fb, self._graph, self.graph_max_bs, self.pool, bool(self._signatures),
@@ -190,7 +195,6 @@ class FlashInferMLABackend(AttentionBackend):
         if capture:
             self._size_workspace_for_capture(fb)
         host = self._host_arrays(fb)
-        self._meta, self._host, self._planned = meta, host, set()
         for sig in self._signatures:
             key = (bs, sig)
             if key not in self._graph_wrappers:
@@ -200,10 +204,10 @@ class FlashInferMLABackend(AttentionBackend):
                     kv_indptr=g.kv_indptr[: bs + 1], kv_indices=g.kv_indices, kv_len_arr=self._graph_kv_lens[:bs],
                     backend=self.kernel)
             self._plan(self._graph_wrappers[key], host, meta.kv_indices, sig, causal=False)
-        self._graph_bs = bs
+        return FlashInferMLAStep(meta, host, graph_bs=bs)
 
-    def plan_for_capture(self, fb: ForwardBatch) -> None:
-        self._plan_graph(fb, capture=True)
+    def plan_for_capture(self, fb: ForwardBatch) -> FlashInferMLAStep:
+        return self._plan_graph(fb, capture=True)
 
-    def plan_for_replay(self, fb: ForwardBatch) -> None:
-        self._plan_graph(fb, capture=False)
+    def plan_for_replay(self, fb: ForwardBatch) -> FlashInferMLAStep:
+        return self._plan_graph(fb, capture=False)

@@ -123,6 +123,21 @@ class ExtendStep:
     key_rows: object = None  # (slots [rows] int64, kv_starts [B] int32) for the TMA path's gathered keys
     verify: bool = False  # a TARGET_VERIFY step: a few new tokens a request over a long prefix
     mask_new_keys_only: bool = False  # custom_mask is per request [ext, ext] over the new tokens (a tree's)
+    path: str | None = None  # which extend kernel the step's last layer ran, and why not the faster one
+
+
+@dataclass
+class TritonStep:
+    """What plan() built for one step: a decode plan, an extend plan, or both (a MIXED step split in two)."""
+
+    decode: DecodeStep | None = None
+    extend: ExtendStep | None = None
+    mixed_decode_rows: int = 0  # a MIXED step's leading rows run through the decode kernel
+
+    @property
+    def extend_path(self) -> str | None:
+        """Which extend kernel ran (as the kernel race reports it), or None before any extend layer."""
+        return self.extend.path if self.extend is not None else None
 
 
 @dataclass
@@ -170,15 +185,10 @@ class TritonBackendBase(AttentionBackend):
         # a tile may carry its own split waves (mla/decode_table.json), taken unless split_waves is given
         self._split_waves_given = "split_waves" in options
         self._base_policy = self.split_policy
-        # which extend kernel the last forward_extend ran, and why the faster one did not
-        self.extend_path: str | None = None
         self._kernel_plans: dict = {}  # layer signature -> KernelPlan, resolved once each
-        self._decode: DecodeStep | None = None
-        self._extend: ExtendStep | None = None
         self._graph: GraphState | None = None
         # MIXED steps: the leading decode rows through the decode kernel (module docstring)
         self.split_mixed = bool(options.get("split_mixed", True)) and self.SPLIT_MIXED
-        self.mixed_decode_rows = 0  # of the step planned last: rows run through the decode kernel in a MIXED step
 
     # ---- per family ------------------------------------------------------------------------------
     def _programs_per_split(self) -> int:
@@ -199,22 +209,17 @@ class TritonBackendBase(AttentionBackend):
             step.tiles[positions] = kernels().extend_tiles.build_extend_tiles(step.prefix_lens, step.extend_lens, positions, self.pool.device)
         return step.tiles[positions]
 
-    def plan(self, fb: ForwardBatch) -> None:
-        self._decode = None
-        self._extend = None
-        self.mixed_decode_rows = 0
+    def plan(self, fb: ForwardBatch) -> TritonStep:
         if fb.mode is ForwardMode.IDLE or fb.batch_size == 0:
-            return
+            return TritonStep()
         nd = self._leading_decodes(fb)
         if nd:
-            self._plan_mixed(fb, nd)
-            return
+            return self._plan_mixed(fb, nd)
         meta = metadata_for_batch(fb)
         seq_lens = fb.seq_lens.to(device=self.pool.device, dtype=torch.int32)
         if fb.mode.is_decode and fb.custom_mask is None:
-            self._decode = self._plan_decode(fb.seq_lens_cpu, meta, seq_lens)
-        else:
-            self._extend = self._plan_extend(fb, meta, seq_lens)
+            return TritonStep(decode=self._plan_decode(fb.seq_lens_cpu, meta, seq_lens))
+        return TritonStep(extend=self._plan_extend(fb, meta, seq_lens))
 
     def _leading_decodes(self, fb: ForwardBatch) -> int:
         """Rows of a MIXED step the decode kernel runs: its leading one-token requests (the scheduler puts
@@ -229,7 +234,7 @@ class TritonBackendBase(AttentionBackend):
             n += 1
         return n
 
-    def _plan_mixed(self, fb: ForwardBatch, nd: int) -> None:
+    def _plan_mixed(self, fb: ForwardBatch, nd: int) -> TritonStep:
         """A decode plan over the first nd requests and an extend plan over the rest, each with its own CSR
         metadata (from the host lengths: no sync)."""
         dev = self.pool.device
@@ -237,13 +242,14 @@ class TritonBackendBase(AttentionBackend):
         rows, seq, ext = fb.req_pool_indices, fb.seq_lens, fb.extend_lens
         seq_cpu = fb.seq_lens_cpu
         meta = build_paged_metadata(fb.req_to_token, rows[:nd], seq[:nd], ext[:nd], ps, seq_lens_cpu=seq_cpu[:nd])
-        self._decode = self._plan_decode(seq_cpu[:nd], meta, seq[:nd].to(device=dev, dtype=torch.int32))
+        step = TritonStep(decode=self._plan_decode(seq_cpu[:nd], meta, seq[:nd].to(device=dev, dtype=torch.int32)),
+                          mixed_decode_rows=nd)
         if nd < fb.batch_size:
             meta = build_paged_metadata(fb.req_to_token, rows[nd:], seq[nd:], ext[nd:], ps,
                                         seq_lens_cpu=seq_cpu[nd:])
-            self._extend = ExtendStep(meta, seq[nd:].to(device=dev, dtype=torch.int32), fb.prefix_lens_cpu[nd:],
-                                      list(fb.extend_lens_cpu[nd:]), {}, None, None)
-        self.mixed_decode_rows = nd
+            step.extend = ExtendStep(meta, seq[nd:].to(device=dev, dtype=torch.int32), fb.prefix_lens_cpu[nd:],
+                                     list(fb.extend_lens_cpu[nd:]), {}, None, None)
+        return step
 
     def _plan_decode(self, seq_lens_cpu: list[int], meta: PagedKVMetadata, seq_lens: torch.Tensor,
                      max_splits: int | None = None) -> DecodeStep:
@@ -285,39 +291,38 @@ class TritonBackendBase(AttentionBackend):
         if q.dim() != 3 or q.shape[1] != layer.num_heads or q.shape[2] != layer.head_dim:
             raise ValueError(f"q shape {tuple(q.shape)} does not match [tokens, {layer.num_heads}, {layer.head_dim}]")
 
-    def forward_extend(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
+    def forward_extend(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, meta: TritonStep) -> torch.Tensor:
         self._check_layer(q, layer)
-        if self.mixed_decode_rows:
-            return self._forward_mixed(q, k, v, layer, self.mixed_decode_rows)
-        step = self._extend
+        if meta.mixed_decode_rows:
+            return self._forward_mixed(q, k, v, layer, meta)
+        step = meta.extend
         if step is None:
             raise ValueError(f"no extend plan for this step (mode {fb.mode.value}); call plan(fb) first")
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)  # [T, Hq, Dv]
         return self._extend_layer(q, k, v, out, layer, step)
 
-    def _forward_mixed(self, q, k, v, layer: AttentionLayer, nd: int) -> torch.Tensor:
+    def _forward_mixed(self, q, k, v, layer: AttentionLayer, step: TritonStep) -> torch.Tensor:
         """A MIXED step planned in two parts: rows [0, nd) through the decode kernel, the rest through the
         extend path, each writing its rows of one output."""
-        if self._decode is None:
-            raise ValueError("no mixed plan for this step; call plan(fb) first")
+        nd = step.mixed_decode_rows
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)  # [T, Hq, Dv]
-        self._decode_layer(q[:nd], out[:nd], layer)
-        if self._extend is not None:
+        self._decode_layer(q[:nd], out[:nd], layer, step)
+        if step.extend is not None:
             self._extend_layer(q[nd:], k[nd:] if k is not None else None, v[nd:] if v is not None else None,
-                               out[nd:], layer, self._extend)
+                               out[nd:], layer, step.extend)
         return out
 
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
-        if self._decode is None and self._extend is not None:
-            return self.forward_extend(q, None, None, layer, fb)  # decode with a custom mask
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch, meta: TritonStep) -> torch.Tensor:
+        if meta.decode is None and meta.extend is not None:
+            return self.forward_extend(q, None, None, layer, fb, meta)  # decode with a custom mask
         self._check_layer(q, layer)
-        if self._decode is None:
-            raise ValueError("no decode plan for this step; call plan(fb) or plan_for_replay(fb) first")
+        if meta.decode is None:
+            raise ValueError(f"no decode plan in this step's metadata (mode {fb.mode.value})")
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)  # [B, Hq, Dv]
-        return self._decode_layer(q, out, layer)
+        return self._decode_layer(q, out, layer, meta)
 
     def _partials_for(self, step: DecodeStep, layer: AttentionLayer):
         """The graph's fixed partial buffers for this step, or None (the wrapper allocates its own)."""
@@ -356,10 +361,9 @@ class TritonBackendBase(AttentionBackend):
             g.buffers.kv_indices = torch.zeros(g.max_bs * width_pages, dtype=torch.int32, device=self.pool.device)
         return g
 
-    def _graph_plan(self, fb: ForwardBatch, capturing: bool) -> None:
+    def _graph_plan(self, fb: ForwardBatch, capturing: bool) -> TritonStep:
         if fb.mode is ForwardMode.TARGET_VERIFY:
-            self._graph_plan_verify(fb, capturing)
-            return
+            return TritonStep(extend=self._graph_plan_verify(fb, capturing))
         if not fb.mode.is_decode or fb.custom_mask is not None:
             raise ValueError(f"the triton backend captures decode and verify batches only, got mode {fb.mode.value}")
         g = self._graph_state(fb, capturing)
@@ -373,11 +377,10 @@ class TritonBackendBase(AttentionBackend):
         g.seq_lens[:bs].copy_(fb.seq_lens.to(torch.int32), non_blocking=True)
         splits = plan_kv_splits(fb.seq_lens_cpu, self._programs_per_split(), self.split_policy, grid_splits)
         g.num_splits[:bs].copy_(to_device(splits, self.pool.device, torch.int32))
-        self._extend = None
-        self._decode = DecodeStep(meta, g.seq_lens[:bs], g.num_splits[:bs], grid_splits,
-                                  write_final=grid_splits == 1, graph_bs=bs)
+        return TritonStep(decode=DecodeStep(meta, g.seq_lens[:bs], g.num_splits[:bs], grid_splits,
+                                            write_final=grid_splits == 1, graph_bs=bs))
 
-    def _graph_plan_verify(self, fb: ForwardBatch, capturing: bool) -> None:
+    def _graph_plan_verify(self, fb: ForwardBatch, capturing: bool) -> ExtendStep:
         """A verify step of q tokens per request: the paged extend kernel over fixed buffers.
 
         In graph planning `fb.custom_mask`, when set, is the tree's compact mask: bool `[bs, q, q]` (or that
@@ -412,8 +415,7 @@ class TritonBackendBase(AttentionBackend):
         g.seq_lens[:bs].copy_(fb.seq_lens.to(torch.int32), non_blocking=True)
         if tree and fb.custom_mask.data_ptr() != step.custom_mask.data_ptr():
             step.custom_mask.copy_(fb.custom_mask.reshape(-1), non_blocking=True)
-        self._decode = None
-        self._extend = step
+        return step
 
     def _graph_partials(self, num_heads: int, v_dim: int, bs: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one flat float32 storage sized for the largest bs * splits of any capturable batch."""
@@ -434,8 +436,8 @@ class TritonBackendBase(AttentionBackend):
         n = bs * num_heads * splits
         return o_flat[: n * v_dim].view(bs, num_heads, splits, v_dim), lse_flat[:n].view(bs, num_heads, splits)
 
-    def plan_for_capture(self, fb: ForwardBatch) -> None:
-        self._graph_plan(fb, capturing=True)
+    def plan_for_capture(self, fb: ForwardBatch) -> TritonStep:
+        return self._graph_plan(fb, capturing=True)
 
-    def plan_for_replay(self, fb: ForwardBatch) -> None:
-        self._graph_plan(fb, capturing=False)
+    def plan_for_replay(self, fb: ForwardBatch) -> TritonStep:
+        return self._graph_plan(fb, capturing=False)

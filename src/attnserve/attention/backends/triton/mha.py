@@ -6,7 +6,7 @@ contiguous rows through tensor descriptors, warp-specialised: the call's own k/v
 request's keys gathered from the pool when there is a cached prefix), and everywhere else, or for what it
 lacks (custom masks, FP8 pools, head dims other than 64/128/256, a V width unlike K's), the FlashAttention-2
 style kernel that reads the prefix and the new tokens through the page table (kernels/mha/extend.py).
-`extend_path` names the one that ran.
+The step metadata's `extend_path` names the one that ran.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from attnserve.attention.kernels.resolve import plan_mha_decode
 from attnserve.batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from attnserve.attention.backends.triton.common import ExtendStep
+    from attnserve.attention.backends.triton.common import ExtendStep, TritonStep
     from attnserve.attention.layer import AttentionLayer
     from attnserve.kvcache.pool import KVPool
 
@@ -141,11 +141,11 @@ class TritonMHABackend(TritonBackendBase):
         rows, blocker = self._tma_key_rows(step, q, k, v, layer)
         if rows is not None:
             cfg = self._prefill_tma_config(layer.head_dim)
-            self.extend_path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
+            step.path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
             tiles = self._tiles_of(step, cfg.block_m)
             return kernels().prefill_tma.prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens,
                                          self._params_of(layer), config=cfg)
-        self.extend_path = f"paged ({blocker})"
+        step.path = f"paged ({blocker})"
         lid = layer.layer_id
         cfg = self._extend_config(step, layer.gqa_group)
         return kernels().mha_extend.extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
@@ -153,8 +153,8 @@ class TritonMHABackend(TritonBackendBase):
                                 self._params_of(layer), config=cfg)
 
     # ---- decode ----------------------------------------------------------------------------------
-    def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
-        step = self._decode
+    def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer, meta: TritonStep) -> torch.Tensor:
+        step = meta.decode
         plan = self.decode_plan(layer, q.dtype)
         lid = layer.layer_id
         return kernels().mha_decode.decode_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out, step.rows,

@@ -25,7 +25,7 @@ from attnserve.attention.kernels.resolve import plan_mla_decode, plan_mla_extend
 from attnserve.batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from attnserve.attention.backends.triton.common import ExtendStep
+    from attnserve.attention.backends.triton.common import ExtendStep, TritonStep
     from attnserve.attention.layer import AttentionLayer
     from attnserve.kvcache.pool import KVPool
 
@@ -101,11 +101,11 @@ class TritonMLABackend(TritonBackendBase):
         rows, plan, blocker = self._mla_extend_rows(step, q, layer)
         if rows is not None:
             tokens = rows.token_groups[2] if rows.token_groups else 1
-            self.extend_path = f"mla decode rows ({plan.kernel}, {tokens} token{'s' * (tokens > 1)} a CTA)"
+            step.path = f"mla decode rows ({plan.kernel}, {tokens} token{'s' * (tokens > 1)} a CTA)"
             q = self._gluon_layout(q, plan)
             return kernels().mla_extend_rows.mla_extend_rows_attention(q, self.pool.get_key_buffer(lid), out, rows, step.meta.kv_indices,
                                              layer.scaling, plan, self.pool.k_scale[lid])
-        self.extend_path = f"mla tiles ({blocker})"
+        step.path = f"mla tiles ({blocker})"
         cfg = self.mla_extend_config or kernels().mla_extend.default_mla_extend_config(self.pool.device)
         rows = self._extend_rows(step, self._tiles_of(step, cfg.positions_per_tile(layer.gqa_group)))
         return kernels().mla_extend.mla_extend_attention(q, self.pool.get_key_buffer(lid), out, rows, layer.scaling, self.pool.kv_lora_rank,
@@ -132,21 +132,21 @@ class TritonMLABackend(TritonBackendBase):
         step.mla_rows = (rows, plan, None)
         return step.mla_rows
 
-    def expanded_prefill_applies(self, fb: ForwardBatch) -> bool:
+    def expanded_prefill_applies(self, fb: ForwardBatch, meta: TritonStep) -> bool:
         """Whether this step may run expanded MLA: fresh prompts only (no cached prefix, no custom mask, no verify)."""
-        step = self._extend
+        step = meta.extend
         return step is not None and not step.verify and step.custom_mask is None and not any(step.prefix_lens)
 
     def forward_expanded_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
-                                 fb: ForwardBatch) -> torch.Tensor:
+                                 fb: ForwardBatch, meta: TritonStep) -> torch.Tensor:
         """Fresh prompts of an MLA model over their latent expanded per head: fewer FLOPs than absorbed.
 
         q, k `[T, H, nope + rope]`, v `[T, H, v_head_dim]` (narrower than k) -> `[T, H, v_head_dim]`. The latent
         rows still go to the pool (store_kv) for the decode steps that follow.
         """
-        if not self.expanded_prefill_applies(fb):
+        if not self.expanded_prefill_applies(fb, meta):
             raise ValueError("expanded MLA runs fresh prompts of an MLA model only (no cached prefix, no custom mask)")
-        step = self._extend
+        step = meta.extend
         if step.expanded is None:
             step.expanded = kernels().mha_extend.plan_expanded_prefill(step.extend_lens, q.shape[-1], self.pool.device)
         return kernels().mha_extend.expanded_prefill_attention(q, k, v, step.expanded, layer.scaling)
@@ -159,23 +159,25 @@ class TritonMLABackend(TritonBackendBase):
             return q.contiguous()
         return q
 
-    def _use_plan(self, step: DecodeStep, plan: KernelPlan) -> DecodeStep:
-        """The step's splits as the plan counts them: an eager step planned before the plan is re-planned once.
+    def _use_plan(self, meta: TritonStep, plan: KernelPlan) -> DecodeStep:
+        """The step's splits as the plan counts them: an eager step planned before the plan is re-planned once
+        (the step's metadata then holds the new split plan for its later layers).
 
         A graph step keeps its splits (any count up to the captured grid is correct); later steps use the plan.
         """
+        step = meta.decode
         if plan.programs_per_split == self._head_groups and plan.split_policy == self.split_policy:
             return step
         self._head_groups = plan.programs_per_split
         self.split_policy = plan.split_policy
         if step.graph_bs or step.seq_lens_cpu is None:
             return step
-        self._decode = self._plan_decode(step.seq_lens_cpu, step.meta, step.seq_lens)
-        return self._decode
+        meta.decode = self._plan_decode(step.seq_lens_cpu, step.meta, step.seq_lens)
+        return meta.decode
 
-    def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+    def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer, meta: TritonStep) -> torch.Tensor:
         plan = self.decode_plan(layer.num_heads, q.dtype)
-        step = self._use_plan(self._decode, plan)
+        step = self._use_plan(meta, plan)
         lid = layer.layer_id
         return kernels().mla_attention.mla_decode_attention(self._gluon_layout(q, plan), self.pool.get_key_buffer(lid), out, step.rows, plan,
                                     layer.scaling, self.pool.k_scale[lid], partials=self._partials_for(step, layer),
