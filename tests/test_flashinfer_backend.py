@@ -12,13 +12,11 @@ import pytest
 import torch
 
 from attnserve._lazy import is_installed
-from attnserve.attention.backends.flashinfer import FlashInferBackend
 from attnserve.attention.backends.flex import FlexAttentionBackend
-from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.base import AttentionRequirements, unsupported
 from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.batch import ForwardBatch, ForwardMode
-from attnserve.choice.registry import get_spec
+from attnserve.choice.registry import backend_for_pool, get_spec
 from attnserve.reference.attention import reference_for_batch
 from attnserve.reference.synthetic import make_batch
 
@@ -41,7 +39,7 @@ def test_missing_flashinfer_names_the_install_command(monkeypatch):
 
     sb = make_batch([3], [2], head_dim=64)
     with pytest.raises(ImportError, match="pip install"):
-        FlashInferBackend(sb.pool)
+        backend_for_pool("flashinfer", sb.pool)
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------
@@ -71,7 +69,7 @@ def _batch(seed, decode, page_size, **kw):
 
 def _backend(sb, **kw):
 
-    return FlashInferBackend(sb.pool, workspace_mb=64, **kw)
+    return backend_for_pool("flashinfer", sb.pool, workspace_mb=64, **kw)
 
 
 @pytest.mark.gpu
@@ -247,7 +245,7 @@ def test_mla_hybrid_with_triton_decode():
     """DeepSeek's pick on an H200: FlashInfer MLA prefill, triton MLA decode, over one latent pool."""
 
     sb = _mla_batch(11, False, 64)
-    hybrid = HybridAttentionBackend(_backend(sb), TritonBackend(sb.pool))
+    hybrid = HybridAttentionBackend(_backend(sb), backend_for_pool("triton", sb.pool))
     _check(sb, hybrid)
     rows = sb.fb.req_pool_indices.tolist()
     fb = ForwardBatch.from_lengths(ForwardMode.DECODE, rows, [s - 1 for s in sb.fb.seq_lens_cpu], [1] * len(rows),

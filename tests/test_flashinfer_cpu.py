@@ -17,16 +17,14 @@ import torch
 import attnserve.attention.backends.flashinfer.csr as fi_csr
 import attnserve.attention.backends.flashinfer.mha as fi_backend
 from attnserve.attention.backends.flashinfer import (
-    FlashInferBackend,
     FlashInferMHABackend,
     FlashInferMLABackend,
     host_csr,
 )
-from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.hybrid import HybridAttentionBackend
 from attnserve.attention.metadata import build_paged_metadata
 from attnserve.batch import ForwardBatch, ForwardMode
-from attnserve.choice.registry import create_backend, get_spec
+from attnserve.choice.registry import backend_for_pool, create_backend, get_spec
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.reference.attention import attend, reference_for_batch
 from attnserve.reference.synthetic import make_batch
@@ -231,7 +229,7 @@ def fake_flashinfer(monkeypatch):
 
 
 def _backend(pool, **kw):
-    return FlashInferBackend(pool, workspace_mb=1, **kw)
+    return backend_for_pool("flashinfer", pool, workspace_mb=1, **kw)
 
 
 def _check(sb, backend, tol=1e-5):
@@ -487,7 +485,7 @@ def test_mla_hybrid_flashinfer_prefill_triton_decode(fake_flashinfer):
 
     sb = make_batch([9, 0, 21], [4, 11, 1], num_heads=4, mla=(32, 16), page_size=4, score_scale=8.0,
                     dtype=torch.bfloat16)
-    hybrid = HybridAttentionBackend(_backend(sb.pool), TritonBackend(sb.pool))
+    hybrid = HybridAttentionBackend(_backend(sb.pool), backend_for_pool("triton", sb.pool))
     _check(sb, hybrid, tol=1e-2)  # extend: FlashInfer's MLA wrapper
     fb = ForwardBatch.from_lengths(ForwardMode.DECODE, [1, 2, 3], [12, 10, 21], [1, 1, 1], sb.fb.req_to_token,
                                    sb.pool)

@@ -16,13 +16,13 @@ from engine_helpers import VOCAB, tiny_model
 from test_flashinfer_cpu import FakeDecode, FakeMLA, fake_flashinfer  # noqa: F401 - the fixture is used by name
 from test_verify_attention_flashinfer import FakeGraphPrefill
 
-from attnserve.attention.backends.flashinfer import FlashInferBackend
 from attnserve.attention.backends.flashinfer.workspace import (
     decode_graph_scratch,
     mla_scratch,
     prefill_graph_scratch,
 )
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.choice.registry import backend_for_pool
 from attnserve.engine.cuda_graph import CudaGraphRunner, verify_batch_sizes
 from attnserve.engine.startup import verify_graph_shape
 from attnserve.kvcache.pool import ReqToTokenPool, make_pool
@@ -198,7 +198,7 @@ def test_verify_capture_grows_a_workspace_too_small_for_it(sized_flashinfer):
     q = 5
     sb = make_batch([90, 3, 250, 41], [q] * 4, num_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
                     mode=ForwardMode.TARGET_VERIFY, seed=5)
-    backend = FlashInferBackend(sb.pool, workspace_mb=64, num_sms=SMS)
+    backend = backend_for_pool("flashinfer", sb.pool, workspace_mb=64, num_sms=SMS)
     meta = backend.plan(sb.fb)
     backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     backend.init_graph_buffers(max_bs=8, max_tokens=8)
@@ -220,7 +220,7 @@ def test_declared_graphs_all_fit_the_workspace_sized_at_the_first_capture(sized_
     q, sizes = 5, [1, 2, 4, 8]
     sb = make_batch([90, 3, 250, 41, 7, 19, 64, 120], [1] * 8, num_heads=16, num_kv_heads=4, head_dim=128,
                     page_size=16, seed=3)
-    backend = FlashInferBackend(sb.pool, workspace_mb=4, num_sms=SMS, use_tensor_cores=tensor_cores)
+    backend = backend_for_pool("flashinfer", sb.pool, workspace_mb=4, num_sms=SMS, use_tensor_cores=tensor_cores)
     meta = backend.plan(sb.fb)
     backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)
     backend.init_graph_buffers(max_bs=8, max_tokens=8 * q)
@@ -235,7 +235,7 @@ def test_declared_graphs_all_fit_the_workspace_sized_at_the_first_capture(sized_
 
 def test_a_capture_beyond_the_declared_graphs_is_refused_with_the_sizes(sized_flashinfer):
     sb = make_batch([40, 37], [1, 1], num_heads=16, num_kv_heads=4, head_dim=128, page_size=16)
-    backend = FlashInferBackend(sb.pool, workspace_mb=1, num_sms=SMS)
+    backend = backend_for_pool("flashinfer", sb.pool, workspace_mb=1, num_sms=SMS)
     meta = backend.plan(sb.fb)
     backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)
     backend.init_graph_buffers(max_bs=2, max_tokens=2)  # decode only
@@ -254,7 +254,7 @@ def test_a_capture_beyond_the_declared_graphs_is_refused_with_the_sizes(sized_fl
 def test_mla_workspace_holds_its_plan_from_the_start(sized_flashinfer):
     """MLAPlan's scratch depends on the SM count and the latent width only: sized when the backend is built."""
     sb = make_batch([20, 3, 41, 9], [1] * 4, num_heads=16, mla=(512, 64), page_size=4)
-    backend = FlashInferBackend(sb.pool, workspace_mb=1, num_sms=SMS)
+    backend = backend_for_pool("flashinfer", sb.pool, workspace_mb=1, num_sms=SMS)
     assert backend.workspace.numel() >= mla_scratch(512, SMS).nbytes > 1 << 20  # 2 x 132 x 64 rows of 512 latents
     workspace = backend.workspace
     meta = backend.plan(sb.fb)
@@ -267,7 +267,7 @@ def test_mla_workspace_holds_its_plan_from_the_start(sized_flashinfer):
 
 def test_off_cuda_without_an_sm_count_the_workspace_stays_as_given(sized_flashinfer):
     sb = make_batch([20, 3], [1, 1])
-    backend = FlashInferBackend(sb.pool, workspace_mb=1)
+    backend = backend_for_pool("flashinfer", sb.pool, workspace_mb=1)
     assert backend.num_sms is None
     meta = backend.plan(sb.fb)
     backend.forward(sb.q, None, None, sb.layer, sb.fb, meta)
@@ -291,7 +291,7 @@ def _engine_graphs(max_tokens: int):
     pool = make_pool(model.kv_cache_spec(), 8, 16, dtype=torch.float32, device="cpu")
     req_pool = ReqToTokenPool(4, 64, device="cpu")
     padding_row = req_pool.alloc()
-    backend = FlashInferBackend(pool, workspace_mb=1, num_sms=SMS)
+    backend = backend_for_pool("flashinfer", pool, workspace_mb=1, num_sms=SMS)
     runner = CpuRecordingRunner(model, backend, pool, req_pool, padding_row, [1, 2, 4, 8], torch.device("cpu"),
                                 max_tokens=max_tokens)
     return backend, runner

@@ -218,8 +218,8 @@ def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size):
     prefixes, short tails over long prefixes; the few-token batch is split."""
     from attention_helpers import run_layer_step
 
-    from attnserve.attention.backends.triton import TritonBackend
     from attnserve.batch import ForwardMode
+    from attnserve.choice.registry import backend_for_pool
 
     batches = (([0, 1000, 37, 4096], [512, 256, 301, 3]), ([4096, 3000, 5], [3, 6, 2]))
     for heads, tokens in ((128, 1), (32, 2), (16, 4)):
@@ -227,7 +227,7 @@ def test_gluon_mla_extend_as_decode_rows_is_the_default(page_size):
             sb = make_batch(prefix, ext, num_heads=heads, mla=(512, 64), page_size=page_size, dtype=torch.bfloat16,
                             device="cuda", score_scale=2.0, mode=ForwardMode.EXTEND, seed=heads + len(prefix))
             poison_unused_latent(sb)
-            backend = TritonBackend(sb.pool)
+            backend = backend_for_pool("triton", sb.pool)
             out, step = run_layer_step(sb, backend)
             path = f"mla decode rows (gluon_seesaw, {tokens} token{'s' * (tokens > 1)} a CTA)"
             assert step.extend_path == path

@@ -6,14 +6,14 @@ import pytest
 import torch
 from attention_helpers import run_layer
 
-from attnserve.attention.backends.triton import TritonBackend, TritonMHABackend, TritonMLABackend
+from attnserve.attention.backends.triton import TritonMHABackend, TritonMLABackend
 from attnserve.attention.kernels import plan as kplan
 from attnserve.attention.kernels import resolve
 from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.kernels.split_plan import SplitPolicy
 from attnserve.batch import ForwardMode
-from attnserve.choice.registry import get_spec
+from attnserve.choice.registry import backend_for_pool, get_spec
 from attnserve.choice.selection import ServingFeatures, select_backends
 from attnserve.hardware import PRESET_HARDWARE
 from attnserve.models.config import ModelConfig
@@ -88,8 +88,8 @@ def test_a_plan_records_its_kernel_tile_split_policy_partials_and_reason():
 def test_the_registry_name_builds_the_class_that_fits_the_pool():
     mha = make_batch([5, 9], [1, 1], num_heads=4, num_kv_heads=2, head_dim=32, device=DEVICE)
     mla = make_batch([5, 9], [1, 1], num_heads=16, mla=(32, 16), device=DEVICE)
-    assert type(TritonBackend(mha.pool)) is TritonMHABackend
-    assert type(TritonBackend(mla.pool)) is TritonMLABackend
+    assert type(backend_for_pool("triton", mha.pool)) is TritonMHABackend
+    assert type(backend_for_pool("triton", mla.pool)) is TritonMLABackend
     assert get_spec("triton").load_class(mha.pool) is TritonMHABackend
     assert get_spec("triton").load_class(mla.pool) is TritonMLABackend
     assert TritonMLABackend.features.expanded_mla_prefill and not TritonMHABackend.features.expanded_mla_prefill
@@ -103,7 +103,7 @@ def test_the_mla_decode_plan_is_resolved_once_per_signature():
     """Every layer of a signature shares one plan object; the interpreter's tile, named as such."""
     sb = make_batch([40, 9], [1, 1], num_heads=16, mla=(32, 16), page_size=4, dtype=torch.bfloat16, device=DEVICE,
                     mode=ForwardMode.DECODE)
-    backend = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16)
+    backend = backend_for_pool("triton", sb.pool, num_sms=8, min_split_tokens=16)
     run_layer(sb, backend)
     first = backend.decode_plan(16, torch.bfloat16)
     run_layer(sb, backend)

@@ -11,7 +11,6 @@ import pytest
 import torch
 from attention_helpers import poison_unused_slots, rel_err, run_layer, run_layer_step
 
-from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.kernels.extend_tiles import build_extend_tiles
 from attnserve.attention.kernels.gpu_target import GpuTarget
 from attnserve.attention.kernels.mha.configs import fast_path_blocker
@@ -26,6 +25,7 @@ from attnserve.attention.kernels.mha.prefill_tma import (
 from attnserve.attention.kernels.params import LayerParams
 from attnserve.attention.metadata import metadata_for_batch
 from attnserve.batch import ForwardMode
+from attnserve.choice.registry import backend_for_pool
 from attnserve.reference.attention import reference_for_batch
 from attnserve.reference.synthetic import make_batch
 
@@ -89,7 +89,7 @@ def test_backend_takes_the_tma_path_with_each_feature(feature):
     sb = make_batch([37, 0, 2], [21, 19, 30], num_heads=4, num_kv_heads=2, head_dim=128, page_size=4,
                     dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, seed=len(feature), **feature)
     poison_unused_slots(sb)
-    backend = TritonBackend(sb.pool, prefill_tma=True)
+    backend = backend_for_pool("triton", sb.pool, prefill_tma=True)
     out, step = run_layer_step(sb, backend)
     assert step.extend_path.startswith("prefill_tma")
     assert not out.isnan().any()
@@ -103,7 +103,7 @@ def test_common_case_takes_the_tma_path_by_default(prefix):
         sb = make_batch(prefix, [18, 5], num_heads=8, num_kv_heads=2, head_dim=128, page_size=page_size,
                         dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, seed=page_size)
         poison_unused_slots(sb)
-        backend = TritonBackend(sb.pool)
+        backend = backend_for_pool("triton", sb.pool)
         out, step = run_layer_step(sb, backend)
         assert step.extend_path.startswith("prefill_tma"), step.extend_path
         if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
@@ -148,21 +148,21 @@ def test_what_the_tma_path_lacks_falls_back_to_the_paged_kernel(case):
     sb = make_batch([12, 3], [9, 14], num_heads=4, num_kv_heads=2, page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, score_scale=20.0, seed=len(case), **kw)
     poison_unused_slots(sb)
-    backend = TritonBackend(sb.pool)
+    backend = backend_for_pool("triton", sb.pool)
     out, step = run_layer_step(sb, backend)
     assert step.extend_path.startswith("paged") and reason in step.extend_path
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
     with pytest.raises(ValueError, match="does not apply"):
-        run_layer(sb, TritonBackend(sb.pool, prefill_tma=True))
+        run_layer(sb, backend_for_pool("triton", sb.pool, prefill_tma=True))
 
 
 def test_the_tma_path_can_be_switched_off_and_bounded():
     sb = make_batch([40, 0], [8, 8], num_heads=4, num_kv_heads=2, head_dim=64, page_size=1, dtype=torch.bfloat16,
                     device=DEVICE, seed=4)
-    backend = TritonBackend(sb.pool, prefill_tma=False)
+    backend = backend_for_pool("triton", sb.pool, prefill_tma=False)
     _, step = run_layer_step(sb, backend)
     assert step.extend_path == "paged (TMA path off)"
-    backend = TritonBackend(sb.pool, prefill_tma_gather_mib=0)  # the prefix may not be gathered
+    backend = backend_for_pool("triton", sb.pool, prefill_tma_gather_mib=0)  # the prefix may not be gathered
     out, step = run_layer_step(sb, backend)
     assert "gathering the prefix" in step.extend_path
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
@@ -188,7 +188,7 @@ def test_gpu_real_shapes_on_the_tma_path(prefix, page_size):
     sb = make_batch(prefix, [1024, 512, 300, 700], num_heads=32, num_kv_heads=8, head_dim=128,
                     page_size=page_size, dtype=torch.bfloat16, device="cuda", score_scale=20.0)
     poison_unused_slots(sb)
-    backend = TritonBackend(sb.pool)
+    backend = backend_for_pool("triton", sb.pool)
     out, step = run_layer_step(sb, backend)
     if torch.cuda.get_device_capability()[0] == 9:
         assert step.extend_path.startswith("prefill_tma")

@@ -11,7 +11,7 @@ from engine_helpers import VOCAB, make_engine, prompts, tiny_model
 from spec_helpers import OracleDrafter
 from test_engine_models import CONFIGS
 
-from attnserve.attention.backends.triton import TritonBackend
+from attnserve.choice.registry import backend_for_pool
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.engine import Engine
 from attnserve.engine.sampling_params import SamplingParams
@@ -174,7 +174,7 @@ def test_triton_verify_keeps_greedy(tree):
     ref = [r.output_ids for r in _greedy(make_engine(), ps, params)]
     e = make_engine(page_size=4, speculative_algorithm="ngram", speculative_num_draft_tokens=3,
                     speculative_eagle_topk=2 if tree else 1)
-    e.runner.backend = TritonBackend(e.parts.kv.pool)
+    e.runner.backend = backend_for_pool("triton", e.parts.kv.pool)
     e.drafter = OracleDrafter({tuple(p): o for p, o in zip(ps, ref)}, 3, tree=tree)
     got = _greedy(e, ps, params)
     assert [r.output_ids for r in got] == ref

@@ -9,9 +9,8 @@ import pytest
 import torch
 from attention_helpers import poison_unused_slots, rel_err, run_layer
 
-from attnserve.attention.backends.torch_native import TorchNativeBackend
-from attnserve.attention.backends.triton import TritonBackend
 from attnserve.batch import ForwardMode
+from attnserve.choice.registry import backend_for_pool
 from attnserve.engine.speculative import DraftTree
 from attnserve.engine.speculative.draft_tree import verify_masks
 from attnserve.reference.attention import reference_for_batch
@@ -24,11 +23,11 @@ def random_tree(rng: random.Random, n: int) -> DraftTree:
     return DraftTree(tuple(rng.randrange(100) for _ in range(n)), tuple(parents))
 
 
-BACKENDS = {"torch_native": TorchNativeBackend, "triton": TritonBackend}  # triton: interpreted on the CPU
+BACKENDS = ["torch_native", "triton"]  # triton: interpreted on the CPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_tree_verify_matches_oracle(backend, mla, page_size):
@@ -44,7 +43,7 @@ def test_tree_verify_matches_oracle(backend, mla, page_size):
     sb.fb.custom_mask = to_device(flat, sb.fb.req_to_token.device)
     if not mla:
         poison_unused_slots(sb)
-    out = run_layer(sb, BACKENDS[backend](sb.pool))
+    out = run_layer(sb, backend_for_pool(backend, sb.pool))
     assert not out.isnan().any()
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     err = rel_err(out, ref)

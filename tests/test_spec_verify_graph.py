@@ -11,9 +11,9 @@ import torch
 from attention_helpers import rel_err
 from engine_helpers import VOCAB, tiny_model
 
-from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.layer import attention_step
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.choice.registry import backend_for_pool
 from attnserve.engine.cuda_graph import CudaGraphRunner, VerifyBuffers, verify_batch_sizes
 from attnserve.kvcache.pool import ReqToTokenPool, make_pool
 
@@ -93,7 +93,7 @@ def _scenario(device, dtype, page_size, prefix_lens, runner_cls, graph_sizes):
             k = torch.randn(p, spec.num_kv_heads, spec.head_dim, generator=g).to(device, dtype)
             pool.store(layer, slots[:p].to(device), k, torch.randn(k.shape, generator=g).to(device, dtype))
         rows.append(row)
-    backend = TritonBackend(pool)
+    backend = backend_for_pool("triton", pool)
     runner = runner_cls(model, backend, pool, req_pool, padding_row, graph_sizes, torch.device(device))
     runner.capture()
     return model, pool, req_pool, backend, runner, rows

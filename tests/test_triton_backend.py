@@ -11,11 +11,10 @@ import pytest
 import torch
 from attention_helpers import poison_unused_slots, rel_err, run_layer, run_layer_step
 
-from attnserve.attention.backends.triton import TritonBackend
-from attnserve.attention.backends.triton.common import TritonStep
+from attnserve.attention.backends.triton.common import FEATURES, TritonStep
 from attnserve.attention.base import AttentionRequirements, unsupported
 from attnserve.batch import ForwardBatch, ForwardMode
-from attnserve.choice.registry import get_spec
+from attnserve.choice.registry import backend_for_pool, get_spec
 from attnserve.kvcache.pool import MHAKVPool, MLAKVPool
 from attnserve.reference.attention import reference_for_batch
 from attnserve.reference.synthetic import make_batch
@@ -36,7 +35,7 @@ def test_module_reads_features_without_importing_triton():
 
 def test_features_declare_what_the_tests_below_exercise():
     f = get_spec("triton").features
-    assert f == dataclasses.replace(TritonBackend.features, expanded_mla_prefill=True)  # MHA's and MLA's, joined
+    assert f == dataclasses.replace(FEATURES, expanded_mla_prefill=True)  # MHA's and MLA's, joined
     assert f.devices == frozenset({"cuda"}) and "triton" in f.required_packages
     assert {"bf16", "fp16", "fp8_e4m3"} <= f.kv_dtypes and f.page_sizes is None
     req = AttentionRequirements(page_size=16, kv_dtype="fp8_e4m3", sliding_window=True, attention_sinks=True,
@@ -48,12 +47,12 @@ def test_features_declare_what_the_tests_below_exercise():
 
 def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="kv_lora_rank 48"):
-        TritonBackend(MLAKVPool(4, 1, 1, 48, 16, device=DEVICE))
+        backend_for_pool("triton", MLAKVPool(4, 1, 1, 48, 16, device=DEVICE))
     pool = MHAKVPool(4, 1, 1, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="unknown triton backend options"):
-        TritonBackend(pool, num_splits=3)
+        backend_for_pool("triton", pool, num_splits=3)
     sb = make_batch([4], [1], num_heads=2, num_kv_heads=2, head_dim=16, device=DEVICE)
-    backend = TritonBackend(sb.pool)
+    backend = backend_for_pool("triton", sb.pool)
     with pytest.raises(ValueError, match="no decode plan"):  # metadata of a step planned as something else
         backend.forward_decode(sb.q, sb.layer, sb.fb, TritonStep())
     with pytest.raises(ValueError, match="init_graph_buffers"):
@@ -83,7 +82,7 @@ def test_decode_matches_oracle(case):
     kw = {"dtype": torch.bfloat16, "score_scale": 20.0, "seed": len(case)} | DECODE_CASES[case]
     sb = make_batch([45, 1, 130, 16], [1, 1, 1, 1], device=DEVICE, **kw)
     poison_unused_slots(sb)
-    backend = TritonBackend(sb.pool, num_sms=64, min_split_tokens=16)  # several splits on short requests
+    backend = backend_for_pool("triton", sb.pool, num_sms=64, min_split_tokens=16)  # several splits on short requests
     out, step = run_layer_step(sb, backend)
     assert step.decode.max_splits > 1
     assert not out.isnan().any()
@@ -94,7 +93,7 @@ def test_decode_matches_oracle(case):
 def test_decode_with_a_custom_mask_runs_the_extend_kernel():
     sb = make_batch([20, 9], [1, 1], num_heads=4, num_kv_heads=2, head_dim=32, page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, custom_mask=True, mode=ForwardMode.DECODE, seed=3)
-    backend = TritonBackend(sb.pool)
+    backend = backend_for_pool("triton", sb.pool)
     out, step = run_layer_step(sb, backend)
     assert step.decode is None and step.extend is not None
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
@@ -140,7 +139,7 @@ def test_extend_matches_oracle(case):
     prefix, ext = kw.pop("prefix"), kw.pop("ext")
     sb = make_batch(prefix, ext, device=DEVICE, **kw)
     poison_unused_slots(sb)
-    out = run_layer(sb, TritonBackend(sb.pool))
+    out = run_layer(sb, backend_for_pool("triton", sb.pool))
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
@@ -152,7 +151,7 @@ def test_a_mixed_step_runs_its_leading_decodes_through_the_decode_kernel():
     outs = {}
     for split in (True, False):
         sb = make_batch(prefix, ext, seed=3, **kw)
-        backend = TritonBackend(sb.pool, split_mixed=split)
+        backend = backend_for_pool("triton", sb.pool, split_mixed=split)
         outs[split], step = run_layer_step(sb, backend)
         assert step.mixed_decode_rows == (3 if split else 0)
         # only the prompt chunks were planned as an extend step
@@ -161,7 +160,7 @@ def test_a_mixed_step_runs_its_leading_decodes_through_the_decode_kernel():
     assert rel_err(outs[True], ref) < 1e-2 and rel_err(outs[False], ref) < 1e-2
     # a plain extend step is not split
     sb = make_batch([5, 0], [1, 9], seed=4, **(kw | {"mode": ForwardMode.EXTEND}))
-    _, step = run_layer_step(sb, TritonBackend(sb.pool))
+    _, step = run_layer_step(sb, backend_for_pool("triton", sb.pool))
     assert step.mixed_decode_rows == 0
 
 
@@ -170,7 +169,7 @@ def test_store_through_the_layer_quantises_like_the_pool():
                     kv_dtype="fp8_e4m3", device=DEVICE, seed=5)
     expected_k = sb.pool.k_buffer[0].clone()  # make_batch stored the new tokens with pool.store
     sb.pool.k_buffer[0][sb.fb.out_cache_loc] = 0  # forget them; the layer must write them again
-    run_layer(sb, TritonBackend(sb.pool))
+    run_layer(sb, backend_for_pool("triton", sb.pool))
     assert torch.equal(sb.pool.k_buffer[0].float(), expected_k.float())
 
 
@@ -186,7 +185,7 @@ def _graph_scenario(max_bs=8):
     full = [70, 9, 41, 120]
     sb = make_batch([n - 1 for n in full], [1] * 4, num_heads=8, num_kv_heads=2, head_dim=64, page_size=4,
                     dtype=torch.bfloat16, device=DEVICE, score_scale=20.0, use_sinks=True, seed=11)
-    backend = TritonBackend(sb.pool, num_sms=64, min_split_tokens=16)
+    backend = backend_for_pool("triton", sb.pool, num_sms=64, min_split_tokens=16)
     backend.init_graph_buffers(max_bs, max_bs)
     return sb, backend, full
 
@@ -249,7 +248,7 @@ def test_gpu_decode_real_shapes(page_size, kv_dtype):
     sb = make_batch([n - 1 for n in lens], [1] * len(lens), num_heads=32, num_kv_heads=8, head_dim=128,
                     page_size=page_size, dtype=torch.bfloat16, kv_dtype=kv_dtype, device="cuda", score_scale=20.0)
     poison_unused_slots(sb)
-    out = run_layer(sb, TritonBackend(sb.pool))
+    out = run_layer(sb, backend_for_pool("triton", sb.pool))
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
 
@@ -261,6 +260,6 @@ def test_gpu_extend_real_shapes(page_size, extra):
     sb = make_batch([0, 1000, 0, 37], [1024, 512, 300, 700], num_heads=32, num_kv_heads=8, head_dim=128,
                     page_size=page_size, dtype=torch.bfloat16, device="cuda", score_scale=20.0, **extra)
     poison_unused_slots(sb)
-    out = run_layer(sb, TritonBackend(sb.pool))
+    out = run_layer(sb, backend_for_pool("triton", sb.pool))
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2

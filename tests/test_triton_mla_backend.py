@@ -9,10 +9,11 @@ from attention_helpers import rel_err, run_layer, run_layer_step
 from engine_helpers import TINY_DEEPSEEK, VOCAB, tiny_model
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
-from attnserve.attention.backends.triton import TritonBackend, TritonMLABackend
+from attnserve.attention.backends.triton import TritonMLABackend
 from attnserve.attention.kernels.mla.decode_table import MLADecodeConfig
 from attnserve.attention.layer import attention_step
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.choice.registry import backend_for_pool
 from attnserve.kvcache.pool import make_pool
 from attnserve.reference.attention import reference_for_batch
 from attnserve.reference.synthetic import make_batch
@@ -26,7 +27,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_mla_decode_through_the_layer(page_size, kv_dtype):
     sb = make_batch([60, 1, 200, 17], [1] * 4, num_heads=16, mla=(32, 16), page_size=page_size,
                     dtype=torch.bfloat16, kv_dtype=kv_dtype, device=DEVICE, score_scale=8.0)
-    backend = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16)  # several splits on short requests
+    backend = backend_for_pool("triton", sb.pool, num_sms=8, min_split_tokens=16)  # several splits on short requests
     out, step = run_layer_step(sb, backend)
     assert step.decode.max_splits > 1 and backend._head_groups == 1
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
@@ -35,7 +36,7 @@ def test_mla_decode_through_the_layer(page_size, kv_dtype):
 def test_mla_extend_through_the_layer_with_prefixes():
     sb = make_batch([0, 40, 9], [20, 13, 1], num_heads=3, mla=(32, 16), page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, score_scale=8.0, mode=ForwardMode.EXTEND)
-    out = run_layer(sb, TritonBackend(sb.pool))
+    out = run_layer(sb, backend_for_pool("triton", sb.pool))
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
@@ -47,7 +48,7 @@ def test_mla_extend_takes_decode_rows_where_asked_and_says_which_path_ran(rows):
 
     sb = make_batch([0, 40, 9], [12, 9, 1], num_heads=16, mla=(32, 16), page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, score_scale=8.0, mode=ForwardMode.EXTEND)
-    backend = TritonBackend(sb.pool, mla_extend_rows=rows, num_sms=64, min_split_tokens=16)
+    backend = backend_for_pool("triton", sb.pool, mla_extend_rows=rows, num_sms=64, min_split_tokens=16)
     out, step = run_layer_step(sb, backend)
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
     why_not_gluon = gluon_blocker(backend._signature(16, sb.q.dtype))
@@ -62,14 +63,14 @@ def test_mla_extend_rows_forced_under_a_custom_mask_says_why():
     sb = make_batch([12, 5], [4, 3], num_heads=2, mla=(32, 16), dtype=torch.bfloat16, device=DEVICE,
                     custom_mask=True, mode=ForwardMode.TARGET_VERIFY, score_scale=8.0)
     with pytest.raises(ValueError, match="does not apply to this call: custom mask"):
-        run_layer(sb, TritonBackend(sb.pool, mla_extend_rows=True))
+        run_layer(sb, backend_for_pool("triton", sb.pool, mla_extend_rows=True))
 
 
 def test_mla_head_groups_learnt_at_the_first_layer_replan_the_splits():
     """40 heads are 3 groups of 16: three programs per split, so fewer splits than with one."""
     sb = make_batch([300, 250], [1, 1], num_heads=40, mla=(32, 16), dtype=torch.bfloat16, device=DEVICE,
                     score_scale=8.0)
-    backend = TritonBackend(sb.pool, num_sms=4, min_split_tokens=16,
+    backend = backend_for_pool("triton", sb.pool, num_sms=4, min_split_tokens=16,
                             mla_decode_config=MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1))
     meta = backend.plan(sb.fb)
     before = meta.decode.max_splits
@@ -86,10 +87,10 @@ def test_an_mla_tiles_split_waves_replan_unless_the_backend_was_given_some(given
     sb = make_batch([300, 250], [1, 1], num_heads=16, mla=(32, 16), dtype=torch.bfloat16, device=DEVICE,
                     score_scale=8.0)
     tile = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
-    default = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16, mla_decode_config=tile)
+    default = backend_for_pool("triton", sb.pool, num_sms=8, min_split_tokens=16, mla_decode_config=tile)
     _, default_step = run_layer_step(sb, default)
     options = {"split_waves": 2.0} if given else {}
-    backend = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16,
+    backend = backend_for_pool("triton", sb.pool, num_sms=8, min_split_tokens=16,
                             mla_decode_config=MLADecodeConfig(16, 16, 4, 1, split_waves=0.5), **options)
     out, step = run_layer_step(sb, backend)
     assert backend.split_policy.waves == (2.0 if given else 0.5)
@@ -104,7 +105,7 @@ def test_mla_graph_buffers_replay_new_lengths_in_place():
     full = [70, 9, 41, 120]
     sb = make_batch([n - 1 for n in full], [1] * 4, num_heads=16, mla=(32, 16), page_size=4, dtype=torch.bfloat16,
                     device=DEVICE, score_scale=8.0, seed=2)
-    backend = TritonBackend(sb.pool, num_sms=8, min_split_tokens=16)
+    backend = backend_for_pool("triton", sb.pool, num_sms=8, min_split_tokens=16)
     backend.init_graph_buffers(8, 8)
     rows = sb.fb.req_pool_indices.tolist()
 
@@ -195,7 +196,7 @@ def test_gpu_mla_decode_real_shapes(page_size, kv_dtype, heads):
     lens = [4096, 1, 777, 2049, 100, 33]
     sb = make_batch([n - 1 for n in lens], [1] * len(lens), num_heads=heads, mla=(512, 64), page_size=page_size,
                     dtype=torch.bfloat16, kv_dtype=kv_dtype, device="cuda", score_scale=2.0)
-    out = run_layer(sb, TritonBackend(sb.pool))
+    out = run_layer(sb, backend_for_pool("triton", sb.pool))
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
 
@@ -206,7 +207,7 @@ def test_gpu_mla_decode_real_shapes(page_size, kv_dtype, heads):
 def test_gpu_mla_extend_real_shapes(page_size):
     sb = make_batch([0, 1000, 37], [512, 256, 300], num_heads=16, mla=(512, 64), page_size=page_size,
                     dtype=torch.bfloat16, device="cuda", score_scale=2.0)
-    out = run_layer(sb, TritonBackend(sb.pool))
+    out = run_layer(sb, backend_for_pool("triton", sb.pool))
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
 
 
@@ -216,7 +217,7 @@ def test_gpu_mla_cuda_graph_capture_then_replay_with_other_lengths():
     full = [700, 9, 4100, 120]
     sb = make_batch([n - 1 for n in full], [1] * 4, num_heads=128, mla=(512, 64), page_size=64,
                     dtype=torch.bfloat16, device="cuda", score_scale=2.0)
-    backend = TritonBackend(sb.pool)
+    backend = backend_for_pool("triton", sb.pool)
     run_layer(sb, backend)  # eager step first: the head groups are learnt
     backend.init_graph_buffers(8, 8)
     rows = sb.fb.req_pool_indices.tolist()

@@ -14,8 +14,8 @@ import torch
 from attention_helpers import rel_err, run_layer, run_layer_step
 
 from attnserve.attention.backends.torch_native import TorchNativeBackend
-from attnserve.attention.backends.triton import TritonBackend
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.choice.registry import backend_for_pool
 from attnserve.reference.attention import reference_for_batch
 from attnserve.reference.synthetic import make_batch
 
@@ -79,7 +79,7 @@ CASES = [  # backend, mla, page size, tree
 @pytest.mark.parametrize("name,mla,page_size,tree", CASES)
 def test_verify_matches_oracle(name, mla, page_size, tree):
     sb, _ = verify_batch([3, 17, 40], 5, tree, page_size, mla, seed=page_size + 7 * tree)
-    backend = TritonBackend(sb.pool) if name == "triton" else TorchNativeBackend(sb.pool)
+    backend = backend_for_pool("triton", sb.pool) if name == "triton" else TorchNativeBackend(sb.pool)
     out, step = run_layer_step(sb, backend)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb)
     assert rel_err(out, ref) < tolerance()
@@ -92,12 +92,12 @@ def test_triton_verify_never_takes_the_tma_prefill_path():
     """A shape the TMA prefill kernel would take (bf16, head_dim 64): a verify step stays on the paged kernel."""
     sb = make_batch([12, 30], [4, 4], num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
                     device=DEVICE, mode=ForwardMode.TARGET_VERIFY, score_scale=4.0)
-    backend = TritonBackend(sb.pool)
+    backend = backend_for_pool("triton", sb.pool)
     out, step = run_layer_step(sb, backend)
     assert step.extend_path == "paged (verify step)"
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 2e-2
     with pytest.raises(ValueError, match="does not apply"):
-        run_layer(sb, TritonBackend(sb.pool, prefill_tma=True))
+        run_layer(sb, backend_for_pool("triton", sb.pool, prefill_tma=True))
 
 
 def test_a_tree_mask_changes_the_answer():
@@ -128,7 +128,7 @@ def graph_step(sb, backend, fb, meta):
 def test_graph_plan_replays_other_lengths_in_place(mla, page_size, tree):
     q, bs = 4, 3
     sb, compact = verify_batch([2, 19, 33], q, tree, page_size, mla, seed=5)
-    backend = TritonBackend(sb.pool)
+    backend = backend_for_pool("triton", sb.pool)
     backend.init_graph_buffers(bs, bs)
     mask_buffer = torch.ones(bs, q, q, dtype=torch.bool, device=DEVICE).tril() if tree else None  # [bs, q, q]
     cap = capture_batch(sb, bs, q, mask_buffer)
@@ -169,7 +169,7 @@ def test_graph_plan_replays_other_lengths_in_place(mla, page_size, tree):
 
 def test_graph_plan_refuses_what_was_not_captured():
     sb, _ = verify_batch([2, 7], 3, False, 1, False)
-    backend = TritonBackend(sb.pool)
+    backend = backend_for_pool("triton", sb.pool)
     backend.init_graph_buffers(2, 2)
     backend.plan_for_capture(capture_batch(sb, 2, 3, None))
     tree = torch.ones(2, 3, 3, dtype=torch.bool, device=DEVICE).tril()

@@ -11,8 +11,8 @@ import torch
 from test_flashinfer_cpu import FakePrefill, fake_flashinfer  # noqa: F401 - the fixture is used by name
 
 from attnserve._lazy import is_installed
-from attnserve.attention.backends.flashinfer import FlashInferBackend
 from attnserve.batch import ForwardBatch, ForwardMode
+from attnserve.choice.registry import backend_for_pool
 from attnserve.reference.attention import reference_for_batch
 from attnserve.reference.synthetic import make_batch
 
@@ -54,7 +54,7 @@ def test_chain_verify_graph_replays_other_lengths(fake_flashinfer, page_size):  
     fake_flashinfer.BatchPrefillWithPagedKVCacheWrapper = FakeGraphPrefill
     q = 4
     sb = make_batch([20, 3, 41], [q] * 3, page_size=page_size, mode=ForwardMode.TARGET_VERIFY, score_scale=20.0)
-    backend = FlashInferBackend(sb.pool, workspace_mb=1, q_dtype=torch.float32)
+    backend = backend_for_pool("flashinfer", sb.pool, workspace_mb=1, q_dtype=torch.float32)
     backend.init_graph_buffers(max_bs=4, max_tokens=4)
     meta = backend.plan(sb.fb)  # one eager step first: the layer signatures are known after it
     backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
@@ -81,7 +81,7 @@ def test_chain_verify_graph_replays_other_lengths(fake_flashinfer, page_size):  
 def test_tree_verify_and_ragged_batches_are_not_captured(fake_flashinfer):  # noqa: F811
     fake_flashinfer.BatchPrefillWithPagedKVCacheWrapper = FakeGraphPrefill
     sb = make_batch([12, 5], [3, 3], custom_mask=True, mode=ForwardMode.TARGET_VERIFY)
-    backend = FlashInferBackend(sb.pool, workspace_mb=1, q_dtype=torch.float32)
+    backend = backend_for_pool("flashinfer", sb.pool, workspace_mb=1, q_dtype=torch.float32)
     backend.init_graph_buffers(max_bs=2, max_tokens=2)
     meta = backend.plan(sb.fb)
     backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
@@ -94,7 +94,7 @@ def test_tree_verify_and_ragged_batches_are_not_captured(fake_flashinfer):  # no
 
 def test_mla_wrapper_captures_decode_only(fake_flashinfer):  # noqa: F811
     sb = make_batch([12, 5], [1, 1], mla=(32, 16))
-    backend = FlashInferBackend(sb.pool, workspace_mb=1)
+    backend = backend_for_pool("flashinfer", sb.pool, workspace_mb=1)
     backend.init_graph_buffers(max_bs=2, max_tokens=2)
     verify = make_batch([12, 5], [3, 3], mla=(32, 16), mode=ForwardMode.TARGET_VERIFY)
     with pytest.raises(ValueError, match="captures decode only"):
@@ -109,7 +109,7 @@ def test_gpu_chain_verify_graph_replays_other_lengths(page_size):
     q = 5
     sb = make_batch([90, 3, 250, 41], [q] * 4, num_heads=16, num_kv_heads=4, head_dim=128, page_size=page_size,
                     dtype=torch.bfloat16, device="cuda", mode=ForwardMode.TARGET_VERIFY, seed=5, score_scale=4.0)
-    backend = FlashInferBackend(sb.pool, workspace_mb=64)
+    backend = backend_for_pool("flashinfer", sb.pool, workspace_mb=64)
     meta = backend.plan(sb.fb)  # eager warm-up: the layer signature becomes known
     backend.forward(sb.q, sb.k, sb.v, sb.layer, sb.fb, meta)
     backend.init_graph_buffers(max_bs=8, max_tokens=8)

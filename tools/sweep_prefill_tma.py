@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.kernels.mha.prefill_tma import PrefillTmaConfig
 from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
+from attnserve.choice.registry import backend_for_pool
 
 # (block_m, block_n, warps, stages, warp_specialize[, mask_every_tile[, persistent]]). 128 x 128 x 3 stages and
 # 256-row tiles do not fit or spill (tools/compile_prefill_tma_sm90.py).
@@ -38,7 +38,7 @@ TINY_CONFIGS = [PrefillTmaConfig(16, 16, 4, 1, False), PrefillTmaConfig(16, 32, 
 
 
 def run_once(rb, **options):
-    backend = TritonBackend(rb.pool, **options)
+    backend = backend_for_pool("triton", rb.pool, **options)
     meta = backend.plan(rb.fb)
     fn = lambda: backend.forward_extend(rb.q, rb.k, rb.v, rb.layer, rb.fb, meta)  # noqa: E731
     out = fn()

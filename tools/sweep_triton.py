@@ -18,12 +18,12 @@ import traceback
 
 import torch
 
-from attnserve.attention.backends.triton import TritonBackend
 from attnserve.attention.kernels.mha.configs import DecodeConfig
 from attnserve.attention.kernels.mha.extend import ExtendConfig
 from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager, time_graph
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
+from attnserve.choice.registry import backend_for_pool
 
 DECODE_CONFIGS = [DecodeConfig(bn, w, s) for bn, (w, s) in itertools.product(
     (32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
@@ -37,7 +37,7 @@ WAVES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def measure(rb, **options) -> tuple[float, int, torch.Tensor]:
-    backend = TritonBackend(rb.pool, **options)
+    backend = backend_for_pool("triton", rb.pool, **options)
     meta = backend.plan(rb.fb)
     if rb.workload.kind == "decode":
         fn = lambda: backend.forward_decode(rb.q, rb.layer, rb.fb, meta)

@@ -57,7 +57,7 @@ SPLITS = ({"split_waves": 1.0}, {"split_waves": 4.0, "max_kv_splits": 128})
 
 
 def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict]]:
-    """(TritonBackend options, what the row records) per setting of a workload kind; no decode head group
+    """(the triton backend's options, what the row records) per setting of a workload kind; no decode head group
     wider than the heads (a 64-head group over 16 heads computes masked rows for nothing)."""
     key = "mla_decode_config" if kind == "decode" else "mla_extend_config"
     configs = TINY_CONFIGS[kind] if tiny else (DECODE_CONFIGS if kind == "decode" else EXTEND_CONFIGS)

@@ -122,7 +122,7 @@ def _order(name: str) -> int:
 
 
 def triton_options(text: str | None) -> dict:
-    """--triton-options JSON -> TritonBackend options (config dicts become config objects).
+    """--triton-options JSON -> the triton backend's options (config dicts become config objects).
 
     The one place the race imports the Triton kernel modules, which need triton (an optional package)."""
     if not text:

@@ -73,7 +73,7 @@ def build_race_batch(w: Workload, num_heads: int = 32, num_kv_heads: int = 8, he
 
 # ---- attnserve backends through the contract ---------------------------------------------------------
 def attnserve_racer(name: str, rb: RaceBatch, **options) -> Callable[[], torch.Tensor]:
-    backend = get_spec(name).load_class(rb.pool)(rb.pool, **options)
+    backend = get_spec(name).build(rb.pool, **options)
     meta = backend.plan(rb.fb)
     rb.keep.append(backend)
     if rb.workload.kind == "decode":

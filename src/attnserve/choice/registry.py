@@ -79,10 +79,15 @@ class BackendSpec:
         return self.factory is not None
 
     def load_class(self, pool) -> type[AttentionBackend]:
-        """The class that serves `pool` (MLA latent pools take `mla_factory` where the name has one)."""
+        """The class that serves `pool` (MLA latent pools take `mla_factory` where the name has one): the one
+        place a backend name becomes its MHA or its MLA class."""
         if self.factory is None:
             raise ValueError(f"attention backend {self.name!r} is known (SGLang) but not implemented in attnserve")
         return (self.mla_factory if self.mla_factory is not None and pool.is_mla else self.factory)()
+
+    def build(self, pool, **options) -> AttentionBackend:
+        """The backend object over `pool`, of the class that fits it."""
+        return self.load_class(pool)(pool, **options)
 
     @property
     def features(self) -> BackendFeatures:
@@ -264,7 +269,13 @@ def create_backend(name: str, pool, hw: Hardware | None = None, **options) -> At
     problems = availability(spec.name, hw or detect_hardware())
     if problems:
         raise ValueError(f"attention backend {spec.name!r} cannot run here: {'; '.join(problems)}")
-    return spec.load_class(pool)(pool, **options)
+    return spec.build(pool, **options)
+
+
+def backend_for_pool(name: str, pool, **options) -> AttentionBackend:
+    """The backend `name` over `pool`, of the class that fits it, without asking whether this machine can run it
+    (kernel tests run the triton backend through Triton's interpreter on a CPU)."""
+    return get_spec(name).build(pool, **options)
 
 
 def build_backend(selection, pool, hw=None, speculative_attention_mode: str = "prefill", **options) -> AttentionBackend:
@@ -277,5 +288,6 @@ def build_backend(selection, pool, hw=None, speculative_attention_mode: str = "p
     return HybridAttentionBackend(prefill, decode, speculative_attention_mode)
 
 
-__all__ = ["ALIASES", "ALL_KV_DTYPES", "REGISTRY", "BackendSpec", "availability", "build_backend", "create_backend",
+__all__ = ["ALIASES", "ALL_KV_DTYPES", "REGISTRY", "BackendSpec", "availability", "backend_for_pool", "build_backend",
+           "create_backend",
            "family_features", "get_spec", "hardware_problems", "resolve_name"]
