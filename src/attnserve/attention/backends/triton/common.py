@@ -21,17 +21,15 @@ that does not depend on the lengths, and a tree's mask is the compact one over t
 the prefix visible to every row), so its size is fixed while the prefixes grow.
 
 The kernel modules import triton, and the registry imports this package to read `features` on machines
-without it: the backends reach them through one accessor, `kernels()`.
+without it: the backends import each kernel where they call it (the constructor asks for triton first).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,21 +57,6 @@ if TYPE_CHECKING:
     from attnserve.attention.layer import AttentionLayer
     from attnserve.kvcache.pool import KVPool
 
-
-
-@functools.cache
-def kernels() -> SimpleNamespace:
-    """attnserve's Triton kernel modules, imported on first use (they import triton)."""
-    require("triton", "the triton attention backend")
-    from attnserve.attention.kernels import common, extend_tiles, interpreter_compat, store
-    from attnserve.attention.kernels.mha import configs, decode, extend, prefill_tma
-    from attnserve.attention.kernels.mla import attention, extend_rows
-    from attnserve.attention.kernels.mla import extend as mla_extend
-
-    return SimpleNamespace(common=common, extend_tiles=extend_tiles, interpreter_compat=interpreter_compat,
-                           store=store, mha_configs=configs, mha_decode=decode, mha_extend=extend,
-                           prefill_tma=prefill_tma, mla_attention=attention, mla_extend=mla_extend,
-                           mla_extend_rows=extend_rows)
 
 
 COMMON_OPTIONS = frozenset({"num_sms", "split_waves", "min_split_tokens", "max_kv_splits", "split_mixed"})
@@ -162,14 +145,17 @@ class TritonBackendBase(AttentionBackend):
 
     def __init__(self, pool: KVPool, **options):
         super().__init__(pool, **options)
-        k = kernels()
+        require("triton", "the triton attention backend")  # before the kernel modules, which import it
+        from attnserve.attention.kernels.common import interpreting
+        from attnserve.attention.kernels.interpreter_compat import let_interpreter_index_with_loaded_scalars
+
         if pool.device.type != "cuda":
-            if not k.common.interpreting():
+            if not interpreting():
                 raise ValueError(
                     f"the triton backend runs on CUDA devices, the pool is on {pool.device} "
                     "(TRITON_INTERPRET=1 runs it on the CPU for tests)"
                 )
-            k.interpreter_compat.let_interpreter_index_with_loaded_scalars()  # loop bounds loaded from memory (tune's CPU race)
+            let_interpreter_index_with_loaded_scalars()  # loop bounds loaded from memory (tune's CPU race)
         unknown = set(options) - COMMON_OPTIONS - self.OPTIONS
         if unknown:
             raise ValueError(f"unknown triton backend options {sorted(unknown)}")
@@ -205,8 +191,10 @@ class TritonBackendBase(AttentionBackend):
 
     # ---- per step ------------------------------------------------------------------------------
     def _tiles_of(self, step: ExtendStep, positions: int):
+        from attnserve.attention.kernels.extend_tiles import build_extend_tiles
+
         if positions not in step.tiles:
-            step.tiles[positions] = kernels().extend_tiles.build_extend_tiles(step.prefix_lens, step.extend_lens, positions, self.pool.device)
+            step.tiles[positions] = build_extend_tiles(step.prefix_lens, step.extend_lens, positions, self.pool.device)
         return step.tiles[positions]
 
     def plan(self, fb: ForwardBatch) -> TritonStep:

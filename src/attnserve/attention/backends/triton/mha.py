@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnserve.attention.backends.triton.common import TritonBackendBase, kernels
+from attnserve.attention.backends.triton.common import TritonBackendBase
 from attnserve.attention.kernels.gpu_target import target_for
 from attnserve.attention.kernels.plan import KernelPlan, LayerSignature
 from attnserve.attention.kernels.resolve import plan_mha_decode
@@ -74,26 +74,34 @@ class TritonMHABackend(TritonBackendBase):
 
     # ---- KV store --------------------------------------------------------------------------------
     def store_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        from attnserve.attention.kernels.store import store_kv
+
         lid = layer.layer_id
-        kernels().store.store_kv(self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), fb.out_cache_loc, k, v,
+        store_kv(self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), fb.out_cache_loc, k, v,
                  self.pool.k_scale[lid], self.pool.v_scale[lid])
 
     # ---- extend ----------------------------------------------------------------------------------
     def _extend_config(self, step: ExtendStep, group: int):
         """The paged extend kernel's tiles: extend_config when given, else a verify step's GQA-packed ones (the
         same graphed and eager, so both give the same numbers), else None (the architecture's default)."""
+        from attnserve.attention.kernels.mha.extend import verify_extend_config
+
         if self.extend_config is not None or not step.verify:
             return self.extend_config
-        return kernels().mha_extend.verify_extend_config(max(step.extend_lens), group, self.pool.head_dim,
+        return verify_extend_config(max(step.extend_lens), group, self.pool.head_dim,
                                                          self.pool.device)
 
     def _extend_tiles(self, step: ExtendStep, group: int, cfg):
         """The step's tile list for this layer's GQA group (layers of one model share it)."""
-        cfg = cfg or kernels().mha_extend.default_extend_config(self.pool.head_dim, self.pool.device)
+        from attnserve.attention.kernels.mha.extend import default_extend_config
+
+        cfg = cfg or default_extend_config(self.pool.head_dim, self.pool.device)
         return self._tiles_of(step, cfg.positions_per_tile(group))
 
     def _prefill_tma_config(self, head_dim: int):
-        return self.prefill_tma_config or kernels().prefill_tma.default_prefill_tma_config(head_dim, self.pool.device)
+        from attnserve.attention.kernels.mha.prefill_tma import default_prefill_tma_config
+
+        return self.prefill_tma_config or default_prefill_tma_config(head_dim, self.pool.device)
 
     def _tma_key_rows(self, step: ExtendStep, q, k, v, layer: AttentionLayer):
         """((k_rows, v_rows, kv_starts), None) when this call takes the TMA path, else (None, why not).
@@ -101,14 +109,16 @@ class TritonMHABackend(TritonBackendBase):
         Fresh prompts read the call's own k and v; with a cached prefix every request's keys are gathered
         from the pool into contiguous rows once per layer.
         """
-        k_mod = kernels()
-        tma = k_mod.prefill_tma
+        from attnserve.attention.kernels.common import interpreting
+        from attnserve.attention.kernels.mha import prefill_tma as tma
+        from attnserve.attention.kernels.mha.configs import fast_path_blocker
+
         if self.prefill_tma is False:
             return None, "TMA path off"
         pool = self.pool
-        blocker = k_mod.mha_configs.fast_path_blocker(head_dim=layer.head_dim, v_dim=layer.v_head_dim, q_dtype=q.dtype,
+        blocker = fast_path_blocker(head_dim=layer.head_dim, v_dim=layer.v_head_dim, q_dtype=q.dtype,
                                     kv_dtype=pool.dtype, custom_mask=step.custom_mask, target=target_for(q.device),
-                                    interpreting=k_mod.common.interpreting())
+                                    interpreting=interpreting())
         if blocker is None and step.verify:
             # a few new tokens a request: gathering every prefix's keys per layer costs more than it saves, and a
             # CUDA graph cannot hold buffers sized by the host lengths
@@ -138,25 +148,30 @@ class TritonMHABackend(TritonBackendBase):
         return rows, blocker
 
     def _extend_layer(self, q, k, v, out, layer: AttentionLayer, step: ExtendStep) -> torch.Tensor:
+        from attnserve.attention.kernels.mha.extend import extend_attention
+        from attnserve.attention.kernels.mha.prefill_tma import prefill_tma_attention
+
         rows, blocker = self._tma_key_rows(step, q, k, v, layer)
         if rows is not None:
             cfg = self._prefill_tma_config(layer.head_dim)
             step.path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
             tiles = self._tiles_of(step, cfg.block_m)
-            return kernels().prefill_tma.prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens,
+            return prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens,
                                          self._params_of(layer), config=cfg)
         step.path = f"paged ({blocker})"
         lid = layer.layer_id
         cfg = self._extend_config(step, layer.gqa_group)
-        return kernels().mha_extend.extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
+        return extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
                                 self._extend_rows(step, self._extend_tiles(step, layer.gqa_group, cfg)),
                                 self._params_of(layer), config=cfg)
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer, meta: TritonStep) -> torch.Tensor:
+        from attnserve.attention.kernels.mha.decode import decode_attention
+
         step = meta.decode
         plan = self.decode_plan(layer, q.dtype)
         lid = layer.layer_id
-        return kernels().mha_decode.decode_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out, step.rows,
+        return decode_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out, step.rows,
                                 self._params_of(layer), partials=self._partials_for(step, layer),
                                 write_final=step.write_final, config=plan.config, target=plan.signature.target)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnserve.attention.backends.triton.common import FEATURES, DecodeStep, TritonBackendBase, kernels
+from attnserve.attention.backends.triton.common import FEATURES, DecodeStep, TritonBackendBase
 from attnserve.attention.kernels.gpu_target import target_for
 from attnserve.attention.kernels.plan import KernelPlan, LayerSignature
 from attnserve.attention.kernels.resolve import plan_mla_decode, plan_mla_extend_rows
@@ -92,29 +92,35 @@ class TritonMLABackend(TritonBackendBase):
 
     # ---- KV store --------------------------------------------------------------------------------
     def store_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        from attnserve.attention.kernels.store import store_kv
+
         lid = layer.layer_id  # one latent row per token; V is a view of it
-        kernels().store.store_kv(self.pool.get_key_buffer(lid), None, fb.out_cache_loc, k, None, self.pool.k_scale[lid])
+        store_kv(self.pool.get_key_buffer(lid), None, fb.out_cache_loc, k, None, self.pool.k_scale[lid])
 
     # ---- extend ----------------------------------------------------------------------------------
     def _extend_layer(self, q, k, v, out, layer: AttentionLayer, step: ExtendStep) -> torch.Tensor:
+        from attnserve.attention.kernels.mla.extend import default_mla_extend_config, mla_extend_attention
+        from attnserve.attention.kernels.mla.extend_rows import mla_extend_rows_attention
+
         lid = layer.layer_id
         rows, plan, blocker = self._mla_extend_rows(step, q, layer)
         if rows is not None:
             tokens = rows.token_groups[2] if rows.token_groups else 1
             step.path = f"mla decode rows ({plan.kernel}, {tokens} token{'s' * (tokens > 1)} a CTA)"
             q = self._gluon_layout(q, plan)
-            return kernels().mla_extend_rows.mla_extend_rows_attention(q, self.pool.get_key_buffer(lid), out, rows, step.meta.kv_indices,
+            return mla_extend_rows_attention(q, self.pool.get_key_buffer(lid), out, rows, step.meta.kv_indices,
                                              layer.scaling, plan, self.pool.k_scale[lid])
         step.path = f"mla tiles ({blocker})"
-        cfg = self.mla_extend_config or kernels().mla_extend.default_mla_extend_config(self.pool.device)
+        cfg = self.mla_extend_config or default_mla_extend_config(self.pool.device)
         rows = self._extend_rows(step, self._tiles_of(step, cfg.positions_per_tile(layer.gqa_group)))
-        return kernels().mla_extend.mla_extend_attention(q, self.pool.get_key_buffer(lid), out, rows, layer.scaling, self.pool.kv_lora_rank,
+        return mla_extend_attention(q, self.pool.get_key_buffer(lid), out, rows, layer.scaling, self.pool.kv_lora_rank,
                                     self.pool.k_scale[lid], config=self.mla_extend_config)
 
     def _mla_extend_rows(self, step: ExtendStep, q: torch.Tensor, layer: AttentionLayer):
         """(the step's decode-row plan, its KernelPlan, None) when this MLA extend runs as decode rows, else
         (None, None, why not). Decided at the step's first MLA layer; the signature's plan once per backend."""
-        extend_rows = kernels().mla_extend_rows
+        from attnserve.attention.kernels.mla import extend_rows
+
         if step.mla_rows is not None:
             return step.mla_rows
         plan, tokens, blocker = self.rows_plan(layer.num_heads, q.dtype)
@@ -144,12 +150,14 @@ class TritonMLABackend(TritonBackendBase):
         q, k `[T, H, nope + rope]`, v `[T, H, v_head_dim]` (narrower than k) -> `[T, H, v_head_dim]`. The latent
         rows still go to the pool (store_kv) for the decode steps that follow.
         """
+        from attnserve.attention.kernels.mha.extend import expanded_prefill_attention, plan_expanded_prefill
+
         if not self.expanded_prefill_applies(fb, meta):
             raise ValueError("expanded MLA runs fresh prompts of an MLA model only (no cached prefix, no custom mask)")
         step = meta.extend
         if step.expanded is None:
-            step.expanded = kernels().mha_extend.plan_expanded_prefill(step.extend_lens, q.shape[-1], self.pool.device)
-        return kernels().mha_extend.expanded_prefill_attention(q, k, v, step.expanded, layer.scaling)
+            step.expanded = plan_expanded_prefill(step.extend_lens, q.shape[-1], self.pool.device)
+        return expanded_prefill_attention(q, k, v, step.expanded, layer.scaling)
 
     # ---- decode ----------------------------------------------------------------------------------
     @staticmethod
@@ -176,10 +184,12 @@ class TritonMLABackend(TritonBackendBase):
         return meta.decode
 
     def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer, meta: TritonStep) -> torch.Tensor:
+        from attnserve.attention.kernels.mla.attention import mla_decode_attention
+
         plan = self.decode_plan(layer.num_heads, q.dtype)
         step = self._use_plan(meta, plan)
         lid = layer.layer_id
-        return kernels().mla_attention.mla_decode_attention(self._gluon_layout(q, plan), self.pool.get_key_buffer(lid), out, step.rows, plan,
+        return mla_decode_attention(self._gluon_layout(q, plan), self.pool.get_key_buffer(lid), out, step.rows, plan,
                                     layer.scaling, self.pool.k_scale[lid], partials=self._partials_for(step, layer),
                                     write_final=step.write_final)
 
