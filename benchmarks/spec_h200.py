@@ -146,8 +146,8 @@ def verify_cost(loaded, backend_name: str, args) -> dict:
                     name = f"K={k}{' tree' if tree else ''}"
                     mask = chain_tree_mask(bs, q, device) if tree else None
                     try:
-                        if runner.can_run_verify(bs, q, tree):
-                            ms = time_ms(partial(runner.replay_verify, ids, pos, loc, rows_t[:bs], seq,
+                        if runner.can_run(bs, q, tree):
+                            ms = time_ms(partial(runner.replay, ids, pos, loc, rows_t[:bs], seq,
                                                  [ctx + q] * bs, q, mask), args.iters, device)
                             case[f"verify_ms {name}"] = ms
                             if case.get("decode_ms"):
@@ -167,9 +167,9 @@ def verify_cost(loaded, backend_name: str, args) -> dict:
                             return model(ids, pos, fb)
 
                     case[f"eager_verify_ms K={k}"] = time_ms(eager, max(3, args.iters // 3), device)
-                    if runner.can_run_verify(bs, q, False):  # the graph computes what the eager step does
+                    if runner.can_run(bs, q, False):  # the graph computes what the eager step does
                         ref = eager().clone()
-                        got = runner.replay_verify(ids, pos, loc, rows_t[:bs], seq, [ctx + q] * bs, q, None)
+                        got = runner.replay(ids, pos, loc, rows_t[:bs], seq, [ctx + q] * bs, q, None)
                         case[f"graph_vs_eager K={k}"] = {
                             "max_abs_diff": round(float((got - ref).abs().max()), 4),
                             "logit_scale": round(float(ref.abs().max()), 2),
@@ -203,7 +203,7 @@ def prefill_tiles(runner, backend, out: dict, slots_t, rows_t, args) -> None:
             pos = (ctx + torch.arange(q, device=device)).repeat(bs)
             loc = slots_t[:bs, ctx : ctx + q].reshape(-1).long()
             seq = torch.full((bs,), ctx + q, dtype=torch.int32, device=device)
-            ms = time_ms(partial(runner.replay_verify, ids, pos, loc, rows_t[:bs], seq, [ctx + q] * bs, q, None),
+            ms = time_ms(partial(runner.replay, ids, pos, loc, rows_t[:bs], seq, [ctx + q] * bs, q, None),
                          args.iters, device)
             case["verify_ms K=4 prefill-tiles"] = ms
             if case.get("decode_ms"):

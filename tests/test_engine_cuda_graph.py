@@ -55,16 +55,17 @@ class EagerGraph:
 
     def replay(self):
         r, bs = self.runner, self.bs
-        real = r.req_pool_indices[:bs] != r.padding_row  # [bs]
+        buf = r.buffers[1]
+        real = buf.req_pool_indices[:bs] != r.padding_row  # [bs]
         before = _kv_snapshot(r.pool)
-        fb = r._batch(bs, [int(x) for x in r.seq_lens[:bs].tolist()])
+        fb = r._batch(bs, 1, False, [int(x) for x in buf.seq_lens[:bs].tolist()])
         # a real graph holds its kernels; this rerun plans the step and goes through the layers
         with attention_step(r.backend, r.backend.plan(fb)):
-            r.outputs[bs].copy_(r.model(r.input_ids[:bs], r.positions[:bs], fb))
+            r.outputs[(bs, 1, False)].copy_(r.model(buf.input_ids[:bs], buf.positions[:bs], fb))
         if bool(real.all()):
             return
         r.padded_replays += 1
-        own_pages = {int(s) // r.pool.page_size for s in r.out_cache_loc[:bs][real]}
+        own_pages = {int(s) // r.pool.page_size for s in buf.out_cache_loc[:bs][real]}
         r.stray_pages |= _changed_pages(before, _kv_snapshot(r.pool), r.pool.page_size) - own_pages
 
 
@@ -73,10 +74,12 @@ class CpuGraphRunner(CudaGraphRunner):
         self.padded_replays = 0
         self.stray_pages: set[int] = set()
         self.backend.init_graph_buffers(self.max_bs, self.max_bs)
+        self._buffers(1)
         vocab = self.model.config.vocab_size
         for bs in self.batch_sizes:
-            self.graphs[bs] = EagerGraph(self, bs)
-            self.outputs[bs] = torch.zeros(bs, vocab)  # [bs, vocab]
+            self.graphs[(bs, 1, False)] = EagerGraph(self, bs)
+            self.outputs[(bs, 1, False)] = torch.zeros(bs, vocab)  # [bs, vocab]
+        self.sizes[(1, False)] = self.batch_sizes
         return 0.0
 
 

@@ -99,10 +99,9 @@ class NoVerifyGraphs:
     def __init__(self):
         self.asked = []
 
-    def can_run(self, bs):
-        return False
-
-    def can_run_verify(self, bs, tokens_per_req, tree):
+    def can_run(self, bs, tokens_per_req=1, tree=False):
+        if tokens_per_req == 1:
+            return False  # no decode graphs either
         self.asked.append((bs, tokens_per_req, tree))
         return len(self.asked) == 1  # the engine's first question: does any verify graph exist at all
 

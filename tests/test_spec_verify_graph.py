@@ -14,7 +14,7 @@ from engine_helpers import VOCAB, tiny_model
 from attnserve.attention.layer import attention_step
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.choice.registry import backend_for_pool
-from attnserve.engine.cuda_graph import CudaGraphRunner, VerifyBuffers, verify_batch_sizes
+from attnserve.engine.cuda_graph import CudaGraphRunner, GraphBuffers, verify_batch_sizes
 from attnserve.kvcache.pool import ReqToTokenPool, make_pool
 
 gpu = pytest.mark.gpu
@@ -47,7 +47,7 @@ def test_verify_batch_sizes_fit_the_token_budget():
 
 
 def test_fill_points_padded_requests_at_the_padding_row():
-    buf = VerifyBuffers.allocate(4, 3, padding_row=7, device="cpu")
+    buf = GraphBuffers.allocate(4, 3, padding_row=7, device="cpu")
     ids = torch.arange(1, 7)  # [2 * 3]
     tree = torch.ones(2, 3, 3, dtype=torch.bool).tril()
     tree[1, 2, 1] = False
@@ -140,11 +140,11 @@ def _check_replays(scenario, prefix_lens, batches, tol, same_argmax: bool):
     model, pool, req_pool, backend, runner, rows = scenario
     for tree in (False, True):
         runner.capture_verify(Q, tree)
-        assert runner.can_run_verify(len(rows), Q, tree) and not runner.can_run_verify(len(rows), Q + 1, tree)
+        assert runner.can_run(len(rows), Q, tree) and not runner.can_run(len(rows), Q + 1, tree)
         for n in batches:
             args, eager = _step(model, pool, req_pool, backend, rows[:n], prefix_lens[:n], tree, seed=n + 10 * tree)
             before = _kv(pool)
-            logits = runner.replay_verify(*args)
+            logits = runner.replay(*args)
             assert logits.shape == eager.shape
             assert rel_err(logits, eager) < tol
             if same_argmax:  # float32; bf16 logits tie too often for a padded batch's GEMMs to keep every argmax

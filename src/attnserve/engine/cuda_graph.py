@@ -1,21 +1,14 @@
 """Decode and speculative-verify CUDA graphs, replayed padded to the next captured batch size.
 
-Decode: one graph per batch size. Inputs live in fixed-address buffers sized for
-the largest batch. Padded rows point at the reserved padding row of the
-request->slot table (all zeros, i.e. slot 0 of padding page 0) with sequence
-length 1, so they read and write only the padding page. The backend's plan runs
-outside the graph, before replay (`plan_for_replay`), rewriting its own fixed
-buffers in place.
-
-Verify (`capture_verify`): one graph per (batch size, q tokens per request,
-chain or tree), as SGLang captures its target-verify graphs. Every request runs
-exactly q tokens (its last token, then its drafts) and the graph returns the
-logits of all of them. A chain is causal and passes no mask; a tree passes its
-compact mask `[bs, q, q]` over the new tokens (the prefix is visible to every
-row), which fits a fixed buffer whatever the prefixes. A padded request points
-at the padding row with sequence length q: the padding row maps every position
-to slot 0, so its q tokens read and write only the padding page, however small
-the page.
+One graph per (batch size, q tokens per request, chain or tree): decode is q = 1; a verify step
+(`capture_verify`, as SGLang captures its target-verify graphs) runs exactly q tokens a request, its last
+token then its drafts, and the graph returns the logits of all of them. Both are captured, replayed and
+padded by the same code. Inputs live in fixed-address buffers per q, sized for the largest batch. A padded
+request points at the reserved padding row of the request->slot table (all zeros, i.e. slot 0 of padding
+page 0) with sequence length q, so its tokens read and write only the padding page, however small the page.
+The backend's plan runs outside the graph, before replay (`plan_for_replay`), rewriting its own fixed
+buffers in place. A chain is causal and passes no mask; a tree passes its compact mask `[bs, q, q]` over
+the new tokens (the prefix is visible to every row), which fits a fixed buffer whatever the prefixes.
 """
 
 from __future__ import annotations
@@ -60,8 +53,9 @@ def verify_batch_sizes(decode_sizes: list[int], tokens_per_req: int,
 
 
 @dataclass
-class VerifyBuffers:
-    """The fixed-address inputs of every verify graph of one width q (tokens per request)."""
+class GraphBuffers:
+    """The fixed-address inputs of every graph of one width q, the tokens a request runs per step: 1 for decode,
+    1 + drafts for verify."""
 
     q: int
     input_ids: torch.Tensor  # [max_bs * q] int64
@@ -73,7 +67,7 @@ class VerifyBuffers:
     tree_mask: torch.Tensor  # [max_bs, q, q] bool, True = may attend (among the request's new tokens)
 
     @classmethod
-    def allocate(cls, max_bs: int, q: int, padding_row: int, device) -> VerifyBuffers:
+    def allocate(cls, max_bs: int, q: int, padding_row: int, device) -> GraphBuffers:
         n = max_bs * q
         return cls(
             q=q,
@@ -114,6 +108,9 @@ class VerifyBuffers:
             self.seq_lens[bs:graph_bs].fill_(q)
 
 
+GraphKey = tuple[int, int, bool]  # (batch size, q tokens a request, tree mask): (bs, 1, False) is decode
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -126,9 +123,9 @@ class CudaGraphRunner:
         device: torch.device,
         max_tokens: int = 0,
     ):
-        """max_tokens: the most tokens a verify graph captured later will hold (batch x q; 0: none). The backend
-        hears it in init_graph_buffers before the first capture, as one that sizes scratch its graphs keep
-        (FlashInfer's workspace) must hold the largest step then."""
+        """batch_sizes: the decode graphs'. max_tokens: the most tokens a verify graph captured later will hold
+        (batch x q; 0: none). The backend hears it in init_graph_buffers before the first capture, as one that
+        sizes scratch its graphs keep (FlashInfer's workspace) must hold the largest step then."""
         if not backend.features.cuda_graph:
             raise ValueError(f"attention backend {backend.name} does not support CUDA graphs")
         self.model = model
@@ -140,36 +137,37 @@ class CudaGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         self.max_tokens = max(self.max_bs, max_tokens)
         self.device = device
-        n = self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [max_bs]
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [max_bs]
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)  # [max_bs], 0 = padding slot
-        self.req_pool_indices = torch.full((n,), padding_row, dtype=torch.int64, device=device)  # [max_bs]
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # [max_bs]
-        self.extend_lens = torch.ones(n, dtype=torch.int32, device=device)  # [max_bs]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, GraphBuffers] = {}  # per width q
+        self.sizes: dict[tuple[int, bool], list[int]] = {}  # (q, tree) -> captured batch sizes
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}  # the logits each graph's replays write, [bs * q, vocab]
         self.capture_seconds = 0.0
-        # speculative verify: buffers per width q; graphs and their logits per (batch size, q, tree)
-        self.verify_buffers: dict[int, VerifyBuffers] = {}
-        self.verify_sizes: dict[tuple[int, bool], list[int]] = {}  # (q, tree) -> captured batch sizes
-        self.verify_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self.verify_outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
         self._mempool = None
         self._stream: torch.cuda.Stream | None = None
 
-    def _batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
+    def _buffers(self, q: int) -> GraphBuffers:
+        if q not in self.buffers:
+            self.buffers[q] = GraphBuffers.allocate(self.max_bs, q, self.padding_row, self.device)
+        return self.buffers[q]
+
+    def _batch(self, bs: int, q: int, tree: bool, seq_lens_cpu: list[int]) -> ForwardBatch:
+        """The step a graph of (bs, q, tree) runs, over its width's buffers: a decode step when q is 1, else a
+        verify step."""
+        buf = self.buffers[q]
         return ForwardBatch(
-            mode=ForwardMode.DECODE,
-            req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs],
-            extend_lens=self.extend_lens[:bs],
-            positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs],
+            mode=ForwardMode.DECODE if q == 1 else ForwardMode.TARGET_VERIFY,
+            req_pool_indices=buf.req_pool_indices[:bs],
+            seq_lens=buf.seq_lens[:bs],
+            extend_lens=buf.extend_lens[:bs],
+            positions=buf.positions[: bs * q],
+            out_cache_loc=buf.out_cache_loc[: bs * q],
             req_to_token=self.req_pool.req_to_token,
             pool=self.pool,
             seq_lens_cpu=seq_lens_cpu,
-            extend_lens_cpu=[1] * bs,
+            extend_lens_cpu=[q] * bs,
+            # the compact tree mask `[bs, q, q]` over the new tokens (module docstring), flattened like the
+            # contract's masks (with no prefix, as at capture, the two are the same)
+            custom_mask=buf.tree_mask[:bs].reshape(-1) if tree else None,
         )
 
     def _record(self, run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -200,24 +198,54 @@ class CudaGraphRunner:
         with attention_step(self.backend, meta):
             return self.model(input_ids, positions, fb)
 
-    def capture(self) -> float:
-        """Capture every batch size, largest first (smaller graphs reuse its memory pool)."""
+    def _capture(self, q: int, tree: bool, sizes: list[int]) -> float:
+        """Graphs of width q at these batch sizes, largest first (smaller graphs reuse its memory pool)."""
         start = time.perf_counter()
-        self.backend.init_graph_buffers(self.max_bs, self.max_tokens)
+        buf = self._buffers(q)
+        buf.pad_all(self.padding_row)
         with torch.inference_mode(), collector_paused_for_capture():
-            # one eager step first: some backends learn per-layer facts from it before they can capture
-            fb = self._batch(self.max_bs, [1] * self.max_bs)
-            self._run_model(self.input_ids, self.positions, fb, self.backend.plan(fb))
-            for bs in reversed(self.batch_sizes):
-                fb = self._batch(bs, [1] * bs)
+            # one eager step first: some backends learn per-layer facts from it before they can capture (the
+            # verify side of a hybrid may not have run a step yet)
+            fb = self._batch(sizes[-1], q, tree, [q] * sizes[-1])
+            n = sizes[-1] * q
+            self._run_model(buf.input_ids[:n], buf.positions[:n], fb, self.backend.plan(fb))
+            for bs in reversed(sizes):
+                fb = self._batch(bs, q, tree, [q] * bs)
                 meta = self.backend.plan_for_capture(fb)
-                self.graphs[bs], self.outputs[bs] = self._record(
-                    lambda bs=bs, fb=fb, meta=meta: self._run_model(self.input_ids[:bs], self.positions[:bs], fb, meta))
-        self.capture_seconds = time.perf_counter() - start
-        return self.capture_seconds
+                ids, pos = buf.input_ids[: bs * q], buf.positions[: bs * q]
+                # the warm-up also builds the backend's tile lists; the logits are every token's [bs * q, vocab]
+                self.graphs[(bs, q, tree)], self.outputs[(bs, q, tree)] = self._record(
+                    lambda ids=ids, pos=pos, fb=fb, meta=meta: self._run_model(ids, pos, fb, meta))
+        self.sizes[(q, tree)] = sizes
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
+        return seconds
 
-    def can_run(self, bs: int) -> bool:
-        return 0 < bs <= self.max_bs
+    def capture(self) -> float:
+        """Capture the decode graphs, one per batch size."""
+        self.backend.init_graph_buffers(self.max_bs, self.max_tokens)
+        return self._capture(1, False, self.batch_sizes)
+
+    def capture_verify(self, tokens_per_req: int, tree: bool, batch_sizes: list[int] | None = None) -> float:
+        """Capture verify graphs of q = tokens_per_req tokens per request (a chain, or a tree with its mask).
+
+        Call after `capture()` (the backend's graph buffers exist then). `batch_sizes` defaults to the decode
+        sizes; none may exceed the decode graphs' largest. Raises what the backend raises when it cannot plan
+        a verify graph (the caller then verifies eagerly), e.g. FlashInfer when batch x q exceeds the
+        `max_tokens` this runner was built with and its workspace cannot hold the step.
+        """
+        q = tokens_per_req
+        if q < 2:
+            raise ValueError(f"a verify step runs a request's last token and at least one draft, got q={q}")
+        sizes = sorted(set(batch_sizes or self.batch_sizes))
+        if sizes[0] < 1 or sizes[-1] > self.max_bs:
+            raise ValueError(f"verify batch sizes {sizes} must lie in [1, {self.max_bs}]")
+        return self._capture(q, tree, sizes)
+
+    def can_run(self, bs: int, tokens_per_req: int = 1, tree: bool = False) -> bool:
+        """Whether a graph holds a step of bs requests of tokens_per_req tokens each (1: decode)."""
+        sizes = self.sizes.get((tokens_per_req, tree))
+        return bool(sizes) and 0 < bs <= sizes[-1]
 
     def replay(
         self,
@@ -227,112 +255,21 @@ class CudaGraphRunner:
         req_pool_indices: torch.Tensor,
         seq_lens: torch.Tensor,
         seq_lens_cpu: list[int],
+        tokens_per_req: int = 1,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits `[bs, vocab]` of a decode step, run through the graph of the next captured size."""
-        with torch.inference_mode():  # the backend's graph buffers were made under inference mode
-            return self._replay(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, seq_lens_cpu)
-
-    def _replay(self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, seq_lens_cpu):
-        bs = len(seq_lens_cpu)
-        gbs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
-        self.input_ids[:bs].copy_(input_ids)
-        self.positions[:bs].copy_(positions)
-        self.out_cache_loc[:bs].copy_(out_cache_loc)
-        self.req_pool_indices[:bs].copy_(req_pool_indices)
-        self.seq_lens[:bs].copy_(seq_lens)
-        if gbs > bs:
-            self.input_ids[bs:gbs].zero_()
-            self.positions[bs:gbs].zero_()
-            self.out_cache_loc[bs:gbs].zero_()
-            self.req_pool_indices[bs:gbs].fill_(self.padding_row)
-            self.seq_lens[bs:gbs].fill_(1)
-        fb = self._batch(gbs, list(seq_lens_cpu) + [1] * (gbs - bs))
-        self.backend.plan_for_replay(fb)
-        self.graphs[gbs].replay()
-        return self.outputs[gbs][:bs]
-
-    # ---- speculative verify ----------------------------------------------------------------------------
-    def _verify_batch(self, bs: int, q: int, tree: bool, seq_lens_cpu: list[int]) -> ForwardBatch:
-        buf = self.verify_buffers[q]
-        return ForwardBatch(
-            mode=ForwardMode.TARGET_VERIFY,
-            req_pool_indices=buf.req_pool_indices[:bs],
-            seq_lens=buf.seq_lens[:bs],
-            extend_lens=buf.extend_lens[:bs],
-            positions=buf.positions[: bs * q],
-            out_cache_loc=buf.out_cache_loc[: bs * q],
-            req_to_token=self.req_pool.req_to_token,
-            pool=self.pool,
-            seq_lens_cpu=seq_lens_cpu,
-            extend_lens_cpu=[q] * bs,
-            # the compact tree mask `[bs, q, q]` over the new tokens (module docstring), flattened like the
-            # contract's masks (with no prefix, as at capture, the two are the same)
-            custom_mask=buf.tree_mask[:bs].reshape(-1) if tree else None,
-        )
-
-    def capture_verify(self, tokens_per_req: int, tree: bool, batch_sizes: list[int] | None = None) -> float:
-        """Capture verify graphs of q = tokens_per_req tokens per request, largest batch first.
-
-        Call after `capture()` (the backend's graph buffers exist then). `batch_sizes` defaults to the decode
-        sizes; none may exceed the decode graphs' largest. Raises what the backend raises when it cannot plan
-        a verify graph (the caller then verifies eagerly), e.g. FlashInfer when batch x q exceeds the
-        `max_tokens` this runner was built with and its workspace cannot hold the step.
-        """
-        q = tokens_per_req
-        if q < 1:
-            raise ValueError(f"tokens_per_req must be >= 1, got {q}")
-        sizes = sorted(set(batch_sizes or self.batch_sizes))
-        if sizes[0] < 1 or sizes[-1] > self.max_bs:
-            raise ValueError(f"verify batch sizes {sizes} must lie in [1, {self.max_bs}]")
-        start = time.perf_counter()
-        if q not in self.verify_buffers:
-            self.verify_buffers[q] = VerifyBuffers.allocate(self.max_bs, q, self.padding_row, self.device)
-        buf = self.verify_buffers[q]
-        buf.pad_all(self.padding_row)
-        with torch.inference_mode(), collector_paused_for_capture():
-            # one eager step first, as for decode: the verify side of a hybrid may not have run a step yet
-            fb = self._verify_batch(sizes[-1], q, tree, [q] * sizes[-1])
-            self._run_model(buf.input_ids[: sizes[-1] * q], buf.positions[: sizes[-1] * q], fb, self.backend.plan(fb))
-            for bs in reversed(sizes):
-                fb = self._verify_batch(bs, q, tree, [q] * bs)
-                meta = self.backend.plan_for_capture(fb)
-                ids, pos = buf.input_ids[: bs * q], buf.positions[: bs * q]
-                # the warm-up also builds the backend's tile lists; the logits are every token's [bs * q, vocab]
-                graph, out = self._record(lambda ids=ids, pos=pos, fb=fb, meta=meta: self._run_model(ids, pos, fb, meta))
-                self.verify_graphs[(bs, q, tree)] = graph
-                self.verify_outputs[(bs, q, tree)] = out
-        self.verify_sizes[(q, tree)] = sizes
-        seconds = time.perf_counter() - start
-        self.capture_seconds += seconds
-        return seconds
-
-    def can_run_verify(self, bs: int, tokens_per_req: int, tree: bool) -> bool:
-        sizes = self.verify_sizes.get((tokens_per_req, tree))
-        return bool(sizes) and 0 < bs <= sizes[-1]
-
-    def replay_verify(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_cpu: list[int],
-        tokens_per_req: int,
-        tree_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Logits `[bs * q, vocab]` of every token of a verify step, through the graph of the next captured size.
+        """Logits `[bs * q, vocab]` of every token of a decode (q = 1) or verify step, through the graph of the
+        next captured batch size.
 
         input_ids / positions / out_cache_loc `[bs * q]` int64, req_pool_indices `[bs]` int64, seq_lens `[bs]`
-        int32 (the KV length after the step), tree_mask bool `[bs, q, q]` or None (a chain).
+        int32 (the KV length after the step), tree_mask bool `[bs, q, q]` or None (decode, or a chain).
         """
-        with torch.inference_mode():
+        with torch.inference_mode():  # the backend's graph buffers were made under inference mode
             q, tree, bs = tokens_per_req, tree_mask is not None, len(seq_lens_cpu)
-            sizes = self.verify_sizes[(q, tree)]
+            sizes = self.sizes[(q, tree)]
             gbs = sizes[bisect.bisect_left(sizes, bs)]
-            self.verify_buffers[q].fill(bs, gbs, self.padding_row, input_ids, positions, out_cache_loc,
-                                        req_pool_indices, seq_lens, tree_mask)
-            fb = self._verify_batch(gbs, q, tree, list(seq_lens_cpu) + [q] * (gbs - bs))
-            self.backend.plan_for_replay(fb)
-            self.verify_graphs[(gbs, q, tree)].replay()
-            return self.verify_outputs[(gbs, q, tree)][: bs * q]
+            self.buffers[q].fill(bs, gbs, self.padding_row, input_ids, positions, out_cache_loc, req_pool_indices,
+                                 seq_lens, tree_mask)
+            self.backend.plan_for_replay(self._batch(gbs, q, tree, list(seq_lens_cpu) + [q] * (gbs - bs)))
+            self.graphs[(gbs, q, tree)].replay()
+            return self.outputs[(gbs, q, tree)][: bs * q]

@@ -373,8 +373,7 @@ class Engine:
         if self._uniform_verify is None:  # asked once: graphs are captured at start-up
             graphs = self.runner.graph_runner
             q = 1 + self.num_draft_tokens
-            self._uniform_verify = hasattr(graphs, "can_run_verify") and (
-                graphs.can_run_verify(1, q, False) or graphs.can_run_verify(1, q, True))
+            self._uniform_verify = graphs is not None and (graphs.can_run(1, q, False) or graphs.can_run(1, q, True))
         return self._uniform_verify
 
     def _propose(self, r: Request) -> DraftTree | None:

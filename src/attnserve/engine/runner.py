@@ -24,7 +24,7 @@ from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.distributed.state import broadcast_object, broadcast_tensor, parallel_state
 from attnserve.engine.cuda_graph import CudaGraphRunner
 from attnserve.engine.scheduler import ScheduleBatch
-from attnserve.engine.speculative.draft_tree import verify_masks
+from attnserve.engine.speculative.verify_inputs import verify_masks_of, verify_tokens
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool
 from attnserve.transfers import to_device
 
@@ -135,9 +135,9 @@ class ModelRunner:
         return moves
 
     def prepare(self, batch: ScheduleBatch) -> StepInputs:
-        """The step's index arithmetic on the host, from the requests' page lists."""
-        if batch.mode is ForwardMode.TARGET_VERIFY:
-            return self._prepare_verify(batch)
+        """The step's index arithmetic on the host, from the requests' page lists. A verify step's inputs are
+        each request's last token then its drafts (`speculative.verify_inputs`)."""
+        verify = batch.mode is ForwardMode.TARGET_VERIFY
         num_tokens = batch.num_tokens
         bs = batch.batch_size
         # one int64 host array, one copy to the device: input ids, positions, slots [T] each; rows [B]
@@ -156,62 +156,31 @@ class ModelRunner:
             table_starts.append(filled)
             table_slots.append(slots)
             out_loc[t : t + ext] = slots[prefix - filled :]
-            positions[t : t + ext] = np.arange(prefix, end, dtype=np.int64)
-            if i < batch.num_decodes:
-                # the input is the request's last token: known here unless it is still in flight, and then
-                # it is in last_tokens on the device (-1: read it there). A request readmitted after a
-                # preemption has a known last token that was never sampled into its new row.
+            if verify:
+                ids[t : t + ext], positions[t : t + ext] = verify_tokens(r.output_ids[-1], prefix, batch.drafts[i])
+            elif i < batch.num_decodes:
+                # one token, the request's last: known here unless it is still in flight, and then it is in
+                # last_tokens on the device (-1: read it there). A request readmitted after a preemption has a
+                # known last token that was never sampled into its new row.
                 ids[t] = r.output_ids[-1] if r.num_pending == 0 else -1
+                positions[t] = prefix
             else:
                 ids[t : t + ext] = r.tokens(prefix, end)
+                positions[t : t + ext] = np.arange(prefix, end, dtype=np.int64)
             t += ext
-        return StepInputs(
-            mode=batch.mode, host=host, num_tokens=num_tokens, num_decodes=batch.num_decodes,
+        step = StepInputs(
+            mode=batch.mode, host=host, num_tokens=num_tokens, num_decodes=0 if verify else batch.num_decodes,
             seq_lens=[p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)],
-            extend_lens=list(batch.extend_lens), sample=list(batch.sample),
+            extend_lens=list(batch.extend_lens),
+            # a verify step sends nothing to last_tokens: the engine reads the accepted tokens on the host
+            sample=[False] * bs if verify else list(batch.sample),
             table_rows=table_rows, table_starts=table_starts, table_slots=table_slots,
             kv_moves=self._take_kv_moves(),
         )
-
-    def _prepare_verify(self, batch: ScheduleBatch) -> StepInputs:
-        """Every request's last token then its drafts: draft i is stored at slot kv_len + 1 + i and rotated
-        at position kv_len + its depth. A step of chains needs no mask (causal attention is a chain's mask);
-        a tree step gets per request [q, seq_len]: the prefix all visible, the drafts their ancestors and
-        themselves (and, when every request has the same q, the trees' own [B, q, q] for a verify graph)."""
-        bs = batch.batch_size
-        num_tokens = batch.num_tokens
-        host = np.empty(3 * num_tokens + bs, dtype=np.int64)  # ids, positions, slots [T] each; rows [B]
-        ids, positions, out_loc = (host[i * num_tokens : (i + 1) * num_tokens] for i in range(3))
-        host[3 * num_tokens :] = [r.row for r in batch.reqs]
-        table_rows, table_starts, table_slots = [], [], []
-        t = 0
-        for r, prefix, q, tree in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.drafts):
-            filled = min(self.req_pool.filled(r.row), prefix)
-            slots = self._slots(r.pages, filled, prefix + q)  # [prefix + q - filled]
-            table_rows.append(r.row)
-            table_starts.append(filled)
-            table_slots.append(slots)
-            out_loc[t : t + q] = slots[prefix - filled :]
-            positions[t] = prefix
-            positions[t + 1 : t + q] = prefix + np.asarray(tree.depths(), dtype=np.int64)
-            ids[t] = r.output_ids[-1]
-            ids[t + 1 : t + q] = tree.tokens
-            t += q
-        custom_mask = tree_mask = None
-        spec_topk = 1
-        if not all(t.is_chain for t in batch.drafts):
-            tree_masks, custom_mask = verify_masks(batch.drafts, batch.prefix_lens)
-            if len(set(batch.extend_lens)) == 1:
-                tree_mask = np.stack(tree_masks)  # [B, q, q] bool
-            spec_topk = max(max((len(c) for c in t.children()), default=1) for t in batch.drafts)
-        return StepInputs(
-            mode=ForwardMode.TARGET_VERIFY, host=host, num_tokens=num_tokens, num_decodes=0,
-            seq_lens=[p + q for p, q in zip(batch.prefix_lens, batch.extend_lens)],
-            extend_lens=list(batch.extend_lens),
-            sample=[False] * bs,  # nothing goes to last_tokens: the engine reads the accepted tokens on the host
-            table_rows=table_rows, table_starts=table_starts, table_slots=table_slots,
-            kv_moves=self._take_kv_moves(), custom_mask=custom_mask, tree_mask=tree_mask, spec_topk=spec_topk,
-        )
+        if verify:
+            masks = verify_masks_of(batch.drafts, batch.prefix_lens)
+            step.custom_mask, step.tree_mask, step.spec_topk = masks.custom_mask, masks.tree_mask, masks.spec_topk
+        return step
 
     def run(self, step: StepInputs) -> torch.Tensor:
         """Write the table rows, move the inputs to the device, and run the model (replaying a graph if one fits)."""
@@ -236,28 +205,39 @@ class ModelRunner:
             known = input_ids[:nd]
             input_ids[:nd] = torch.where(known < 0, self.last_tokens[req_rows[:nd]], known)
         seq_lens = to_device(np.asarray(seq_lens_cpu, dtype=np.int32), dev)  # [B]
-        if step.mode is ForwardMode.TARGET_VERIFY:
-            return self._run_verify(step, input_ids, pos, loc, req_rows, seq_lens)
-
-        if (
-            self.graph_runner is not None
-            and step.mode is ForwardMode.DECODE
-            and self.graph_runner.can_run(len(step.sample))
-        ):
+        verify = step.mode is ForwardMode.TARGET_VERIFY
+        width = self._graph_width(step)
+        if width is not None:
             self.steps_graphed += 1
-            logits = self.graph_runner.replay(input_ids, pos, loc, req_rows, seq_lens, seq_lens_cpu)
-            if all(step.sample):
+            tree_mask = to_device(step.tree_mask, dev) if step.custom_mask is not None else None  # [B, q, q] bool
+            logits = self.graph_runner.replay(input_ids, pos, loc, req_rows, seq_lens, seq_lens_cpu, width, tree_mask)
+            if verify or all(step.sample):
                 return logits
             return logits[to_device([i for i, s in enumerate(step.sample) if s], dev)]
 
         self.steps_eager += 1
         fb = self._eager_batch(step, pos, loc, req_rows, seq_lens)
         meta = self.backend.plan(fb)
-        last = np.cumsum(step.extend_lens) - 1  # row of each request's last new token
-        picked = [int(t) for t, s in zip(last, step.sample) if s]
-        logits_indices = None if len(picked) == num_tokens else to_device(picked, dev)
+        logits_indices = None
+        if not verify:  # a verify step needs every token's logits; others only the sampling requests' last
+            last = np.cumsum(step.extend_lens) - 1  # row of each request's last new token
+            picked = [int(t) for t, s in zip(last, step.sample) if s]
+            logits_indices = None if len(picked) == num_tokens else to_device(picked, dev)
         with attention_step(self.backend, meta):
             return self.model(input_ids, pos, fb, logits_indices=logits_indices)
+
+    def _graph_width(self, step: StepInputs) -> int | None:
+        """The tokens a request of a captured graph that runs this step: 1 for decode, q for a verify step whose
+        requests all run q tokens (a tree's compact mask known); None: the step runs eagerly."""
+        gr = self.graph_runner
+        if gr is None or step.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            return None
+        bs, q = len(step.seq_lens), step.extend_lens[0]
+        tree = step.custom_mask is not None
+        if step.mode is ForwardMode.TARGET_VERIFY and (any(e != q for e in step.extend_lens)
+                                                       or (tree and step.tree_mask is None)):
+            return None
+        return q if gr.can_run(bs, q, tree) else None
 
     def _eager_batch(self, step: StepInputs, pos, loc, req_rows, seq_lens) -> ForwardBatch:
         """The step's ForwardBatch over the device inputs (a tree verify step carries its mask)."""
@@ -276,20 +256,3 @@ class ModelRunner:
             custom_mask=to_device(step.custom_mask, dev) if step.custom_mask is not None else None,
             spec_topk=step.spec_topk,
         )
-
-    def _run_verify(self, step: StepInputs, input_ids, pos, loc, req_rows, seq_lens) -> torch.Tensor:
-        """Logits for every token of the step, `[T, vocab]`: a captured verify graph if the graph runner has
-        one for (batch, q, chain or tree) and every request has q tokens, else eagerly."""
-        dev = self.device
-        bs, q = len(step.seq_lens), step.extend_lens[0]
-        tree = step.custom_mask is not None
-        uniform = all(e == q for e in step.extend_lens) and (step.tree_mask is not None or not tree)
-        gr = self.graph_runner
-        if uniform and gr is not None and hasattr(gr, "can_run_verify") and gr.can_run_verify(bs, q, tree):
-            self.steps_graphed += 1
-            tree_mask = to_device(step.tree_mask, dev) if tree else None  # [B, q, q] bool
-            return gr.replay_verify(input_ids, pos, loc, req_rows, seq_lens, step.seq_lens, q, tree_mask)
-        self.steps_eager += 1
-        fb = self._eager_batch(step, pos, loc, req_rows, seq_lens)
-        with attention_step(self.backend, self.backend.plan(fb)):
-            return self.model(input_ids, pos, fb, logits_indices=None)
