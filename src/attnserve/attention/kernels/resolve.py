@@ -33,9 +33,7 @@ from attnserve.attention.kernels.mla.decode_table import (
 )
 from attnserve.attention.kernels.plan import INTERPRETER, KernelPlan, LayerSignature
 from attnserve.attention.kernels.split_plan import SplitPolicy
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+from attnserve.dtypes import KV_DTYPES
 
 
 # ---- MLA decode ------------------------------------------------------------------------------------------
@@ -144,7 +142,7 @@ def signature_for(hw, shape, page_size: int, kv_dtype: str) -> LayerSignature:
     if hw.device == "cuda" and hw.compute_capability is not None:
         target = GpuTarget.of(hw.compute_capability)
     q_dtype = torch.bfloat16 if target is not None else torch.float32
-    kv = DTYPES.get(kv_dtype, q_dtype) if kv_dtype != "auto" else q_dtype
+    kv = KV_DTYPES.get(kv_dtype, q_dtype) if kv_dtype != "auto" else q_dtype
     if shape.attention_type == "MLA":
         rank = shape.kv_lora_rank or 0
         return LayerSignature.of_gpu(target, family="mla", num_heads=shape.num_q_heads, num_kv_heads=1,
