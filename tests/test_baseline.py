@@ -75,7 +75,17 @@ def test_unreadable_baseline_is_refused(tmp_path, capsys):
     (tmp_path / "old.json").write_text("{oops")
     (tmp_path / "new.json").write_text(json.dumps(_run(TIMES)))
     assert main(["bench", "compare", str(tmp_path / "new.json"), str(tmp_path / "old.json")]) == 2
-    assert "old.json can't be read" in capsys.readouterr().err
+    assert "run " + str(tmp_path / "old.json") + " can't be read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("which", ["new", "old"])
+def test_a_file_that_is_not_a_run_is_named(tmp_path, capsys, which):
+    """Either side of the comparison: the error names the file that is not a run."""
+    for name in ("new", "old"):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"gpu": "x"} if name == which else _run(TIMES)))
+    assert main(["bench", "compare", str(tmp_path / "new.json"), str(tmp_path / "old.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"run {tmp_path / (which + '.json')} is not a run of" in err and '(no "records" list)' in err
 
 
 def test_bench_kernels_refuses_another_gpus_baseline_before_racing(tmp_path, capsys):

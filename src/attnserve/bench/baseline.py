@@ -44,9 +44,10 @@ def load_run(path: Path) -> dict:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"baseline {path} can't be read: {exc}") from None
+        raise ValueError(f"run {path} can't be read: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("records"), list):
-        raise ValueError(  # noqa: TRY004 - bad input file, reported like any other bad valuef"baseline {path} is not a run of `attnserve bench kernels` or `attnserve tune` "
+        # a bad input file, reported like any other bad value
+        raise ValueError(f"run {path} is not a run of `attnserve bench kernels` or `attnserve tune` "  # noqa: TRY004
                          "(no \"records\" list)")
     return data
 
