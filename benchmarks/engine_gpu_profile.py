@@ -280,6 +280,17 @@ def profile_mixed(loaded, args, on_done=None) -> dict:
             }
     for side in _split_backends(engine):
         side.split_mixed = True
+    if args.host_profile:  # where the host's time goes in a mixed step (the kernels' own time is above)
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(reps):
+            timed(args.host_profile)
+        prof.disable()
+        out["host_profile"] = {"chunk_tokens": args.host_profile, **host_top(prof, reps)}
+        if on_done is not None:
+            on_done(out)
     for rid in list(engine.requests):
         engine.abort(rid)
     engine.drain()
@@ -288,6 +299,19 @@ def profile_mixed(loaded, args, on_done=None) -> dict:
     del engine
     _release(cpu)
     return out
+
+
+def host_top(prof, steps: int, top: int = 40) -> dict:
+    """cProfile's functions, per step in ms: the top by own time and by cumulative time (callees included)."""
+    import pstats
+
+    rows = []
+    for (file, line, func), (_cc, calls, own, cum, _callers) in pstats.Stats(prof).stats.items():
+        where = "/".join(file.split("/")[-2:])
+        rows.append({"function": f"{where}:{line}({func})", "calls": round(calls / steps, 1),
+                     "own_ms": round(own / steps * 1e3, 3), "cum_ms": round(cum / steps * 1e3, 3)})
+    return {"by_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "by_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
 
 
 def print_mixed(mixed: dict) -> None:
@@ -302,6 +326,13 @@ def print_mixed(mixed: dict) -> None:
     for label, f in mixed["fits"].items():
         print(f"split {label}: wall = {f['fixed_ms']:.3f} ms + {f['per_token_us']:.2f} us x N "
               f"(fixed part {f['fixed_over_decode_step_ms']:+.3f} ms over the decode step)", flush=True)
+    host = mixed.get("host_profile")
+    if host:
+        print(f"host, a mixed step of {host['chunk_tokens']} prompt tokens under cProfile (ms per step):")
+        for r in host["by_cum"][:25]:
+            print(f"  cum {r['cum_ms']:8.3f}  own {r['own_ms']:8.3f}  calls {r['calls']:7.1f}  {r['function'][:110]}")
+        for r in host["by_own"][:20]:
+            print(f"  own {r['own_ms']:8.3f}  cum {r['cum_ms']:8.3f}  calls {r['calls']:7.1f}  {r['function'][:110]}")
 
 
 def print_table(results: list[dict]) -> None:
@@ -329,6 +360,9 @@ def main() -> None:
     ap.add_argument("--split-mixed", default="on,off",
                     help="with --mixed-chunks on the triton backend: on (decodes through the decode kernel), off "
                     "(the whole mixed step through the extend path), or both")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="with --mixed-chunks: also run mixed steps of N prompt tokens under cProfile and record the "
+                    "host's top functions per step (0: not)")
     ap.add_argument("--fit-from", type=int, default=256, help="the line wall = a + b * N fits chunks of >= this")
     ap.add_argument("--out", default="benchmarks/results/engine_gpu_profile.json")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script (torch_native, fp32)")

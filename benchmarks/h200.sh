@@ -50,7 +50,8 @@
 #   budget-profile
 #               engine_gpu_profile.py --modes none --mixed-chunks ...: one mixed step of 64 decodes + N prompt
 #               tokens (N = 2 ... 8192), the triton backend's split on and off, wall / kernels by kind / host gap
-#               against the decode step, and the line wall = a + b * N -> engine_gpu_profile_mixed.json (~2 minutes)
+#               against the decode step, the line wall = a + b * N, and the host's top functions (cProfile) in a
+#               step of N = 256 -> engine_gpu_profile_mixed.json (~2 minutes)
 #   budget-served
 #               serve_h200_budget.py served: the server (--api-workers 2) at the default budget and with it off, c=64,
 #               200 requests each, beside serve-budget/offline.json when OUT has it (OFFLINE_JSON= names an earlier
@@ -455,7 +456,7 @@ step_budget_profile() {
   echo "== mixed-step profile ($(left) s left)"
   # shellcheck disable=SC2086
   timeout "$(cap 200)" python3 benchmarks/engine_gpu_profile.py --modes none --steps 5 \
-    --mixed-chunks 2,256,512,1024,2048,4096,8192 --split-mixed on,off ${PROFILE_ARGS:-} \
+    --mixed-chunks 2,256,512,1024,2048,4096,8192 --split-mixed on,off --host-profile 256 ${PROFILE_ARGS:-} \
     --out "$OUT/engine_gpu_profile_mixed.json" > "$LOGS/profile-mixed.log" 2>&1
   local rc=$?
   echo "profile rc=$rc"; grep -v -E '^(\{|USDT)' "$LOGS/profile-mixed.log" | tail -25
