@@ -7,6 +7,10 @@ model's business: whoever runs the model names both for the call, `with
 attention_step(backend, backend.plan(fb)): model(...)` (vLLM's forward context),
 so two engines can share one model object and each step finds its own.
 
+A piecewise CUDA graph capture (`engine/piecewise_graph.py`) cuts the model's forward at each attention
+call: inside `attention_cut(cut)` every layer hands its q/k/v to `cut` instead of attending, and returns
+what `cut` returns.
+
 MLA models may also ask whether the step runs expanded prefill
 (`expanded_prefill_applies`) and, when it does, call `forward_expanded`: the
 layer hands that only to a backend that declares `features.expanded_mla_prefill`.
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -26,6 +30,9 @@ from attnserve.batch import ForwardBatch
 
 _RUNNING_ON: contextvars.ContextVar[tuple[AttentionBackend, StepMetadata] | None] = contextvars.ContextVar(
     "attnserve_attention_step", default=None)
+# (layer, q, k, v, fb, save_kv, rope) -> o `[T, H * v_head_dim]`: what a layer does instead of attending
+AttentionCut = Callable[..., torch.Tensor]
+_CUT: contextvars.ContextVar[AttentionCut | None] = contextvars.ContextVar("attnserve_attention_cut", default=None)
 
 
 @contextlib.contextmanager
@@ -37,6 +44,18 @@ def attention_step(backend: AttentionBackend, metadata: StepMetadata) -> Iterato
         yield backend
     finally:
         _RUNNING_ON.reset(token)
+
+
+@contextlib.contextmanager
+def attention_cut(cut: AttentionCut | None) -> Iterator[None]:
+    """Every AttentionLayer called inside the block (this thread) calls `cut(layer, q, k, v, fb, save_kv, rope)`
+    instead of attending and returns its result: where a piecewise graph capture ends one piece. None: layers
+    attend again (inside an outer cut)."""
+    token = _CUT.set(cut)
+    try:
+        yield
+    finally:
+        _CUT.reset(token)
 
 
 class AttentionLayer(nn.Module):
@@ -107,6 +126,9 @@ class AttentionLayer(nn.Module):
         rope: the model's RopeStep when q and k still need rotating; the backend then rotates and
         stores in one call (fused into one kernel where the model and pool allow).
         """
+        cut = _CUT.get()
+        if cut is not None:
+            return cut(self, q, k, v, fb, save_kv, rope)
         backend, meta = self._step()
         tokens = q.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -130,6 +152,8 @@ class AttentionLayer(nn.Module):
         planned step fits (e.g. fresh prompts only)."""
         if not self.is_mla:
             return False
+        if _CUT.get() is not None:
+            raise ValueError("an MLA layer's expanded prefill depends on the step: it cannot be cut into graph pieces")
         backend, meta = self._step()
         return backend.features.expanded_mla_prefill and backend.expanded_prefill_applies(fb, meta)
 

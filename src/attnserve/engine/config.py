@@ -123,6 +123,14 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = knob(
         None, "--cuda-graph-max-bs",
         help="largest decode batch captured in a graph (default: min(--max-running-requests, 128))")
+    enable_piecewise_cuda_graph: bool = knob(
+        False, "--enable-piecewise-cuda-graph",
+        help="steps that carry prompt tokens (up to --piecewise-cuda-graph-max-tokens) replay CUDA graphs of "
+        "everything but attention, which runs eagerly between them (SGLang's name; default: off, they run eagerly)")
+    piecewise_cuda_graph_max_tokens: int | None = knob(
+        None, "--piecewise-cuda-graph-max-tokens",
+        help="largest step, in tokens, captured in piecewise graphs (default: the step budget when it is a "
+        "number, else 2048); larger steps run eagerly")
     disable_fused_ops: bool = knob(
         False, "--disable-fused-ops",
         help="run the unfused torch ops (RMSNorm, SiLU x up, RoPE, K/V store) on the GPU too")

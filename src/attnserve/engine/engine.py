@@ -456,6 +456,7 @@ class Engine:
             "aborted": c.aborted,
             "graphed_steps": self.runner.steps_graphed,
             "eager_steps": self.runner.steps_eager,
+            "piecewise_steps": self.runner.steps_piecewise,
             "overlap_schedule": self.overlap and self.drafter is None,
             "step_budget": self.step_budget.label,
             "steps_by_mode": dict(self.step_times.counts),

@@ -23,6 +23,7 @@ from attnserve.attention.layer import attention_step
 from attnserve.batch import ForwardBatch, ForwardMode
 from attnserve.distributed.state import broadcast_object, broadcast_tensor, parallel_state
 from attnserve.engine.cuda_graph import CudaGraphRunner
+from attnserve.engine.piecewise_graph import PiecewiseGraphRunner
 from attnserve.engine.scheduler import ScheduleBatch
 from attnserve.engine.speculative.verify_inputs import verify_masks_of, verify_tokens
 from attnserve.kvcache.pool import KVPool, ReqToTokenPool
@@ -68,8 +69,11 @@ class ModelRunner:
         req_pool: ReqToTokenPool,
         device: str | torch.device,
         graph_runner: CudaGraphRunner | None = None,
+        piecewise: PiecewiseGraphRunner | None = None,
     ):
-        """`graph_runner`: captured decode graphs to replay for the batch sizes it holds (None: always eager)."""
+        """`graph_runner`: captured decode (and verify) graphs to replay for the batch sizes it holds (None:
+        always eager); `piecewise`: captured pieces of prompt-carrying steps up to its largest size (None: those
+        run eagerly)."""
         self.model = model
         self.pool = pool
         self.backend = backend
@@ -77,7 +81,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.page_size = pool.page_size
         self.graph_runner = graph_runner
+        self.piecewise = piecewise
         self.steps_graphed = 0
+        self.steps_piecewise = 0  # prompt-carrying steps replayed in pieces (not counted as eager)
         self.steps_eager = 0
         rows = req_pool.req_to_token.shape[0]
         self.last_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)  # [rows]: latest token per row
@@ -87,7 +93,7 @@ class ModelRunner:
     def from_parts(cls, parts) -> ModelRunner:
         """The runner over what start-up built (`startup.EngineParts`)."""
         return cls(parts.model.module, parts.kv.pool, parts.backend, parts.kv.req_pool, parts.model.device,
-                   graph_runner=parts.graphs.runner)
+                   graph_runner=parts.graphs.runner, piecewise=parts.graphs.piecewise)
 
     def _slots(self, pages: list[int], lo: int, hi: int) -> np.ndarray:
         """Slots of token positions [lo, hi) of a request holding `pages`: [hi - lo] int64."""
@@ -215,7 +221,6 @@ class ModelRunner:
                 return logits
             return logits[to_device([i for i, s in enumerate(step.sample) if s], dev)]
 
-        self.steps_eager += 1
         fb = self._eager_batch(step, pos, loc, req_rows, seq_lens)
         meta = self.backend.plan(fb)
         logits_indices = None
@@ -223,6 +228,12 @@ class ModelRunner:
             last = np.cumsum(step.extend_lens) - 1  # row of each request's last new token
             picked = [int(t) for t, s in zip(last, step.sample) if s]
             logits_indices = None if len(picked) == num_tokens else to_device(picked, dev)
+        pw = self.piecewise
+        if pw is not None and step.mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and pw.can_run(num_tokens):
+            self.steps_piecewise += 1
+            hidden, residual = pw.replay(input_ids, pos, fb, meta)  # [T, hidden] each
+            return self.model.compute_logits(hidden, logits_indices, residual)
+        self.steps_eager += 1
         with attention_step(self.backend, meta):
             return self.model(input_ids, pos, fb, logits_indices=logits_indices)
 

@@ -5,7 +5,7 @@ Each step is a function with a small typed result, and `build_parts` runs them i
     load_model_setup  -> ModelSetup      the model, its tokenizer and dtype
     choose_attention  -> AttentionChoice what `attnserve select` would pick for this model and device
     size_kv_cache     -> KVCacheSetup    the KV pool, its page allocator and the request->slot table
-    build_graphs      -> GraphSetup      decode CUDA graphs (or why there are none)
+    build_graphs      -> GraphSetup      decode CUDA graphs (or why there are none), piecewise ones if asked
 
 Everything decided here is logged once at start-up (model, device, dtype, pool
 size in tokens and GB, page size, the backends and why, CUDA-graph sizes), so a
@@ -14,6 +14,7 @@ user can see what is running without reading code.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from attnserve.distributed.state import min_over_ranks, parallel_state
 from attnserve.dtypes import Dtypes, resolve_dtypes
 from attnserve.engine.config import EngineConfig
 from attnserve.engine.cuda_graph import CudaGraphRunner, default_batch_sizes, verify_batch_sizes
+from attnserve.engine.piecewise_graph import PiecewiseGraphRunner, default_token_sizes, model_can_be_cut
 from attnserve.engine.schedule_policy import StepBudget, resolve_step_budget
 from attnserve.hardware import cpu_has_hardware_bf16, detect_hardware
 from attnserve.kvcache.allocator import PageAllocator
@@ -89,6 +91,7 @@ class GraphSetup:
     runner: object | None  # a captured CudaGraphRunner, or None when decode runs eagerly
     batch_sizes: list[int]
     note: str  # the start-up log's "CUDA graphs:" line
+    piecewise: object | None = None  # a captured PiecewiseGraphRunner for prompt-carrying steps, or None
 
 
 @dataclass(frozen=True)
@@ -300,12 +303,45 @@ def size_kv_cache(config: EngineConfig, model: ModelSetup, attention: AttentionC
 
 
 def build_graphs(config: EngineConfig, model: ModelSetup, attention: AttentionChoice, backend,
-                 kv: KVCacheSetup) -> GraphSetup:
-    """Capture decode CUDA graphs when on CUDA, allowed, and the decode backend can be captured."""
+                 kv: KVCacheSetup, step_budget: StepBudget | None = None) -> GraphSetup:
+    """Capture decode CUDA graphs when on CUDA, allowed, and the decode backend can be captured; then the
+    piecewise graphs of prompt-carrying steps when asked for."""
     if model.device.type != "cuda":
         return GraphSetup(None, [], "off (CPU)")
     if config.disable_cuda_graph:
         return GraphSetup(None, [], "off (--disable-cuda-graph)")
+    decode = _decode_graphs(config, model, attention, backend, kv)
+    if not config.enable_piecewise_cuda_graph:
+        return decode
+    piecewise, note = _piecewise_graphs(config, model, backend, kv, step_budget)
+    return dataclasses.replace(decode, note=f"{decode.note}; piecewise {note}", piecewise=piecewise)
+
+
+def piecewise_max_tokens(config: EngineConfig, step_budget: StepBudget | None) -> int:
+    """The largest step captured in pieces: the flag, else a fixed step budget (every step that decodes fits),
+    else 2048."""
+    if config.piecewise_cuda_graph_max_tokens:
+        return config.piecewise_cuda_graph_max_tokens
+    if step_budget is not None and step_budget.kind == "fixed":
+        return step_budget.tokens
+    return 2048
+
+
+def _piecewise_graphs(config: EngineConfig, model: ModelSetup, backend, kv: KVCacheSetup,
+                      step_budget: StepBudget | None) -> tuple[object | None, str]:
+    """(the captured piecewise runner or None, what the start-up log says of it)."""
+    why = model_can_be_cut(model.module)
+    if why is not None:
+        return None, f"off ({why})"
+    sizes = default_token_sizes(piecewise_max_tokens(config, step_budget))
+    runner = PiecewiseGraphRunner(model.module, backend, kv.pool, kv.req_pool, kv.padding_row, sizes, model.device,
+                                  model.dtype)
+    secs = runner.capture()
+    return runner, f"token sizes {sizes[0]}..{sizes[-1]} ({len(sizes)} of them, captured in {secs:.1f} s)"
+
+
+def _decode_graphs(config: EngineConfig, model: ModelSetup, attention: AttentionChoice, backend,
+                   kv: KVCacheSetup) -> GraphSetup:
     if not attention.graph_capturable or not backend.features.cuda_graph:
         return GraphSetup(None, [], f"off ({attention.decode_backend} cannot be captured; decode runs eagerly)")
     max_bs = min(config.cuda_graph_max_bs or 128, config.max_running_requests)
@@ -407,9 +443,9 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
         for side in (backend, getattr(backend, "prefill_backend", None)):
             if hasattr(side, "split_mixed"):
                 side.split_mixed = False
-    graphs = build_graphs(config, model, attention, backend, kv)
     # the one place the step budget's device default is resolved
     budget = resolve_step_budget(config.max_num_batched_tokens, config.max_running_requests, model.device.type)
+    graphs = build_graphs(config, model, attention, backend, kv, budget)
     lines = startup_lines(config, model, attention, kv, graphs, budget)
     for line in lines:
         log.info(line)

@@ -57,12 +57,19 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [T], positions [T] -> logits [T, vocab] (or [len(logits_indices), vocab]), float32."""
+        hidden, residual = self.forward_hidden(input_ids, positions, fb)
+        return self.compute_logits(hidden, logits_indices, residual)
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers without the final norm and LM head: (the last layer's output, the residual stream) `[T,
+        hidden]` each, which `compute_logits` finishes."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.step(positions, hidden.dtype, self.ops.rope_store)  # cos/sin once for every layer
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, fb, rope)
-        return self.compute_logits(hidden, logits_indices, residual)
+        return hidden, residual
 
     def compute_logits(
         self, hidden: torch.Tensor, logits_indices: torch.Tensor | None, residual: torch.Tensor | None = None

@@ -8,6 +8,7 @@ position, and has no length limit to overflow.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,6 +170,13 @@ class RopeStep:
     # half-split layout rotating whole heads: [T, 1, D] tables for the 4-op rotation (None otherwise)
     cos_full: torch.Tensor | None = None  # [cos, cos]
     sin_signed: torch.Tensor | None = None  # [-sin, sin]
+
+    def narrow(self, tokens: int) -> RopeStep:
+        """The step's first `tokens` tokens (a piecewise graph's padded step, run over its real tokens)."""
+        def first(t):
+            return None if t is None else t[:tokens]
+        return dataclasses.replace(self, cos=self.cos[:tokens], sin=self.sin[:tokens], cos_full=first(self.cos_full),
+                                   sin_signed=first(self.sin_signed))
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.rotary.rotary_dim
