@@ -212,7 +212,11 @@ def profile_mixed(loaded, args, on_done=None) -> dict:
     splits = [s == "on" for s in args.split_mixed.split(",")]
     # enough tokens for every step below: prefill, decode steps, then per size and split setting warm + timed + profiled
     new_tokens = 3 * reps + 16 + len(args.mixed) * len(splits) * (2 + 2 * reps)
-    engine = _engine(loaded, args, new_tokens, joining_prompt=max(args.mixed), disable_overlap_schedule=True)
+    pieces = {}
+    if args.piecewise:  # every mixed step below in piecewise graphs (the decode step replays its own graph)
+        pieces = dict(enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=max(args.mixed) + args.requests)
+    engine = _engine(loaded, args, new_tokens, joining_prompt=max(args.mixed), disable_overlap_schedule=True,
+                     **pieces)
     if not _split_backends(engine):
         splits = [None]  # the backend has one way to run a mixed step
     g = torch.Generator().manual_seed(1)
@@ -241,7 +245,7 @@ def profile_mixed(loaded, args, on_done=None) -> dict:
     d_kinds, d_busy, _ = _by_kind(prof, args.device, reps)
     out = {
         "what": f"{args.requests} decodes (context ~{args.input_len}) plus one prompt chunk of N tokens, one step, "
-                "overlap off; ms per step",
+                f"overlap off{', in piecewise CUDA graphs' if args.piecewise else ', eager'}; ms per step",
         "decode_step": {"wall_ms_median": round(statistics.median(decode), 3), "kernel_busy_ms": round(d_busy, 3),
                         "per_step_ms_by_kind": d_kinds},
         "rows": [], "fits": {},
@@ -296,6 +300,8 @@ def profile_mixed(loaded, args, on_done=None) -> dict:
     engine.drain()
     out["pages_leaked"] = engine.pages_leaked()
     out["eager_steps"] = engine.runner.steps_eager
+    out["piecewise_steps"] = engine.runner.steps_piecewise
+    out["startup_graphs"] = [line for line in engine.parts.startup_lines if line.startswith("CUDA graphs")]
     del engine
     _release(cpu)
     return out
@@ -363,6 +369,8 @@ def main() -> None:
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --mixed-chunks: also run mixed steps of N prompt tokens under cProfile and record the "
                     "host's top functions per step (0: not)")
+    ap.add_argument("--piecewise", action="store_true",
+                    help="with --mixed-chunks: the mixed steps replay piecewise CUDA graphs (--enable-piecewise-cuda-graph)")
     ap.add_argument("--fit-from", type=int, default=256, help="the line wall = a + b * N fits chunks of >= this")
     ap.add_argument("--out", default="benchmarks/results/engine_gpu_profile.json")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script (torch_native, fp32)")

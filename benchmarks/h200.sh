@@ -51,7 +51,8 @@
 #               engine_gpu_profile.py --modes none --mixed-chunks ...: one mixed step of 64 decodes + N prompt
 #               tokens (N = 2 ... 8192), the triton backend's split on and off, wall / kernels by kind / host gap
 #               against the decode step, the line wall = a + b * N, and the host's top functions (cProfile) in a
-#               step of N = 256 -> engine_gpu_profile_mixed.json (~2 minutes)
+#               step of N = 256 -> engine_gpu_profile_mixed.json; then the same steps (N <= 2048, split on) in
+#               piecewise CUDA graphs -> engine_gpu_profile_mixed_piecewise.json (~5 minutes)
 #   budget-served
 #               serve_h200_budget.py served: the server (--api-workers 2) at the default budget and with it off, c=64,
 #               200 requests each, beside serve-budget/offline.json when OUT has it (OFFLINE_JSON= names an earlier
@@ -459,7 +460,15 @@ step_budget_profile() {
     --mixed-chunks 2,256,512,1024,2048,4096,8192 --split-mixed on,off --host-profile 256 ${PROFILE_ARGS:-} \
     --out "$OUT/engine_gpu_profile_mixed.json" > "$LOGS/profile-mixed.log" 2>&1
   local rc=$?
-  echo "profile rc=$rc"; grep -v -E '^(\{|USDT)' "$LOGS/profile-mixed.log" | tail -25
+  echo "profile rc=$rc"; grep -v -E '^(\{|USDT)' "$LOGS/profile-mixed.log" | tail -60
+  echo "== the same mixed steps in piecewise CUDA graphs ($(left) s left)"
+  # shellcheck disable=SC2086
+  timeout "$(cap 170)" python3 benchmarks/engine_gpu_profile.py --modes none --steps 5 --piecewise \
+    --mixed-chunks 2,256,512,1024,2048 --split-mixed on --host-profile 256 ${PROFILE_ARGS:-} \
+    --out "$OUT/engine_gpu_profile_mixed_piecewise.json" > "$LOGS/profile-mixed-piecewise.log" 2>&1
+  local rc2=$?
+  echo "profile piecewise rc=$rc2"; grep -v -E '^(\{|USDT)' "$LOGS/profile-mixed-piecewise.log" | tail -60
+  [ $rc -eq 0 ] && return $rc2
   return $rc
 }
 
