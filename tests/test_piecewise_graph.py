@@ -160,3 +160,23 @@ def test_gpu_piece_replays_match_the_eager_forward():
             with attention_step(e.runner.backend, e.runner.backend.plan(fb)):
                 ref = model.module(ids, fb.positions, fb)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_largest_piece_size_follows_the_flag_then_a_fixed_step_budget():
+    from types import SimpleNamespace
+
+    from attnserve.engine.schedule_policy import StepBudget
+    from attnserve.engine.startup import piecewise_max_tokens
+
+    fixed, auto = StepBudget("fixed", 1024), StepBudget("auto")
+    assert piecewise_max_tokens(SimpleNamespace(piecewise_cuda_graph_max_tokens=512), fixed) == 512
+    assert piecewise_max_tokens(SimpleNamespace(piecewise_cuda_graph_max_tokens=None), fixed) == 1024
+    assert piecewise_max_tokens(SimpleNamespace(piecewise_cuda_graph_max_tokens=None), auto) == 2048
+
+
+def test_the_flags_reach_the_config():
+    from attnserve.engine.config import EngineConfig
+
+    c = EngineConfig(enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=1024)
+    assert c.enable_piecewise_cuda_graph and c.piecewise_cuda_graph_max_tokens == 1024
+    assert not EngineConfig().enable_piecewise_cuda_graph
