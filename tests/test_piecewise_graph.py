@@ -97,6 +97,30 @@ def test_padded_piece_replays_give_the_eager_tokens(chunk):
     assert e.pages_leaked() == 0
 
 
+def test_triton_mixed_steps_in_pieces_keep_greedy():
+    """The triton backend (interpreted) runs each piece's attention: mixed steps split into the decode kernel's
+    rows and the extend path's, read from the crossing buffers."""
+    from attnserve.choice.registry import backend_for_pool
+
+    ps = prompts(3, seed=7, lo=5, hi=14)
+    params = [SamplingParams(max_new_tokens=4, ignore_eos=True) for _ in ps]
+    ref = make_engine(disable_radix_cache=True, page_size=4)
+    want = [ref.add_request(p, sp) for p, sp in zip(ps, params)]
+    ref.run_until_done()
+
+    e = make_engine(disable_radix_cache=True, page_size=4, max_running_requests=8, chunked_prefill_size=16,
+                    max_num_batched_tokens=12)
+    e.runner.backend = backend_for_pool("triton", e.parts.kv.pool)
+    runner = _with_pieces(e, [8, 16])
+    got = []
+    for p, sp in zip(ps, params):
+        got.append(e.add_request(p, sp))
+        e.step()
+    e.run_until_done()
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert e.stats()["mixed_steps"] > 0 and e.runner.steps_piecewise == len(runner.replays) > 0
+
+
 def test_steps_past_the_largest_bucket_run_eagerly():
     e = make_engine(disable_radix_cache=True, chunked_prefill_size=None)
     runner = _with_pieces(e, [8])
