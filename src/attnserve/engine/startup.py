@@ -330,6 +330,8 @@ def piecewise_max_tokens(config: EngineConfig, step_budget: StepBudget | None) -
 def _piecewise_graphs(config: EngineConfig, model: ModelSetup, backend, kv: KVCacheSetup,
                       step_budget: StepBudget | None) -> tuple[object | None, str]:
     """(the captured piecewise runner or None, what the start-up log says of it)."""
+    if config.enable_deterministic_inference:  # a bucket's padded row count would depend on the step's company
+        return None, "off (--enable-deterministic-inference: the padded size depends on the other requests)"
     why = model_can_be_cut(model.module)
     if why is not None:
         return None, f"off ({why})"
