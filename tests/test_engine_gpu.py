@@ -48,6 +48,17 @@ def _run(backend: str, graphs: bool, page_size: int = 1, **kw) -> tuple[list[lis
 
 
 @needs_cuda
+def test_piecewise_graphs_keep_the_eager_tokens():
+    """Prompt-carrying steps (staggered arrivals: mixed steps, chunks of 32) replayed in pieces give the eager
+    engine's greedy tokens, the triton backend attending between the pieces."""
+    eager, _ = _run("triton", graphs=False)
+    pieces, e = _run("triton", graphs=True, enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=64)
+    assert e.runner.steps_piecewise > 0 and e.runner.piecewise.token_sizes == [64]
+    assert any("piecewise token sizes" in line for line in e.parts.startup_lines)
+    assert pieces == eager
+
+
+@needs_cuda
 def test_cuda_graphs_on_off_and_backends_agree():
     eager_native, _ = _run("torch_native", graphs=False)
     eager_triton, _ = _run("triton", graphs=False)

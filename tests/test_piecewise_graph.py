@@ -7,6 +7,7 @@ the RoPE tables cut to the real tokens and the runner's use of the pieces are th
 gpu) real pieces are captured and replayed against the eager forward.
 """
 
+import numpy as np
 import pytest
 import torch
 from engine_helpers import TINY_DEEPSEEK, make_engine, prompts, tiny_llama, tiny_model
@@ -164,25 +165,28 @@ def test_replay_cuts_rope_and_buffers_to_the_real_tokens():
 @needs_cuda
 def test_gpu_piece_replays_match_the_eager_forward():
     """Real pieces captured on the GPU: replays of several sizes (padded and exact) give the eager logits."""
-    e = make_engine(device="cuda", disable_radix_cache=True, disable_cuda_graph=True)
-    kv, model = e.parts.kv, e.parts.model
-    runner = PiecewiseGraphRunner(model.module, e.runner.backend, kv.pool, kv.req_pool, kv.padding_row, [16, 64],
-                                  model.device, model.dtype)
+    from attnserve.choice.registry import backend_for_pool
+    from attnserve.kvcache.pool import ReqToTokenPool, make_pool
+
+    model = tiny_llama(hidden=128, heads=4, kv_heads=2).model.to("cuda")  # head_dim 32: triton's smallest
+    pool = make_pool(model.kv_cache_spec(), 16, 16, dtype=torch.float32, device="cuda")
+    req_pool = ReqToTokenPool(4, 256, device="cuda")
+    padding_row, row = req_pool.alloc(), req_pool.alloc()
+    backend = backend_for_pool("triton", pool)
+    runner = PiecewiseGraphRunner(model, backend, pool, req_pool, padding_row, [16, 64], torch.device("cuda"),
+                                  torch.float32)
     runner.capture()
-    assert len(runner.buckets[64].pieces) == len(runner.buckets[64].cuts) + 1 > 1
-    row = kv.req_pool.alloc()
-    pages = e.scheduler.allocator.alloc(64 // kv.pool.page_size + 1)
-    slots = torch.tensor([p * kv.pool.page_size + i for p in pages for i in range(kv.pool.page_size)])[:64]
-    kv.req_pool.write_at([row], [0], [slots.to(kv.pool.device)])
+    assert len(runner.buckets[64].pieces) == len(runner.buckets[64].cuts) + 1 == 3  # two layers: three pieces
+    req_pool.write_at([row], [0], [np.arange(16, 16 + 64)])  # pages 1..4
     g = torch.Generator().manual_seed(0)
     for n in (5, 16, 40, 64):
-        fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, [row], [0], [n], kv.req_pool.req_to_token, kv.pool)
-        ids = torch.randint(0, 500, (n,), generator=g).to(model.device)
+        fb = ForwardBatch.from_lengths(ForwardMode.EXTEND, [row], [0], [n], req_pool.req_to_token, pool)
+        ids = torch.randint(0, 500, (n,), generator=g).to("cuda")
         with torch.inference_mode():
-            hidden, residual = runner.replay(ids, fb.positions, fb, e.runner.backend.plan(fb))
-            got = model.module.compute_logits(hidden, None, residual)
-            with attention_step(e.runner.backend, e.runner.backend.plan(fb)):
-                ref = model.module(ids, fb.positions, fb)
+            hidden, residual = runner.replay(ids, fb.positions, fb, backend.plan(fb))
+            got = model.compute_logits(hidden, None, residual)
+            with attention_step(backend, backend.plan(fb)):
+                ref = model(ids, fb.positions, fb)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
