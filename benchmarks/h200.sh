@@ -19,9 +19,10 @@
 #   mla         `attnserve bench kernels --workloads mla` -> kernels-mla-h200.json + .png (MLA_BACKENDS,
 #               default triton flashinfer-mla-fa3; add flashinfer-mla-fa2 to race FlashInfer's fa2 too);
 #               BENCH_ARGS adds flags to both races (--tiny for a smoke run on a CPU)
-#   race        issue 36's race against the newest peers: the peer wheels in .whl/peers/ (FlashInfer 0.7.x,
-#               flash-attn-4, nvidia-cutlass-dsl + its libs, quack-kernels, torch-c-dlpack-ext; see
-#               benchmarks/README.md) go to /tmp/site2; fa4's GPU tests against the oracle; then
+#   race        issue 36's race against the newest peers: the peer wheels (FlashInfer 0.7.x, flash-attn-4,
+#               nvidia-cutlass-dsl + its libs, quack-kernels, torch-c-dlpack-ext) in the /tmp/site2 that
+#               benchmarks/peer_wheels.sh stage installed over the calls just before, or from .whl/peers/ (see
+#               benchmarks/README.md); fa4's GPU tests against the oracle; then
 #               `bench kernels --runs 2` (L2 cold, order reversed on run 2) of MHA with triton, FlashInfer 0.6
 #               here, FA4, cuDNN and flash SDPA, and FlashInfer 0.7 from /tmp/site2 in a child process, twice
 #               -> kernels-race-h200-{1,2}.json + .png; RACE_WORKLOADS narrows it, RACE_MLA=1 adds the MLA race
@@ -223,12 +224,22 @@ step_mla() {
 # go to /tmp/site2, which only the fa4 tests and the race's child process (--peer-site) put first on PYTHONPATH.
 # FA4 itself is raced from /tmp/site2 too: flash-attn-4 and the CuTe DSL import nothing of FlashInfer's, so the
 # main process gets /tmp/site2 after /tmp/site (its FlashInfer 0.6 stays the one imported there).
+# The CuTe DSL's wheel puts its packages on sys.path through a .pth file, which Python reads in site-packages but
+# not in a PYTHONPATH folder such as /tmp/site2: SITE2_PATH names that folder too.
 SITE2=/tmp/site2
+SITE2_PATH=$SITE2:$SITE2/nvidia_cutlass_dsl/dsl_packages
 install_peers() {
-  ls .whl/peers/*.whl > /dev/null 2>&1 || { echo "no .whl/peers/ carried: FA4 and FlashInfer 0.7 are not raced"; return 1; }
-  [ -d "$SITE2" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE2" .whl/peers/*.whl \
-    > "$LOGS/pip-peers.log" 2>&1 || { echo "peer wheels failed to install:"; tail -5 "$LOGS/pip-peers.log"; return 1; }
-  PYTHONPATH=$SITE2:$PYTHONPATH python3 -c "import flashinfer, flash_attn.cute.interface as f; print('site2: flashinfer', flashinfer.__version__, 'fa4 ok')" \
+  if [ -f "$SITE2/.peer-set" ]; then
+    echo "peers: the $SITE2 that benchmarks/peer_wheels.sh stage installed (set $(cat "$SITE2/.peer-set"))"
+  elif ls .whl/peers/*.whl > /dev/null 2>&1; then
+    echo "peers: .whl/peers/*.whl -> $SITE2"
+    [ -d "$SITE2" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE2" .whl/peers/*.whl \
+      > "$LOGS/pip-peers.log" 2>&1 || { echo "peer wheels failed to install:"; tail -5 "$LOGS/pip-peers.log"; return 1; }
+  else
+    echo "no $SITE2 from benchmarks/peer_wheels.sh stage (a cold machine starts bare) and no .whl/peers/ carried:" \
+      "FA4 and FlashInfer 0.7 are not raced"; return 1
+  fi
+  PYTHONPATH=$SITE2_PATH:$PYTHONPATH python3 -c "import flashinfer, flash_attn.cute.interface as f; print('site2: flashinfer', flashinfer.__version__, 'fa4 ok')" \
     2>&1 | tee "$LOGS/versions-site2.txt"
 }
 
@@ -237,18 +248,18 @@ step_race() {
   wait_warm
   install_peers || return 1
   # FlashInfer 0.7's JIT kernels build in the background while FA4's tests run (its own cache per version)
-  PYTHONPATH=$SITE2:$PYTHONPATH timeout "$(cap 300)" nice -n 19 python3 benchmarks/warm_flashinfer.py \
+  PYTHONPATH=$SITE2_PATH:$PYTHONPATH timeout "$(cap 300)" nice -n 19 python3 benchmarks/warm_flashinfer.py \
     "decode tensor" "prefill fa3" "extend fa3" > "$LOGS/warm-flashinfer-site2.log" 2>&1 &
   local warm2=$!
   echo "== fa4 against the oracle ($(left) s left)"
-  PYTHONPATH=$PYTHONPATH:$SITE2 timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fa4_backend.py \
+  PYTHONPATH=$PYTHONPATH:$SITE2_PATH timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fa4_backend.py \
     > "$LOGS/pytest-fa4.log" 2>&1
   echo "fa4 tests rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest-fa4.log" | cut -c1-300 | head -20; tail -1 "$LOGS/pytest-fa4.log"
   wait "$warm2" 2> /dev/null; echo "FlashInfer 0.7 builds:"; cat "$LOGS/warm-flashinfer-site2.log"
   for i in 1 2; do
     echo "== race $i of 2 against the newest peers ($(left) s left)"
     # shellcheck disable=SC2086
-    PYTHONPATH=$PYTHONPATH:$SITE2 timeout "$(cap 200)" python3 -m attnserve bench kernels --runs 2 \
+    PYTHONPATH=$PYTHONPATH:$SITE2_PATH timeout "$(cap 200)" python3 -m attnserve bench kernels --runs 2 \
       ${RACE_WORKLOADS:+--workloads $RACE_WORKLOADS} \
       --backends triton flashinfer flashinfer-fa3 fa4 sdpa-cudnn sdpa-flash \
       --peer-site "$SITE2" --peer-backends flashinfer flashinfer-fa3 ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} \
@@ -261,7 +272,7 @@ step_race() {
     for i in 1 2; do
       echo "== MLA race $i of 2 ($(left) s left)"
       # shellcheck disable=SC2086
-      PYTHONPATH=$PYTHONPATH:$SITE2 timeout "$(cap 150)" python3 -m attnserve bench kernels --runs 2 --workloads mla \
+      PYTHONPATH=$PYTHONPATH:$SITE2_PATH timeout "$(cap 150)" python3 -m attnserve bench kernels --runs 2 --workloads mla \
         --backends triton flashinfer-mla-fa3 --peer-site "$SITE2" --peer-backends flashinfer-mla-fa3 \
         ${BENCH_ARGS:-} --json "$OUT/kernels-race-mla-h200-$i.json" --png "$OUT/kernels-race-mla-h200-$i.png" \
         > "$LOGS/bench-race-mla-$i.log" 2>&1
