@@ -212,9 +212,9 @@ def profile_mixed(loaded, args, on_done=None) -> dict:
     splits = [s == "on" for s in args.split_mixed.split(",")]
     # enough tokens for every step below: prefill, decode steps, then per size and split setting warm + timed + profiled
     new_tokens = 3 * reps + 16 + len(args.mixed) * len(splits) * (2 + 2 * reps)
-    pieces = {}
+    pieces = dict(disable_piecewise_cuda_graph=True)  # the mixed steps eager, unless --piecewise
     if args.piecewise:  # every mixed step below in piecewise graphs (the decode step replays its own graph)
-        pieces = dict(enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=max(args.mixed) + args.requests)
+        pieces = dict(piecewise_cuda_graph_max_tokens=max(args.mixed) + args.requests)
     engine = _engine(loaded, args, new_tokens, joining_prompt=max(args.mixed), disable_overlap_schedule=True,
                      **pieces)
     if not _split_backends(engine):
@@ -370,7 +370,7 @@ def main() -> None:
                     help="with --mixed-chunks: also run mixed steps of N prompt tokens under cProfile and record the "
                     "host's top functions per step (0: not)")
     ap.add_argument("--piecewise", action="store_true",
-                    help="with --mixed-chunks: the mixed steps replay piecewise CUDA graphs (--enable-piecewise-cuda-graph)")
+                    help="with --mixed-chunks: the mixed steps replay piecewise CUDA graphs (the engine's GPU default; without it --disable-piecewise-cuda-graph)")
     ap.add_argument("--fit-from", type=int, default=256, help="the line wall = a + b * N fits chunks of >= this")
     ap.add_argument("--out", default="benchmarks/results/engine_gpu_profile.json")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script (torch_native, fp32)")

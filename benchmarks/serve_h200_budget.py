@@ -294,7 +294,10 @@ def offline_engine(p: dict):
                        cuda_graph_max_bs=c,
                        max_total_tokens=p.get("pool_tokens") or c * (n_in + n_out) + 2 * p["chunk"] + 1024,
                        chunked_prefill_size=p["chunk"], disable_radix_cache=True,
-                       enable_piecewise_cuda_graph=bool(p.get("piecewise")))
+                       disable_piecewise_cuda_graph=bool(p.get("eager_mixed")),
+                       # every fixed budget of the sweep fits the pieces (the engine is built once for all)
+                       piecewise_cuda_graph_max_tokens=max(
+                           [int(b) for b in p["offline_budgets"].split(",") if b.strip().isdigit()] or [2048]))
     return Engine(cfg, loaded=loaded), loaded.config.vocab_size
 
 
@@ -702,8 +705,9 @@ def main() -> int:
     ap.add_argument("--waves", type=int, help="offline: closed waves per budget")
     ap.add_argument("--rates", help="poisson: request rates of the default configuration")
     ap.add_argument("--server-flags", help="flags of every launched server besides model, chunk and budget")
-    ap.add_argument("--piecewise", action="store_true",
-                    help="the offline engine and every server with --enable-piecewise-cuda-graph")
+    ap.add_argument("--eager-mixed", action="store_true",
+                    help="the offline engine and every server with --disable-piecewise-cuda-graph (prompt-carrying "
+                    "steps eager)")
     ap.add_argument("--pool-tokens", type=int, help="offline and c1: the KV pool's tokens (default: what the waves need)")
     ap.add_argument("--deadline-s", type=float, help="seconds for the step (the whole of it, all for `all`)")
     ap.add_argument("--offline-json", type=Path,
@@ -718,10 +722,10 @@ def main() -> int:
     out = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     clock, notes = Clock(p["deadline_s"]), []
-    if args.piecewise:
-        p["piecewise"] = True
-        p["server"] += " --enable-piecewise-cuda-graph"
-        notes.append("piecewise CUDA graphs on (--enable-piecewise-cuda-graph) in the offline engine and every server")
+    if args.eager_mixed:
+        p["eager_mixed"] = True
+        p["server"] += " --disable-piecewise-cuda-graph"
+        notes.append("piecewise CUDA graphs off (--disable-piecewise-cuda-graph) in the offline engine and every server")
     steps = ("offline", "served", "poisson", "c1") if args.step == "all" else (args.step,)
     ok = True
     for step in steps:

@@ -42,7 +42,7 @@ OLD_ENGINE_FLAGS = [
     (("--disable-overlap-schedule",), "disable_overlap_schedule", False, None, True),
     (("--enable-deterministic-inference",), "enable_deterministic_inference", False, None, True),
     (("--cuda-graph-max-bs",), "cuda_graph_max_bs", None, "32", 32),
-    (("--enable-piecewise-cuda-graph",), "enable_piecewise_cuda_graph", False, None, True),
+    (("--disable-piecewise-cuda-graph",), "disable_piecewise_cuda_graph", False, None, True),
     (("--piecewise-cuda-graph-max-tokens",), "piecewise_cuda_graph_max_tokens", None, "1024", 1024),
     (("--disable-fused-ops",), "disable_fused_ops", False, None, True),
     (("--speculative-algorithm",), "speculative_algorithm", None, "NGRAM", "ngram"),

@@ -52,7 +52,7 @@ def test_piecewise_graphs_keep_the_eager_tokens():
     """Prompt-carrying steps (staggered arrivals: mixed steps, chunks of 32) replayed in pieces give the eager
     engine's greedy tokens, the triton backend attending between the pieces."""
     eager, _ = _run("triton", graphs=False)
-    pieces, e = _run("triton", graphs=True, enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=64)
+    pieces, e = _run("triton", graphs=True, piecewise_cuda_graph_max_tokens=64)  # pieces are the GPU default
     assert e.runner.steps_piecewise > 0 and e.runner.piecewise.token_sizes == [64]
     assert any("piecewise token sizes" in line for line in e.parts.startup_lines)
     assert pieces == eager

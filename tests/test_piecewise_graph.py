@@ -7,6 +7,8 @@ the RoPE tables cut to the real tokens and the runner's use of the pieces are th
 gpu) real pieces are captured and replayed against the eager forward.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -98,6 +100,8 @@ def test_padded_piece_replays_give_the_eager_tokens(chunk):
     assert e.pages_leaked() == 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in (interpreted triton) of "
+                    "test_engine_gpu.py::test_piecewise_graphs_keep_the_eager_tokens, which runs on a GPU instead")
 def test_triton_mixed_steps_in_pieces_keep_greedy():
     """The triton backend (interpreted) runs each piece's attention: mixed steps split into the decode kernel's
     rows and the extend path's, read from the crossing buffers."""
@@ -191,7 +195,6 @@ def test_gpu_piece_replays_match_the_eager_forward():
 
 
 def test_largest_piece_size_follows_the_flag_then_a_fixed_step_budget():
-    from types import SimpleNamespace
 
     from attnserve.engine.schedule_policy import StepBudget
     from attnserve.engine.startup import piecewise_max_tokens
@@ -205,6 +208,30 @@ def test_largest_piece_size_follows_the_flag_then_a_fixed_step_budget():
 def test_the_flags_reach_the_config():
     from attnserve.engine.config import EngineConfig
 
-    c = EngineConfig(enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=1024)
-    assert c.enable_piecewise_cuda_graph and c.piecewise_cuda_graph_max_tokens == 1024
-    assert not EngineConfig().enable_piecewise_cuda_graph
+    c = EngineConfig(disable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=1024)
+    assert c.disable_piecewise_cuda_graph and c.piecewise_cuda_graph_max_tokens == 1024
+    assert not EngineConfig().disable_piecewise_cuda_graph  # on by default where it can run
+
+
+def test_where_the_pieces_run_and_the_budget_that_follows():
+    """Pieces run by default on CUDA with graphs on, for models that can be cut; each other case says why
+    not, and the GPU's default step budget follows (1024 with pieces, 2048 eager)."""
+    from attnserve.engine.config import EngineConfig
+    from attnserve.engine.schedule_policy import resolve_step_budget
+    from attnserve.engine.startup import piecewise_off_reason
+
+    def model(m, device="cuda"):
+        return SimpleNamespace(device=torch.device(device), module=m)
+
+    llama = tiny_llama().model
+    assert piecewise_off_reason(EngineConfig(), model(llama)) is None
+    assert piecewise_off_reason(EngineConfig(), model(llama, "cpu")) == "CPU"
+    assert piecewise_off_reason(EngineConfig(disable_cuda_graph=True), model(llama)) == "--disable-cuda-graph"
+    assert piecewise_off_reason(EngineConfig(disable_piecewise_cuda_graph=True), model(llama)) == \
+        "--disable-piecewise-cuda-graph"
+    assert "deterministic" in piecewise_off_reason(EngineConfig(enable_deterministic_inference=True), model(llama))
+    assert "MLA" in piecewise_off_reason(EngineConfig(), model(tiny_model(TINY_DEEPSEEK).model))
+    pieces, eager = resolve_step_budget(None, 64, "cuda", piecewise=True), resolve_step_budget(None, 64, "cuda")
+    assert (pieces.tokens, eager.tokens) == (1024, 2048)
+    assert "serve-budget-h100-piecewise.json" in pieces.reason
+    assert resolve_step_budget(None, 64, "cpu", piecewise=True).tokens == 512

@@ -240,7 +240,8 @@ class Engine:
         if self.has_work():
             raise RuntimeError("the step budget changes only while the engine is idle")
         value = checked_step_budget(value, self.config.max_running_requests)
-        budget = resolve_step_budget(value, self.config.max_running_requests, self.device.type)
+        budget = resolve_step_budget(value, self.config.max_running_requests, self.device.type,
+                                     piecewise=self.runner.piecewise is not None)
         self.scheduler.config.step_budget = budget
         return budget
 

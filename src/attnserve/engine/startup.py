@@ -305,16 +305,31 @@ def size_kv_cache(config: EngineConfig, model: ModelSetup, attention: AttentionC
 def build_graphs(config: EngineConfig, model: ModelSetup, attention: AttentionChoice, backend,
                  kv: KVCacheSetup, step_budget: StepBudget | None = None) -> GraphSetup:
     """Capture decode CUDA graphs when on CUDA, allowed, and the decode backend can be captured; then the
-    piecewise graphs of prompt-carrying steps when asked for."""
+    piecewise graphs of prompt-carrying steps unless `piecewise_off_reason` says why not."""
     if model.device.type != "cuda":
         return GraphSetup(None, [], "off (CPU)")
     if config.disable_cuda_graph:
         return GraphSetup(None, [], "off (--disable-cuda-graph)")
     decode = _decode_graphs(config, model, attention, backend, kv)
-    if not config.enable_piecewise_cuda_graph:
-        return decode
+    why = piecewise_off_reason(config, model)
+    if why is not None:
+        return dataclasses.replace(decode, note=f"{decode.note}; piecewise off ({why})")
     piecewise, note = _piecewise_graphs(config, model, backend, kv, step_budget)
     return dataclasses.replace(decode, note=f"{decode.note}; piecewise {note}", piecewise=piecewise)
+
+
+def piecewise_off_reason(config: EngineConfig, model: ModelSetup) -> str | None:
+    """Why prompt-carrying steps run eagerly here (None: they replay piecewise graphs). Known before the
+    capture, since the GPU's default step budget depends on it."""
+    if model.device.type != "cuda":
+        return "CPU"
+    if config.disable_cuda_graph:
+        return "--disable-cuda-graph"
+    if config.disable_piecewise_cuda_graph:
+        return "--disable-piecewise-cuda-graph"
+    if config.enable_deterministic_inference:  # a bucket's padded row count would depend on the step's company
+        return "--enable-deterministic-inference: the padded size depends on the other requests"
+    return model_can_be_cut(model.module)
 
 
 def piecewise_max_tokens(config: EngineConfig, step_budget: StepBudget | None) -> int:
@@ -329,12 +344,7 @@ def piecewise_max_tokens(config: EngineConfig, step_budget: StepBudget | None) -
 
 def _piecewise_graphs(config: EngineConfig, model: ModelSetup, backend, kv: KVCacheSetup,
                       step_budget: StepBudget | None) -> tuple[object | None, str]:
-    """(the captured piecewise runner or None, what the start-up log says of it)."""
-    if config.enable_deterministic_inference:  # a bucket's padded row count would depend on the step's company
-        return None, "off (--enable-deterministic-inference: the padded size depends on the other requests)"
-    why = model_can_be_cut(model.module)
-    if why is not None:
-        return None, f"off ({why})"
+    """(the captured piecewise runner, what the start-up log says of it)."""
     sizes = default_token_sizes(piecewise_max_tokens(config, step_budget))
     runner = PiecewiseGraphRunner(model.module, backend, kv.pool, kv.req_pool, kv.padding_row, sizes, model.device,
                                   model.dtype)
@@ -446,7 +456,8 @@ def build_parts(config: EngineConfig, loaded=None) -> EngineParts:
             if hasattr(side, "split_mixed"):
                 side.split_mixed = False
     # the one place the step budget's device default is resolved
-    budget = resolve_step_budget(config.max_num_batched_tokens, config.max_running_requests, model.device.type)
+    budget = resolve_step_budget(config.max_num_batched_tokens, config.max_running_requests, model.device.type,
+                                 piecewise=piecewise_off_reason(config, model) is None)
     graphs = build_graphs(config, model, attention, backend, kv, budget)
     lines = startup_lines(config, model, attention, kv, graphs, budget)
     for line in lines:
