@@ -97,6 +97,17 @@ def budget_flag(label: str) -> str:
     return f"--max-num-batched-tokens {0 if label == 'off' else label}"
 
 
+def pieces_max_tokens(budgets: str, max_running: int, device: str) -> int:
+    """The largest step the offline engine captures in pieces: the sweep's largest fixed budget, "default"
+    counted as what it resolves to with pieces on (a sweep of "512,default" once captured pieces only up to 512,
+    so the default's larger mixed steps ran eagerly); 2048 where the sweep has no fixed budget."""
+    from attnserve.engine.schedule_policy import resolve_step_budget
+
+    fixed = [resolve_step_budget(engine_value(budget_label(b)), max_running, device, piecewise=True)
+             for b in budgets.split(",") if b.strip()]
+    return max([b.tokens for b in fixed if b.kind == "fixed"] or [2048])
+
+
 def engine_value(label: str):
     """A budget label as Engine.set_step_budget takes it."""
     return None if label == "default" else 0 if label == "off" else label
@@ -296,8 +307,7 @@ def offline_engine(p: dict):
                        chunked_prefill_size=p["chunk"], disable_radix_cache=True,
                        disable_piecewise_cuda_graph=bool(p.get("eager_mixed")),
                        # every fixed budget of the sweep fits the pieces (the engine is built once for all)
-                       piecewise_cuda_graph_max_tokens=max(
-                           [int(b) for b in p["offline_budgets"].split(",") if b.strip().isdigit()] or [2048]))
+                       piecewise_cuda_graph_max_tokens=pieces_max_tokens(p["offline_budgets"], c, p["device"]))
     return Engine(cfg, loaded=loaded), loaded.config.vocab_size
 
 

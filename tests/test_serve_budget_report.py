@@ -50,3 +50,11 @@ def test_served_rows_carry_the_engines_own_account_beside_the_offline_engine(rep
     (row,) = report.budget_rows(offline, served, 64)
     assert row["budget"].startswith("2048") and row["out_vs_offline"] == 0.95
     assert (row["served_engine_busy"], row["served_mixed_steps"], row["served_mixed_step_ms"]) == (0.99, 104, 50.0)
+
+
+def test_the_offline_engines_pieces_cover_every_fixed_budget_of_the_sweep_the_default_included(report):
+    # "512,default" once sized the pieces to 512: the default's 1024-token mixed steps then ran eagerly
+    assert report.pieces_max_tokens("512,default", 64, "cuda") == 1024
+    assert report.pieces_max_tokens("default,2048,512", 64, "cuda") == 2048
+    assert report.pieces_max_tokens("default", 1024, "cuda") == 2048  # max(1024, 2 x --max-running-requests)
+    assert report.pieces_max_tokens("auto,off", 64, "cuda") == 2048  # nothing fixed: the engine's own 2048
