@@ -22,6 +22,11 @@
 #      carry [".whl"]:           OUT=$OUT bash benchmarks/h200.sh race
 # .peers/ lies outside .whl/ on purpose: calls carry .whl whole, and the peers would push it past 64 MiB.
 # PYTHON (default python3) runs pip; stage needs the machine's Python 3.12 (the wheels are cp312).
+# What the GPU machine already has (pip list there, 2026-12-05; Python 3.12.3, torch 2.11.0+cu130): click, cuda-bindings
+# 13.3.1, einops 0.8.2, ninja, numpy, nvidia-ml-py, packaging, protobuf, requests, tabulate, typing_extensions; of the
+# peers' Requires-Dist it lacks cuda-python, cuda-tile, nccl4py, nccl-extensions and nvidia-cudnn-frontend, which
+# FlashInfer 0.7.4 imports only lazily, behind availability checks (cuTile, cuDNN, NCCL EP paths the race never takes).
+# FlashInfer 0.7.4's wheel is 96.6 MiB and the CuTe DSL's cu13 libs 87.7 MiB: 191 MiB in all, four carry batches.
 set -u
 
 FLASHINFER_VERSION=0.7.4      # the newest 0.7.x; needs neither flashinfer-cubin nor flashinfer-jit-cache to load
