@@ -35,6 +35,11 @@
 #               engine_gpu_profile.json
 #   engine-mla  engine_gpu_decode.py, DeepSeek-V2-Lite shape on triton and FlashInfer MLA ->
 #               engine_gpu_deepseek_v2_lite.json
+#   engine-profiles
+#               engine_gpu_profile.py, triton, graphs and fused ops, at batch 1 and 64 for Llama-3-8B and DeepSeek-V2-Lite
+#               shapes (PROFILE_PRESETS, PROFILE_BATCHES): each decode step split into gemm / attention / elementwise /
+#               other kernels and the host gap, the top kernels by name -> engine_gpu_profile_{preset}_b{N}.json
+#               (the profile issue 49 starts from; PROFILE_ARGS adds flags, e.g. --device cpu --preset smollm2-135m)
 #   moe         moe_gpu_paths.py: routed experts, dense against grouped GEMM -> moe_gpu_paths.json
 #   serve       `attnserve bench serve` against transformers serve and the offline engine -> serve-h200.{json,md}
 #               (knobs: MODEL_DIR, IN_LEN, OUT_LEN; PEER_DEVICE=cpu MODEL_ARGS=--tiny for a CPU smoke run)
@@ -91,7 +96,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
-    tests|mha|mla|race|engine|engine-mla|moe|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
+    tests|mha|mla|race|engine|engine-mla|engine-profiles|moe|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
     serve-waves|serve-profile|budget-offline|budget-profile|budget-served|budget-poisson|budget-c1) STEPS+=("$1"); shift ;;
     serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
     -h|--help) sed -n '2,70p' "$0"; exit 0 ;;
@@ -324,6 +329,22 @@ step_engine_mla() {
     --workloads 64x1024x128,1x1024x128 --configs triton-graphs,flashinfer-decode,flashinfer \
     --out "$OUT/engine_gpu_deepseek_v2_lite.json" > "$LOGS/decode-deepseek.log" 2>&1
   echo "decode rc=$?"; tail -12 "$LOGS/decode-deepseek.log"
+}
+
+step_engine_profiles() {
+  local preset n rc=0
+  wait_warm
+  for preset in ${PROFILE_PRESETS:-llama-3-8b deepseek-v2-lite}; do
+    for n in ${PROFILE_BATCHES:-1 64}; do
+      echo "== decode step profile: $preset, batch $n ($(left) s left)"
+      # shellcheck disable=SC2086
+      timeout "$(cap 120)" python3 benchmarks/engine_gpu_profile.py --preset "$preset" --requests "$n" --steps 8 --attention-backend triton \
+        --modes graphs --fused on ${PROFILE_ARGS:-} --out "$OUT/engine_gpu_profile_${preset}_b$n.json" \
+        > "$LOGS/profile-$preset-b$n.log" 2>&1 || rc=$?
+      grep -v -E '^(\{|USDT)' "$LOGS/profile-$preset-b$n.log" | tail -4
+    done
+  done
+  return $rc
 }
 
 step_moe() {
