@@ -41,6 +41,9 @@
 #               other kernels and the host gap, the top kernels by name -> engine_gpu_profile_{preset}_b{N}.json
 #               (the profile issue 49 starts from; PROFILE_ARGS adds flags, e.g. --device cpu --preset smollm2-135m)
 #   moe         moe_gpu_paths.py: routed experts, dense against grouped GEMM -> moe_gpu_paths.json
+#   training    training_h200.py: the differentiable FlashAttention's forward and backward against SDPA's flash and
+#               cuDNN, and FA4 where benchmarks/peer_wheels.sh stage left it in /tmp/site2 (about 1 minute)
+#               -> training-h200.json; TRAINING_ARGS adds flags (e.g. --no-ncu)
 #   serve       `attnserve bench serve` against transformers serve and the offline engine -> serve-h200.{json,md}
 #               (knobs: MODEL_DIR, IN_LEN, OUT_LEN; PEER_DEVICE=cpu MODEL_ARGS=--tiny for a CPU smoke run)
 #   serve-waves serve_h200_waves.sh: three waves of 64 streams (after 64 warm-up) on the one-process server and
@@ -96,7 +99,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
-    tests|mha|mla|race|engine|engine-mla|engine-profiles|moe|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
+    tests|mha|mla|race|engine|engine-mla|engine-profiles|moe|training|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
     serve-waves|serve-profile|budget-offline|budget-profile|budget-served|budget-poisson|budget-c1) STEPS+=("$1"); shift ;;
     serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
     -h|--help) sed -n '2,70p' "$0"; exit 0 ;;
@@ -344,6 +347,22 @@ step_engine_profiles() {
       grep -v -E '^(\{|USDT)' "$LOGS/profile-$preset-b$n.log" | tail -4
     done
   done
+  return $rc
+}
+
+step_training() {
+  local path=$PYTHONPATH
+  if [ -f "$SITE2/.peer-set" ]; then
+    path=$PYTHONPATH:$SITE2_PATH; echo "FA4 from $SITE2 races too"
+  else
+    echo "no $SITE2 (benchmarks/peer_wheels.sh stage): FA4 is not raced"
+  fi
+  echo "== training attention ($(left) s left)"
+  # shellcheck disable=SC2086
+  PYTHONPATH=$path timeout "$(cap 240)" python3 benchmarks/training_h200.py --out "$OUT/training-h200.json" \
+    ${TRAINING_ARGS:-} > "$LOGS/training.log" 2>&1
+  local rc=$?
+  echo "training rc=$rc"; grep -v '^sweep' "$LOGS/training.log" | cut -c1-300 | tail -20
   return $rc
 }
 

@@ -5,6 +5,9 @@ sweep of the kernels' tiles at one T picks each kernel's tile (the chosen ones a
 backend's forward and backward are timed (CUDA-event medians, triton.testing.do_bench) and checked against
 each other. FLOPs: forward 4 * B * H * T^2 * D / 2 (causal), backward 2.5x that (five matmuls against two).
 
+FA4 (`flash_attn.cute.interface.flash_attn_func`, forward and backward) races too where it imports, in its own
+[B, T, H, D] layout (inputs and dO made in that layout before timing, outputs turned back only for the check).
+
 Then the traffic model against the DRAM bytes the kernels move: Nsight Compute's dram__bytes counters when
 `ncu` runs here, else the time x peak bandwidth upper bound, for several T.
 
@@ -91,23 +94,50 @@ def _sdpa(backend):
     return fn
 
 
+def _fa4():
+    """FA4's differentiable attention in its [B, T, H, D] layout, or None where flash_attn.cute does not import."""
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except ImportError:
+        return None
+
+    def fn(q, k, v):
+        out = flash_attn_func(q, k, v, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+    return fn
+
+
+def to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """A [B, H, T, D] tensor in a contestant's layout: "bhtd" as is, "bthd" transposed and made contiguous."""
+    return x if layout == "bhtd" else x.transpose(1, 2).contiguous()
+
+
+def from_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """A contestant's output or gradient back in [B, H, T, D] (a view), for the cross-check."""
+    return x if layout == "bhtd" else x.transpose(1, 2)
+
+
 def race(seqlens, tokens, h, d):
-    backends = {"attnserve": lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True)[0],
-                "sdpa-flash": _sdpa("flash"), "sdpa-cudnn": _sdpa("cudnn")}
+    backends = {"attnserve": (lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True)[0], "bhtd"),
+                "sdpa-flash": (_sdpa("flash"), "bhtd"), "sdpa-cudnn": (_sdpa("cudnn"), "bhtd")}
+    fa4 = _fa4()
+    if fa4 is not None:
+        backends["fa4"] = (fa4, "bthd")
     records = []
     for t in seqlens:
         b = max(1, tokens // t)
         q, k, v, do = _inputs(b, h, t, d, seed=t)
         fwd_flops = 4 * b * h * t * t * d / 2
         results, outs = {}, {}
-        for name, fn in backends.items():
-            x = [z.detach().clone().requires_grad_() for z in (q, k, v)]
+        for name, (fn, layout) in backends.items():
+            x = [to_layout(z.detach(), layout).clone().requires_grad_() for z in (q, k, v)]
+            dout = to_layout(do, layout)
             try:
                 o = fn(*x)
-                grads = torch.autograd.grad(o, x, do, retain_graph=True)
-                outs[name] = (o.detach(), [g.detach() for g in grads])
+                grads = torch.autograd.grad(o, x, dout, retain_graph=True)
+                outs[name] = (from_layout(o.detach(), layout), [from_layout(g.detach(), layout) for g in grads])
                 fwd = _ms(lambda: fn(*x))
-                bwd = _ms(lambda: torch.autograd.grad(o, x, do, retain_graph=True))
+                bwd = _ms(lambda: torch.autograd.grad(o, x, dout, retain_graph=True))
                 results[name] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": fwd_flops / fwd / 1e9,
                                  "bwd_tflops": 2.5 * fwd_flops / bwd / 1e9,
                                  "fwd_bwd_tflops": 3.5 * fwd_flops / (fwd + bwd) / 1e9}
@@ -116,7 +146,7 @@ def race(seqlens, tokens, h, d):
             del x
         check = {}
         if "attnserve" in outs:
-            for peer in ("sdpa-flash", "sdpa-cudnn"):
+            for peer in ("sdpa-flash", "sdpa-cudnn", "fa4"):
                 if peer in outs:
                     o1, g1 = outs["attnserve"]
                     o2, g2 = outs[peer]
@@ -232,9 +262,12 @@ def main():
                            "head_dim": args.head_dim},
               "flops": "fwd 4*B*H*T^2*D/2 (causal); bwd 2.5x fwd; fwd_bwd 3.5x fwd"}
     try:
+        from importlib.metadata import version
+
         import flash_attn.cute  # noqa: F401
 
-        result["fa4"] = "installed, not raced by this script"
+        result["fa4"] = "raced"
+        result["versions"]["flash-attn-4"] = version("flash-attn-4")
     except ImportError:
         result["fa4"] = "not installed"
     d = args.head_dim
