@@ -93,6 +93,7 @@
 #      OUT=$OUT bash benchmarks/h200.sh budget-offline budget-profile   (about 5 minutes; then budget-served, then
 #      budget-poisson, one call each; `python3 benchmarks/serve_h200_budget.py report DIR` merges them anywhere)
 set -u
+usage() { awk 'NR > 1 { if (!/^#/) exit; print }' "$0"; }  # the comment block above
 STEPS=()
 COMPARE=()
 while [ $# -gt 0 ]; do
@@ -102,11 +103,11 @@ while [ $# -gt 0 ]; do
     tests|mha|mla|race|engine|engine-mla|engine-profiles|moe|training|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
     serve-waves|serve-profile|budget-offline|budget-profile|budget-served|budget-poisson|budget-c1) STEPS+=("$1"); shift ;;
     serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
-    -h|--help) sed -n '2,70p' "$0"; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
     *) echo "unknown step: $1 (see: bash benchmarks/h200.sh --help)" >&2; exit 2 ;;
   esac
 done
-[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,70p' "$0"; exit 2; }
+[ ${#STEPS[@]} -gt 0 ] || { usage; exit 2; }
 has() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-out}
@@ -263,8 +264,8 @@ step_race() {
   install_peers || return 1
   [ "$mha" = 1 ] && site2_warm+=("decode tensor" "prefill fa3" "extend fa3")
   [ "$mla" = 1 ] && site2_warm+=("mla fa3")
-  # FlashInfer 0.7's JIT kernels build in the background while FA4's tests run (its own cache per version)
   [ ${#site2_warm[@]} -gt 0 ] || { echo "RACE_MHA=0 without RACE_MLA=1: nothing to race"; return 1; }
+  # FlashInfer 0.7's JIT kernels build in the background while FA4's tests run (its own cache per version)
   PYTHONPATH=$SITE2_PATH:$PYTHONPATH timeout "$(cap 300)" nice -n 19 python3 benchmarks/warm_flashinfer.py \
     "${site2_warm[@]}" > "$LOGS/warm-flashinfer-site2.log" 2>&1 &
   local warm2=$!

@@ -107,6 +107,15 @@ def _fa4():
     return fn
 
 
+def _version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     """A [B, H, T, D] tensor in a contestant's layout: "bhtd" as is, "bthd" transposed and made contiguous."""
     return x if layout == "bhtd" else x.transpose(1, 2).contiguous()
@@ -262,12 +271,10 @@ def main():
                            "head_dim": args.head_dim},
               "flops": "fwd 4*B*H*T^2*D/2 (causal); bwd 2.5x fwd; fwd_bwd 3.5x fwd"}
     try:
-        from importlib.metadata import version
-
         import flash_attn.cute  # noqa: F401
 
         result["fa4"] = "raced"
-        result["versions"]["flash-attn-4"] = version("flash-attn-4")
+        result["versions"]["flash-attn-4"] = _version("flash-attn-4")
     except ImportError:
         result["fa4"] = "not installed"
     d = args.head_dim
