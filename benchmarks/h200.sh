@@ -40,6 +40,9 @@
 #               shapes (PROFILE_PRESETS, PROFILE_BATCHES): each decode step split into gemm / attention / elementwise /
 #               other kernels and the host gap, the top kernels by name -> engine_gpu_profile_{preset}_b{N}.json
 #               (the profile issue 49 starts from; PROFILE_ARGS adds flags, e.g. --device cpu --preset smollm2-135m)
+#   gemm        gemm_skinny_gpu.py: the skinny GEMM candidate (ops/kernels/skinny_gemm.py) against cuBLAS at the
+#               Llama-3-8B decode projections, M = 1 and 64, a sweep of its configs, and a decode step's projections
+#               summed both ways -> gemm-skinny-h200.json (GEMM_ARGS adds flags; --quick: defaults only)
 #   moe         moe_gpu_paths.py: routed experts, dense against grouped GEMM -> moe_gpu_paths.json
 #   training    training_h200.py: the differentiable FlashAttention's forward and backward against SDPA's flash and
 #               cuDNN, and FA4 where benchmarks/peer_wheels.sh stage left it in /tmp/site2 (about 1 minute)
@@ -100,7 +103,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
-    tests|mha|mla|race|engine|engine-mla|engine-profiles|moe|training|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
+    tests|mha|mla|race|engine|engine-mla|engine-profiles|gemm|moe|training|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
     serve-waves|serve-profile|budget-offline|budget-profile|budget-served|budget-poisson|budget-c1) STEPS+=("$1"); shift ;;
     serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
     -h|--help) usage; exit 0 ;;
@@ -348,6 +351,16 @@ step_engine_profiles() {
       grep -v -E '^(\{|USDT)' "$LOGS/profile-$preset-b$n.log" | tail -4
     done
   done
+  return $rc
+}
+
+step_gemm() {
+  echo "== skinny GEMM against cuBLAS ($(left) s left)"
+  # shellcheck disable=SC2086
+  timeout "$(cap 360)" python3 benchmarks/gemm_skinny_gpu.py --out "$OUT/gemm-skinny-h200.json" ${GEMM_ARGS:-} \
+    > "$LOGS/gemm.log" 2>&1
+  local rc=$?
+  echo "gemm rc=$rc"; cut -c1-260 "$LOGS/gemm.log" | tail -24
   return $rc
 }
 
