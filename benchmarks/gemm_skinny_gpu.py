@@ -1,12 +1,12 @@
 """The skinny GEMM candidate (attnserve.ops.kernels.skinny_gemm) against torch's F.linear (cuBLAS) at the
 Llama-3-8B decode projections, M = 1 and 64 rows (--rows).
 
-Per shape: cuBLAS, the candidate's default config, and a sweep of configs (columns per program, K step, K
-split, warps, stages), each timed with triton.testing.do_bench (median; L2 flushed before every call) and
-checked against cuBLAS. Reported beside each time: the weights' bytes over the time, as a fraction of the
-copy bandwidth measured in the same run. Last, a decode step's projections (32 layers of qkv, o, gate|up and
-down, plus the LM head) summed for cuBLAS and for the best config per shape: what issue 49's batch-1 and
-batch-64 rows would gain from wiring it in.
+Per shape: cuBLAS, the candidate's default config, and a sweep of configs (columns per program, K step,
+K split, warps, stages), each timed by attnserve.bench.timing (do_bench's median, L2 flushed before every
+call) and checked against cuBLAS. Reported beside each time: the weights' bytes over the time, as a
+fraction of the copy bandwidth measured in the same run. Last, a decode step's projections (32 layers of
+qkv, o, gate|up and down, plus the LM head) summed for cuBLAS and for the best config per shape: what
+issue 49's batch-1 and batch-64 rows would gain from wiring it in.
 
     python benchmarks/gemm_skinny_gpu.py --out gemm-skinny-h200.json           # on the GPU (a few minutes)
     python benchmarks/gemm_skinny_gpu.py --quick --out r.json                  # defaults only
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from attnserve.bench.timing import copy_bandwidth_tbps, time_call
 from attnserve.ops.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear
 
 # (name, N, K, times per decode step) for Llama-3-8B: 32 layers, hidden 4096, 32/8 heads of 128, MLP 14336
@@ -35,24 +36,9 @@ LLAMA3_8B = [("qkv", 6144, 4096, 32), ("o", 4096, 4096, 32), ("gate_up", 28672, 
 TINY = [("qkv", 96, 64, 2), ("down", 64, 224, 2)]
 
 
-def _time_ms(fn, device: str, rep: int) -> float:
-    if device == "cpu":  # the interpreter: one call, only to show the script runs
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
-
-
-def _copy_tb_s(device: str) -> float | None:
-    if device == "cpu":
-        return None
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    ms = _time_ms(lambda: y.copy_(x), device, 40)
-    del x, y
-    return 2 * 2 * 1024**3 / (ms * 1e-3) / 1e12
+def _time_ms(fn, device: str) -> float:
+    """Median milliseconds a call (on the CPU the interpreter's: only to show the script runs)."""
+    return time_call(fn, use_graph=False, device=device)[0] / 1000.0
 
 
 def sweep_configs(m: int, n: int, k: int, programs_wanted: int, tiny: bool) -> list[SkinnyConfig]:
@@ -77,7 +63,6 @@ def main() -> int:
     ap.add_argument("--rows", default="1,64", help="M values: issue 49's batch 1 and 64")
     ap.add_argument("--quick", action="store_true", help="the default config only, no sweep")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
-    ap.add_argument("--rep", type=int, default=25, help="do_bench's milliseconds of repetitions")
     args = ap.parse_args()
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -92,7 +77,7 @@ def main() -> int:
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
                            "cuda": torch.version.cuda, "python": platform.python_version()},
               "command": "python benchmarks/gemm_skinny_gpu.py " + " ".join(sys.argv[1:]),
-              "copy_tb_s": _copy_tb_s(device), "records": []}
+              "copy_tb_s": copy_bandwidth_tbps() if device == "cuda" else None, "records": []}
     g = torch.Generator().manual_seed(0)
     for name, n, k, per_step in shapes:
         w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)  # [N, K]
@@ -101,7 +86,7 @@ def main() -> int:
             want = F.linear(x, w)
             rec = {"shape": name, "M": m, "N": n, "K": k, "per_step": per_step,
                    "weight_bytes": n * k * w.element_size(),
-                   "cublas_ms": _time_ms(lambda x=x, w=w: F.linear(x, w), device, args.rep), "configs": []}
+                   "cublas_ms": _time_ms(lambda x=x, w=w: F.linear(x, w), device), "configs": []}
             configs = [default_config(m, n, k, 2 * sms)]
             if not args.quick:
                 configs = sweep_configs(m, n, k, 2 * sms, args.tiny)
@@ -109,7 +94,7 @@ def main() -> int:
                 entry = {"config": c.__dict__}
                 try:
                     err = (skinny_linear(x, w, c).float() - want.float()).abs().max().item()
-                    ms = _time_ms(lambda x=x, w=w, c=c: skinny_linear(x, w, c), device, args.rep)
+                    ms = _time_ms(lambda x=x, w=w, c=c: skinny_linear(x, w, c), device)
                     entry.update(max_abs_err=err, ms=ms)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is recorded
                     entry["error"] = repr(exc)[:200]

@@ -118,11 +118,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y  # [S, M, N]
     if interpreting():
         let_interpreter_index_with_loaded_scalars()  # the K loop's bounds are computed scalars
-    launch = {} if interpreting() else {"num_warps": config.num_warps, "num_stages": config.num_stages}
     _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split)](
         x, weight, y, partial, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split,
-        DOT_F32=dot_dtype_is_f32(x, weight), **launch)
+        DOT_F32=dot_dtype_is_f32(x, weight), num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
         block = 1024
         _split_sum[(triton.cdiv(m * n, block),)](partial, y, m, n, y.stride(0), SPLIT=split, BLOCK=block)
