@@ -25,10 +25,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from attnserve.bench.timing import copy_bandwidth_tbps, time_call
 from attnserve.ops.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear
+from attnserve.versions import package_versions
 
 # (name, N, K, times per decode step) for Llama-3-8B: 32 layers, hidden 4096, 32/8 heads of 128, MLP 14336
 LLAMA3_8B = [("qkv", 6144, 4096, 32), ("o", 4096, 4096, 32), ("gate_up", 28672, 4096, 32),
@@ -74,8 +74,7 @@ def main() -> int:
     result = {"what": what,
               "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                           "cuda": torch.version.cuda, "python": platform.python_version()},
+              "versions": {**package_versions(), "python": platform.python_version()},
               "command": "python benchmarks/gemm_skinny_gpu.py " + " ".join(sys.argv[1:]),
               "copy_tb_s": copy_bandwidth_tbps() if device == "cuda" else None, "records": []}
     g = torch.Generator().manual_seed(0)

@@ -30,12 +30,12 @@ import time
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels: the variable must go before triton is imported
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from attnserve.analysis import traffic  # noqa: E402
 from attnserve.analysis.training import flash_attention_with_lse, kernels  # noqa: E402
 from attnserve.analysis.training.kernels import Tiles  # noqa: E402
+from attnserve.versions import package_versions  # noqa: E402
 
 FWD_CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3)]
 DKDV_CANDIDATES = [(32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 8, 3)]
@@ -95,7 +95,7 @@ def _sdpa(backend):
 
 
 def _fa4():
-    """FA4's differentiable attention in its [B, T, H, D] layout, or None where flash_attn.cute does not import."""
+    """FA4's differentiable attention in its [B, T, H, D] layout; None where flash_attn.cute does not import."""
     try:
         from flash_attn.cute.interface import flash_attn_func
     except ImportError:
@@ -105,15 +105,6 @@ def _fa4():
         out = flash_attn_func(q, k, v, causal=True)
         return out[0] if isinstance(out, tuple) else out
     return fn
-
-
-def _version(distribution: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
 
 
 def to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -144,7 +135,8 @@ def race(seqlens, tokens, h, d):
             try:
                 o = fn(*x)
                 grads = torch.autograd.grad(o, x, dout, retain_graph=True)
-                outs[name] = (from_layout(o.detach(), layout), [from_layout(g.detach(), layout) for g in grads])
+                outs[name] = (from_layout(o.detach(), layout),
+                              [from_layout(g.detach(), layout) for g in grads])
                 fwd = _ms(lambda: fn(*x))
                 bwd = _ms(lambda: torch.autograd.grad(o, x, dout, retain_graph=True))
                 results[name] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": fwd_flops / fwd / 1e9,
@@ -264,8 +256,9 @@ def main():
     props = torch.cuda.get_device_properties(0)
     result = {"gpu": props.name, "sms": props.multi_processor_count,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                           "cudnn": torch.backends.cudnn.version(), "python": platform.python_version()},
+              # torch, triton, CUDA and flash-attn-4 where installed (FA4 races then)
+              "versions": {**package_versions(), "cudnn": torch.backends.cudnn.version(),
+                           "python": platform.python_version()},
               "command": "python benchmarks/training_h200.py " + " ".join(sys.argv[1:]),
               "workload": {"causal": True, "dtype": "bf16", "tokens": args.tokens, "heads": args.heads,
                            "head_dim": args.head_dim},
@@ -274,7 +267,6 @@ def main():
         import flash_attn.cute  # noqa: F401
 
         result["fa4"] = "raced"
-        result["versions"]["flash-attn-4"] = _version("flash-attn-4")
     except ImportError:
         result["fa4"] = "not installed"
     d = args.head_dim
