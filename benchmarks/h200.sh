@@ -27,9 +27,13 @@
 #               here, FA4, cuDNN and flash SDPA, and FlashInfer 0.7 from /tmp/site2 in a child process, twice
 #               -> kernels-race-h200-{1,2}.json + .png; RACE_WORKLOADS narrows it, RACE_MLA=1 adds the MLA race
 #               (triton, FlashInfer MLA 0.6 and 0.7) -> kernels-race-mla-h200-{1,2}.json + .png; RACE_MHA=0 leaves
-#               out fa4's tests and the MHA races (with RACE_MLA=1: the MLA race alone, its kernels warmed instead).
+#               out fa4's tests and the MHA races (with RACE_MLA=1: the MLA race alone, its kernels warmed instead);
+#               RACES (default 2) races of each kind.
 #               On an H100 (2026-12-05) the JIT builds took ~150 s, fa4's tests 50 s, one MHA race ~100 s: the MHA
 #               races fill one call (BUDGET=590) and the MLA race wants a call of its own
+#   prefill-ncu Nsight Compute on one launch of triton's, FA4's and FlashInfer fa3's prefill at 1x16384 and
+#               8x2048 (benchmarks/prefill_ncu.py: pipes busy, stall reasons) -> prefill-ncu-h200-*.json; FA4 from
+#               /tmp/site2 where benchmarks/peer_wheels.sh stage put it; NCU_WORKLOADS picks the workloads
 #   engine      engine_gpu_decode.py, Llama-3-8B shape, 64 x 1024/256 and 1 x 1024/256: overlap on/off, fused
 #               ops off, FlashInfer decode -> engine_gpu_decode.json; then the step profile ->
 #               engine_gpu_profile.json
@@ -103,7 +107,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
-    tests|mha|mla|race|engine|engine-mla|engine-profiles|gemm|moe|training|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
+    tests|mha|mla|race|prefill-ncu|engine|engine-mla|engine-profiles|gemm|moe|training|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
     serve-waves|serve-profile|budget-offline|budget-profile|budget-served|budget-poisson|budget-c1) STEPS+=("$1"); shift ;;
     serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
     -h|--help) usage; exit 0 ;;
@@ -175,6 +179,7 @@ MLA_BACKENDS=${MLA_BACKENDS:-triton flashinfer-mla-fa3}
 WARM=()
 has tests && WARM+=("mla fa3" "decode tensor" "prefill fa3" "extend fa3" "extend fa2")  # fa2: the verify graphs
 has mha && WARM+=("decode tensor" "prefill fa3" "extend fa3")
+has prefill-ncu && WARM+=("prefill fa3")
 if has race; then
   [ "${RACE_MHA:-1}" = 1 ] && WARM+=("decode tensor" "prefill fa3" "extend fa3")
   [ "${RACE_MLA:-0}" = 1 ] && WARM+=("mla fa3")
@@ -280,9 +285,9 @@ step_race() {
   fi
   wait "$warm2" 2> /dev/null; echo "FlashInfer 0.7 builds:"; cat "$LOGS/warm-flashinfer-site2.log"
   if [ "$mha" = 1 ]; then
-    want=$((want + 2))
-    for i in 1 2; do
-      echo "== race $i of 2 against the newest peers ($(left) s left)"
+    want=$((want + ${RACES:-2}))
+    for i in $(seq 1 "${RACES:-2}"); do
+      echo "== race $i of ${RACES:-2} against the newest peers ($(left) s left)"
       # shellcheck disable=SC2086
       PYTHONPATH=$PYTHONPATH:$SITE2_PATH timeout "$(cap 200)" python3 -m attnserve bench kernels --runs 2 \
         ${RACE_WORKLOADS:+--workloads $RACE_WORKLOADS} \
@@ -295,9 +300,9 @@ step_race() {
     done
   fi
   if [ "$mla" = 1 ]; then
-    want=$((want + 2))
-    for i in 1 2; do
-      echo "== MLA race $i of 2 ($(left) s left)"
+    want=$((want + ${RACES:-2}))
+    for i in $(seq 1 "${RACES:-2}"); do
+      echo "== MLA race $i of ${RACES:-2} ($(left) s left)"
       # shellcheck disable=SC2086
       PYTHONPATH=$PYTHONPATH:$SITE2_PATH timeout "$(cap 150)" python3 -m attnserve bench kernels --runs 2 --workloads mla \
         --backends triton flashinfer-mla-fa3 --peer-site "$SITE2" --peer-backends flashinfer-mla-fa3 \
@@ -308,6 +313,19 @@ step_race() {
     done
   fi
   [ "$runs_ok" = "$want" ]
+}
+
+step_prefill_ncu() {
+  local w path=$PYTHONPATH rc=0
+  wait_warm
+  [ -f "$SITE2/.peer-set" ] && path=$PYTHONPATH:$SITE2_PATH
+  for w in ${NCU_WORKLOADS:-"1x16384" "8x2048"}; do
+    echo "== ncu, prefill $w ($(left) s left)"
+    PYTHONPATH=$path timeout "$(cap 240)" python3 benchmarks/prefill_ncu.py --workload "prefill $w" \
+      --timeout-s 100 --out "$OUT/prefill-ncu-h200-$w.json" > "$LOGS/prefill-ncu-$w.log" 2>&1 || rc=$?
+    cut -c1-900 "$LOGS/prefill-ncu-$w.log" | tail -8
+  done
+  return $rc
 }
 
 step_engine() {

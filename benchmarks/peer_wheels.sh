@@ -55,7 +55,7 @@ PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --platfo
 PEER_DIR=.peers
 WHEELS=$PEER_DIR/wheels
 CARRY_MIB=${CARRY_MIB:-60}
-SPLIT_MIB=50
+SPLIT_MIB=${SPLIT_MIB:-50}  # wheels over it are split into parts of this size
 CALL_MIB=64
 PYTHON=${PYTHON:-python3}
 MIB=1048576

@@ -1,0 +1,143 @@
+"""What bounds a prefill kernel: Nsight Compute on one launch of each contestant at one race workload.
+
+For every contestant (default: triton, fa4, flashinfer-fa3) a child process builds the race's batch, calls the
+racer once to compile and warm it, then once more; ncu profiles that second launch of the kernel whose name
+matches the contestant's pattern, with clocks left alone (`--clock-control none`) and caches flushed between
+replays. Kept per contestant: duration, the tensor (wgmma), MUFU (exp2), FMA and ALU pipes' share of their peak,
+issue slots busy, and the warp stall reasons that take the most cycles per issued instruction, so
+"the softmax is not hidden under the MMAs" (MUFU and ALU busy, tensor pipe idle) reads as numbers.
+
+    python benchmarks/prefill_ncu.py --workload "prefill 1x16384" --out prefill-ncu.json [--contestants triton fa4]
+
+Without ncu on PATH it writes the record with `ncu_error` and exits 1; `--child` is the profiled process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+# the kernel name each contestant's attention launch matches (ncu -k regex:...)
+KERNEL_PATTERNS = {
+    "triton": "_prefill_tma_kernel|_extend_kernel",
+    "fa4": "[Ff]lash|[Aa]ttention|fmha",
+    "flashinfer-fa3": "[Pp]refill|[Aa]ttention",
+    "sdpa-cudnn": "cudnn|fmha|sdpa|[Aa]ttention",
+}
+# pipes' cycles active as % of peak (tensor = wgmma on sm90; xu = MUFU: exp2, rcp), issue slots, stall reasons
+METRICS = [
+    "gpu__time_duration.sum",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__inst_issued.avg.pct_of_peak_sustained_active",
+    "regex:sm__pipe_(tensor_op_gmma|tensor_op_hmma|xu|fma|alu|fmaheavy|shared)_cycles_active.avg.pct_of_peak_sustained_active",
+    "regex:sm__inst_executed_pipe_(xu|fma|alu|tensor_op_gmma).sum",
+    "regex:smsp__average_warp_latency_issue_stalled_.*.ratio",
+    "dram__bytes_read.sum",
+    "launch__registers_per_thread",
+    "launch__grid_size",
+]
+
+
+def child(workload: str, contestant: str) -> None:
+    import torch
+
+    from attnserve.bench.racers import build_race_batch, racers_for
+    from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
+
+    w = next(x for x in WORKLOADS + TINY_WORKLOADS if x.name == workload)
+    rb = build_race_batch(w, device="cuda" if torch.cuda.is_available() else "cpu")  # the CPU: a smoke run
+    fn = racers_for(rb, [contestant])[contestant]()
+    for _ in range(2):  # the first call compiles and warms; ncu skips its launch
+        out = fn()
+        if rb.q.is_cuda:
+            torch.cuda.synchronize()
+    print(f"{contestant}: {tuple(out.shape)}")
+
+
+def parse_raw_csv(text: str) -> dict:
+    """ncu --csv --page raw: a header row, a units row, one row per profiled kernel -> the last kernel's metrics."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if len(lines) < 3:
+        return {}
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    header, values = rows[0], rows[-1]
+    out: dict = {}
+    for name, value in zip(header, values):
+        try:
+            out[name] = float(value.replace(",", ""))
+        except ValueError:
+            out[name] = value
+    return out
+
+
+def summarise(raw: dict) -> dict:
+    pipes = {k.split("__pipe_")[1].split("_cycles")[0]: v for k, v in raw.items()
+             if "__pipe_" in k and k.endswith("pct_of_peak_sustained_active") and isinstance(v, float)}
+    stalls = {k.split("issue_stalled_")[1].removesuffix(".ratio"): v for k, v in raw.items()
+              if "issue_stalled_" in k and isinstance(v, float)}
+    top = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:6])
+    return {"kernel": raw.get("Kernel Name"), "us": round(raw.get("gpu__time_duration.sum", 0) / 1e3, 1),
+            "pipes_pct_of_peak": {k: round(v, 1) for k, v in sorted(pipes.items())},
+            "issue_slots_busy_pct": raw.get("sm__inst_issued.avg.pct_of_peak_sustained_active"),
+            "sm_throughput_pct": raw.get("sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+            "top_stalls_cycles_per_issue": {k: round(v, 2) for k, v in top.items()},
+            "registers": raw.get("launch__registers_per_thread"), "grid": raw.get("launch__grid_size"),
+            "dram_read_mb": round(raw.get("dram__bytes_read.sum", 0) / 1e6, 1),
+            "inst_executed": {k.split("pipe_")[1].removesuffix(".sum"): v for k, v in raw.items()
+                              if k.startswith("sm__inst_executed_pipe_")}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="prefill 1x16384")
+    p.add_argument("--contestants", nargs="*", default=["triton", "fa4", "flashinfer-fa3"])
+    p.add_argument("--out", default="prefill-ncu.json")
+    p.add_argument("--timeout-s", type=float, default=240, help="per contestant")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args.workload, args.child)
+        return 0
+    import torch
+
+    from attnserve.versions import package_versions
+
+    ncu = shutil.which("ncu")
+    result = {"workload": args.workload, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "versions": package_versions(), "metrics": METRICS, "profiles": {}}
+
+    def save():  # after every contestant, so a cut run keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if not ncu:
+        result["ncu_error"] = "ncu is not on PATH"
+        save()
+        print(result["ncu_error"])
+        return 1
+    for name in args.contestants:
+        cmd = [ncu, "--clock-control", "none", "--cache-control", "all", "-k", f"regex:{KERNEL_PATTERNS[name]}",
+               "--launch-skip", "1", "--launch-count", "1", "--csv", "--page", "raw",
+               "--metrics", ",".join(METRICS), sys.executable, __file__, "--child", name, "--workload", args.workload]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+            raw = parse_raw_csv(proc.stdout)
+            rec = summarise(raw) if raw else {"error": (proc.stdout[-800:] + proc.stderr[-800:])}
+            rec["raw"] = raw
+        except subprocess.TimeoutExpired:
+            rec = {"error": f"timeout after {args.timeout_s} s"}
+        result["profiles"][name] = rec
+        save()
+        print(name, json.dumps({k: v for k, v in rec.items() if k != "raw"})[:900], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
