@@ -32,8 +32,8 @@
 #               On an H100 (2026-12-05) the JIT builds took ~150 s, fa4's tests 50 s, one MHA race ~100 s: the MHA
 #               races fill one call (BUDGET=590) and the MLA race wants a call of its own
 #   prefill-ncu Nsight Compute on one launch of triton's, FA4's and FlashInfer fa3's prefill at 1x16384 and
-#               8x2048 (benchmarks/prefill_ncu.py: pipes busy, stall reasons) -> prefill-ncu-h200-*.json; FA4 from
-#               /tmp/site2 where benchmarks/peer_wheels.sh stage put it; NCU_WORKLOADS picks the workloads
+#               8x2048 (benchmarks/prefill_ncu.py: pipes busy, stall reasons) -> ncu-h200-<workload>.json; FA4 from
+#               /tmp/site2 where benchmarks/peer_wheels.sh stage put it; NCU_WORKLOADS: workload names, comma-separated
 #   engine      engine_gpu_decode.py, Llama-3-8B shape, 64 x 1024/256 and 1 x 1024/256: overlap on/off, fused
 #               ops off, FlashInfer decode -> engine_gpu_decode.json; then the step profile ->
 #               engine_gpu_profile.json
@@ -319,11 +319,13 @@ step_prefill_ncu() {
   local w path=$PYTHONPATH rc=0
   wait_warm
   [ -f "$SITE2/.peer-set" ] && path=$PYTHONPATH:$SITE2_PATH
-  for w in ${NCU_WORKLOADS:-"1x16384" "8x2048"}; do
-    echo "== ncu, prefill $w ($(left) s left)"
-    PYTHONPATH=$path timeout "$(cap 240)" python3 benchmarks/prefill_ncu.py --workload "prefill $w" \
-      --timeout-s 100 --out "$OUT/prefill-ncu-h200-$w.json" > "$LOGS/prefill-ncu-$w.log" 2>&1 || rc=$?
-    cut -c1-900 "$LOGS/prefill-ncu-$w.log" | tail -8
+  local IFS=,
+  for w in ${NCU_WORKLOADS:-prefill 1x16384,prefill 8x2048}; do
+    local tag=${w// /-}; tag=${tag//[()+]/}
+    echo "== ncu, $w ($(left) s left)"
+    PYTHONPATH=$path timeout "$(cap 240)" python3 benchmarks/prefill_ncu.py --workload "$w" \
+      --timeout-s 100 --out "$OUT/ncu-h200-$tag.json" > "$LOGS/ncu-$tag.log" 2>&1 || rc=$?
+    cut -c1-600 "$LOGS/ncu-$tag.log" | tail -8
   done
   return $rc
 }
