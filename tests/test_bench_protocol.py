@@ -168,3 +168,16 @@ def test_tiny_race_twice_with_a_peer_site_merges_its_rows(tmp_path, capsys):
     assert child_row["peer_site"] == str(site) and "torch_native" not in {r["backend"] for r in result["records"][2:]}
     assert all(r.get("rel_err", 1.0) < 1e-2 for r in result["records"] if "skipped" not in r)
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_chart_takes_a_median_rounded_outside_its_runs(tmp_path):
+    """Rounded times can put the median a hair past its runs (367.35 against runs of 367.3): the error bar is
+    clamped at zero instead of matplotlib refusing a negative one and the race losing its chart."""
+    from attnserve.bench.kernels import write_chart
+
+    rec = {"workload": "prefill 8x2048", "backend": "triton", "us": 367.35, "us_runs": [367.3, 367.3],
+           "tflops": 400.0}
+    dec = {"workload": "decode 8x8192 p1", "backend": "triton", "us": 64.06, "us_runs": [64.0, 64.0], "tbps": 2.0}
+    out = tmp_path / "race.png"
+    write_chart({"gpu": "test", "date": "2026-12-06", "records": [rec, dec], "ceilings": {"copy_tbps": 3.0, "matmul_tflops": 700.0}}, out)
+    assert out.stat().st_size > 1000

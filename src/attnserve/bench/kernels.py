@@ -264,8 +264,9 @@ def write_chart(result: dict, path: Path) -> None:
                     xs.append(j + i * width - 0.4 + width / 2)
                     ys.append(hit[0][key])
                     a, c = _rate_span(hit[0], key)
-                    lo.append(hit[0][key] - a)
-                    hi.append(c - hit[0][key])
+                    # rounded rates and times can put the median a hair outside its runs' span
+                    lo.append(max(hit[0][key] - a, 0.0))
+                    hi.append(max(c - hit[0][key], 0.0))
             ax.bar(xs, ys, width, label=b, yerr=[lo, hi] if any(lo) or any(hi) else None, capsize=2)
         if ceiling:
             ax.axhline(ceiling, ls="--", color="grey", lw=1)
