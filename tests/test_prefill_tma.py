@@ -35,11 +35,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 SMALL = PrefillTmaConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, warp_specialize=False)
 # block_n 32 > block_m: several programs' diagonals inside one key tile. Compiled, the H200's shapes too.
 SHAPES = [SMALL, PrefillTmaConfig(16, 32, 4, 1, False), PrefillTmaConfig(16, 16, 4, 1, False, mask_every_tile=False),
-          PrefillTmaConfig(16, 16, 4, 1, False, persistent=1), PrefillTmaConfig(16, 32, 4, 1, device_descriptors=True)]
+          PrefillTmaConfig(16, 16, 4, 1, False, persistent=1), PrefillTmaConfig(16, 32, 4, 1, device_descriptors=True),
+          PrefillTmaConfig(16, 16, 4, 1, False, persistent=1, kv_head_major=True)]
 if torch.cuda.is_available():  # the H200's tiles: unspecialised, persistent, and the warp-specialised default
     SHAPES += [PrefillTmaConfig(128, 64, 8, 3), PrefillTmaConfig(128, 128, 8, 2, persistent=1),
                PrefillTmaConfig(128, 128, 4, 2, True, device_descriptors=True),
-               PrefillTmaConfig(128, 128, 4, 2, True, persistent=1, device_descriptors=True)]
+               PrefillTmaConfig(128, 128, 4, 2, True, persistent=1, device_descriptors=True),
+               PrefillTmaConfig(128, 128, 4, 2, True, persistent=1, device_descriptors=True, kv_head_major=True)]
 
 
 def _gathered_rows(sb):
@@ -61,7 +63,7 @@ def test_request_slots_follow_each_requests_tokens():
 
 
 @pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: (f"{c.block_m}x{c.block_n}-ws{int(c.warp_specialize)}-every{int(c.mask_every_tile)}"
-                                                 f"-p{c.persistent}-dev{int(c.device_descriptors)}"))
+                                                 f"-p{c.persistent}-dev{int(c.device_descriptors)}-kv{int(c.kv_head_major)}"))
 @pytest.mark.parametrize("prefix", [[0, 0, 0], [29, 0, 6]], ids=["fresh", "prefix"])
 def test_kernel_matches_oracle_on_ragged_lengths(cfg, prefix):
     """Lengths that divide no tile, GQA 4, fresh prompts from the call's own k/v or prefixes gathered from the pool."""

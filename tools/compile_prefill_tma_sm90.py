@@ -40,7 +40,8 @@ def compile_config(cfg: pt.PrefillTmaConfig, head_dim: int = 128, group: int = 4
     constexprs = dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       HEAD_DIM=head_dim, HAS_WINDOW=window, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
                       WARP_SPECIALIZE=cfg.warp_specialize, PERSISTENT=bool(cfg.persistent),
-                      MASK_EVERY_TILE=cfg.mask_every_tile, DEVICE_DESC=cfg.device_descriptors, DOT_F32=False)
+                      MASK_EVERY_TILE=cfg.mask_every_tile, DEVICE_DESC=cfg.device_descriptors,
+                      KV_HEAD_MAJOR=cfg.kv_head_major, DOT_F32=False)
     fn = pt._prefill_tma_kernel
     sig = {n: ("constexpr" if n in constexprs else mangle_type(args[n])) for n in fn.arg_names}
     row = {"config": cfg.__dict__, "head_dim": head_dim, "window": window, "softcap": softcap, "sinks": sinks}

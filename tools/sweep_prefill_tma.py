@@ -33,7 +33,8 @@ CONFIGS = [PrefillTmaConfig(*c) for c in (
 # tile); swept with --warp-specialized. 128 x 64 over 3 stages, persistent or not, is refused
 # (prefill_tma.check_warp_specialized says why).
 WS_CONFIGS = [PrefillTmaConfig(*c, device_descriptors=True) for c in (
-    (128, 128, 4, 2, True), (128, 128, 4, 2, True, True, 1))]
+    (128, 128, 4, 2, True), (128, 128, 4, 2, True, True, 1))] + [
+    PrefillTmaConfig(128, 128, 4, 2, True, True, 1, True, kv_head_major=True)]  # the work list KV head by KV head
 TINY_CONFIGS = [PrefillTmaConfig(16, 16, 4, 1, False), PrefillTmaConfig(16, 32, 4, 1, False)]
 
 

@@ -61,6 +61,9 @@ class PrefillTmaConfig:
     persistent: int = 0
     # descriptors built by the kernel (needed with warp specialisation, see _prefill_tma_kernel) or on the host
     device_descriptors: bool = False
+    # persistent work list order: query heads fastest over the tiles (False), or KV head by KV head, each one's
+    # tiles heaviest first with its query heads fastest (True), so the programs in flight read one KV head's keys
+    kv_head_major: bool = False
 
     def positions_per_tile(self, group: int) -> int:
         """Query positions per tile (one head per program), the ExtendTiles contract."""
@@ -225,7 +228,7 @@ def _prefill_tma_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
-    DEVICE_DESC: tl.constexpr, DOT_F32: tl.constexpr,
+    DEVICE_DESC: tl.constexpr, KV_HEAD_MAJOR: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # Q, K, V: host-built descriptors, or with DEVICE_DESC the tensors themselves, described here. Warp
     # specialisation splits the query tile between two consumer warpgroups and loads each half with its own
@@ -245,8 +248,15 @@ def _prefill_tma_kernel(
     # program per (head, tile) and the key loop is specialised.
     if PERSISTENT:
         for w in tl.range(tl.program_id(0), num_work, tl.num_programs(0), warp_specialize=WARP_SPECIALIZE):
+            if KV_HEAD_MAJOR:  # w = (kv head * tiles + tile) * GROUP + query head within the group
+                per_kv_head = num_work // NUM_KV_HEADS
+                t = w % per_kv_head // GROUP
+                h = w // per_kv_head * GROUP + w % GROUP
+            else:  # w = tile * NUM_HEADS + query head
+                t = w // NUM_HEADS
+                h = w % NUM_HEADS
             _attend_tile(desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
-                         w // NUM_HEADS, w % NUM_HEADS, qk_scale_log2, sm_scale_k, softcap, window,
+                         t, h, qk_scale_log2, sm_scale_k, softcap, window,
                          stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
                          HAS_SINKS, False, MASK_EVERY_TILE, DOT_F32)
     else:
@@ -327,7 +337,8 @@ def prefill_tma_attention(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
         HAS_SINKS=sinks is not None, WARP_SPECIALIZE=config.warp_specialize, PERSISTENT=bool(config.persistent),
-        MASK_EVERY_TILE=config.mask_every_tile, DEVICE_DESC=config.device_descriptors, DOT_F32=dot_dtype_is_f32(q),
+        MASK_EVERY_TILE=config.mask_every_tile, DEVICE_DESC=config.device_descriptors,
+        KV_HEAD_MAJOR=config.kv_head_major, DOT_F32=dot_dtype_is_f32(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
