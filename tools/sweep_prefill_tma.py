@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                 row |= {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1) if us else None,
                         "rel_err_vs_paged": err, "path": path}
                 print(f"{w.name:<22} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-                      f"ws={int(cfg.warp_specialize)} p={cfg.persistent} dev={int(cfg.device_descriptors)} "
+                      f"ws={int(cfg.warp_specialize)} p={cfg.persistent} dev={int(cfg.device_descriptors)} kv={int(cfg.kv_head_major)} "
                       f"{us:9.1f} us {row['tflops'] or 0:6.0f} TFLOP/s", flush=True)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
