@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                "--launch-skip", "1", "--launch-count", "1", "--csv", "--page", "raw",
                "--metrics", ",".join(METRICS), sys.executable, __file__, "--child", name, "--workload", args.workload]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, check=False)
             raw = parse_raw_csv(proc.stdout)
             rec = summarise(raw) if raw else {"error": (proc.stdout[-800:] + proc.stderr[-800:])}
             rec["raw"] = raw
