@@ -7,7 +7,7 @@
 #                                          -> .peers/wheels/, with each wheel's size and Requires-Dist; says which
 #                                          package or version the registry lacks. PEER_EXTRA="name==ver ..." adds more
 #   bash benchmarks/peer_wheels.sh pack    here: .peers/wheels/ -> .peers/carry-1/, -2/, ... of at most CARRY_MIB
-#                                          (default 60) MiB each, wheels over 50 MiB split (`split -b 50M`, NAME.part-aa
+#                                          (default 60) MiB each, wheels over SPLIT_MIB (default 50) MiB split (`split -b`, NAME.part-aa
 #                                          ...), each batch with the same MANIFEST (every wheel's sha256 and parts);
 #                                          prints the device calls in order
 #   bash benchmarks/peer_wheels.sh stage   on the GPU machine, from the repository root, in every call that carries a

@@ -4,7 +4,7 @@ For every contestant (default: triton, fa4, flashinfer-fa3) a child process buil
 racer once to compile and warm it, then once more; ncu profiles that second launch of the kernel whose name
 matches the contestant's pattern, with clocks left alone (`--clock-control none`) and caches flushed between
 replays. Kept per contestant: duration, the tensor (wgmma), MUFU (exp2), FMA and ALU pipes' share of their peak,
-issue slots busy, and the warp stall reasons that take the most cycles per issued instruction, so
+issue slots busy, and the six largest warp stall reasons (ncu's issue_stalled_*.ratio metrics), so
 "the softmax is not hidden under the MMAs" (MUFU and ALU busy, tensor pipe idle) reads as numbers.
 
     python benchmarks/prefill_ncu.py --workload "prefill 1x16384" --out prefill-ncu.json [--contestants triton fa4]
@@ -86,11 +86,11 @@ def summarise(raw: dict) -> dict:
             "pipes_pct_of_peak": {k: round(v, 1) for k, v in sorted(pipes.items())},
             "issue_slots_busy_pct": raw.get("sm__inst_issued.avg.pct_of_peak_sustained_active"),
             "sm_throughput_pct": raw.get("sm__throughput.avg.pct_of_peak_sustained_elapsed"),
-            "top_stalls_cycles_per_issue": {k: round(v, 2) for k, v in top.items()},
+            "top_stalls": {k: round(v, 2) for k, v in top.items()},  # ncu's issue_stalled_*.ratio as it reports them
             "registers": raw.get("launch__registers_per_thread"), "grid": raw.get("launch__grid_size"),
             "dram_read_mb": round(raw.get("dram__bytes_read.sum", 0) / 1e6, 1),
             "inst_executed": {k.split("pipe_")[1].removesuffix(".sum"): v for k, v in raw.items()
-                              if k.startswith("sm__inst_executed_pipe_")}}
+                              if k.startswith("sm__inst_executed_pipe_") and k.endswith(".sum")}}
 
 
 def main(argv=None) -> int:
