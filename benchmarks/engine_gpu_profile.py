@@ -70,9 +70,11 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def kernel_times(prof, device: str) -> dict[str, float]:
-    """Total device microseconds per kernel name over the profiled steps (aten ops' own time on a CPU)."""
+def kernel_times(prof, device: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Total device microseconds, and launches, per kernel name over the profiled steps (aten ops' own time
+    on a CPU)."""
     by_name: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
     for ev in prof.key_averages():  # CUDA activity only: every entry is a kernel, copy or memset
         if device == "cpu":
             t = ev.self_cpu_time_total if ev.key.startswith("aten::") else 0
@@ -80,7 +82,8 @@ def kernel_times(prof, device: str) -> dict[str, float]:
             t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
         if t:
             by_name[ev.key] += t
-    return by_name
+            launches[ev.key] += ev.count
+    return by_name, launches
 
 
 def _engine(loaded, args, new_tokens: int, joining_prompt: int = 0, **overrides):
@@ -122,14 +125,20 @@ def _to_full_decode(engine, args) -> None:
         raise RuntimeError(f"expected {args.requests} requests decoding, {len(sched.running)} are running")
 
 
-def _by_kind(prof, device: str, steps: int) -> tuple[dict, float, list]:
-    by_name = kernel_times(prof, device)
+def _by_kind(prof, device: str, steps: int) -> tuple[dict, float, list, dict]:
+    """(ms per step by kind, busy ms per step, (name, total us, launches) heaviest first, launches per step by
+    kind)."""
+    by_name, launches = kernel_times(prof, device)
     by_kind: dict[str, float] = defaultdict(float)
+    count_by_kind: dict[str, int] = defaultdict(int)
     for name, t in by_name.items():
         by_kind[kind_of(name)] += t
+        count_by_kind[kind_of(name)] += launches[name]
     per_step = {k: round(v / steps / 1e3, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
     busy = sum(by_kind.values()) / steps / 1e3
-    return per_step, busy, sorted(by_name.items(), key=lambda kv: -kv[1])
+    counts = {k: round(v / steps, 1) for k, v in sorted(count_by_kind.items(), key=lambda kv: -kv[1])}
+    heaviest = sorted(((name, t, launches[name]) for name, t in by_name.items()), key=lambda e: -e[1])
+    return per_step, busy, heaviest, counts
 
 
 def _release(cpu: bool) -> None:
@@ -159,7 +168,7 @@ def profile_config(loaded, args, graphs: bool, fused: bool) -> dict:
         for _ in range(args.steps):
             engine.step()
         sync()
-    per_step, busy, by_name = _by_kind(prof, args.device, args.steps)
+    per_step, busy, by_name, counts = _by_kind(prof, args.device, args.steps)
     wall = statistics.median(walls) * 1e3
     top = by_name[: args.top]
     for rid in list(engine.requests):  # stop the rest; every page must come back
@@ -175,7 +184,9 @@ def profile_config(loaded, args, graphs: bool, fused: bool) -> dict:
         "kernels_visible": busy > 0.2 * wall,
         "per_step_ms_by_kind": per_step,
         "host_gap_ms_per_step": round(wall - busy, 3),
-        "top_kernels_ms_per_step": [(n[:120], round(t / args.steps / 1e3, 3)) for n, t in top],
+        "kernel_launches_per_step": counts,
+        "top_kernels_ms_per_step": [(n[:120], round(t / args.steps / 1e3, 3)) for n, t, _ in top],
+        "top_kernels_launches_per_step": [round(c / args.steps, 1) for _, _, c in top],
         "pages_leaked": engine.pages_leaked(),
     }
     del engine
@@ -242,7 +253,7 @@ def profile_mixed(loaded, args, on_done=None) -> dict:
         for _ in range(reps):
             timed(0)
         sync()
-    d_kinds, d_busy, _ = _by_kind(prof, args.device, reps)
+    d_kinds, d_busy, _, _ = _by_kind(prof, args.device, reps)
     out = {
         "what": f"{args.requests} decodes (context ~{args.input_len}) plus one prompt chunk of N tokens, one step, "
                 f"overlap off{', in piecewise CUDA graphs' if args.piecewise else ', eager'}; ms per step",
@@ -260,14 +271,14 @@ def profile_mixed(loaded, args, on_done=None) -> dict:
                 for _ in range(reps):
                     timed(n)
                 sync()
-            kinds, busy, by_name = _by_kind(prof, args.device, reps)
+            kinds, busy, by_name, _ = _by_kind(prof, args.device, reps)
             wall = statistics.median(walls)
             row = {
                 "split_mixed": label, "chunk_tokens": n, "wall_ms_median": round(wall, 3),
                 "wall_ms_min": round(min(walls), 3), "kernel_busy_ms": round(busy, 3),
                 "host_gap_ms": round(wall - busy, 3), "per_step_ms_by_kind": kinds,
                 "over_decode_step_ms": round(wall - out["decode_step"]["wall_ms_median"], 3),
-                "top_kernels_ms_per_step": [(k[:100], round(t / reps / 1e3, 3)) for k, t in by_name[:8]],
+                "top_kernels_ms_per_step": [(k[:100], round(t / reps / 1e3, 3)) for k, t, _ in by_name[:8]],
             }
             out["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "top_kernels_ms_per_step"}), flush=True)

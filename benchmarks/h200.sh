@@ -366,7 +366,7 @@ step_engine_profiles() {
       echo "== decode step profile: $preset, batch $n ($(left) s left)"
       # shellcheck disable=SC2086
       timeout "$(cap 120)" python3 benchmarks/engine_gpu_profile.py --preset "$preset" --requests "$n" --steps 8 --attention-backend triton \
-        --modes graphs --fused on ${PROFILE_ARGS:-} --out "$OUT/engine_gpu_profile_${preset}_b$n.json" \
+        --modes graphs --fused on --top 40 ${PROFILE_ARGS:-} --out "$OUT/engine_gpu_profile_${preset}_b$n.json" \
         > "$LOGS/profile-$preset-b$n.log" 2>&1 || rc=$?
       grep -v -E '^(\{|USDT)' "$LOGS/profile-$preset-b$n.log" | tail -4
     done
