@@ -107,3 +107,22 @@ def test_split_gate_up_computes_the_merged_mlp():
     merged = mlp(x)
     mlp.ops = select_ops("cpu", dtype=torch.float32)
     assert rel_err(mlp(x), merged) < 1e-6
+
+
+def test_mla_layers_run_the_fused_norm_rope_kernel(monkeypatch):
+    """DeepSeek's MLA layers hand their latent norm, RoPE and concatenations to the op set's mla_rope."""
+    import dataclasses
+
+    import test_ops_fused_model as this
+
+    fused = triton_ops()
+    calls = []
+    counting = dataclasses.replace(fused, mla_rope=lambda *a, **k: calls.append(a[0].shape[0]) or fused.mla_rope(*a, **k))
+    monkeypatch.setattr(this, "triton_ops", lambda: counting)
+    bundle = tiny_model(CONFIGS["deepseek-v2-mla-moe"], seed=3)
+    out_off, _ = _run(bundle, fused=False)
+    assert not calls
+    out_on, _ = _run(bundle, fused=True)
+    assert out_on == out_off
+    layers = CONFIGS["deepseek-v2-mla-moe"]["num_hidden_layers"]
+    assert len(calls) >= 3 * layers  # every decode step of every layer at least (4 new tokens: 3 decode steps)

@@ -108,3 +108,43 @@ def test_rope_store_rejects_mismatched_pool():
     cos = sin = torch.ones(2, 4)
     with pytest.raises(ValueError, match="pool buffers"):
         rope_store_kv(q, k, v, cos, sin, torch.zeros(16, 1, 8), torch.zeros(16, 1, 8), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("heads,rank,rope,interleaved", [
+    (3, 24, 8, True),  # DeepSeek's interleaved pairs; a rank that is not a power of two
+    (20, 32, 16, True),  # more heads than one program takes: two head blocks
+    (2, 16, 8, False),  # half-split pairs
+])
+def test_mla_rope_matches_norm_rotate_and_concatenate(device, dtype, tol, heads, rank, rope, interleaved):
+    from attnserve.ops.kernels.mla_rope import mla_rope
+
+    tokens, nope = 5, 12
+    rotary = RotaryEmbedding(rope, RopeConfig(theta=10000.0), 4096, interleaved=interleaved).to(device)
+    positions = torch.tensor([0, 1, 7, 300, 2048], device=device)  # [T]
+    cos, sin = rotary.cos_sin(positions, dtype)  # each [T, rope/2]
+    q = _rand(tokens, heads, nope + rope, dtype=dtype, device=device, scale=2.0)  # [T, H, nope + rope]
+    q_pe = q[..., nope:]  # a strided view, as the model splits its projection
+    q_latent = _rand(tokens, heads, rank, dtype=dtype, device=device).transpose(0, 1).contiguous().transpose(0, 1)
+    kv_a = _rand(tokens, rank + rope, dtype=dtype, device=device, scale=3.0)  # [T, rank + rope]
+    latent, k_pe = kv_a.split([rank, rope], dim=-1)
+    norm_w = _rand(rank, dtype=dtype, device=device) + 1.0  # [rank]
+
+    ref_q_pe, ref_k_pe = rotary(positions, q_pe, k_pe.view(tokens, 1, rope), (cos, sin))
+    ref_q = torch.cat((q_latent, ref_q_pe), dim=-1)  # [T, H, rank + rope]
+    ref_row = torch.cat((reference.rmsnorm(latent, norm_w, 1e-6)[:, None], ref_k_pe), dim=-1)  # [T, 1, rank + rope]
+
+    q_full, kv_row = mla_rope(q_latent, q_pe, latent, k_pe, norm_w, 1e-6, cos, sin, interleaved)
+    assert q_full.shape == ref_q.shape and kv_row.shape == ref_row.shape
+    assert torch.equal(q_full[..., :rank], q_latent)  # copied, not computed
+    assert rel_err(q_full, ref_q) < tol
+    assert rel_err(kv_row, ref_row) < tol
+
+
+def test_mla_rope_rejects_mismatched_shapes():
+    from attnserve.ops.kernels.mla_rope import mla_rope
+
+    cos = sin = torch.ones(2, 4)
+    with pytest.raises(ValueError, match="do not agree"):
+        mla_rope(torch.ones(2, 3, 16), torch.ones(2, 3, 8), torch.ones(2, 12), torch.ones(2, 8), torch.ones(16),
+                 1e-6, cos, sin, True)

@@ -35,6 +35,7 @@ from attnserve.models.layers import GatedMLP, Linear, PreNormDecoderLayer, RMSNo
 from attnserve.models.moe import MoE
 from attnserve.models.rope import RopeStep, yarn_mscale
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
+from attnserve.ops import TORCH_OPS, OpSet
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
@@ -48,6 +49,8 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MLAttention(nn.Module):
+    ops: OpSet = TORCH_OPS  # set for the whole model by use_ops
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.nope_dim = cfg.qk_nope_head_dim
@@ -96,15 +99,21 @@ class MLAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # [T, rank]
-        # the latent row is [latent, k_pe]: RoPE stays unfused here and the layer stores the row
-        q_pe, k_pe = rope.rotate(q_pe, k_pe.view(tokens, 1, self.rope_dim))
         w_uk, w_uv = self._up_projections()
-        if self.attn.expanded_prefill_applies(fb):
-            return self._forward_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, fb)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
-        q_full = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
-        kv_row = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, rank + rope]: what the pool stores
+        expanded = self.attn.expanded_prefill_applies(fb)
+        if self.ops.mla_rope is not None and not expanded:  # norm, RoPE and both concatenations in one launch
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+            q_full, kv_row = self.ops.mla_rope(q_latent, q_pe, latent, k_pe, self.kv_a_layernorm.weight,
+                                               self.kv_a_layernorm.eps, rope.cos, rope.sin, rope.rotary.interleaved)
+        else:
+            latent = self.kv_a_layernorm(latent)  # [T, rank]
+            # the latent row is [latent, k_pe]: the layer stores the row
+            q_pe, k_pe = rope.rotate(q_pe, k_pe.view(tokens, 1, self.rope_dim))
+            if expanded:
+                return self._forward_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, fb)
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+            q_full = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
+            kv_row = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, rank + rope]: what the pool stores
         o = self.attn(q_full, kv_row, kv_row[..., : self.kv_lora_rank], fb)  # [T, H * rank]
         o = o.view(tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1)  # [H, T, rank]
         o = torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
