@@ -40,6 +40,8 @@ kernel, or the whole step through the extend path) on the same engine.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import gc
 import json
 import statistics
@@ -148,12 +150,35 @@ def _release(cpu: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def profile_config(loaded, args, graphs: bool, fused: bool) -> dict:
+@contextlib.contextmanager
+def _fused_ops_without(name: str | None):
+    """While an engine is built: the fused op set with its op `name` left to the unfused path (None: whole), so
+    one fusion's gain is measured against the same engine without it."""
+    from attnserve.ops import select
+
+    if name is None:
+        yield
+        return
+    whole = select.triton_ops
+    if not hasattr(whole(), name):
+        raise SystemExit(f"--fused no-{name}: the op set has no op {name!r}")
+    select.triton_ops = lambda: dataclasses.replace(whole(), **{name: None})
+    try:
+        yield
+    finally:
+        select.triton_ops = whole
+
+
+def profile_config(loaded, args, graphs: bool, fused: str) -> dict:
+    """One engine's decode steps; `fused` is on, off, or no-<op> (fused ops on but that one)."""
     from torch.profiler import ProfilerActivity, profile
 
     cpu = args.device == "cpu"
     sync = (lambda: None) if cpu else torch.cuda.synchronize
-    engine = _engine(loaded, args, 3 * args.steps + 16, disable_cuda_graph=not graphs, disable_fused_ops=not fused)
+    without = fused.removeprefix("no-") if fused.startswith("no-") else None
+    with _fused_ops_without(without):
+        engine = _engine(loaded, args, 3 * args.steps + 16, disable_cuda_graph=not graphs,
+                         disable_fused_ops=fused == "off")
     g = torch.Generator().manual_seed(0)
     _add_batch(engine, loaded, args, g, 3 * args.steps + 16)
     _to_full_decode(engine, args)  # the budget is off, and nothing prefills once the timing starts
@@ -176,7 +201,8 @@ def profile_config(loaded, args, graphs: bool, fused: bool) -> dict:
     engine.drain()
     out = {
         "mode": "graphs" if graphs else "eager",
-        "fused_ops": fused,
+        "fused_ops": fused != "off",
+        **({"unfused_op": without} if without else {}),
         "ops": engine.parts.model.module.ops.name,
         "graphed_steps": engine.runner.steps_graphed,
         "step_wall_ms_median": round(wall, 3),
@@ -357,7 +383,8 @@ def print_table(results: list[dict]) -> None:
     print(f"{'mode':7} {'fused':6} {'wall':>8} {'busy':>8} {'host gap':>9} " + " ".join(f"{k:>11}" for k in kinds))
     for r in results:
         k = r["per_step_ms_by_kind"]
-        print(f"{r['mode']:7} {r['fused_ops']!s:6} {r['step_wall_ms_median']:8.3f} "
+        fused = f"no-{r['unfused_op']}" if "unfused_op" in r else str(r["fused_ops"])
+        print(f"{r['mode']:7} {fused:6} {r['step_wall_ms_median']:8.3f} "
               f"{r['kernel_busy_ms_per_step']:8.3f} {r['host_gap_ms_per_step']:9.3f} "
               + " ".join(f"{k.get(x, 0.0):11.3f}" for x in kinds), flush=True)
 
@@ -369,7 +396,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--modes", default="eager,graphs", help="comma list of eager, graphs (none: no decode profile)")
-    ap.add_argument("--fused", default="on,off", help="comma list of on, off (the --disable-fused-ops switch)")
+    ap.add_argument("--fused", default="on,off",
+                    help="comma list of on, off (the --disable-fused-ops switch), no-<op> (every fused op but that "
+                    "one, e.g. no-mla_rope: what the one fusion gains)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by name per configuration")
     ap.add_argument("--mixed-chunks", default="",
                     help="comma list of prompt-chunk sizes N: profile a mixed step of --requests decodes plus N prompt "
@@ -423,14 +452,14 @@ def main() -> None:
         for fused in args.fused.split(","):
             label = f"{mode}-fused-{fused}"
             try:
-                results.append(profile_config(loaded, args, graphs=mode == "graphs", fused=fused == "on"))
+                results.append(profile_config(loaded, args, graphs=mode == "graphs", fused=fused))
                 print(json.dumps(results[-1]), flush=True)
             except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
                 errors[label] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
                 gc.collect()
             write()
-    eager_busy = {r["fused_ops"]: r for r in results if r["mode"] == "eager"}
+    eager_busy = {r["fused_ops"]: r for r in results if r["mode"] == "eager" and "unfused_op" not in r}
     for r in results:  # graph kernels invisible to the profiler: take the eager run's kernel time
         if r["mode"] == "graphs" and not r["kernels_visible"] and r["fused_ops"] in eager_busy:
             e = eager_busy[r["fused_ops"]]
