@@ -116,8 +116,9 @@ class MLAttention(nn.Module):
             kv_row = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, rank + rope]: what the pool stores
         o = self.attn(q_full, kv_row, kv_row[..., : self.kv_lora_rank], fb)  # [T, H * rank]
         o = o.view(tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1)  # [H, T, rank]
-        o = torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
-        return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))
+        out = o.new_empty(tokens, self.num_heads, self.v_dim)  # [T, H, v]: o_proj reads it as it lies
+        torch.bmm(o, w_uv.transpose(1, 2), out=out.transpose(0, 1))  # cuBLAS writes through the strides
+        return self.o_proj(out.view(tokens, self.num_heads * self.v_dim))
 
     def _forward_expanded(self, q_nope, q_pe, latent, k_pe, w_uk, w_uv, fb: ForwardBatch) -> torch.Tensor:
         """Fresh prompts, where the step's backend declares it: the latent expanded to per-head keys
