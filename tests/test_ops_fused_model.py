@@ -109,20 +109,28 @@ def test_split_gate_up_computes_the_merged_mlp():
     assert rel_err(mlp(x), merged) < 1e-6
 
 
-def test_mla_layers_run_the_fused_norm_rope_kernel(monkeypatch):
-    """DeepSeek's MLA layers hand their latent norm, RoPE and concatenations to the op set's mla_rope."""
+def test_deepseek_layers_run_the_mla_and_routing_kernels(monkeypatch):
+    """DeepSeek's MLA layers hand their latent norm, RoPE and concatenations to the op set's mla_rope, and its
+    (greedy) routers their top-k to moe_route; greedy tokens as with both unfused."""
     import dataclasses
 
     import test_ops_fused_model as this
 
     fused = triton_ops()
-    calls = []
-    counting = dataclasses.replace(fused, mla_rope=lambda *a, **k: calls.append(a[0].shape[0]) or fused.mla_rope(*a, **k))
+    calls = {"mla_rope": [], "moe_route": []}
+
+    def counted(name):
+        return lambda *a, **k: calls[name].append(a[0].shape[0]) or getattr(fused, name)(*a, **k)
+
+    counting = dataclasses.replace(fused, mla_rope=counted("mla_rope"), moe_route=counted("moe_route"))
     monkeypatch.setattr(this, "triton_ops", lambda: counting)
-    bundle = tiny_model(CONFIGS["deepseek-v2-mla-moe"], seed=3)
+    config = CONFIGS["deepseek-v2-mla-moe"]
+    assert config.get("topk_method", "greedy") == "greedy"
+    bundle = tiny_model(config, seed=3)
     out_off, _ = _run(bundle, fused=False)
-    assert not calls
+    assert not any(calls.values())
     out_on, _ = _run(bundle, fused=True)
     assert out_on == out_off
-    layers = CONFIGS["deepseek-v2-mla-moe"]["num_hidden_layers"]
-    assert len(calls) >= 3 * layers  # every decode step of every layer at least (4 new tokens: 3 decode steps)
+    layers = config["num_hidden_layers"]
+    assert len(calls["mla_rope"]) >= 3 * layers  # every decode step of every layer at least (3 decode steps)
+    assert len(calls["moe_route"]) >= 3  # the MoE layer(s), every decode step

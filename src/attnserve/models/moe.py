@@ -42,6 +42,11 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 class Router(nn.Module):
+    ops: OpSet = TORCH_OPS  # set for the whole model by use_ops
+    # up to this many tokens the op set's routing kernel runs (one program a token, each reading the router's
+    # weights from L2); prefill-sized batches keep the GEMM
+    ROUTE_KERNEL_MAX_TOKENS = 128
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.topk_method not in TOPK_METHODS:
@@ -75,6 +80,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k])."""
+        if (self.ops.moe_route is not None and self.method == "greedy" and x.shape[0] <= self.ROUTE_KERNEL_MAX_TOKENS
+                and x.stride(-1) == 1):
+            return self.ops.moe_route(x, self.weight, self.top_k, self.scoring == "softmax", self.norm_topk_prob,
+                                      self.routed_scaling_factor)
         logits = F.linear(x.float(), self.weight)  # [T, E]
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         per_group = self.num_experts // self.n_group

@@ -21,7 +21,8 @@ from attnserve.ops import cpu, reference
 class OpSet:
     """The model's non-attention ops. `rope_store` is None when RoPE and the K/V store stay separate;
     `fused_moe` is None where routed experts run models/moe.py's torch paths (see ops/kernels/fused_moe.py);
-    `mla_rope` is None where MLA's latent norm, RoPE and concatenations stay separate (ops/kernels/mla_rope.py).
+    `mla_rope` is None where MLA's latent norm, RoPE and concatenations stay separate (ops/kernels/mla_rope.py);
+    `moe_route` is None where the router's greedy top-k stays torch ops (ops/kernels/moe_route.py).
 
     split_gate_up: run the MLP's gate and up projections as two GEMMs over the halves of the
     merged weight (views, no copy) instead of one. On the CPU two fp32 GEMMs over the halves are
@@ -37,6 +38,7 @@ class OpSet:
     split_gate_up: bool = False
     fused_moe: Callable | None = None
     mla_rope: Callable | None = None
+    moe_route: Callable | None = None
 
     def describe(self) -> str:
         gemms = "; gate/up as two GEMMs" if self.split_gate_up else ""
@@ -45,6 +47,7 @@ class OpSet:
         if self.name == "cpu":
             return f"cpu (RMSNorm in one or two kernels; the rest unfused torch ops{gemms})"
         moe = ", MoE experts as two grouped GEMMs (SiLU x up and routing weights fused)" if self.fused_moe else ""
+        moe += ", greedy routing in one kernel" if self.moe_route else ""
         mla = ", MLA's latent norm + RoPE + query assembly" if self.mla_rope else ""
         return f"{self.name} (residual add + RMSNorm, SiLU x up, RoPE + K/V store{mla}{moe}{gemms})"
 
@@ -58,11 +61,13 @@ def triton_ops() -> OpSet:
     The one place ops meets triton, an optional package: its kernel modules import it."""
     from attnserve.ops.kernels.fused_moe import fused_experts
     from attnserve.ops.kernels.mla_rope import mla_rope
+    from attnserve.ops.kernels.moe_route import route_greedy
     from attnserve.ops.kernels.rmsnorm import add_rmsnorm, rmsnorm
     from attnserve.ops.kernels.rope_store import rope_store_kv
     from attnserve.ops.kernels.silu_mul import silu_mul
 
-    return OpSet("triton", rmsnorm, add_rmsnorm, silu_mul, rope_store_kv, fused_moe=fused_experts, mla_rope=mla_rope)
+    return OpSet("triton", rmsnorm, add_rmsnorm, silu_mul, rope_store_kv, fused_moe=fused_experts, mla_rope=mla_rope,
+                 moe_route=route_greedy)
 
 
 def select_ops(device: str | torch.device, fused: bool = True, dtype: torch.dtype | None = None) -> OpSet:
