@@ -151,26 +151,30 @@ def test_mla_rope_rejects_mismatched_shapes():
 
 
 @pytest.mark.parametrize("device,dtype,tol", DEVICES)
-@pytest.mark.parametrize("experts,top_k,scoring,normalise,scale", [
-    (64, 6, "softmax", False, 1.0),  # DeepSeek-V2-Lite's router
-    (8, 2, "softmax", True, 1.0),  # Mixtral-style: renormalised top-2
-    (12, 3, "sigmoid", True, 2.5),  # not a power of two of experts, sigmoid scores, a scaling factor
+@pytest.mark.parametrize("experts,top_k,scoring,normalise,scale,hidden", [
+    (64, 6, "softmax", False, 1.0, 300),  # DeepSeek-V2-Lite's router; logits split over three programs
+    (8, 2, "softmax", True, 1.0, 80),  # Mixtral-style: renormalised top-2, one program a token
+    (12, 3, "sigmoid", True, 2.5, 2100),  # experts not a power of two, sigmoid scores, a scaling factor; 16 programs
 ])
-def test_greedy_routing_kernel_matches_the_router(device, dtype, tol, experts, top_k, scoring, normalise, scale):
+def test_greedy_routing_kernel_matches_the_router(device, dtype, tol, experts, top_k, scoring, normalise, scale,
+                                                  hidden):
     from types import SimpleNamespace
 
     from attnserve.models.moe import Router
     from attnserve.ops.kernels.moe_route import route_greedy
 
-    hidden, tokens = 80, 7
+    tokens = 7
     cfg = SimpleNamespace(hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=top_k, topk_method="greedy",
                           scoring_func=scoring, n_group=None, topk_group=None, norm_topk_prob=normalise,
                           routed_scaling_factor=scale)  # the fields a Router reads
     router = Router(cfg).to(device)
-    router.weight.data = _rand(experts, hidden, dtype=torch.float32, device=device)  # [E, hidden]
+    router.weight.data = _rand(experts, hidden, dtype=torch.float32, device=device, scale=hidden ** -0.5)  # [E, hidden]
+    # (logits of order 1: sigmoid scores far from saturating into ties)
     x = _rand(tokens, hidden, dtype=dtype, device=device)  # [T, hidden]
     want_w, want_ids = router(x)  # torch ops: the op set is TORCH_OPS
     got_w, got_ids = route_greedy(x, router.weight, top_k, scoring == "softmax", normalise, scale)
+    again_w, again_ids = route_greedy(x, router.weight, top_k, scoring == "softmax", normalise, scale)
+    assert torch.equal(again_w, got_w) and torch.equal(again_ids, got_ids)  # the tickets were reset, same bits
     assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
     assert torch.all(got_w[:, :-1] >= got_w[:, 1:])  # highest score first
     order = want_ids.sort(dim=1)  # torch.topk(sorted=False) names no order: compare by expert id
