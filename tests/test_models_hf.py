@@ -62,6 +62,8 @@ CASES = {
     "qwen2-qkv-bias": _llama_like("Qwen2", rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "qwen3-qk-norm": _llama_like("Qwen3", head_dim=32, num_attention_heads=4, num_key_value_heads=1),
     "deepseek-v2-yarn-moe": _deepseek("DeepseekV2", rope_scaling=_YARN, topk_method="greedy"),
+    # the latent down-projection has a bias and q_proj none: the merged projection's q part loads zeros
+    "deepseek-v2-latent-bias": _deepseek("DeepseekV2", q_lora_rank=None, attention_bias=True, topk_method="greedy"),
     "deepseek-v2-group-limited": _deepseek("DeepseekV2", q_lora_rank=24, n_routed_experts=8, n_group=4,
                                            topk_group=2, topk_method="group_limited_greedy",
                                            routed_scaling_factor=1.5),

@@ -36,6 +36,11 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             sizes = model.get_submodule(parent + ".qkv_proj").output_sizes
             for part, t in zip(("q_proj", "k_proj", "v_proj"), p.split(sizes)):
                 out[hf.replace("qkv_proj", part)] = t.clone()
+        elif ".q_latent_proj." in name:  # MLA's merged query and latent down-projections
+            attn = model.get_submodule(parent)
+            q_name = "q_a_proj" if attn.q_low_rank else "q_proj"
+            for part, t in zip((q_name, "kv_a_proj_with_mqa"), p.split(attn.q_latent_proj.output_sizes)):
+                out[hf.replace("q_latent_proj", part)] = t.clone()
         elif ".gate_up_proj." in name and ".experts." not in name:
             gate, up = p.chunk(2)
             out[hf.replace("gate_up_proj", "gate_proj")] = gate.clone()

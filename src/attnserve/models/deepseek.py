@@ -31,7 +31,7 @@ from attnserve.batch import ForwardBatch
 from attnserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from attnserve.models.base import CausalLM
 from attnserve.models.config import ModelConfig
-from attnserve.models.layers import GatedMLP, Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding
+from attnserve.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, RotaryEmbedding
 from attnserve.models.moe import MoE
 from attnserve.models.rope import RopeStep, yarn_mscale
 from attnserve.models.weights import LLAMA_STACKED, load_named_weights
@@ -61,15 +61,19 @@ class MLAttention(nn.Module):
         bias = cfg.attention_bias
         heads = cfg.num_heads
         self.q_low_rank = cfg.q_lora_rank is not None
-        # under tensor parallelism the query heads (and their up-projections) are split; the latent
-        # down-projection is replicated, so every rank stores the whole latent row
+        # the two projections of the hidden state are one GEMM: the query's (q_proj, or q_a_proj for a
+        # low-rank query) and the latent's (kv_a_proj_with_mqa); at batch 1 each is a few-microsecond launch.
+        # Under tensor parallelism q_proj's heads are split and the latent part is one unit every rank holds
+        # whole (the latent is replicated, so every rank stores the whole latent row); q_a_proj is replicated
+        latent_width = cfg.kv_lora_rank + self.rope_dim
         if not self.q_low_rank:
-            self.q_proj = ColumnParallelLinear(cfg.hidden_size, [heads * qk_dim], units=[heads])
+            self.q_latent_proj = ColumnParallelLinear(cfg.hidden_size, [heads * qk_dim, latent_width],
+                                                      units=[heads, 1], bias=bias, replicable=(1,))
         else:
-            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_latent_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.q_lora_rank, latent_width], bias=bias,
+                                                      replicate=True)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
             self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, [heads * qk_dim], units=[heads])
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, [heads * (self.nope_dim + self.v_dim)], units=[heads])
         self.o_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, units=heads, bias=bias)
@@ -92,13 +96,12 @@ class MLAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, rope: RopeStep) -> torch.Tensor:
         tokens = hidden.shape[0]
+        q, latent_row = self.q_latent_proj(hidden).split(self.q_latent_proj.output_sizes, dim=-1)  # views
         if self.q_low_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        else:
-            q = self.q_proj(hidden)
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_pe = latent_row.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [T, rank], [T, rope]
         w_uk, w_uv = self._up_projections()
         expanded = self.attn.expanded_prefill_applies(fb)
         if self.ops.mla_rope is not None and not expanded:  # norm, RoPE and both concatenations in one launch
@@ -145,6 +148,18 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# the checkpoint's projections of the hidden state -> (part of q_latent_proj)
+_HIDDEN_DOWN = re.compile(r"^(.*\.self_attn)\.(q_proj|q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
+
+
+def _zero_q_proj_bias(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
+    """The checkpoint's tensors, plus a zero bias for q_proj beside each latent bias: with attention_bias and a
+    full-rank query, the latent projection has a bias and q_proj none, but the merged projection has one."""
+    for name, tensor in weights:
+        yield name, tensor
+        if name.endswith(".self_attn.kv_a_proj_with_mqa.bias"):
+            qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            yield name.replace("kv_a_proj_with_mqa", "q_proj"), torch.zeros(cfg.num_heads * qk_dim)
 
 
 class DeepseekForCausalLM(CausalLM):
@@ -168,6 +183,9 @@ class DeepseekForCausalLM(CausalLM):
                 layer = int(name.split(".")[1])
                 if layer >= num_layers:  # V3 checkpoints append multi-token-prediction layers
                     return None
+            m = _HIDDEN_DOWN.match(name)
+            if m:
+                return f"{m.group(1)}.q_latent_proj.{m.group(3)}", int(m.group(2) == "kv_a_proj_with_mqa")
             m = _EXPERT.match(name)
             if m:
                 prefix, expert, which = m.group(1), int(m.group(2)), m.group(3)
@@ -178,4 +196,6 @@ class DeepseekForCausalLM(CausalLM):
                 return name, -1
             return name
 
+        if self.config.attention_bias and self.config.q_lora_rank is None:
+            weights = _zero_q_proj_bias(weights, self.config)
         load_named_weights(self, weights, LLAMA_STACKED, source, rename)
