@@ -8,14 +8,33 @@ pairs: large batches keep the torch ops (fused_moe.py picks). Same outputs as th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.kernels.common import next_pow2
+from attnserve.attention.kernels.common import interpreting, next_pow2
+from attnserve.attention.kernels.interpreter_compat import let_interpreter_index_with_loaded_scalars
 from attnserve.ops.moe_align import ExpertAlignment, max_blocks
 
-CHUNK = 64  # pairs (and blocks, and padded slots) per step of the program's loops
+
+@dataclass(frozen=True)
+class AlignLaunch:
+    """The program's loop steps and warps: `chunk` pairs (and blocks) per step of the counting, naming and
+    placing loops, `fill_chunk` slots per step of the padding fill (plain stores, so wider), `num_warps`."""
+
+    chunk: int = 64
+    fill_chunk: int = 1024
+    num_warps: int = 4
+
+
+# measured on an H100 (benchmarks/moe_align_gpu.py): (most pairs, launch), first match; the last holds above
+LAUNCHES: tuple[tuple[int, AlignLaunch], ...] = ((1 << 62, AlignLaunch()),)
+
+
+def launch_for(num_pairs: int) -> AlignLaunch:
+    return next(launch for most, launch in LAUNCHES if num_pairs <= most)
 
 
 @triton.jit
@@ -33,7 +52,7 @@ def _pair_experts(Ids, offs, num_pairs, TOP_K: tl.constexpr, CHOICES: tl.constex
 def _align_kernel(
     Ids, SortedPairs, BlockExpert, num_pairs, num_blocks,
     TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_ROUTED: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL_CHUNK: tl.constexpr,
 ):
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -47,9 +66,9 @@ def _align_kernel(
         blocks = b0 + tl.arange(0, CHUNK)
         ended = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)  # [CHUNK]
         tl.store(BlockExpert + blocks, tl.minimum(ended, NUM_EXPERTS), mask=blocks < num_blocks)
-    for s0 in range(0, num_blocks * BLOCK_M, CHUNK):
-        slots = s0 + tl.arange(0, CHUNK)
-        tl.store(SortedPairs + slots, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs,
+    for s0 in range(0, num_blocks * BLOCK_M, FILL_CHUNK):
+        slots = s0 + tl.arange(0, FILL_CHUNK)
+        tl.store(SortedPairs + slots, tl.zeros((FILL_CHUNK,), dtype=tl.int32) + num_pairs,
                  mask=slots < num_blocks * BLOCK_M)
     tl.debug_barrier()  # the padding is written before any pair overwrites its slot
     cursor = padded_end - padded  # [E_PAD] the next free slot of each group
@@ -63,9 +82,10 @@ def _align_kernel(
         cursor += tl.sum(onehot, axis=0)
 
 
-def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0) -> ExpertAlignment:
+def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0,
+                         launch: AlignLaunch | None = None) -> ExpertAlignment:
     """ids [T, top_k] -> ops.moe_align.align_by_expert's alignment (shared experts included), from one
-    single-program launch."""
+    single-program launch (`launch`: its loop steps and warps; by default the measured ones for this size)."""
     tokens, top_k = ids.shape
     ids = ids.contiguous()
     num_pairs = tokens * (top_k + num_shared)
@@ -74,7 +94,11 @@ def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int, num_
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)  # [blocks * block_m]
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)  # [blocks]
     if num_pairs:
+        launch = launch or launch_for(num_pairs)
+        if interpreting():
+            let_interpreter_index_with_loaded_scalars()  # the loops' bounds are scalar arguments
         _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_pairs, blocks, TOP_K=top_k,
                             CHOICES=top_k + num_shared, NUM_ROUTED=num_experts, NUM_EXPERTS=experts,
-                            E_PAD=next_pow2(experts), BLOCK_M=block_m, CHUNK=CHUNK, num_warps=4)
+                            E_PAD=next_pow2(experts), BLOCK_M=block_m, CHUNK=launch.chunk,
+                            FILL_CHUNK=launch.fill_chunk, num_warps=launch.num_warps)
     return ExpertAlignment(sorted_pairs, block_expert, block_m, num_pairs)
