@@ -17,7 +17,7 @@ from attnserve.ops.moe_tiles import GemmTile, MoETiles
 pytest.importorskip("triton")
 from attnserve.ops.kernels import fused_moe
 from attnserve.ops.kernels.fused_moe import fused_experts
-from attnserve.ops.kernels.moe_align import align_in_one_program
+from attnserve.ops.kernels.moe_align import LAUNCHES, AlignLaunch, align_in_one_program
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 64, 32, 8, 2
@@ -96,6 +96,15 @@ def test_one_program_alignment_equals_the_torch_ops(tokens, top_k, num_experts, 
     ids = _ids(tokens, top_k, num_experts).to(DEVICE)
     a = align_by_expert(ids, num_experts, block_m, shared)
     b = align_in_one_program(ids, num_experts, block_m, shared)
+    assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_expert, b.block_expert)
+
+
+@pytest.mark.parametrize("launch", sorted({launch for _, launch in LAUNCHES} | {AlignLaunch(64, 64, 4)}, key=repr))
+def test_every_launch_setting_aligns_like_the_torch_ops(launch):
+    """The launch settings by size (and the earlier one) walk several chunks and fills: same alignment."""
+    ids = _ids(40, 6, 64).to(DEVICE)  # 40 tokens x (6 + 2 shared): 320 pairs
+    a = align_by_expert(ids, 64, 16, 2)
+    b = align_in_one_program(ids, 64, 16, 2, launch)
     assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_expert, b.block_expert)
 
 

@@ -29,8 +29,13 @@ class AlignLaunch:
     num_warps: int = 4
 
 
-# measured on an H100 (benchmarks/moe_align_gpu.py): (most pairs, launch), first match; the last holds above
-LAUNCHES: tuple[tuple[int, AlignLaunch], ...] = ((1 << 62, AlignLaunch()),)
+# (most pairs, launch), first match. Measured on an H100 (benchmarks/moe_align_gpu.py, results/moe_align-h100.json,
+# DeepSeek-V2-Lite's 64 + 2 experts): up to 16 tokens one warp walking 32 pairs a step (2.9 us at one token,
+# 6.5 with the 64-pair, 4-warp launch); from 64 tokens four warps and 128 pairs a step (16 us at 64 tokens, 27)
+LAUNCHES: tuple[tuple[int, AlignLaunch], ...] = (
+    (128, AlignLaunch(chunk=32, num_warps=1)),
+    (1 << 62, AlignLaunch(chunk=128, num_warps=4)),
+)
 
 
 def launch_for(num_pairs: int) -> AlignLaunch:
