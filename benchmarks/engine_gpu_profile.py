@@ -162,7 +162,7 @@ def _fused_ops_without(name: str | None):
     whole = select.triton_ops
     if not hasattr(whole(), name):
         raise SystemExit(f"--fused no-{name}: the op set has no op {name!r}")
-    select.triton_ops = lambda: dataclasses.replace(whole(), **{name: None})
+    select.triton_ops = lambda pdl=False: dataclasses.replace(whole(pdl), **{name: None})
     try:
         yield
     finally:
@@ -170,7 +170,7 @@ def _fused_ops_without(name: str | None):
 
 
 def profile_config(loaded, args, graphs: bool, fused: str) -> dict:
-    """One engine's decode steps; `fused` is on, off, or no-<op> (fused ops on but that one)."""
+    """One engine's decode steps; `fused` is on, off, pdl (on, launched with PDL) or no-<op> (on but that one)."""
     from torch.profiler import ProfilerActivity, profile
 
     cpu = args.device == "cpu"
@@ -178,7 +178,7 @@ def profile_config(loaded, args, graphs: bool, fused: str) -> dict:
     without = fused.removeprefix("no-") if fused.startswith("no-") else None
     with _fused_ops_without(without):
         engine = _engine(loaded, args, 3 * args.steps + 16, disable_cuda_graph=not graphs,
-                         disable_fused_ops=fused == "off")
+                         disable_fused_ops=fused == "off", enable_pdl=fused == "pdl")
     g = torch.Generator().manual_seed(0)
     _add_batch(engine, loaded, args, g, 3 * args.steps + 16)
     _to_full_decode(engine, args)  # the budget is off, and nothing prefills once the timing starts
@@ -202,6 +202,7 @@ def profile_config(loaded, args, graphs: bool, fused: str) -> dict:
     out = {
         "mode": "graphs" if graphs else "eager",
         "fused_ops": fused != "off",
+        "pdl": fused == "pdl",
         **({"unfused_op": without} if without else {}),
         "ops": engine.parts.model.module.ops.name,
         "graphed_steps": engine.runner.steps_graphed,
@@ -383,7 +384,7 @@ def print_table(results: list[dict]) -> None:
     print(f"{'mode':7} {'fused':6} {'wall':>8} {'busy':>8} {'host gap':>9} " + " ".join(f"{k:>11}" for k in kinds))
     for r in results:
         k = r["per_step_ms_by_kind"]
-        fused = f"no-{r['unfused_op']}" if "unfused_op" in r else str(r["fused_ops"])
+        fused = f"no-{r['unfused_op']}" if "unfused_op" in r else "pdl" if r["pdl"] else str(r["fused_ops"])
         print(f"{r['mode']:7} {fused:6} {r['step_wall_ms_median']:8.3f} "
               f"{r['kernel_busy_ms_per_step']:8.3f} {r['host_gap_ms_per_step']:9.3f} "
               + " ".join(f"{k.get(x, 0.0):11.3f}" for x in kinds), flush=True)
@@ -397,8 +398,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--modes", default="eager,graphs", help="comma list of eager, graphs (none: no decode profile)")
     ap.add_argument("--fused", default="on,off",
-                    help="comma list of on, off (the --disable-fused-ops switch), no-<op> (every fused op but that "
-                    "one, e.g. no-mla_rope: what the one fusion gains)")
+                    help="comma list of on, off (the --disable-fused-ops switch), pdl (on, launched with --enable-pdl), "
+                    "no-<op> (every fused op but that one, e.g. no-mla_rope: what the one fusion gains)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by name per configuration")
     ap.add_argument("--mixed-chunks", default="",
                     help="comma list of prompt-chunk sizes N: profile a mixed step of --requests decodes plus N prompt "
@@ -459,10 +460,10 @@ def main() -> None:
                 traceback.print_exc()
                 gc.collect()
             write()
-    eager_busy = {r["fused_ops"]: r for r in results if r["mode"] == "eager" and "unfused_op" not in r}
+    eager_busy = {(r["fused_ops"], r["pdl"]): r for r in results if r["mode"] == "eager" and "unfused_op" not in r}
     for r in results:  # graph kernels invisible to the profiler: take the eager run's kernel time
-        if r["mode"] == "graphs" and not r["kernels_visible"] and r["fused_ops"] in eager_busy:
-            e = eager_busy[r["fused_ops"]]
+        if r["mode"] == "graphs" and not r["kernels_visible"] and (r["fused_ops"], r["pdl"]) in eager_busy:
+            e = eager_busy[(r["fused_ops"], r["pdl"])]
             r["kernel_busy_ms_per_step"] = e["kernel_busy_ms_per_step"]
             r["per_step_ms_by_kind"] = e["per_step_ms_by_kind"]
             r["host_gap_ms_per_step"] = round(r["step_wall_ms_median"] - e["kernel_busy_ms_per_step"], 3)

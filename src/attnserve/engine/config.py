@@ -136,6 +136,10 @@ class EngineConfig:
     disable_fused_ops: bool = knob(
         False, "--disable-fused-ops",
         help="run the unfused torch ops (RMSNorm, SiLU x up, RoPE, K/V store) on the GPU too")
+    enable_pdl: bool = knob(
+        False, "--enable-pdl",
+        help="launch the fused Triton ops with programmatic dependent launch on SM90+ GPUs: each kernel starts "
+        "while the one before it finishes and waits for it before touching memory (default: off)")
     speculative_algorithm: str | None = knob(
         None, "--speculative-algorithm", metavar="NAME",
         help="speculative decoding: ngram (drafts by prompt lookup over each request's prompt and output, "

@@ -182,7 +182,7 @@ def _pool_tokens(config: EngineConfig, bytes_per_token: int, device: torch.devic
 
 def _use_ops(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> None:
     """Pick the model's non-attention ops once, before any graph is captured (fused Triton on CUDA)."""
-    use_ops(model, select_ops(device, fused=not config.disable_fused_ops, dtype=dtype))
+    use_ops(model, select_ops(device, fused=not config.disable_fused_ops, dtype=dtype, pdl=config.enable_pdl))
 
 
 def _ops_note(model: torch.nn.Module) -> str:

@@ -8,9 +8,10 @@ kernels are the same ones a CUDA graph captured.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -55,8 +56,9 @@ class OpSet:
 TORCH_OPS = OpSet("torch", reference.rmsnorm, reference.add_rmsnorm, reference.silu_mul)
 
 
-def triton_ops() -> OpSet:
-    """The fused Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1 in tests).
+def triton_ops(pdl: bool = False) -> OpSet:
+    """The fused Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1 in tests); with `pdl`, each launched
+    with programmatic dependent launch (ops/kernels/pdl.py).
 
     The one place ops meets triton, an optional package: its kernel modules import it."""
     from attnserve.ops.kernels.fused_moe import fused_experts
@@ -66,18 +68,27 @@ def triton_ops() -> OpSet:
     from attnserve.ops.kernels.rope_store import rope_store_kv
     from attnserve.ops.kernels.silu_mul import silu_mul
 
-    return OpSet("triton", rmsnorm, add_rmsnorm, silu_mul, rope_store_kv, fused_moe=fused_experts, mla_rope=mla_rope,
-                 moe_route=route_greedy)
+    ops = OpSet("triton", rmsnorm, add_rmsnorm, silu_mul, rope_store_kv, fused_moe=fused_experts, mla_rope=mla_rope,
+                moe_route=route_greedy)
+    if not pdl:
+        return ops
+    launched = {f.name: functools.partial(getattr(ops, f.name), pdl=True) for f in fields(OpSet)
+                if callable(getattr(ops, f.name))}
+    return replace(ops, name="triton+pdl", **launched)
 
 
-def select_ops(device: str | torch.device, fused: bool = True, dtype: torch.dtype | None = None) -> OpSet:
+def select_ops(device: str | torch.device, fused: bool = True, dtype: torch.dtype | None = None,
+               pdl: bool = False) -> OpSet:
     """Fused Triton kernels on a CUDA device with Triton installed and `fused`; the torch ops otherwise.
 
-    `dtype` (the model's) decides the gate/up GEMM split on the CPU (see OpSet).
+    `dtype` (the model's) decides the gate/up GEMM split on the CPU (see OpSet). `pdl`: the Triton kernels
+    with programmatic dependent launch, where the GPU has it (SM90 on).
     """
     device = torch.device(device)
     if fused and device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-        return triton_ops()
+        from attnserve.ops.kernels.pdl import pdl_applies
+
+        return triton_ops(pdl=pdl and pdl_applies(device))
     if device.type == "cpu" and fused:
         return replace(TORCH_OPS, name="cpu", rmsnorm=cpu.rmsnorm, add_rmsnorm=cpu.add_rmsnorm,
                        split_gate_up=dtype == torch.float32)

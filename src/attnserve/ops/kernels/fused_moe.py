@@ -29,6 +29,7 @@ import triton.language as tl
 from attnserve.attention.kernels.common import dot_dtype_is_f32, interpreting
 from attnserve.attention.kernels.gpu_target import target_for
 from attnserve.ops.kernels.moe_align import align_in_one_program
+from attnserve.ops.kernels.pdl import launch_options, wait_for_predecessor
 from attnserve.ops.moe_align import ExpertAlignment, align_by_expert
 from attnserve.ops.moe_tiles import INTERPRETER_TILES, GemmTile, MoETiles, tiles_for
 
@@ -93,10 +94,11 @@ def _gate_up_silu_kernel(
     num_pairs, K, N,
     CHOICES: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, N + n]) for this block's pairs, N channels.
     Experts from NUM_EXPERTS on are the shared ones, in WS: gate rows (e - E) * N.., up rows shared_up_rows on."""
+    wait_for_predecessor(PDL)
     pid_m = tl.program_id(0)
     expert, pairs, row_ok = _expert_rows(SortedPairs, BlockExpert, pid_m, num_pairs, BLOCK_M)
     if expert >= NUM_EXPERTS + NUM_SHARED:  # past the last expert's rows: this batch's routing needs fewer blocks
@@ -138,10 +140,11 @@ def _down_weighted_kernel(
     num_pairs, K, N,
     TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     """Out[pair, n] (float32) = routing_weight[pair] * round(h[pair] . W[e, n]) for this block's pairs; a
     token's choices past its TOP_K routed ones are the shared experts (weight 1, columns (e - E) * K.. of WS)."""
+    wait_for_predecessor(PDL)
     pid_m = tl.program_id(0)
     expert, pairs, row_ok = _expert_rows(SortedPairs, BlockExpert, pid_m, num_pairs, BLOCK_M)
     if expert >= NUM_EXPERTS + NUM_SHARED:
@@ -170,8 +173,10 @@ def _down_weighted_kernel(
 
 
 @triton.jit
-def _sum_top_k_kernel(Weighted, Add, Out, N, TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_ADD: tl.constexpr):
+def _sum_top_k_kernel(Weighted, Add, Out, N, TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_ADD: tl.constexpr,
+                      PDL: tl.constexpr):
     """Out[t] = round(sum_j Weighted[t * TOP_K + j]) (+ Add[t], rounded once more), as the torch paths round."""
+    wait_for_predecessor(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -226,15 +231,16 @@ def _check(x, w: ExpertWeights, weights, ids) -> None:
         raise ValueError("fused_experts needs x and the weights contiguous in their last dimension")
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0) -> ExpertAlignment:
+def align(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0, pdl: bool = False) -> ExpertAlignment:
     """The pairs aligned by expert: one program for decode-sized batches, the torch ops above."""
     pairs = ids.shape[0] * (ids.shape[1] + num_shared)
-    fn = align_in_one_program if pairs <= ONE_PROGRAM_ALIGN_MAX_PAIRS else align_by_expert
-    return fn(ids, num_experts, block_m, num_shared)
+    if pairs <= ONE_PROGRAM_ALIGN_MAX_PAIRS:
+        return align_in_one_program(ids, num_experts, block_m, num_shared, pdl=pdl)
+    return align_by_expert(ids, num_experts, block_m, num_shared)
 
 
 def gate_up_silu(x: torch.Tensor, w: ExpertWeights, a: ExpertAlignment, choices: int,
-                 tile: GemmTile) -> torch.Tensor:
+                 tile: GemmTile, pdl: bool = False) -> torch.Tensor:
     """-> silu(gate) * up [P, I] in x's dtype, rows in (token, choice) order; `choices` per token."""
     num_experts, two_i, hidden = w.gate_up.shape
     channels = two_i // 2
@@ -248,13 +254,13 @@ def gate_up_silu(x: torch.Tensor, w: ExpertWeights, a: ExpertAlignment, choices:
         CHOICES=choices, NUM_EXPERTS=num_experts, NUM_SHARED=w.num_shared,
         BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         EVEN_K=hidden % tile.block_k == 0, EVEN_N=channels % tile.block_n == 0, DOT_F32=dot_dtype_is_f32(x),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )
     return activated
 
 
 def down_weighted(activated: torch.Tensor, w: ExpertWeights, routing: torch.Tensor, a: ExpertAlignment,
-                  choices: int, tile: GemmTile) -> torch.Tensor:
+                  choices: int, tile: GemmTile, pdl: bool = False) -> torch.Tensor:
     """activated [P, I], routing weights [T, top_k] float32 contiguous -> weight * down(activated) [P, hidden]
     float32; a token's choices past top_k (the shared experts) weigh 1."""
     num_experts, hidden, channels = w.down.shape
@@ -268,11 +274,13 @@ def down_weighted(activated: torch.Tensor, w: ExpertWeights, routing: torch.Tens
         BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         EVEN_K=channels % tile.block_k == 0, EVEN_N=hidden % tile.block_n == 0,
         DOT_F32=dot_dtype_is_f32(activated), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **launch_options(pdl),
     )
     return weighted
 
 
-def sum_top_k(weighted: torch.Tensor, top_k: int, dtype: torch.dtype, add: torch.Tensor | None) -> torch.Tensor:
+def sum_top_k(weighted: torch.Tensor, top_k: int, dtype: torch.dtype, add: torch.Tensor | None,
+              pdl: bool = False) -> torch.Tensor:
     """weighted [T * top_k, hidden] float32 -> the sum of each token's rows [T, hidden] in dtype, + add [T, hidden]."""
     pairs, hidden = weighted.shape
     out = torch.empty(pairs // top_k, hidden, dtype=dtype, device=weighted.device)  # [T, hidden]
@@ -280,19 +288,21 @@ def sum_top_k(weighted: torch.Tensor, top_k: int, dtype: torch.dtype, add: torch
         raise ValueError(f"fused_experts adds a contiguous [T, hidden] {tuple(out.shape)}, got {tuple(add.shape)}")
     _sum_top_k_kernel[(out.shape[0], triton.cdiv(hidden, SUM_BLOCK))](
         weighted, add if add is not None else out, out, hidden, TOP_K=top_k, BLOCK=SUM_BLOCK, HAS_ADD=add is not None,
-        num_warps=4)
+        num_warps=4, **launch_options(pdl))
     return out
 
 
 def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, tiles: MoETiles | None = None, add: torch.Tensor | None = None,
-                  shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
+                  shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+                  pdl: bool = False) -> torch.Tensor:
     """x [T, hidden], gate_up_proj [E, 2I, hidden] (gate rows first), down_proj [E, hidden, I], routing weights
     and expert ids [T, top_k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, hidden] in x's dtype (SiLU).
 
     Shared experts join either as weights (shared_gate_up [2 * S * I, hidden], gate rows first, and shared_down
     [hidden, S * I]: S more experts every token chooses with weight 1, read by the same two GEMMs) or as an
-    output `add` [T, hidden] added in the pass that sums the top-k."""
+    output `add` [T, hidden] added in the pass that sums the top-k. `pdl`: every launch with programmatic
+    dependent launch (ops/kernels/pdl.py)."""
     w = ExpertWeights(gate_up_proj, down_proj, shared_gate_up, shared_down)
     _check(x, w, weights, ids)
     tokens, top_k = ids.shape
@@ -301,7 +311,7 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
         return torch.zeros_like(x) if add is None else add.clone()
     tiles = tiles or moe_tiles(x.device, tokens, num_experts, hidden, two_i // 2, top_k)
     choices = top_k + w.num_shared  # every token's last choices: the shared experts E, E + 1, ...
-    a = align(ids, num_experts, tiles.block_m, w.num_shared)
-    activated = gate_up_silu(x, w, a, choices, tiles.gate_up)
-    weighted = down_weighted(activated, w, weights.float().contiguous(), a, choices, tiles.down)
-    return sum_top_k(weighted, choices, x.dtype, add)
+    a = align(ids, num_experts, tiles.block_m, w.num_shared, pdl)
+    activated = gate_up_silu(x, w, a, choices, tiles.gate_up, pdl)
+    weighted = down_weighted(activated, w, weights.float().contiguous(), a, choices, tiles.down, pdl)
+    return sum_top_k(weighted, choices, x.dtype, add, pdl)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.kernels.common import next_pow2
+from attnserve.ops.kernels.pdl import launch_options, wait_for_predecessor
 
 HEADS_PER_PROGRAM = 16
 
@@ -37,8 +38,9 @@ def _mla_rope_kernel(
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_lt, stride_kt, stride_ct, stride_st,
     stride_qft, stride_qfh, stride_kvt,
     H: tl.constexpr, RANK: tl.constexpr, BLOCK_RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     h_ok = (h < H)[:, None]
@@ -75,7 +77,7 @@ def _mla_rope_kernel(
 
 def mla_rope(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
              norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-             interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             interleaved: bool, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The absorbed query `[T, H, rank + rope]` (q_latent, then q_pe rotated) and the pool row `[T, 1, rank +
     rope]` (RMSNorm(latent) * norm_weight, then k_pe rotated).
 
@@ -105,6 +107,6 @@ def mla_rope(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), latent.stride(0), k_pe.stride(0),
         cos.stride(0), sin.stride(0), q_full.stride(0), q_full.stride(1), kv_row.stride(0),
         H=heads, RANK=rank, BLOCK_RANK=next_pow2(rank), ROPE=rope, BLOCK_HALF=next_pow2(rope // 2),
-        BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4,
+        BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4, **launch_options(pdl),
     )
     return q_full, kv_row

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from attnserve.attention.kernels.common import interpreting, next_pow2
 from attnserve.attention.kernels.interpreter_compat import let_interpreter_index_with_loaded_scalars
+from attnserve.ops.kernels.pdl import launch_options, wait_for_predecessor
 from attnserve.ops.moe_align import ExpertAlignment, max_blocks
 
 
@@ -57,8 +58,9 @@ def _pair_experts(Ids, offs, num_pairs, TOP_K: tl.constexpr, CHOICES: tl.constex
 def _align_kernel(
     Ids, SortedPairs, BlockExpert, num_pairs, num_blocks,
     TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_ROUTED: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL_CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for p0 in range(0, num_pairs, CHUNK):
@@ -88,7 +90,7 @@ def _align_kernel(
 
 
 def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0,
-                         launch: AlignLaunch | None = None) -> ExpertAlignment:
+                         launch: AlignLaunch | None = None, pdl: bool = False) -> ExpertAlignment:
     """ids [T, top_k] -> ops.moe_align.align_by_expert's alignment (shared experts included), from one
     single-program launch (`launch`: its loop steps and warps; by default the measured ones for this size)."""
     tokens, top_k = ids.shape
@@ -105,5 +107,5 @@ def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int, num_
         _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_pairs, blocks, TOP_K=top_k,
                             CHOICES=top_k + num_shared, NUM_ROUTED=num_experts, NUM_EXPERTS=experts,
                             E_PAD=next_pow2(experts), BLOCK_M=block_m, CHUNK=launch.chunk,
-                            FILL_CHUNK=launch.fill_chunk, num_warps=launch.num_warps)
+                            FILL_CHUNK=launch.fill_chunk, num_warps=launch.num_warps, **launch_options(pdl))
     return ExpertAlignment(sorted_pairs, block_expert, block_m, num_pairs)

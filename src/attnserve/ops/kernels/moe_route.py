@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.kernels.common import next_pow2
+from attnserve.ops.kernels.pdl import launch_options, wait_for_predecessor
 
 BLOCK_K = 128  # hidden columns per program (and per step of its loop)
 MAX_SPLIT = 16  # programs per token along the hidden dimension
@@ -29,8 +30,9 @@ MAX_SPLIT = 16  # programs per token along the hidden dimension
 def _route_kernel(
     X, W, Partial, Counter, Weights, Ids, stride_x, hidden, cols_per_program, scale,
     E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, SOFTMAX: tl.constexpr, NORMALISE: tl.constexpr,
+    SPLIT: tl.constexpr, SOFTMAX: tl.constexpr, NORMALISE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     e = tl.arange(0, E_PAD)
@@ -95,7 +97,7 @@ def _counters(device: torch.device, tokens: int) -> torch.Tensor:
 
 
 def route_greedy(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, softmax: bool, normalise: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[T, hidden]`, router_weight `[E, hidden]` float32 -> (weights `[T, top_k]` float32, ids `[T, top_k]`
     int64), highest score first: softmax (or sigmoid) scores of x W^T, the top_k kept, renormalised to sum 1
     when `normalise`, times `scale`."""
@@ -119,6 +121,6 @@ def route_greedy(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, softm
     _route_kernel[(tokens, split)](
         x, router_weight, partial, _counters(x.device, tokens), weights, ids, x.stride(0), hidden, cols, float(scale),
         E=experts, E_PAD=e_pad, TOP_K=top_k, K_PAD=next_pow2(top_k), BLOCK_K=block_k, SPLIT=split,
-        SOFTMAX=softmax, NORMALISE=normalise and top_k > 1, num_warps=4,
+        SOFTMAX=softmax, NORMALISE=normalise and top_k > 1, num_warps=4, **launch_options(pdl),
     )
     return weights, ids

@@ -16,14 +16,16 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.kernels.common import next_pow2
+from attnserve.ops.kernels.pdl import launch_options, wait_for_predecessor
 
 
 @triton.jit
 def _rmsnorm_kernel(
     X, R, W, Out, R_out, eps,
     stride_x, stride_r, stride_o, stride_ro,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -55,7 +57,7 @@ def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
-def _launch(x, residual, weight, eps, out, residual_out) -> None:
+def _launch(x, residual, weight, eps, out, residual_out, pdl: bool) -> None:
     n = x.shape[1]
     block = next_pow2(n)
     r, ro = (residual, residual_out) if residual is not None else (x, out)
@@ -63,22 +65,22 @@ def _launch(x, residual, weight, eps, out, residual_out) -> None:
         x, r, weight, out, ro, float(eps),
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
         N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        num_warps=min(max(block // 256, 1), 8),
+        num_warps=min(max(block // 256, 1), 8), **launch_options(pdl),
     )
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
     """x `[..., N]` (q/k norms pass `[T, H, D]`), weight `[N]` -> same shape, x's dtype, contiguous."""
     rows = _rows(x, weight)
     _check(rows, weight)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [rows, N]
     if rows.shape[0]:
-        _launch(rows, None, weight, eps, out, None)
+        _launch(rows, None, weight, eps, out, None, pdl)
     return out.view(x.shape)
 
 
 def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual), both `[T, N]` in x's dtype, from one read of each input."""
     _check(x, weight)  # the residual stream is always [tokens, hidden]
@@ -88,5 +90,5 @@ def add_rmsnorm(
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, N] normalised
     residual_out = torch.empty_like(out)  # [T, N] the new residual stream
     if x.shape[0]:
-        _launch(x, residual, weight, eps, out, residual_out)
+        _launch(x, residual, weight, eps, out, residual_out, pdl)
     return out, residual_out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.kernels.common import next_pow2
+from attnserve.ops.kernels.pdl import launch_options, wait_for_predecessor
 
 
 @triton.jit
@@ -56,8 +57,9 @@ def _rope_store_kernel(
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_kbt, stride_kbh, stride_vbt, stride_vbh,
     HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     D: tl.constexpr, R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, INTERLEAVED: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -90,6 +92,7 @@ def rope_store_kv(
     v_buffer: torch.Tensor,
     loc: torch.Tensor,
     interleaved: bool = False,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[T, Hq, D]` and k `[T, Hk, D]` by cos/sin `[T, R/2]`; store k and v `[T, Hk, Dv]` at loc `[T]`.
 
@@ -128,6 +131,6 @@ def rope_store_kv(
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         HQ=hq, HK=hk, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), D=d, R=rot, BLOCK_HALF=next_pow2(half),
         BLOCK_PASS=next_pow2(d - rot) if d > rot else 0, DV=dv, BLOCK_DV=next_pow2(dv),
-        INTERLEAVED=interleaved, num_warps=4,
+        INTERLEAVED=interleaved, num_warps=4, **launch_options(pdl),
     )
     return q_out, k_out
