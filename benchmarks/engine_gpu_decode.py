@@ -240,6 +240,7 @@ CONFIGS = {
     "triton-graphs": {"attention_backend": "triton"},
     "triton-graphs-no-overlap": {"attention_backend": "triton", "disable_overlap_schedule": True},
     "triton-graphs-unfused": {"attention_backend": "triton", "disable_fused_ops": True},
+    "triton-graphs-pdl": {"attention_backend": "triton", "enable_pdl": True},  # the fused ops launched with PDL
     "triton-eager": {"attention_backend": "triton", "disable_cuda_graph": True},
     # tp 1 through the tensor-parallel path: a torch.distributed world of one rank (NCCL), each step broadcast,
     # every all-reduce / all-gather run (`benchmarks/h200.sh tp` compares it with triton-graphs)
@@ -283,6 +284,10 @@ def write_report(args, loaded, bw: float, results: list[dict], errors: dict) -> 
             "fused_ops_speedup_decode_step": ratio("triton-graphs-unfused", "triton-graphs"),
             "fused_ops_speedup_total": ratio("triton-graphs-unfused", "triton-graphs", "total_s"),
             "cuda_graph_speedup_decode_step": ratio("triton-eager", "triton-graphs"),
+            "pdl_speedup_decode_step": ratio("triton-graphs", "triton-graphs-pdl"),
+            "pdl_outputs_identical": (by["triton-graphs"]["outputs_sha256_16"]
+                                      == by["triton-graphs-pdl"]["outputs_sha256_16"])
+            if {"triton-graphs", "triton-graphs-pdl"} <= set(by) else None,
         }.items() if v is not None}
     import triton
 

@@ -34,16 +34,17 @@
 #   prefill-ncu Nsight Compute on one launch of triton's, FA4's and FlashInfer fa3's prefill at 1x16384 and
 #               8x2048 (benchmarks/prefill_ncu.py: pipes busy, stall reasons) -> ncu-h200-<workload>.json; FA4 from
 #               /tmp/site2 where benchmarks/peer_wheels.sh stage put it; NCU_WORKLOADS: workload names, comma-separated
-#   engine      engine_gpu_decode.py, Llama-3-8B shape, 64 x 1024/256 and 1 x 1024/256: overlap on/off, fused
+#   engine      engine_gpu_decode.py, Llama-3-8B shape, 64 x 1024/256 and 1 x 1024/256: PDL on, overlap off, fused
 #               ops off, FlashInfer decode -> engine_gpu_decode.json; then the step profile ->
 #               engine_gpu_profile.json
-#   engine-mla  engine_gpu_decode.py, DeepSeek-V2-Lite shape on triton and FlashInfer MLA ->
+#   engine-mla  engine_gpu_decode.py, DeepSeek-V2-Lite shape on triton (PDL off and on) and FlashInfer MLA ->
 #               engine_gpu_deepseek_v2_lite.json
 #   engine-profiles
 #               engine_gpu_profile.py, triton, graphs and fused ops, at batch 1 and 64 for Llama-3-8B and DeepSeek-V2-Lite
 #               shapes (PROFILE_PRESETS, PROFILE_BATCHES): each decode step split into gemm / attention / elementwise /
 #               other kernels and the host gap, the top kernels by name -> engine_gpu_profile_{preset}_b{N}.json
-#               (the profile issue 49 starts from; PROFILE_ARGS adds flags, e.g. --device cpu --preset smollm2-135m)
+#               (the profile issue 49 starts from; PROFILE_FUSED, default on,pdl: the fused ops plain and with
+#               --enable-pdl; PROFILE_ARGS adds flags, e.g. --device cpu --preset smollm2-135m)
 #   gemm        gemm_skinny_gpu.py: the skinny GEMM candidate (ops/kernels/skinny_gemm.py) against cuBLAS at the
 #               Llama-3-8B decode projections, M = 1 and 64, a sweep of its configs, and a decode step's projections
 #               summed both ways -> gemm-skinny-h200.json (GEMM_ARGS adds flags; --quick: defaults only)
@@ -334,7 +335,7 @@ step_engine() {
   wait_warm
   echo "== engine decode ($(left) s left)"
   timeout "$(cap 300)" python3 benchmarks/engine_gpu_decode.py --workloads 64x1024x256,1x1024x256 \
-    --configs triton-graphs,triton-graphs-no-overlap,triton-graphs-unfused,flashinfer-decode \
+    --configs triton-graphs,triton-graphs-pdl,triton-graphs-no-overlap,triton-graphs-unfused,flashinfer-decode \
     --out "$OUT/engine_gpu_decode.json" > "$LOGS/decode.log" 2>&1
   echo "decode rc=$?"; tail -30 "$LOGS/decode.log"
   echo "== engine step profile ($(left) s left)"
@@ -353,7 +354,7 @@ step_engine_mla() {
   wait_warm
   echo "== DeepSeek-V2-Lite in the engine ($(left) s left)"
   timeout "$(cap 300)" python3 benchmarks/engine_gpu_decode.py --preset deepseek-v2-lite \
-    --workloads 64x1024x128,1x1024x128 --configs triton-graphs,flashinfer-decode,flashinfer \
+    --workloads 64x1024x128,1x1024x128 --configs triton-graphs,triton-graphs-pdl,flashinfer-decode,flashinfer \
     --out "$OUT/engine_gpu_deepseek_v2_lite.json" > "$LOGS/decode-deepseek.log" 2>&1
   echo "decode rc=$?"; tail -12 "$LOGS/decode-deepseek.log"
 }
@@ -366,7 +367,7 @@ step_engine_profiles() {
       echo "== decode step profile: $preset, batch $n ($(left) s left)"
       # shellcheck disable=SC2086
       timeout "$(cap 120)" python3 benchmarks/engine_gpu_profile.py --preset "$preset" --requests "$n" --steps 8 --attention-backend triton \
-        --modes graphs --fused on --top 40 ${PROFILE_ARGS:-} --out "$OUT/engine_gpu_profile_${preset}_b$n.json" \
+        --modes graphs --fused "${PROFILE_FUSED:-on,pdl}" --top 40 ${PROFILE_ARGS:-} --out "$OUT/engine_gpu_profile_${preset}_b$n.json" \
         > "$LOGS/profile-$preset-b$n.log" 2>&1 || rc=$?
       grep -v -E '^(\{|USDT)' "$LOGS/profile-$preset-b$n.log" | tail -4
     done
