@@ -136,6 +136,27 @@ def test_fused_experts_match_the_dense_path(tokens, dtype, tol):
     assert _rel_err(out, experts.forward_dense(x, weights, ids)) < tol
 
 
+@pytest.mark.parametrize("shared", [0, 2])
+def test_one_token_launches_no_alignment(shared, monkeypatch):
+    """Batch-1 decode: each choice is its own row block, its expert read from the ids; two tokens still align."""
+    from attnserve.ops.kernels import fused_moe
+
+    aligned = []
+    plain = fused_moe.align
+    monkeypatch.setattr(fused_moe, "align", lambda *a, **k: aligned.append(a[0].shape[0]) or plain(*a, **k))
+    experts = _experts(NUM_EXPERTS, HIDDEN, INTER, torch.float32)
+    shared_gate_up, shared_down = _shared_weights(HIDDEN, INTER, shared) if shared else (None, None)
+    for tokens in (1, 2):
+        x, weights, ids = _routing(tokens, NUM_EXPERTS, TOP_K, HIDDEN, torch.float32)
+        out = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared_gate_up=shared_gate_up,
+                            shared_down=shared_down)
+        ref = _float64_oracle(experts, x, weights, ids)
+        if shared:
+            ref = ref + _shared_oracle(x, shared_gate_up, shared_down)
+        assert _rel_err(out, ref) < 1e-5
+    assert aligned == [2]
+
+
 def test_uneven_widths_and_wider_row_blocks(monkeypatch):
     """Channels and hidden size that no tile divides (masked loads), 32-row blocks, the torch alignment."""
     monkeypatch.setattr(fused_moe, "ONE_PROGRAM_ALIGN_MAX_PAIRS", 0)

@@ -55,10 +55,18 @@ class ExpertWeights:
 
 
 @triton.jit
-def _expert_rows(SortedPairs, BlockExpert, pid_m, num_pairs, BLOCK_M: tl.constexpr):
-    """This row block's expert and pair ids, and which rows are real pairs (the rest is padding)."""
-    expert = tl.load(BlockExpert + pid_m).to(tl.int64)
-    pairs = tl.load(SortedPairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
+def _expert_rows(SortedPairs, BlockExpert, Ids, pid_m, num_pairs, BLOCK_M: tl.constexpr, ONE_TOKEN: tl.constexpr,
+                 TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr):
+    """This row block's expert and pair ids, and which rows are real pairs (the rest is padding). ONE_TOKEN: no
+    alignment; block b is the token's choice b alone (a routed id from Ids, then the shared experts)."""
+    if ONE_TOKEN:
+        routed = tl.load(Ids + tl.minimum(pid_m, TOP_K - 1)).to(tl.int64)
+        expert = tl.where(pid_m < TOP_K, routed, (NUM_EXPERTS + pid_m - TOP_K).to(tl.int64))
+        rows = tl.arange(0, BLOCK_M)
+        pairs = tl.where(rows == 0, pid_m, num_pairs).to(tl.int64)  # [BLOCK_M]
+    else:
+        expert = tl.load(BlockExpert + pid_m).to(tl.int64)
+        pairs = tl.load(SortedPairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
     return expert, pairs, pairs < num_pairs
 
 
@@ -89,18 +97,19 @@ def _weight_tile(ptrs, k_ok, col_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr)
 
 @triton.jit
 def _gate_up_silu_kernel(
-    X, W, WS, Out, SortedPairs, BlockExpert,
+    X, W, WS, Out, SortedPairs, BlockExpert, Ids,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, shared_up_rows, stride_om,
     num_pairs, K, N,
-    CHOICES: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_SHARED: tl.constexpr,
+    TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, N + n]) for this block's pairs, N channels.
     Experts from NUM_EXPERTS on are the shared ones, in WS: gate rows (e - E) * N.., up rows shared_up_rows on."""
     wait_for_predecessor(PDL)
     pid_m = tl.program_id(0)
-    expert, pairs, row_ok = _expert_rows(SortedPairs, BlockExpert, pid_m, num_pairs, BLOCK_M)
+    expert, pairs, row_ok = _expert_rows(SortedPairs, BlockExpert, Ids, pid_m, num_pairs, BLOCK_M, ONE_TOKEN, TOP_K,
+                                         NUM_EXPERTS)
     if expert >= NUM_EXPERTS + NUM_SHARED:  # past the last expert's rows: this batch's routing needs fewer blocks
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,18 +144,19 @@ def _gate_up_silu_kernel(
 
 @triton.jit
 def _down_weighted_kernel(
-    H, W, WS, Out, RoutingWeights, SortedPairs, BlockExpert,
+    H, W, WS, Out, RoutingWeights, SortedPairs, BlockExpert, Ids,
     stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     num_pairs, K, N,
     TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """Out[pair, n] (float32) = routing_weight[pair] * round(h[pair] . W[e, n]) for this block's pairs; a
     token's choices past its TOP_K routed ones are the shared experts (weight 1, columns (e - E) * K.. of WS)."""
     wait_for_predecessor(PDL)
     pid_m = tl.program_id(0)
-    expert, pairs, row_ok = _expert_rows(SortedPairs, BlockExpert, pid_m, num_pairs, BLOCK_M)
+    expert, pairs, row_ok = _expert_rows(SortedPairs, BlockExpert, Ids, pid_m, num_pairs, BLOCK_M, ONE_TOKEN, TOP_K,
+                                         NUM_EXPERTS)
     if expert >= NUM_EXPERTS + NUM_SHARED:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -239,42 +249,56 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0
     return align_by_expert(ids, num_experts, block_m, num_shared)
 
 
-def gate_up_silu(x: torch.Tensor, w: ExpertWeights, a: ExpertAlignment, choices: int,
-                 tile: GemmTile, pdl: bool = False) -> torch.Tensor:
-    """-> silu(gate) * up [P, I] in x's dtype, rows in (token, choice) order; `choices` per token."""
+def _rows_of(a: ExpertAlignment | None, ids: torch.Tensor, choices: int, block_m: int) -> tuple:
+    """(row blocks, pairs, block_m, sorted pairs, block experts, one token) for the kernels; without an
+    alignment (one token) block b is choice b, and the ids stand in for the alignment's buffers."""
+    if a is None:
+        return choices, choices, block_m, ids, ids, True
+    return a.block_expert.numel(), a.num_pairs, a.block_m, a.sorted_pairs, a.block_expert, False
+
+
+def gate_up_silu(x: torch.Tensor, w: ExpertWeights, a: ExpertAlignment | None, choices: int,
+                 tile: GemmTile, pdl: bool = False, ids: torch.Tensor | None = None, block_m: int = 16) -> torch.Tensor:
+    """-> silu(gate) * up [P, I] in x's dtype, rows in (token, choice) order; `choices` per token. Without an
+    alignment `a`, x is one token and its routed choices are `ids` [1, top_k] (contiguous), in row blocks of
+    `block_m`."""
     num_experts, two_i, hidden = w.gate_up.shape
     channels = two_i // 2
     shared = w.shared_gate_up if w.num_shared else w.gate_up[0]  # [rows, hidden]; a placeholder without shared
-    activated = x.new_empty(a.num_pairs, channels)  # [P, I]
-    _gate_up_silu_kernel[(a.block_expert.numel(), triton.cdiv(channels, tile.block_n))](
-        x, w.gate_up, shared, activated, a.sorted_pairs, a.block_expert,
+    blocks, pairs, block_m, sorted_pairs, block_expert, one_token = _rows_of(a, ids, choices, block_m)
+    activated = x.new_empty(pairs, channels)  # [P, I]
+    _gate_up_silu_kernel[(blocks, triton.cdiv(channels, tile.block_n))](
+        x, w.gate_up, shared, activated, sorted_pairs, block_expert, sorted_pairs if ids is None else ids,
         x.stride(0), w.gate_up.stride(0), w.gate_up.stride(1), channels * shared.stride(0), shared.stride(0),
         w.num_shared * channels, activated.stride(0),
-        a.num_pairs, hidden, channels,
-        CHOICES=choices, NUM_EXPERTS=num_experts, NUM_SHARED=w.num_shared,
-        BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        pairs, hidden, channels,
+        TOP_K=choices - w.num_shared, CHOICES=choices, NUM_EXPERTS=num_experts, NUM_SHARED=w.num_shared,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         EVEN_K=hidden % tile.block_k == 0, EVEN_N=channels % tile.block_n == 0, DOT_F32=dot_dtype_is_f32(x),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
+        ONE_TOKEN=one_token, num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )
     return activated
 
 
-def down_weighted(activated: torch.Tensor, w: ExpertWeights, routing: torch.Tensor, a: ExpertAlignment,
-                  choices: int, tile: GemmTile, pdl: bool = False) -> torch.Tensor:
+def down_weighted(activated: torch.Tensor, w: ExpertWeights, routing: torch.Tensor, a: ExpertAlignment | None,
+                  choices: int, tile: GemmTile, pdl: bool = False, ids: torch.Tensor | None = None,
+                  block_m: int = 16) -> torch.Tensor:
     """activated [P, I], routing weights [T, top_k] float32 contiguous -> weight * down(activated) [P, hidden]
-    float32; a token's choices past top_k (the shared experts) weigh 1."""
+    float32; a token's choices past top_k (the shared experts) weigh 1. Without `a`: one token, as in
+    gate_up_silu."""
     num_experts, hidden, channels = w.down.shape
     shared = w.shared_down if w.num_shared else w.down[0]  # [hidden, S * I]; a placeholder without shared
-    weighted = torch.empty(a.num_pairs, hidden, dtype=torch.float32, device=activated.device)  # [P, hidden]
-    _down_weighted_kernel[(a.block_expert.numel(), triton.cdiv(hidden, tile.block_n))](
-        activated, w.down, shared, weighted, routing, a.sorted_pairs, a.block_expert,
+    blocks, pairs, block_m, sorted_pairs, block_expert, one_token = _rows_of(a, ids, choices, block_m)
+    weighted = torch.empty(pairs, hidden, dtype=torch.float32, device=activated.device)  # [P, hidden]
+    _down_weighted_kernel[(blocks, triton.cdiv(hidden, tile.block_n))](
+        activated, w.down, shared, weighted, routing, sorted_pairs, block_expert, sorted_pairs if ids is None else ids,
         activated.stride(0), w.down.stride(0), w.down.stride(1), channels, shared.stride(0), weighted.stride(0),
-        a.num_pairs, channels, hidden,
+        pairs, channels, hidden,
         TOP_K=routing.shape[1], CHOICES=choices, NUM_EXPERTS=num_experts, NUM_SHARED=w.num_shared,
-        BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         EVEN_K=channels % tile.block_k == 0, EVEN_N=hidden % tile.block_n == 0,
-        DOT_F32=dot_dtype_is_f32(activated), num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **launch_options(pdl),
+        DOT_F32=dot_dtype_is_f32(activated), ONE_TOKEN=one_token, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **launch_options(pdl),
     )
     return weighted
 
@@ -311,7 +335,10 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
         return torch.zeros_like(x) if add is None else add.clone()
     tiles = tiles or moe_tiles(x.device, tokens, num_experts, hidden, two_i // 2, top_k)
     choices = top_k + w.num_shared  # every token's last choices: the shared experts E, E + 1, ...
-    a = align(ids, num_experts, tiles.block_m, w.num_shared, pdl)
-    activated = gate_up_silu(x, w, a, choices, tiles.gate_up, pdl)
-    weighted = down_weighted(activated, w, weights.float().contiguous(), a, choices, tiles.down, pdl)
+    # one token needs no alignment: each of its choices is its own row block (ONE_TOKEN in the kernels)
+    a = align(ids, num_experts, tiles.block_m, w.num_shared, pdl) if tokens > 1 else None
+    ids = ids.contiguous()
+    activated = gate_up_silu(x, w, a, choices, tiles.gate_up, pdl, ids, tiles.block_m)
+    weighted = down_weighted(activated, w, weights.float().contiguous(), a, choices, tiles.down, pdl, ids,
+                             tiles.block_m)
     return sum_top_k(weighted, choices, x.dtype, add, pdl)
