@@ -110,19 +110,22 @@ def test_split_gate_up_computes_the_merged_mlp():
 
 
 def test_deepseek_layers_run_the_mla_and_routing_kernels(monkeypatch):
-    """DeepSeek's MLA layers hand their latent norm, RoPE and concatenations to the op set's mla_rope, and its
-    (greedy) routers their top-k to moe_route; greedy tokens as with both unfused."""
+    """DeepSeek's MLA layers hand their latent norm, RoPE and concatenations to the op set's mla_rope (with the
+    query absorption, mla_absorb_rope, up to ABSORB_MAX_TOKENS tokens), and its (greedy) routers their top-k to
+    moe_route; greedy tokens as with all unfused."""
     import dataclasses
 
     import test_ops_fused_model as this
 
+    from attnserve.models.deepseek import MLAttention
+
     fused = triton_ops()
-    calls = {"mla_rope": [], "moe_route": []}
+    calls = {"mla_rope": [], "mla_absorb_rope": [], "moe_route": []}
 
     def counted(name):
         return lambda *a, **k: calls[name].append(a[0].shape[0]) or getattr(fused, name)(*a, **k)
 
-    counting = dataclasses.replace(fused, mla_rope=counted("mla_rope"), moe_route=counted("moe_route"))
+    counting = dataclasses.replace(fused, **{name: counted(name) for name in calls})
     monkeypatch.setattr(this, "triton_ops", lambda: counting)
     config = CONFIGS["deepseek-v2-mla-moe"]
     assert config.get("topk_method", "greedy") == "greedy"
@@ -132,5 +135,7 @@ def test_deepseek_layers_run_the_mla_and_routing_kernels(monkeypatch):
     out_on, _ = _run(bundle, fused=True)
     assert out_on == out_off
     layers = config["num_hidden_layers"]
-    assert len(calls["mla_rope"]) >= 3 * layers  # every decode step of every layer at least (3 decode steps)
+    assert len(calls["mla_absorb_rope"]) >= 3 * layers  # every decode step of every layer (3 decode steps)
+    assert all(t <= MLAttention.ABSORB_MAX_TOKENS for t in calls["mla_absorb_rope"])
+    assert all(t > MLAttention.ABSORB_MAX_TOKENS for t in calls["mla_rope"])
     assert len(calls["moe_route"]) >= 3  # the MoE layer(s), every decode step

@@ -141,6 +141,39 @@ def test_mla_rope_matches_norm_rotate_and_concatenate(device, dtype, tol, heads,
     assert rel_err(kv_row, ref_row) < tol
 
 
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("heads,nope,rank,rope,interleaved", [
+    (3, 12, 24, 8, True),  # a rank that is not a power of two, nor a multiple of the program's block
+    (2, 16, 160, 8, False),  # three latent blocks a head, half-split pairs
+])
+def test_mla_absorb_rope_matches_the_batched_gemm_then_mla_rope(device, dtype, tol, heads, nope, rank, rope,
+                                                               interleaved):
+    from attnserve.ops.kernels.mla_absorb import mla_absorb_rope
+    from attnserve.ops.kernels.mla_rope import mla_rope
+
+    tokens, v = 3, 8
+    rotary = RotaryEmbedding(rope, RopeConfig(theta=10000.0), 4096, interleaved=interleaved).to(device)
+    positions = torch.tensor([0, 9, 1500], device=device)  # [T]
+    cos, sin = rotary.cos_sin(positions, dtype)  # each [T, rope/2]
+    q = _rand(tokens, heads, nope + rope, dtype=dtype, device=device, scale=2.0)  # [T, H, nope + rope]
+    q_nope, q_pe = q.split([nope, rope], dim=-1)  # strided views, as the model splits its projection
+    kv_b = _rand(heads, nope + v, rank, dtype=dtype, device=device, scale=0.3)  # kv_b_proj's weight, per head
+    w_uk = kv_b[:, :nope]  # [H, nope, rank], a view
+    kv_a = _rand(tokens, rank + rope, dtype=dtype, device=device, scale=3.0)  # [T, rank + rope]
+    latent, k_pe = kv_a.split([rank, rope], dim=-1)
+    norm_w = _rand(rank, dtype=dtype, device=device) + 1.0  # [rank]
+
+    q_latent = (q_nope.float().transpose(0, 1) @ w_uk.float()).transpose(0, 1).to(dtype)  # [T, H, rank]
+    ref_q, ref_row = mla_rope(q_latent, q_pe, latent, k_pe, norm_w, 1e-6, cos, sin, interleaved)
+    q_full, kv_row = mla_absorb_rope(q_nope, q_pe, w_uk, latent, k_pe, norm_w, 1e-6, cos, sin, interleaved)
+    assert q_full.shape == ref_q.shape and kv_row.shape == ref_row.shape
+    assert rel_err(q_full, ref_q) < tol
+    assert torch.equal(q_full[..., rank:], ref_q[..., rank:])  # the rotation: the same arithmetic
+    assert torch.equal(kv_row, ref_row)
+    with pytest.raises(ValueError, match="disagree"):
+        mla_absorb_rope(q_nope, q_pe, w_uk[:, :-1], latent, k_pe, norm_w, 1e-6, cos, sin, interleaved)
+
+
 def test_mla_rope_rejects_mismatched_shapes():
     from attnserve.ops.kernels.mla_rope import mla_rope
 

@@ -10,10 +10,19 @@ from engine_helpers import tiny_llama, tiny_model
 from test_engine_models import CONFIGS
 
 from attnserve.ops import OpSet, select_ops, triton_ops
-from attnserve.ops.kernels import fused_moe, mla_rope, moe_align, moe_route, rmsnorm, rope_store, silu_mul
+from attnserve.ops.kernels import (
+    fused_moe,
+    mla_absorb,
+    mla_rope,
+    moe_align,
+    moe_route,
+    rmsnorm,
+    rope_store,
+    silu_mul,
+)
 from attnserve.ops.kernels.pdl import launch_options, pdl_applies
 
-KERNEL_MODULES = (fused_moe, mla_rope, moe_align, moe_route, rmsnorm, rope_store, silu_mul)
+KERNEL_MODULES = (fused_moe, mla_absorb, mla_rope, moe_align, moe_route, rmsnorm, rope_store, silu_mul)
 MODELS = {"llama": lambda: tiny_llama(seed=4), "deepseek": lambda: tiny_model(CONFIGS["deepseek-v2-mla-moe"], seed=4)}
 
 

@@ -50,6 +50,9 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 class MLAttention(nn.Module):
     ops: OpSet = TORCH_OPS  # set for the whole model by use_ops
+    # up to this many tokens the op set's mla_absorb_rope does the query absorption too (each of its programs
+    # re-reads W_UK per token); a first guess, not yet timed on a GPU (engine_gpu_profile --fused no-mla_absorb_rope)
+    ABSORB_MAX_TOKENS = 8
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
@@ -104,7 +107,11 @@ class MLAttention(nn.Module):
         latent, k_pe = latent_row.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [T, rank], [T, rope]
         w_uk, w_uv = self._up_projections()
         expanded = self.attn.expanded_prefill_applies(fb)
-        if self.ops.mla_rope is not None and not expanded:  # norm, RoPE and both concatenations in one launch
+        if self.ops.mla_absorb_rope is not None and not expanded and tokens <= self.ABSORB_MAX_TOKENS:
+            q_full, kv_row = self.ops.mla_absorb_rope(q_nope, q_pe, w_uk, latent, k_pe, self.kv_a_layernorm.weight,
+                                                      self.kv_a_layernorm.eps, rope.cos, rope.sin,
+                                                      rope.rotary.interleaved)
+        elif self.ops.mla_rope is not None and not expanded:  # norm, RoPE and both concatenations in one launch
             q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
             q_full, kv_row = self.ops.mla_rope(q_latent, q_pe, latent, k_pe, self.kv_a_layernorm.weight,
                                                self.kv_a_layernorm.eps, rope.cos, rope.sin, rope.rotary.interleaved)

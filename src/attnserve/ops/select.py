@@ -23,6 +23,7 @@ class OpSet:
     """The model's non-attention ops. `rope_store` is None when RoPE and the K/V store stay separate;
     `fused_moe` is None where routed experts run models/moe.py's torch paths (see ops/kernels/fused_moe.py);
     `mla_rope` is None where MLA's latent norm, RoPE and concatenations stay separate (ops/kernels/mla_rope.py);
+    `mla_absorb_rope` is None where MLA's query absorption stays a batched GEMM before them (ops/kernels/mla_absorb.py);
     `moe_route` is None where the router's greedy top-k stays torch ops (ops/kernels/moe_route.py).
 
     split_gate_up: run the MLP's gate and up projections as two GEMMs over the halves of the
@@ -39,6 +40,7 @@ class OpSet:
     split_gate_up: bool = False
     fused_moe: Callable | None = None
     mla_rope: Callable | None = None
+    mla_absorb_rope: Callable | None = None
     moe_route: Callable | None = None
 
     def describe(self) -> str:
@@ -50,6 +52,7 @@ class OpSet:
         moe = ", MoE experts as two grouped GEMMs (SiLU x up and routing weights fused)" if self.fused_moe else ""
         moe += ", greedy routing in one kernel" if self.moe_route else ""
         mla = ", MLA's latent norm + RoPE + query assembly" if self.mla_rope else ""
+        mla += " (+ the query absorption for a few tokens)" if self.mla_absorb_rope else ""
         return f"{self.name} (residual add + RMSNorm, SiLU x up, RoPE + K/V store{mla}{moe}{gemms})"
 
 
@@ -62,6 +65,7 @@ def triton_ops(pdl: bool = False) -> OpSet:
 
     The one place ops meets triton, an optional package: its kernel modules import it."""
     from attnserve.ops.kernels.fused_moe import fused_experts
+    from attnserve.ops.kernels.mla_absorb import mla_absorb_rope
     from attnserve.ops.kernels.mla_rope import mla_rope
     from attnserve.ops.kernels.moe_route import route_greedy
     from attnserve.ops.kernels.rmsnorm import add_rmsnorm, rmsnorm
@@ -69,7 +73,7 @@ def triton_ops(pdl: bool = False) -> OpSet:
     from attnserve.ops.kernels.silu_mul import silu_mul
 
     ops = OpSet("triton", rmsnorm, add_rmsnorm, silu_mul, rope_store_kv, fused_moe=fused_experts, mla_rope=mla_rope,
-                moe_route=route_greedy)
+                moe_route=route_greedy, mla_absorb_rope=mla_absorb_rope)
     if not pdl:
         return ops
     launched = {f.name: functools.partial(getattr(ops, f.name), pdl=True) for f in fields(OpSet)

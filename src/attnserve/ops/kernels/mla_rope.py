@@ -25,11 +25,43 @@ HEADS_PER_PROGRAM = 16
 
 
 @triton.jit
-def _rotated(X, i1, i2, pair_ok, cos, sin, row_ok):
+def rotated(X, i1, i2, pair_ok, cos, sin, row_ok):
     """The pairs (X[i1], X[i2]) of rows `row_ok`, rotated in float32: two `[rows, R/2]` blocks."""
     x1 = tl.load(X + i1, mask=row_ok & pair_ok, other=0.0).to(tl.float32)
     x2 = tl.load(X + i2, mask=row_ok & pair_ok, other=0.0).to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def rope_pairs(Cos, Sin, t, stride_ct, stride_st, ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               INTERLEAVED: tl.constexpr):
+    """Token t's rotation: the channel pairs (i1, i2) `[1, BLOCK_HALF]`, which are real, and cos/sin."""
+    i = tl.arange(0, BLOCK_HALF)
+    pair_ok = (i < ROPE // 2)[None, :]
+    if INTERLEAVED:  # DeepSeek's layout: pairs are channels 2i, 2i + 1
+        i1, i2 = 2 * i[None, :], 2 * i[None, :] + 1
+    else:
+        i1, i2 = i[None, :], i[None, :] + ROPE // 2
+    cos = tl.load(Cos + t * stride_ct + i[None, :], mask=pair_ok, other=0.0).to(tl.float32)  # [1, BLOCK_HALF]
+    sin = tl.load(Sin + t * stride_st + i[None, :], mask=pair_ok, other=0.0).to(tl.float32)
+    return i1, i2, pair_ok, cos, sin
+
+
+@triton.jit
+def latent_row(Latent, KPe, NormW, KVRow, t, stride_lt, stride_kt, stride_kvt, eps, i1, i2, pair_ok, cos, sin,
+               RANK: tl.constexpr, BLOCK_RANK: tl.constexpr):
+    """Token t's pool row: the normalised latent, then the rotated k_pe."""
+    r = tl.arange(0, BLOCK_RANK)[None, :]
+    r_ok = r < RANK
+    x = tl.load(Latent + t * stride_lt + r, mask=r_ok, other=0.0).to(tl.float32)  # [1, BLOCK_RANK]
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / RANK + eps)  # [1]
+    y = (x * rstd[:, None]).to(KVRow.dtype.element_ty).to(tl.float32)
+    w = tl.load(NormW + r, mask=r_ok, other=0.0).to(tl.float32)
+    row = KVRow + t * stride_kvt
+    tl.store(row + r, (w * y).to(KVRow.dtype.element_ty), mask=r_ok)
+    k1, k2 = rotated(KPe + t * stride_kt, i1, i2, pair_ok, cos, sin, True)
+    tl.store(row + RANK + i1, k1.to(KVRow.dtype.element_ty), mask=pair_ok)
+    tl.store(row + RANK + i2, k2.to(KVRow.dtype.element_ty), mask=pair_ok)
 
 
 @triton.jit
@@ -44,14 +76,7 @@ def _mla_rope_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     h_ok = (h < H)[:, None]
-    i = tl.arange(0, BLOCK_HALF)
-    pair_ok = (i < ROPE // 2)[None, :]
-    if INTERLEAVED:  # DeepSeek's layout: pairs are channels 2i, 2i + 1
-        i1, i2 = 2 * i[None, :], 2 * i[None, :] + 1
-    else:
-        i1, i2 = i[None, :], i[None, :] + ROPE // 2
-    cos = tl.load(Cos + t * stride_ct + i[None, :], mask=pair_ok, other=0.0).to(tl.float32)  # [1, BLOCK_HALF]
-    sin = tl.load(Sin + t * stride_st + i[None, :], mask=pair_ok, other=0.0).to(tl.float32)
+    i1, i2, pair_ok, cos, sin = rope_pairs(Cos, Sin, t, stride_ct, stride_st, ROPE, BLOCK_HALF, INTERLEAVED)
 
     # the absorbed query: q_latent copied, q_pe rotated behind it
     r = tl.arange(0, BLOCK_RANK)[None, :]
@@ -59,20 +84,12 @@ def _mla_rope_kernel(
     q_latent = tl.load(QLatent + t * stride_qlt + h[:, None] * stride_qlh + r, mask=h_ok & r_ok, other=0.0)
     out = QFull + t * stride_qft + h[:, None] * stride_qfh  # [BLOCK_H, 1] row starts
     tl.store(out + r, q_latent.to(QFull.dtype.element_ty), mask=h_ok & r_ok)
-    o1, o2 = _rotated(QPe + t * stride_qpt + h[:, None] * stride_qph, i1, i2, pair_ok, cos, sin, h_ok)
+    o1, o2 = rotated(QPe + t * stride_qpt + h[:, None] * stride_qph, i1, i2, pair_ok, cos, sin, h_ok)
     tl.store(out + RANK + i1, o1.to(QFull.dtype.element_ty), mask=h_ok & pair_ok)
     tl.store(out + RANK + i2, o2.to(QFull.dtype.element_ty), mask=h_ok & pair_ok)
-
-    if tl.program_id(1) == 0:  # the token's pool row: the normalised latent, then the rotated k_pe
-        x = tl.load(Latent + t * stride_lt + r, mask=r_ok, other=0.0).to(tl.float32)  # [1, BLOCK_RANK]
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / RANK + eps)  # [1]
-        y = (x * rstd[:, None]).to(KVRow.dtype.element_ty).to(tl.float32)
-        w = tl.load(NormW + r, mask=r_ok, other=0.0).to(tl.float32)
-        row = KVRow + t * stride_kvt
-        tl.store(row + r, (w * y).to(KVRow.dtype.element_ty), mask=r_ok)
-        k1, k2 = _rotated(KPe + t * stride_kt, i1, i2, pair_ok, cos, sin, True)
-        tl.store(row + RANK + i1, k1.to(KVRow.dtype.element_ty), mask=pair_ok)
-        tl.store(row + RANK + i2, k2.to(KVRow.dtype.element_ty), mask=pair_ok)
+    if tl.program_id(1) == 0:  # the first head block writes the token's pool row
+        latent_row(Latent, KPe, NormW, KVRow, t, stride_lt, stride_kt, stride_kvt, eps, i1, i2, pair_ok, cos, sin,
+                   RANK, BLOCK_RANK)
 
 
 def mla_rope(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
