@@ -45,6 +45,7 @@ OLD_ENGINE_FLAGS = [
     (("--disable-piecewise-cuda-graph",), "disable_piecewise_cuda_graph", False, None, True),
     (("--piecewise-cuda-graph-max-tokens",), "piecewise_cuda_graph_max_tokens", None, "1024", 1024),
     (("--disable-fused-ops",), "disable_fused_ops", False, None, True),
+    (("--enable-pdl",), "enable_pdl", False, None, True),
     (("--speculative-algorithm",), "speculative_algorithm", None, "NGRAM", "ngram"),
     (("--speculative-num-draft-tokens",), "speculative_num_draft_tokens", 4, "6", 6),
     (("--speculative-num-steps",), "speculative_num_steps", None, "3", 3),
