@@ -45,6 +45,10 @@
 #               other kernels and the host gap, the top kernels by name -> engine_gpu_profile_{preset}_b{N}.json
 #               (the profile issue 49 starts from; PROFILE_FUSED, default on,pdl: the fused ops plain and with
 #               --enable-pdl; PROFILE_ARGS adds flags, e.g. --device cpu --preset smollm2-135m)
+#   engine-ab   engine_gpu_profile.py, DeepSeek-V2-Lite shape at batch 1 and 64: the fused ops, with PDL, and each
+#               fusion left out (AB_FUSED) -> engine_ab_deepseek_b{N}.json; with a .before/ tree carried (as for
+#               race_before_after.sh: git archive REV src benchmarks), that tree's fused step in the same call ->
+#               engine_ab_deepseek_b{N}_before.json
 #   gemm        gemm_skinny_gpu.py: the skinny GEMM candidate (ops/kernels/skinny_gemm.py) against cuBLAS at the
 #               Llama-3-8B decode projections, M = 1 and 64, a sweep of its configs, and a decode step's projections
 #               summed both ways -> gemm-skinny-h200.json (GEMM_ARGS adds flags; --quick: defaults only)
@@ -108,7 +112,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
-    tests|mha|mla|race|prefill-ncu|engine|engine-mla|engine-profiles|gemm|moe|training|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
+    tests|mha|mla|race|prefill-ncu|engine|engine-mla|engine-profiles|engine-ab|gemm|moe|training|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
     serve-waves|serve-profile|budget-offline|budget-profile|budget-served|budget-poisson|budget-c1) STEPS+=("$1"); shift ;;
     serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
     -h|--help) usage; exit 0 ;;
@@ -371,6 +375,26 @@ step_engine_profiles() {
         > "$LOGS/profile-$preset-b$n.log" 2>&1 || rc=$?
       grep -v -E '^(\{|USDT)' "$LOGS/profile-$preset-b$n.log" | tail -4
     done
+  done
+  return $rc
+}
+
+step_engine_ab() {
+  local n rc=0
+  wait_warm
+  for n in ${AB_BATCHES:-1 64}; do
+    if [ -d .before/src ]; then
+      echo "== the .before tree, DeepSeek-V2-Lite batch $n ($(left) s left)"
+      PYTHONPATH=.before/src:/tmp/site timeout "$(cap 60)" python3 .before/benchmarks/engine_gpu_profile.py \
+        --preset deepseek-v2-lite --requests "$n" --steps 8 --attention-backend triton --modes graphs --fused on --top 40 \
+        --out "$OUT/engine_ab_deepseek_b${n}_before.json" > "$LOGS/ab-before-b$n.log" 2>&1 || rc=$?
+      grep -E '^(mode|graphs)' "$LOGS/ab-before-b$n.log"
+    fi
+    echo "== fusions one by one, DeepSeek-V2-Lite batch $n ($(left) s left)"
+    timeout "$(cap 200)" python3 benchmarks/engine_gpu_profile.py --preset deepseek-v2-lite --requests "$n" --steps 8 \
+      --attention-backend triton --modes graphs --fused "${AB_FUSED:-on,pdl,no-mla_absorb_rope,no-moe_route}" --top 40 \
+      --out "$OUT/engine_ab_deepseek_b$n.json" > "$LOGS/ab-b$n.log" 2>&1 || rc=$?
+    grep -E '^(mode|graphs)' "$LOGS/ab-b$n.log"
   done
   return $rc
 }
