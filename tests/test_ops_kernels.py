@@ -170,15 +170,17 @@ def test_mla_absorb_rope_matches_the_batched_gemm_then_mla_rope(device, dtype, t
     assert rel_err(q_full, ref_q) < tol
     assert torch.equal(q_full[..., rank:], ref_q[..., rank:])  # the rotation: the same arithmetic
     assert torch.equal(kv_row, ref_row)
-    with pytest.raises(ValueError, match="disagree"):
+    with pytest.raises(ValueError, match="must be"):
         mla_absorb_rope(q_nope, q_pe, w_uk[:, :-1], latent, k_pe, norm_w, 1e-6, cos, sin, interleaved)
+    with pytest.raises(ValueError, match="disagree"):
+        mla_absorb_rope(q_nope, q_pe, w_uk, latent[:, :-1], k_pe, norm_w, 1e-6, cos, sin, interleaved)
 
 
 def test_mla_rope_rejects_mismatched_shapes():
     from attnserve.ops.kernels.mla_rope import mla_rope
 
     cos = sin = torch.ones(2, 4)
-    with pytest.raises(ValueError, match="do not agree"):
+    with pytest.raises(ValueError, match="disagree"):
         mla_rope(torch.ones(2, 3, 16), torch.ones(2, 3, 8), torch.ones(2, 12), torch.ones(2, 8), torch.ones(16),
                  1e-6, cos, sin, True)
 

@@ -20,7 +20,13 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.kernels.common import next_pow2
-from attnserve.ops.kernels.mla_rope import latent_row, rope_pairs, rotated
+from attnserve.ops.kernels.mla_rope import (
+    assembly_outputs,
+    checked_assembly_inputs,
+    latent_row,
+    rope_pairs,
+    rotated,
+)
 from attnserve.ops.kernels.pdl import launch_options, wait_for_predecessor
 
 BLOCK_R = 64  # latent channels per program: 512 / 64 = 8 programs a head
@@ -69,20 +75,12 @@ def mla_absorb_rope(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor
     k_pe `[T, rope]` (or `[T, 1, rope]`): free leading strides, each contiguous in its last dimension."""
     tokens, heads, nope = q_nope.shape
     rank, rope = w_uk.shape[2], q_pe.shape[-1]
-    k_pe = k_pe.reshape(tokens, rope) if k_pe.dim() == 3 else k_pe
-    if (q_pe.shape[:2] != (tokens, heads) or w_uk.shape[:2] != (heads, nope) or latent.shape != (tokens, rank)
-            or k_pe.shape != (tokens, rope)):
-        raise ValueError(f"mla_absorb_rope: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, w_uk "
-                         f"{tuple(w_uk.shape)}, latent {tuple(latent.shape)} and k_pe {tuple(k_pe.shape)} disagree")
-    if cos.shape != (tokens, rope // 2) or sin.shape != cos.shape or norm_weight.shape != (rank,):
-        raise ValueError(f"mla_absorb_rope: cos/sin {tuple(cos.shape)} must be [{tokens}, {rope // 2}] and the "
-                         f"norm weight {tuple(norm_weight.shape)} [{rank}]")
-    for name, x in (("q_nope", q_nope), ("q_pe", q_pe), ("w_uk", w_uk), ("latent", latent), ("k_pe", k_pe),
-                    ("cos", cos), ("sin", sin), ("norm_weight", norm_weight)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"mla_absorb_rope: {name} must be contiguous in its last dimension")
-    q_full = torch.empty(tokens, heads, rank + rope, dtype=q_nope.dtype, device=q_nope.device)  # [T, H, R+P]
-    kv_row = torch.empty(tokens, 1, rank + rope, dtype=latent.dtype, device=latent.device)  # [T, 1, R+P]
+    if w_uk.shape[:2] != (heads, nope):
+        raise ValueError(f"mla_absorb_rope: w_uk {tuple(w_uk.shape)} must be [{heads}, {nope}, rank] for q_nope "
+                         f"{tuple(q_nope.shape)}")
+    k_pe = checked_assembly_inputs("mla_absorb_rope", tokens, heads, rank, q_pe, latent, k_pe, norm_weight, cos, sin,
+                                   q_nope=q_nope, w_uk=w_uk)
+    q_full, kv_row = assembly_outputs(tokens, heads, rank, rope, q_nope.dtype, latent)
     if tokens == 0:
         return q_full, kv_row
     block_r = min(BLOCK_R, next_pow2(rank))

@@ -92,6 +92,33 @@ def _mla_rope_kernel(
                    RANK, BLOCK_RANK)
 
 
+def checked_assembly_inputs(op: str, tokens: int, heads: int, rank: int, q_pe: torch.Tensor, latent: torch.Tensor,
+                            k_pe: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            **more: torch.Tensor) -> torch.Tensor:
+    """The inputs both MLA assembly kernels take, checked (`more`: the op's own, for the last-dimension check);
+    -> k_pe as `[T, rope]`."""
+    rope = q_pe.shape[-1]
+    k_pe = k_pe.reshape(tokens, rope) if k_pe.dim() == 3 else k_pe
+    if q_pe.shape[:2] != (tokens, heads) or latent.shape != (tokens, rank) or k_pe.shape != (tokens, rope):
+        raise ValueError(f"{op}: q_pe {tuple(q_pe.shape)}, latent {tuple(latent.shape)} and k_pe {tuple(k_pe.shape)} "
+                         f"disagree with {tokens} tokens of {heads} heads and a rank of {rank}")
+    if cos.shape != (tokens, rope // 2) or sin.shape != cos.shape or norm_weight.shape != (rank,):
+        raise ValueError(f"{op}: cos/sin {tuple(cos.shape)} must be [{tokens}, {rope // 2}] and the norm weight "
+                         f"{tuple(norm_weight.shape)} [{rank}]")
+    for name, x in (("q_pe", q_pe), ("latent", latent), ("k_pe", k_pe), ("cos", cos), ("sin", sin),
+                    ("norm_weight", norm_weight), *more.items()):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must be contiguous in its last dimension")
+    return k_pe
+
+
+def assembly_outputs(tokens: int, heads: int, rank: int, rope: int, q_dtype: torch.dtype,
+                     latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q_full = torch.empty(tokens, heads, rank + rope, dtype=q_dtype, device=latent.device)  # [T, H, R+P]
+    kv_row = torch.empty(tokens, 1, rank + rope, dtype=latent.dtype, device=latent.device)  # [T, 1, R+P]
+    return q_full, kv_row
+
+
 def mla_rope(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
              norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
              interleaved: bool, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,19 +130,9 @@ def mla_rope(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k
     """
     tokens, heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
-    k_pe = k_pe.reshape(tokens, rope) if k_pe.dim() == 3 else k_pe
-    if q_pe.shape[:2] != (tokens, heads) or latent.shape != (tokens, rank) or k_pe.shape != (tokens, rope):
-        raise ValueError(f"mla_rope: q_latent {tuple(q_latent.shape)}, q_pe {tuple(q_pe.shape)}, latent "
-                         f"{tuple(latent.shape)} and k_pe {tuple(k_pe.shape)} do not agree")
-    if cos.shape != (tokens, rope // 2) or sin.shape != cos.shape or norm_weight.shape != (rank,):
-        raise ValueError(f"mla_rope: cos/sin {tuple(cos.shape)} must be [{tokens}, {rope // 2}] and the norm "
-                         f"weight {tuple(norm_weight.shape)} [{rank}]")
-    for name, x in (("q_latent", q_latent), ("q_pe", q_pe), ("latent", latent), ("k_pe", k_pe), ("cos", cos),
-                    ("sin", sin), ("norm_weight", norm_weight)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"mla_rope: {name} must be contiguous in its last dimension")
-    q_full = torch.empty(tokens, heads, rank + rope, dtype=q_latent.dtype, device=q_latent.device)  # [T, H, R+P]
-    kv_row = torch.empty(tokens, 1, rank + rope, dtype=latent.dtype, device=latent.device)  # [T, 1, R+P]
+    k_pe = checked_assembly_inputs("mla_rope", tokens, heads, rank, q_pe, latent, k_pe, norm_weight, cos, sin,
+                                   q_latent=q_latent)
+    q_full, kv_row = assembly_outputs(tokens, heads, rank, rope, q_latent.dtype, latent)
     if tokens == 0:
         return q_full, kv_row
     block_h = min(next_pow2(heads), HEADS_PER_PROGRAM)
