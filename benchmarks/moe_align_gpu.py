@@ -1,5 +1,5 @@
-"""The one-program expert alignment (attnserve.ops.kernels.moe_align) at decode batch sizes: its loop steps
-and warps swept, against the torch alignment, at DeepSeek-V2-Lite's routing (64 routed experts, top-6, and 2
+"""The one-launch expert alignment (attnserve.ops.kernels.moe_align) at decode batch sizes: its loop steps
+and warps swept, one program or one per expert, against the torch alignment, at DeepSeek-V2-Lite's routing (64 routed experts, top-6, and 2
 shared experts every token takes, as the engine aligns them).
 
 Per batch: every launch setting is checked bit for bit against ops.moe_align.align_by_expert, then timed as
@@ -22,7 +22,7 @@ import torch
 
 from attnserve.bench.timing import time_cpu, time_graph
 from attnserve.ops.kernels.fused_moe import moe_tiles
-from attnserve.ops.kernels.moe_align import AlignLaunch, align_in_one_program, launch_for
+from attnserve.ops.kernels.moe_align import AlignLaunch, align_in_one_launch, launch_for
 from attnserve.ops.moe_align import align_by_expert
 from attnserve.versions import package_versions
 
@@ -31,9 +31,10 @@ ROUTINGS = 4  # routings cycled through per timing
 
 def launches(tiny: bool) -> list[AlignLaunch]:
     if tiny:
-        return [AlignLaunch(), AlignLaunch(chunk=32, fill_chunk=64, num_warps=2)]
+        return [AlignLaunch(), AlignLaunch(chunk=32, fill_chunk=64, num_warps=2), AlignLaunch(per_expert=True)]
     swept = [AlignLaunch(c, 1024, w) for c, w in itertools.product((32, 64, 128), (1, 2, 4, 8))]
-    return [AlignLaunch(64, 64, 4)] + swept  # first: the launch before the padding fill widened
+    per_expert = [AlignLaunch(c, 1024, w, per_expert=True) for c, w in itertools.product((32, 64, 128), (1, 2, 4))]
+    return [AlignLaunch(64, 64, 4)] + swept + per_expert  # first: the launch before the padding fill widened
 
 
 def _same(a, b) -> bool:
@@ -61,8 +62,8 @@ def batch_row(tokens: int, args, device: str) -> dict:
     oracles = [align_by_expert(ids, args.experts, block_m, args.shared) for ids in ids_sets]
     row["torch_us"] = round(_time_us([lambda ids=ids: align_by_expert(ids, args.experts, block_m, args.shared)
                                       for ids in ids_sets], device), 2)
-    for launch in launches(args.tiny):
-        fns = [lambda ids=ids, launch=launch: align_in_one_program(ids, args.experts, block_m, args.shared, launch)
+    for launch in dict.fromkeys([launch_for(pairs), *launches(args.tiny)]):  # the shipped one first
+        fns = [lambda ids=ids, launch=launch: align_in_one_launch(ids, args.experts, block_m, args.shared, launch)
                for ids in ids_sets]
         if not all(_same(fn(), oracle) for fn, oracle in zip(fns, oracles)):
             raise SystemExit(f"alignment differs from the torch oracle at {tokens} tokens with {launch}")
@@ -71,7 +72,8 @@ def batch_row(tokens: int, args, device: str) -> dict:
     shipped = next(r for r in row["launches"] if {k: r[k] for k in row["shipped_launch"]} == row["shipped_launch"])
     row["best"], row["shipped_us"] = best, shipped["us"]
     print(f"{tokens:>5} tokens {pairs:>5} pairs  torch {row['torch_us']:8.2f} us  shipped {shipped['us']:8.2f} us"
-          f"  best {best['us']:8.2f} us (chunk {best['chunk']}, fill {best['fill_chunk']}, warps {best['num_warps']})",
+          f"  best {best['us']:8.2f} us (chunk {best['chunk']}, fill {best['fill_chunk']}, warps {best['num_warps']}"
+          f"{', a program per expert' if best['per_expert'] else ''})",
           flush=True)
     return row
 

@@ -81,7 +81,7 @@ def _check_and_time(sweep, row: dict, sets, paths: dict, dense: torch.Tensor) ->
 def expert_rows(sweep, experts, tokens: int, top_k: int, tbps: float) -> dict:
     """Check and time the routed experts at one batch size: dense, torch's grouped GEMM, fused; the alignments."""
     from attnserve.ops.kernels.fused_moe import align, fused_experts, moe_tiles
-    from attnserve.ops.kernels.moe_align import align_in_one_program
+    from attnserve.ops.kernels.moe_align import align_in_one_launch
     from attnserve.ops.moe_align import align_by_expert
 
     num_experts, two_i, hidden = experts.gate_up_proj.shape
@@ -94,7 +94,7 @@ def expert_rows(sweep, experts, tokens: int, top_k: int, tbps: float) -> dict:
         paths["grouped"] = experts.forward_grouped
     with torch.no_grad():
         _check_and_time(sweep, row, sets, paths, experts.forward_dense(*sets[0]))
-        for name, fn in (("align_torch", align_by_expert), ("align_one_program", align_in_one_program),
+        for name, fn in (("align_torch", align_by_expert), ("align_one_program", align_in_one_launch),
                          ("align_picked", align)):
             row[f"{name}_us"] = round(sweep.time_cycling([lambda i=i, fn=fn: fn(i, num_experts, shipped.block_m)
                                                           for _, _, i in sets]), 2)

@@ -17,7 +17,7 @@ from attnserve.ops.moe_tiles import GemmTile, MoETiles
 pytest.importorskip("triton")
 from attnserve.ops.kernels import fused_moe
 from attnserve.ops.kernels.fused_moe import fused_experts
-from attnserve.ops.kernels.moe_align import LAUNCHES, AlignLaunch, align_in_one_program
+from attnserve.ops.kernels.moe_align import LAUNCHES, AlignLaunch, align_in_one_launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 64, 32, 8, 2
@@ -56,6 +56,8 @@ def _rel_err(out, ref):
 # (tokens, top_k, experts, block_m, shared experts)
 ALIGN_CASES = [(1, 6, 64, 16, 0), (1, 6, 64, 16, 2), (3, 2, 8, 16, 0), (17, 2, 8, 16, 1), (40, 3, 4, 32, 0),
                (30, 4, 5, 16, 2)]
+PER_EXPERT = [AlignLaunch(32, num_warps=1, per_expert=True),  # a program per expert
+              AlignLaunch(128, num_warps=4, per_expert=True)]
 
 
 def _ids(tokens, top_k, num_experts):
@@ -91,20 +93,24 @@ def test_alignment_groups_every_pair_once_by_expert_in_token_order(tokens, top_k
 
 
 @pytest.mark.parametrize("tokens,top_k,num_experts,block_m,shared", ALIGN_CASES)
-def test_one_program_alignment_equals_the_torch_ops(tokens, top_k, num_experts, block_m, shared):
-    """More pairs than the program's chunk, an expert count that is not a power of two, shared experts."""
+def test_one_launch_alignment_equals_the_torch_ops(tokens, top_k, num_experts, block_m, shared):
+    """More pairs than the programs' chunk, an expert count that is not a power of two, shared experts; one
+    program, and one per expert."""
     ids = _ids(tokens, top_k, num_experts).to(DEVICE)
     a = align_by_expert(ids, num_experts, block_m, shared)
-    b = align_in_one_program(ids, num_experts, block_m, shared)
-    assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_expert, b.block_expert)
+    for launch in (None, *PER_EXPERT):
+        b = align_in_one_launch(ids, num_experts, block_m, shared, launch)
+        assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_expert, b.block_expert), launch
 
 
-@pytest.mark.parametrize("launch", sorted({launch for _, launch in LAUNCHES} | {AlignLaunch(64, 64, 4)}, key=repr))
+@pytest.mark.parametrize("launch", sorted({launch for _, launch in LAUNCHES} | {AlignLaunch(64, 64, 4), *PER_EXPERT},
+                                          key=repr))
 def test_every_launch_setting_aligns_like_the_torch_ops(launch):
-    """The launch settings by size (and the earlier one) walk several chunks and fills: same alignment."""
+    """The launch settings by size (and the earlier one, and a program per expert) walk several chunks and
+    fills: same alignment."""
     ids = _ids(40, 6, 64).to(DEVICE)  # 40 tokens x (6 + 2 shared): 320 pairs
     a = align_by_expert(ids, 64, 16, 2)
-    b = align_in_one_program(ids, 64, 16, 2, launch)
+    b = align_in_one_launch(ids, 64, 16, 2, launch)
     assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_expert, b.block_expert)
 
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from attnserve.attention.kernels.common import dot_dtype_is_f32, interpreting
 from attnserve.attention.kernels.gpu_target import target_for
-from attnserve.ops.kernels.moe_align import align_in_one_program
+from attnserve.ops.kernels.moe_align import align_in_one_launch
 from attnserve.ops.kernels.pdl import launch_options, wait_for_predecessor
 from attnserve.ops.moe_align import ExpertAlignment, align_by_expert
 from attnserve.ops.moe_tiles import INTERPRETER_TILES, GemmTile, MoETiles, tiles_for
@@ -245,7 +245,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0
     """The pairs aligned by expert: one program for decode-sized batches, the torch ops above."""
     pairs = ids.shape[0] * (ids.shape[1] + num_shared)
     if pairs <= ONE_PROGRAM_ALIGN_MAX_PAIRS:
-        return align_in_one_program(ids, num_experts, block_m, num_shared, pdl=pdl)
+        return align_in_one_launch(ids, num_experts, block_m, num_shared, pdl=pdl)
     return align_by_expert(ids, num_experts, block_m, num_shared)
 
 

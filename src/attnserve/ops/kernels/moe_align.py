@@ -22,12 +22,14 @@ from attnserve.ops.moe_align import ExpertAlignment, max_blocks
 
 @dataclass(frozen=True)
 class AlignLaunch:
-    """The program's loop steps and warps: `chunk` pairs (and blocks) per step of the counting, naming and
-    placing loops, `fill_chunk` slots per step of the padding fill (plain stores, so wider), `num_warps`."""
+    """How the alignment is launched: `chunk` pairs (and blocks) per step of the programs' loops, `fill_chunk`
+    slots per step of the single program's padding fill (plain stores, so wider), `num_warps`; `per_expert`:
+    one program per expert instead of one for everything (_align_per_expert_kernel)."""
 
     chunk: int = 64
     fill_chunk: int = 1024
     num_warps: int = 4
+    per_expert: bool = False
 
 
 # (most pairs, launch), first match. Measured on an H100 (benchmarks/moe_align_gpu.py, results/moe_align-h100.json,
@@ -89,10 +91,56 @@ def _align_kernel(
         cursor += tl.sum(onehot, axis=0)
 
 
-def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0,
+@triton.jit
+def _align_per_expert_kernel(
+    Ids, SortedPairs, BlockExpert, num_pairs, num_blocks,
+    TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_ROUTED: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program e < NUM_EXPERTS places expert e's group: every program counts all pairs by expert (the ids are a
+    few KB), which gives its group's start; then it writes its own pairs in order, its group's padding and its
+    blocks' expert. Program NUM_EXPERTS marks the blocks past the last group. The single program's work, spread
+    over the experts, without any program waiting for another."""
+    wait_for_predecessor(PDL)
+    e = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        pe = _pair_experts(Ids, p0 + tl.arange(0, CHUNK), num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD)
+        counts += tl.sum((pe[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
+    if e < NUM_EXPERTS:
+        start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
+        size = tl.sum(tl.where(experts == e, padded, 0), axis=0)
+        used = tl.sum(tl.where(experts == e, counts, 0), axis=0)
+        rows = tl.arange(0, BLOCK_M)  # the group's padding: fewer than BLOCK_M slots after its pairs
+        tl.store(SortedPairs + start + used + rows, tl.zeros((BLOCK_M,), dtype=tl.int32) + num_pairs,
+                 mask=used + rows < size)
+        for b0 in range(0, size // BLOCK_M, CHUNK):
+            blocks = b0 + tl.arange(0, CHUNK)
+            tl.store(BlockExpert + start // BLOCK_M + blocks, tl.zeros((CHUNK,), dtype=tl.int32) + e,
+                     mask=blocks < size // BLOCK_M)
+        cursor = start
+        for p0 in range(0, num_pairs, CHUNK):
+            offs = p0 + tl.arange(0, CHUNK)
+            mine = (_pair_experts(Ids, offs, num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD) == e).to(tl.int32)
+            before = tl.cumsum(mine, axis=0) - mine  # this chunk's earlier pairs of the group
+            tl.store(SortedPairs + cursor + before, offs, mask=mine != 0)
+            cursor += tl.sum(mine, axis=0)
+    else:  # the blocks past the last group: expert NUM_EXPERTS, every slot padding
+        first = tl.sum(padded, axis=0) // BLOCK_M
+        for b0 in range(first, num_blocks, CHUNK):
+            blocks = b0 + tl.arange(0, CHUNK)
+            tl.store(BlockExpert + blocks, tl.zeros((CHUNK,), dtype=tl.int32) + NUM_EXPERTS, mask=blocks < num_blocks)
+            slots = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [CHUNK, BLOCK_M]
+            tl.store(SortedPairs + slots, tl.zeros((CHUNK, BLOCK_M), dtype=tl.int32) + num_pairs,
+                     mask=(blocks < num_blocks)[:, None])
+
+
+def align_in_one_launch(ids: torch.Tensor, num_experts: int, block_m: int, num_shared: int = 0,
                          launch: AlignLaunch | None = None, pdl: bool = False) -> ExpertAlignment:
     """ids [T, top_k] -> ops.moe_align.align_by_expert's alignment (shared experts included), from one
-    single-program launch (`launch`: its loop steps and warps; by default the measured ones for this size)."""
+    launch: one program, or one per expert (`launch`; by default the measured one for this size)."""
     tokens, top_k = ids.shape
     ids = ids.contiguous()
     num_pairs = tokens * (top_k + num_shared)
@@ -104,8 +152,12 @@ def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int, num_
         launch = launch or launch_for(num_pairs)
         if interpreting():
             let_interpreter_index_with_loaded_scalars()  # the loops' bounds are scalar arguments
-        _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_pairs, blocks, TOP_K=top_k,
-                            CHOICES=top_k + num_shared, NUM_ROUTED=num_experts, NUM_EXPERTS=experts,
-                            E_PAD=next_pow2(experts), BLOCK_M=block_m, CHUNK=launch.chunk,
-                            FILL_CHUNK=launch.fill_chunk, num_warps=launch.num_warps, **launch_options(pdl))
+        shape = {"TOP_K": top_k, "CHOICES": top_k + num_shared, "NUM_ROUTED": num_experts, "NUM_EXPERTS": experts,
+                 "E_PAD": next_pow2(experts), "BLOCK_M": block_m, "CHUNK": launch.chunk, "num_warps": launch.num_warps}
+        if launch.per_expert:
+            _align_per_expert_kernel[(experts + 1,)](ids, sorted_pairs, block_expert, num_pairs, blocks, **shape,
+                                                     **launch_options(pdl))
+        else:
+            _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_pairs, blocks, **shape,
+                                FILL_CHUNK=launch.fill_chunk, **launch_options(pdl))
     return ExpertAlignment(sorted_pairs, block_expert, block_m, num_pairs)
