@@ -216,3 +216,24 @@ def test_greedy_routing_kernel_matches_the_router(device, dtype, tol, experts, t
     got_order = got_ids.sort(dim=1)
     assert torch.equal(got_order.values, order.values)
     assert rel_err(got_w.gather(1, got_order.indices), want_w.gather(1, order.indices)) < 1e-5
+
+
+def test_the_fused_ops_compile_for_sm90():
+    """Compiled offline with Triton's ptxas, as the engine launches them (PDL on and off, the one-token MoE path):
+    the interpreter accepts code the GPU compiler refuses. No spills; PDL's wait and release only where asked."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(root / "tools/compile_ops_sm90.py"), "--json"], check=False,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report) == 26
+    for name, r in report.items():
+        assert r["spill_bytes"] == [0, 0], (name, r)
+        assert r["grid_dependency_control"] == (2 if name.endswith("+pdl") else 0), (name, r)

@@ -72,6 +72,7 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
             "wgmma_serialized": "wgmma.mma_async instructions are serialized" in info,
             "spill_bytes": tuple(map(int, spills.groups())),
             "smem_kib": round(kernel.metadata.shared / 1024, 1),
+            "grid_dependency_control": kernel.asm["ptx"].count("griddepcontrol."),  # PDL's wait and release
             "async_copies": ttgir.count("async_copy_global_to_local"),
             "tma_loads": kernel.asm["ptx"].count("cp.async.bulk.tensor"),
             "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),
