@@ -1,9 +1,11 @@
-"""The expert alignment of ops/moe_align.py in one Triton program: one launch instead of about fifteen.
+"""The expert alignment of ops/moe_align.py in one Triton launch instead of about fifteen torch ops.
 
 At decode sizes the alignment's torch ops are each a few-microsecond launch around two GEMMs that read six
 experts' weights in tens of microseconds; one program that counts, pads, places every pair and names each
 block's expert does the same work in one launch. It walks the pairs in chunks, so its time grows with the
-pairs: large batches keep the torch ops (fused_moe.py picks). Same outputs as the torch alignment, bit for bit.
+pairs: large batches keep the torch ops (fused_moe.py picks). The same work can also be spread over one
+program per expert (AlignLaunch.per_expert), each counting every pair and placing its own group. Same outputs
+as the torch alignment, bit for bit.
 """
 
 from __future__ import annotations
