@@ -43,8 +43,8 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 class Router(nn.Module):
     ops: OpSet = TORCH_OPS  # set for the whole model by use_ops
-    # up to this many tokens the op set's routing kernel runs (one program a token, each reading the router's
-    # weights from L2); prefill-sized batches keep the GEMM
+    # up to this many tokens the op set's routing kernel runs (each token's logits split over up to 16 programs
+    # that read the router's weights from L2); prefill-sized batches keep the GEMM
     ROUTE_KERNEL_MAX_TOKENS = 128
 
     def __init__(self, cfg: ModelConfig):

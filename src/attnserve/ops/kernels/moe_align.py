@@ -59,6 +59,18 @@ def _pair_experts(Ids, offs, num_pairs, TOP_K: tl.constexpr, CHOICES: tl.constex
 
 
 @triton.jit
+def _group_sizes(Ids, num_pairs, TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_ROUTED: tl.constexpr,
+                 E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Each expert's pairs `[E_PAD]`, and the rows its group takes once padded to whole row blocks."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        e = _pair_experts(Ids, p0 + tl.arange(0, CHUNK), num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    return counts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+
+
+@triton.jit
 def _align_kernel(
     Ids, SortedPairs, BlockExpert, num_pairs, num_blocks,
     TOP_K: tl.constexpr, CHOICES: tl.constexpr, NUM_ROUTED: tl.constexpr, NUM_EXPERTS: tl.constexpr,
@@ -66,11 +78,7 @@ def _align_kernel(
 ):
     wait_for_predecessor(PDL)
     experts = tl.arange(0, E_PAD)
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for p0 in range(0, num_pairs, CHUNK):
-        e = _pair_experts(Ids, p0 + tl.arange(0, CHUNK), num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
+    _, padded = _group_sizes(Ids, num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD, BLOCK_M, CHUNK)  # [E_PAD]
     padded_end = tl.cumsum(padded, axis=0)
     # each block's expert: how many groups end at or before its first row (E past the last group)
     for b0 in range(0, num_blocks, CHUNK):
@@ -106,11 +114,7 @@ def _align_per_expert_kernel(
     wait_for_predecessor(PDL)
     e = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for p0 in range(0, num_pairs, CHUNK):
-        pe = _pair_experts(Ids, p0 + tl.arange(0, CHUNK), num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD)
-        counts += tl.sum((pe[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
+    counts, padded = _group_sizes(Ids, num_pairs, TOP_K, CHOICES, NUM_ROUTED, E_PAD, BLOCK_M, CHUNK)  # [E_PAD]
     if e < NUM_EXPERTS:
         start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
         size = tl.sum(tl.where(experts == e, padded, 0), axis=0)
