@@ -56,8 +56,7 @@ def _rel_err(out, ref):
 # (tokens, top_k, experts, block_m, shared experts)
 ALIGN_CASES = [(1, 6, 64, 16, 0), (1, 6, 64, 16, 2), (3, 2, 8, 16, 0), (17, 2, 8, 16, 1), (40, 3, 4, 32, 0),
                (30, 4, 5, 16, 2)]
-PER_EXPERT = [AlignLaunch(32, num_warps=1, per_expert=True),  # a program per expert
-              AlignLaunch(128, num_warps=4, per_expert=True)]
+SINGLE_PROGRAM = [AlignLaunch(32, num_warps=1), AlignLaunch(128, num_warps=4)]  # LAUNCHES has a program per expert
 
 
 def _ids(tokens, top_k, num_experts):
@@ -94,20 +93,19 @@ def test_alignment_groups_every_pair_once_by_expert_in_token_order(tokens, top_k
 
 @pytest.mark.parametrize("tokens,top_k,num_experts,block_m,shared", ALIGN_CASES)
 def test_one_launch_alignment_equals_the_torch_ops(tokens, top_k, num_experts, block_m, shared):
-    """More pairs than the programs' chunk, an expert count that is not a power of two, shared experts; one
-    program, and one per expert."""
+    """More pairs than the programs' chunk, an expert count that is not a power of two, shared experts; a program
+    per expert (the shipped launch), and one program."""
     ids = _ids(tokens, top_k, num_experts).to(DEVICE)
     a = align_by_expert(ids, num_experts, block_m, shared)
-    for launch in (None, *PER_EXPERT):
+    for launch in (None, *SINGLE_PROGRAM):
         b = align_in_one_launch(ids, num_experts, block_m, shared, launch)
         assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_expert, b.block_expert), launch
 
 
-@pytest.mark.parametrize("launch", sorted({launch for _, launch in LAUNCHES} | {AlignLaunch(64, 64, 4), *PER_EXPERT},
+@pytest.mark.parametrize("launch", sorted({launch for _, launch in LAUNCHES} | {AlignLaunch(64, 64, 4), *SINGLE_PROGRAM},
                                           key=repr))
 def test_every_launch_setting_aligns_like_the_torch_ops(launch):
-    """The launch settings by size (and the earlier one, and a program per expert) walk several chunks and
-    fills: same alignment."""
+    """The launch settings by size (and the single program's) walk several chunks and fills: same alignment."""
     ids = _ids(40, 6, 64).to(DEVICE)  # 40 tokens x (6 + 2 shared): 320 pairs
     a = align_by_expert(ids, 64, 16, 2)
     b = align_in_one_launch(ids, 64, 16, 2, launch)

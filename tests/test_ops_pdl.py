@@ -52,7 +52,7 @@ def test_every_fused_launch_of_a_step_asks_for_pdl(name, monkeypatch):
     for module in KERNEL_MODULES:
         monkeypatch.setattr(module, "launch_options", lambda pdl: asked.append(pdl) or {"PDL": False})
     monkeypatch.setattr(test_ops_fused_model, "triton_ops", lambda: triton_ops(pdl=True))
-    out, _ = test_ops_fused_model._run(bundle, fused=True)
+    out, _ = test_ops_fused_model._run(bundle, fused=True, enable_pdl=True)  # the engine's own warm-up too
     assert out == plain_out
     assert len(asked) > 10 and all(asked)
 
@@ -65,6 +65,6 @@ def test_pdl_launches_give_the_same_tokens_and_logits(name, monkeypatch):
     bundle = MODELS[name]()
     plain_out, plain_logits = test_ops_fused_model._run(bundle, fused=True)
     monkeypatch.setattr(test_ops_fused_model, "triton_ops", lambda: triton_ops(pdl=True))
-    out, logits = test_ops_fused_model._run(bundle, fused=True)
+    out, logits = test_ops_fused_model._run(bundle, fused=True, enable_pdl=True)
     assert out == plain_out
     assert all(torch.equal(a, b) for a, b in zip(logits, plain_logits))

@@ -2,10 +2,10 @@
 
 At decode sizes the alignment's torch ops are each a few-microsecond launch around two GEMMs that read six
 experts' weights in tens of microseconds; one program that counts, pads, places every pair and names each
-block's expert does the same work in one launch. It walks the pairs in chunks, so its time grows with the
-pairs: large batches keep the torch ops (fused_moe.py picks). The same work can also be spread over one
-program per expert (AlignLaunch.per_expert), each counting every pair and placing its own group. Same outputs
-as the torch alignment, bit for bit.
+block's expert does the same work in one launch. Spread over one program per expert (AlignLaunch.per_expert,
+the shipped launches), each program counts every pair and places its own group; the single program walks every
+group itself. Either walks the pairs in chunks, so its time grows with the pairs: large batches keep the torch
+ops (fused_moe.py picks). Same outputs as the torch alignment, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ class AlignLaunch:
     per_expert: bool = False
 
 
-# (most pairs, launch), first match. Measured on an H100 (benchmarks/moe_align_gpu.py, results/moe_align-h100.json,
-# DeepSeek-V2-Lite's 64 + 2 experts): up to 16 tokens one warp walking 32 pairs a step (2.9 us at one token,
-# 6.5 with the 64-pair, 4-warp launch); from 64 tokens four warps and 128 pairs a step (16 us at 64 tokens, 27)
+# (most pairs, launch), first match. Measured on an H200 (benchmarks/moe_align_gpu.py, results/moe_align-h200.json,
+# DeepSeek-V2-Lite's 64 + 2 experts, CUDA-graph replays): a program per expert wins at every size, one warp walking
+# 32 pairs a step up to 4 tokens (2.1 us; the single program 3.0), four warps and 128 pairs from 16 tokens (2.7 us
+# at 16 tokens, 5.7 at 64, 9.8 at 128; the single program's best 6.9, 16.2, 28.7)
 LAUNCHES: tuple[tuple[int, AlignLaunch], ...] = (
-    (128, AlignLaunch(chunk=32, num_warps=1)),
-    (1 << 62, AlignLaunch(chunk=128, num_warps=4)),
+    (32, AlignLaunch(chunk=32, num_warps=1, per_expert=True)),
+    (1 << 62, AlignLaunch(chunk=128, num_warps=4, per_expert=True)),
 )
 
 
