@@ -1,8 +1,8 @@
 """y = x @ W^T for a few rows of x (a decode step's M <= 64 tokens): a candidate against cuBLAS, not wired.
 
 At decode a projection reads its whole weight matrix for a handful of rows, so its floor is the weights' bytes
-over the memory bandwidth. On the H200 the Llama-3-8B decode step at batch 64 spent 4.34 ms in cuBLAS GEMMs
-against 3.35 ms of weight reads (benchmarks/results/engine_gpu_profile.json), which is most of what separates
+over the memory bandwidth. On the H200 the Llama-3-8B decode step at batch 64 spent 4.35 ms in cuBLAS GEMMs
+against 3.59 ms of weight reads (benchmarks/results/engine_gpu_profile.json), which is most of what separates
 the step from the roofline. This kernel is built only for that regime: each program owns BLOCK_N output
 columns, streams its [BLOCK_N, K] slab of W once, and pads the M rows to one MMA tile (the wasted FLOPs are
 free when the weights' bytes bound the time). Where the columns alone cannot fill the GPU (N = 4096 at
