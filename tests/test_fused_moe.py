@@ -163,7 +163,7 @@ def test_one_token_launches_no_alignment(shared, monkeypatch):
 
 def test_uneven_widths_and_wider_row_blocks(monkeypatch):
     """Channels and hidden size that no tile divides (masked loads), 32-row blocks, the torch alignment."""
-    monkeypatch.setattr(fused_moe, "ONE_PROGRAM_ALIGN_MAX_PAIRS", 0)
+    monkeypatch.setattr(fused_moe, "ONE_LAUNCH_ALIGN_MAX_PAIRS", 0)
     experts = _experts(4, 48, 24, torch.float32)
     x, weights, ids = _routing(9, 4, 3, 48, torch.float32)
     tiles = MoETiles(32, GemmTile(16, 32, 4, 1), GemmTile(32, 16, 4, 1))
