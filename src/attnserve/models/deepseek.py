@@ -52,7 +52,7 @@ class MLAttention(nn.Module):
     ops: OpSet = TORCH_OPS  # set for the whole model by use_ops
     # up to this many tokens the op set's mla_absorb_rope does the query absorption too (each of its programs
     # re-reads W_UK per token). Timed at 1, 2, 4 and 8 requests (engine_gpu_profile --fused no-mla_absorb_rope,
-    # results/engine_ab_deepseek_absorb_b*-h100.json and engine_ab_deepseek_b1-h200.json): 0.3-1.4 % faster each
+    # results/engine_ab_deepseek_absorb_b*-h100.json and engine_ab_deepseek_b1-h200.json): 0.3-1.1 % faster each
     ABSORB_MAX_TOKENS = 8
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
