@@ -169,16 +169,30 @@ def _fused_ops_without(name: str | None):
         select.triton_ops = whole
 
 
+def _use_min_split_tokens(engine, tokens: int) -> None:
+    """The decode backend's split policy, cutting no request into chunks under `tokens` keys. A captured graph's
+    split dimension comes from its batch size alone (split_plan.max_splits_for_batch), so replays follow it."""
+    backend = engine.parts.backend
+    side = getattr(backend, "decode_backend", backend)
+    if not hasattr(side, "split_policy"):
+        raise SystemExit(f"--fused split-{tokens}: the decode backend {type(side).__name__} has no split policy")
+    side.split_policy = dataclasses.replace(side.split_policy, min_split_tokens=tokens)
+
+
 def profile_config(loaded, args, graphs: bool, fused: str) -> dict:
-    """One engine's decode steps; `fused` is on, off, pdl (on, launched with PDL) or no-<op> (on but that one)."""
+    """One engine's decode steps; `fused` is on, off, pdl (on, launched with PDL), no-<op> (on but that one) or
+    split-<N> (on, the decode split policy's min_split_tokens N)."""
     from torch.profiler import ProfilerActivity, profile
 
     cpu = args.device == "cpu"
     sync = (lambda: None) if cpu else torch.cuda.synchronize
     without = fused.removeprefix("no-") if fused.startswith("no-") else None
+    split_tokens = int(fused.removeprefix("split-")) if fused.startswith("split-") else None
     with _fused_ops_without(without):
         engine = _engine(loaded, args, 3 * args.steps + 16, disable_cuda_graph=not graphs,
                          disable_fused_ops=fused == "off", enable_pdl=fused == "pdl")
+    if split_tokens is not None:
+        _use_min_split_tokens(engine, split_tokens)
     g = torch.Generator().manual_seed(0)
     _add_batch(engine, loaded, args, g, 3 * args.steps + 16)
     _to_full_decode(engine, args)  # the budget is off, and nothing prefills once the timing starts
@@ -204,6 +218,7 @@ def profile_config(loaded, args, graphs: bool, fused: str) -> dict:
         "fused_ops": fused != "off",
         "pdl": fused == "pdl",
         **({"unfused_op": without} if without else {}),
+        **({"min_split_tokens": split_tokens} if split_tokens is not None else {}),
         "ops": engine.parts.model.module.ops.name,
         "graphed_steps": engine.runner.steps_graphed,
         "step_wall_ms_median": round(wall, 3),
@@ -384,7 +399,8 @@ def print_table(results: list[dict]) -> None:
     print(f"{'mode':7} {'fused':6} {'wall':>8} {'busy':>8} {'host gap':>9} " + " ".join(f"{k:>11}" for k in kinds))
     for r in results:
         k = r["per_step_ms_by_kind"]
-        fused = f"no-{r['unfused_op']}" if "unfused_op" in r else "pdl" if r["pdl"] else str(r["fused_ops"])
+        fused = (f"no-{r['unfused_op']}" if "unfused_op" in r else f"split-{r['min_split_tokens']}"
+                 if "min_split_tokens" in r else "pdl" if r["pdl"] else str(r["fused_ops"]))
         print(f"{r['mode']:7} {fused:6} {r['step_wall_ms_median']:8.3f} "
               f"{r['kernel_busy_ms_per_step']:8.3f} {r['host_gap_ms_per_step']:9.3f} "
               + " ".join(f"{k.get(x, 0.0):11.3f}" for x in kinds), flush=True)
@@ -399,7 +415,8 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,graphs", help="comma list of eager, graphs (none: no decode profile)")
     ap.add_argument("--fused", default="on,off",
                     help="comma list of on, off (the --disable-fused-ops switch), pdl (on, launched with --enable-pdl), "
-                    "no-<op> (every fused op but that one, e.g. no-mla_rope: what the one fusion gains)")
+                    "no-<op> (every fused op but that one, e.g. no-mla_rope: what the one fusion gains), split-<N> "
+                    "(on, no request's decode keys cut into chunks under N: the split plan's min_split_tokens)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by name per configuration")
     ap.add_argument("--mixed-chunks", default="",
                     help="comma list of prompt-chunk sizes N: profile a mixed step of --requests decodes plus N prompt "
@@ -460,7 +477,8 @@ def main() -> None:
                 traceback.print_exc()
                 gc.collect()
             write()
-    eager_busy = {(r["fused_ops"], r["pdl"]): r for r in results if r["mode"] == "eager" and "unfused_op" not in r}
+    eager_busy = {(r["fused_ops"], r["pdl"]): r for r in results
+                  if r["mode"] == "eager" and "unfused_op" not in r and "min_split_tokens" not in r}
     for r in results:  # graph kernels invisible to the profiler: take the eager run's kernel time
         if r["mode"] == "graphs" and not r["kernels_visible"] and (r["fused_ops"], r["pdl"]) in eager_busy:
             e = eager_busy[(r["fused_ops"], r["pdl"])]

@@ -162,11 +162,12 @@ class TritonBackendBase(AttentionBackend):
         num_sms = options.get("num_sms")
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 4
+        default = SplitPolicy()
         self.split_policy = SplitPolicy(
             num_sms=int(num_sms),
-            waves=float(options.get("split_waves", 2.0)),
-            min_split_tokens=int(options.get("min_split_tokens", 256)),
-            max_splits=int(options.get("max_kv_splits", 64)),
+            waves=float(options.get("split_waves", default.waves)),
+            min_split_tokens=int(options.get("min_split_tokens", default.min_split_tokens)),
+            max_splits=int(options.get("max_kv_splits", default.max_splits)),
         )
         # a tile may carry its own split waves (mla/decode_table.json), taken unless split_waves is given
         self._split_waves_given = "split_waves" in options
