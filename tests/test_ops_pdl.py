@@ -2,6 +2,8 @@
 takes it and the tokens do not change; where the GPU lacks it (and on the CPU) the op set is the plain one."""
 
 import dataclasses
+import importlib
+import pkgutil
 
 import pytest
 import test_ops_fused_model
@@ -9,20 +11,15 @@ import torch
 from engine_helpers import tiny_llama, tiny_model
 from test_engine_models import CONFIGS
 
-from attnserve.ops import OpSet, select_ops, triton_ops
-from attnserve.ops.kernels import (
-    fused_moe,
-    mla_absorb,
-    mla_rope,
-    moe_align,
-    moe_route,
-    rmsnorm,
-    rope_store,
-    silu_mul,
-)
+from attnserve.ops import OpSet, kernels, select_ops, triton_ops
+from attnserve.ops.kernels import pdl
 from attnserve.ops.kernels.pdl import launch_options, pdl_applies
 
-KERNEL_MODULES = (fused_moe, mla_absorb, mla_rope, moe_align, moe_route, rmsnorm, rope_store, silu_mul)
+# every fused-op kernel module that launches through pdl.launch_options, found rather than listed
+KERNEL_MODULES = tuple(
+    module for module in (importlib.import_module(f"{kernels.__name__}.{info.name}")
+                          for info in pkgutil.iter_modules(kernels.__path__))
+    if module is not pdl and getattr(module, "launch_options", None) is launch_options)
 MODELS = {"llama": lambda: tiny_llama(seed=4), "deepseek": lambda: tiny_model(CONFIGS["deepseek-v2-mla-moe"], seed=4)}
 
 

@@ -9,8 +9,9 @@ that one for its own, a kernel also sees every earlier kernel's writes. Each rel
 after its wait: they launch as soon as all its programs have started.
 
 `benchmarks/pdl_chain_gpu.py` measured it on an H100 (`benchmarks/results/pdl_chain-h100.json`): 300 dependent
-one-program kernels in a CUDA graph, 1.19 us a kernel plain, 0.73 with PDL. Off by default until the engine's
-step is measured with it on (`--enable-pdl`; `benchmarks/engine_gpu_profile.py --fused on,pdl`).
+one-program kernels in a CUDA graph, 1.19 us a kernel plain, 0.73 with PDL. In the engine's decode step it
+gains nothing (0.998-1.003x on an H200, `engine_gpu_decode.json`, `triton-graphs-pdl`: the cuBLAS GEMMs and
+attention kernels between the fused ones do not take part), so `--enable-pdl` is off by default.
 """
 
 from __future__ import annotations
