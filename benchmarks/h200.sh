@@ -53,9 +53,12 @@
 #               Llama-3-8B decode projections, M = 1 and 64, a sweep of its configs, and a decode step's projections
 #               summed both ways -> gemm-skinny-h200.json (GEMM_ARGS adds flags; --quick: defaults only)
 #   moe         moe_gpu_paths.py: routed experts, dense against grouped GEMM -> moe_gpu_paths.json
-#   training    training_h200.py: the differentiable FlashAttention's forward and backward against SDPA's flash and
-#               cuDNN, and FA4 where benchmarks/peer_wheels.sh stage left it in /tmp/site2 (about 1 minute)
-#               -> training-h200.json; TRAINING_ARGS adds flags (e.g. --no-ncu)
+#   training    training_h200.py: the sweep of the forward path and the backward's tiles, then the differentiable
+#               FlashAttention's forward and backward against SDPA's flash and cuDNN, and FA4 where
+#               benchmarks/peer_wheels.sh stage left it in /tmp/site2 (PEER_SET=fa4: two stage calls, the second
+#               this one), then Nsight Compute's DRAM bytes against the traffic model (a few minutes)
+#               -> training-h200.json; TRAINING_ARGS adds flags (e.g. --no-ncu; --device cpu with tiny shapes
+#               checks the script here)
 #   serve       `attnserve bench serve` against transformers serve and the offline engine -> serve-h200.{json,md}
 #               (knobs: MODEL_DIR, IN_LEN, OUT_LEN; PEER_DEVICE=cpu MODEL_ARGS=--tiny for a CPU smoke run)
 #   serve-waves serve_h200_waves.sh: three waves of 64 streams (after 64 warm-up) on the one-process server and
@@ -418,10 +421,10 @@ step_training() {
   fi
   echo "== training attention ($(left) s left)"
   # shellcheck disable=SC2086
-  PYTHONPATH=$path timeout "$(cap 240)" python3 benchmarks/training_h200.py --out "$OUT/training-h200.json" \
+  PYTHONPATH=$path timeout "$(cap 420)" python3 benchmarks/training_h200.py --out "$OUT/training-h200.json" \
     ${TRAINING_ARGS:-} > "$LOGS/training.log" 2>&1
   local rc=$?
-  echo "training rc=$rc"; grep -v '^sweep' "$LOGS/training.log" | cut -c1-300 | tail -20
+  echo "training rc=$rc"; grep -v '^sweep {' "$LOGS/training.log" | cut -c1-400 | tail -24
   return $rc
 }
 

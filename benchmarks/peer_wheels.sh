@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/peer_wheels.sh fetch   here: the pinned wheels below (cp312, manylinux x86_64, no dependencies)
 #                                          -> .peers/wheels/, with each wheel's size and Requires-Dist; says which
-#                                          package or version the registry lacks. PEER_EXTRA="name==ver ..." adds more
+#                                          package or version the registry lacks. PEER_EXTRA="name==ver ..." adds more;
+#                                          PEER_SET=fa4 fetches only FA4's set (see PEERS)
 #   bash benchmarks/peer_wheels.sh pack    here: .peers/wheels/ -> .peers/carry-1/, -2/, ... of at most CARRY_MIB
 #                                          (default 60) MiB each, wheels over SPLIT_MIB (default 50) MiB split (`split -b`, NAME.part-aa
 #                                          ...), each batch with the same MANIFEST (every wheel's sha256 and parts);
@@ -46,6 +47,17 @@ PEERS=(
   "torch-c-dlpack-ext==$DLPACK_EXT_VERSION"
   "einops==$EINOPS_VERSION"
 )
+# PEER_SET=fa4: FA4 and what it imports, for `h200.sh training` (its one peer from these): no FlashInfer 0.7, and
+# tvm-ffi here rather than from .whl/, so the training call needs no .whl (about 98 MiB, two batches: the second
+# travels in the training call itself)
+TVM_FFI_VERSION=0.1.15.post2
+case "${PEER_SET:-all}" in
+  all) ;;
+  fa4) kept=()
+       for spec in "${PEERS[@]}"; do [[ $spec == flashinfer-python==* ]] || kept+=("$spec"); done
+       PEERS=("${kept[@]}" "apache-tvm-ffi==$TVM_FFI_VERSION") ;;
+  *) echo "PEER_SET must be all or fa4, not ${PEER_SET}" >&2; exit 2 ;;
+esac
 # shellcheck disable=SC2206
 [ -n "${PEER_EXTRA:-}" ] && PEERS+=($PEER_EXTRA)
 PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
@@ -182,8 +194,13 @@ cmd_pack() {
   for b in "${!carry_bytes[@]}"; do
     echo "  $((b + 1)). carry [\"$PEER_DIR/carry-$((b + 1))\"]   command: bash benchmarks/peer_wheels.sh stage"
   done
-  echo "  $(( ${#carry_bytes[@]} + 1 )). carry [\".whl\"] ($(mib "${whl_bytes:-0}") MiB)   command: OUT=\$OUT bash benchmarks/h200.sh race"
-  echo "     (install_peers uses the /tmp/site2 that stage installed; stage's exit 3 means a batch is still missing)"
+  if [ "${PEER_SET:-all}" = fa4 ]; then
+    echo "     (the training call itself may carry the last batch: command: bash benchmarks/peer_wheels.sh stage &&"
+    echo "      OUT=\$OUT bash benchmarks/h200.sh training; it needs no .whl)"
+  else
+    echo "  $(( ${#carry_bytes[@]} + 1 )). carry [\".whl\"] ($(mib "${whl_bytes:-0}") MiB)   command: OUT=\$OUT bash benchmarks/h200.sh race"
+    echo "     (install_peers uses the /tmp/site2 that stage installed; stage's exit 3 means a batch is still missing)"
+  fi
 }
 
 cmd_stage() {

@@ -1,6 +1,7 @@
 """attention.training's Triton kernels on a CUDA device: bf16/fp16 gradients against autograd through the
-dense float64 formula (causal, sliding window, GQA, ragged lengths, head dims 64 and 128), and the peak memory
-of the backward at T = 8192, which must stay O(T*d)."""
+dense float64 formula (causal, sliding window, GQA, ragged lengths, head dims 64 and 128; [B, H, T, D] tensors
+and [B, T, H, D] ones viewed per head, the two layouts the causal forward reads through the prefill kernel), and
+the peak memory of the backward at T = 8192, which must stay O(T*d)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,21 @@ CASES = [
 ]
 
 
+def _tensor(b, h, t, d, dtype, layout, g):
+    """[B, H, T, D] stored as is ("heads") or as a [B, T, H, D] tensor viewed per head ("tokens"): the causal
+    forward reads both in place through the prefill kernel (analysis.training.forward_tma)."""
+    if layout == "heads":
+        return torch.randn(b, h, t, d, device="cuda", generator=g, dtype=dtype)
+    return torch.randn(b, t, h, d, device="cuda", generator=g, dtype=dtype).transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["heads", "tokens"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
-def test_gradients_within_half_precision_of_float64(case, dtype):
+def test_gradients_within_half_precision_of_float64(case, dtype, layout):
     b, hq, hk, tq, tk, d, causal, window, softcap = case
     g = torch.Generator(device="cuda").manual_seed(CASES.index(case))
-    q, k, v = (torch.randn(b, h, t, d, device="cuda", generator=g, dtype=dtype).requires_grad_()
-               for h, t in ((hq, tq), (hk, tk), (hk, tk)))
+    q, k, v = (_tensor(b, h, t, d, dtype, layout, g).requires_grad_() for h, t in ((hq, tq), (hk, tk), (hk, tk)))
     do = torch.randn(b, hq, tq, d, device="cuda", generator=g, dtype=dtype)
     kw = dict(causal=causal, window=window, softcap=softcap)
     out = flash_attention(q, k, v, **kw)

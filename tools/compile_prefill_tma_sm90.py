@@ -26,7 +26,7 @@ from attnserve.attention.kernels.mha import prefill_tma as pt
 
 
 def compile_config(cfg: pt.PrefillTmaConfig, head_dim: int = 128, group: int = 4, window: bool = False,
-                   softcap: bool = False, sinks: bool = False) -> dict:
+                   softcap: bool = False, sinks: bool = False, lse: bool = False) -> dict:
     x = torch.empty(4096, 8, head_dim, dtype=torch.bfloat16)  # stands in for q / k / v rows
     idx = torch.empty(16, dtype=torch.int32)
     if cfg.device_descriptors:
@@ -34,17 +34,18 @@ def compile_config(cfg: pt.PrefillTmaConfig, head_dim: int = 128, group: int = 4
     else:
         operands = dict(Q=pt._descriptor(x, cfg.block_m), K=pt._descriptor(x, cfg.block_n),
                         V=pt._descriptor(x, cfg.block_n))
-    args = dict(operands, Out=x, tile_req=idx, tile_m0=idx, qo_indptr=idx, kv_starts=idx, seq_lens=idx, Sinks=x,
+    args = dict(operands, Out=x, Lse=torch.empty(16, dtype=torch.float32), tile_req=idx, tile_m0=idx, qo_indptr=idx, kv_starts=idx, seq_lens=idx, Sinks=x,
                 qk_scale_log2=0.1, sm_scale_k=0.1, softcap=1.5, window=7, stride_ot=1024, stride_oh=128,
-                num_work=1000, q_rows=4096, kv_rows=4096, stride_qt=1024, stride_kt=1024, stride_vt=1024)
+                stride_lt=8 * group, num_work=1000, q_rows=4096, kv_rows=4096, stride_qt=1024, stride_kt=1024, stride_vt=1024)
     constexprs = dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       HEAD_DIM=head_dim, HAS_WINDOW=window, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
                       WARP_SPECIALIZE=cfg.warp_specialize, PERSISTENT=bool(cfg.persistent),
                       MASK_EVERY_TILE=cfg.mask_every_tile, DEVICE_DESC=cfg.device_descriptors,
-                      KV_HEAD_MAJOR=cfg.kv_head_major, DOT_F32=False)
+                      KV_HEAD_MAJOR=cfg.kv_head_major, DOT_F32=False, HAS_LSE=lse)
     fn = pt._prefill_tma_kernel
     sig = {n: ("constexpr" if n in constexprs else mangle_type(args[n])) for n in fn.arg_names}
-    row = {"config": cfg.__dict__, "head_dim": head_dim, "window": window, "softcap": softcap, "sinks": sinks}
+    row = {"config": cfg.__dict__, "head_dim": head_dim, "window": window, "softcap": softcap, "sinks": sinks,
+           "lse": lse}
     try:
         k = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
@@ -72,14 +73,18 @@ def main(argv=None) -> int:
                    help="block_m,block_n,warps,stages,warp_specialize[,mask_every_tile[,persistent[,device_descriptors]]]")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--features", action="store_true", help="also compile with window, soft-cap and sinks")
+    p.add_argument("--lse", action="store_true", help="also compile with the row LSE written (the training forward)")
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head (1: the training forward's one "
+                   "head per request)")
     args = p.parse_args(argv)
     for text in args.configs:
         bm, bn, w, s, ws, *rest = (int(x) for x in text.split(","))
         cfg = pt.PrefillTmaConfig(bm, bn, w, s, bool(ws), bool(rest[0]) if rest else True,
                                   rest[1] if len(rest) > 1 else 0, bool(rest[2]) if len(rest) > 2 else bool(ws))
         variants = [{}] + ([{"window": True, "softcap": True, "sinks": True}] if args.features else [])
+        variants += [{"lse": True}] if args.lse else []
         for extra in variants:
-            print(compile_config(cfg, args.head_dim, **extra), flush=True)
+            print(compile_config(cfg, args.head_dim, args.group, **extra), flush=True)
     return 0
 
 

@@ -21,6 +21,9 @@ Kernels:
                     registers, so GQA needs no atomics and no per-query-head dK/dV.
     _dq_kernel      one program per (query block, query head): dQ += dS K over the visible key blocks.
 
+A causal bf16 / fp16 forward in a layout the serving prefill kernel reads in place goes to that kernel instead
+(forward_tma: TMA loads, warp-specialised on Hopper), which writes the same O and LSE.
+
 No kernel writes anything of size Tq x Tk: the only tensors besides the inputs and their gradients are
 LSE and delta, one float per query row. Each loop over blocks is split into blocks that need no score mask
 (every pair visible) and the boundary blocks that apply it; rows and keys past the ends load as zeros, and
@@ -36,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnserve.analysis.training import forward_tma
 from attnserve.attention.kernels.common import interpreting
 from attnserve.attention.kernels.interpreter_compat import let_interpreter_index_with_loaded_scalars
 
@@ -391,10 +395,18 @@ def _s(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def forward(q, k, v, causal: bool, sm_scale: float, window: int | None, softcap: float | None,
-            tiles: Tiles | None = None):
-    """O [B, Hq, Tq, D] in q's dtype and the natural-log row LSE [B, Hq, Tq]."""
+            tiles: Tiles | None = None, tma="default"):
+    """O [B, Hq, Tq, D] in q's dtype and the natural-log row LSE [B, Hq, Tq].
+
+    tma: the prefill kernel's forward (forward_tma.TmaForward) where it applies, "default" for the table's
+    choice of this GPU and head dim, None for the blocked kernel below.
+    """
     if interpreting():
         let_interpreter_index_with_loaded_scalars()
+    if tma == "default":
+        tma = forward_tma.default_tma_forward(q.shape[-1], q.device)
+    if forward_tma.applies(q, k, v, causal, tma):
+        return forward_tma.forward_tma(q, k, v, sm_scale, window, softcap, tma)
     B, H, Tq, D = q.shape
     HK, Tk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)

@@ -151,13 +151,14 @@ def request_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: l
 
 @triton.jit
 def _attend_tile(
-    desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks, t, pid_h,
-    qk_scale_log2, sm_scale_k, softcap, window, stride_ot, stride_oh,
+    desc_q, desc_k, desc_v, Out, Lse, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks, t, pid_h,
+    qk_scale_log2, sm_scale_k, softcap, window, stride_ot, stride_oh, stride_lt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    WS_KEYS: tl.constexpr, MASK_EVERY_TILE: tl.constexpr, DOT_F32: tl.constexpr,
+    WS_KEYS: tl.constexpr, MASK_EVERY_TILE: tl.constexpr, DOT_F32: tl.constexpr, HAS_LSE: tl.constexpr,
 ):
-    """Query tile t (BLOCK_M positions of one request) of query head pid_h, written to Out."""
+    """Query tile t (BLOCK_M positions of one request) of query head pid_h, written to Out (and with HAS_LSE
+    each row's natural-log LSE to Lse, `[rows, stride_lt]` float32: what a backward recomputes P from)."""
     r = tl.load(tile_req + t)
     m0 = tl.load(tile_m0 + t)
     q_start = tl.load(qo_indptr + r)
@@ -211,6 +212,9 @@ def _attend_tile(
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(Out + (q_start + q_row)[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :],
              o.to(Out.dtype.element_ty), mask=(q_row < ext)[:, None])
+    if HAS_LSE:  # m_i and l_i are base 2: ln(sum exp(s)) = (m + log2(l)) * ln(2)
+        tl.store(Lse + (q_start + q_row) * stride_lt + pid_h, (m_i + tl.log2(l_safe)) * 0.6931471805599453,
+                 mask=q_row < ext)
 
 
 # The kernel's sizes that change with every step's tokens. Triton would otherwise specialise a launch on each
@@ -222,13 +226,13 @@ PER_STEP_SIZES = ("num_work", "q_rows", "kv_rows")
 
 @triton.jit(do_not_specialize=PER_STEP_SIZES)
 def _prefill_tma_kernel(
-    Q, K, V, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
-    qk_scale_log2, sm_scale_k, softcap, window, stride_ot, stride_oh, num_work,
+    Q, K, V, Out, Lse, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
+    qk_scale_log2, sm_scale_k, softcap, window, stride_ot, stride_oh, stride_lt, num_work,
     q_rows, kv_rows, stride_qt, stride_kt, stride_vt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
-    DEVICE_DESC: tl.constexpr, KV_HEAD_MAJOR: tl.constexpr, DOT_F32: tl.constexpr,
+    DEVICE_DESC: tl.constexpr, KV_HEAD_MAJOR: tl.constexpr, DOT_F32: tl.constexpr, HAS_LSE: tl.constexpr,
 ):
     # Q, K, V: host-built descriptors, or with DEVICE_DESC the tensors themselves, described here. Warp
     # specialisation splits the query tile between two consumer warpgroups and loads each half with its own
@@ -255,15 +259,15 @@ def _prefill_tma_kernel(
             else:  # w = tile * NUM_HEADS + query head
                 t = w // NUM_HEADS
                 h = w % NUM_HEADS
-            _attend_tile(desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
+            _attend_tile(desc_q, desc_k, desc_v, Out, Lse, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
                          t, h, qk_scale_log2, sm_scale_k, softcap, window,
-                         stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
-                         HAS_SINKS, False, MASK_EVERY_TILE, DOT_F32)
+                         stride_ot, stride_oh, stride_lt, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
+                         HAS_SINKS, False, MASK_EVERY_TILE, DOT_F32, HAS_LSE)
     else:
-        _attend_tile(desc_q, desc_k, desc_v, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
+        _attend_tile(desc_q, desc_k, desc_v, Out, Lse, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, Sinks,
                      tl.program_id(1), tl.program_id(0), qk_scale_log2, sm_scale_k, softcap, window,
-                     stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
-                     HAS_SINKS, WARP_SPECIALIZE, MASK_EVERY_TILE, DOT_F32)
+                     stride_ot, stride_oh, stride_lt, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
+                     HAS_SINKS, WARP_SPECIALIZE, MASK_EVERY_TILE, DOT_F32, HAS_LSE)
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -291,6 +295,7 @@ def prefill_tma_attention(
     layer: LayerParams,
     config: PrefillTmaConfig | None = None,
     target: GpuTarget | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New tokens against their request's keys, read as contiguous rows.
 
@@ -298,6 +303,7 @@ def prefill_tma_attention(
     kv_starts[r] .. + seq_lens[r] (`[B]` int32 each); qo_indptr `[B+1]`. Every tensor must satisfy
     `tma_rows_ok`. `tiles` must have been built with `config.block_m` positions per tile; layer: the layer's
     scale and masking (params.LayerParams; K/V scales do not apply: FP8 pools take the paged kernel).
+    lse: where given, `[T, Hq]` float32 (row stride Hq) receives each row's natural-log LSE (sinks included).
     """
     sm_scale, sliding_window, logit_cap, sinks = layer.sm_scale, layer.sliding_window, layer.logit_cap, layer.sinks
     num_tokens, num_heads, head_dim = q.shape
@@ -329,16 +335,20 @@ def prefill_tma_attention(
     else:
         operands = (_descriptor(q, config.block_m), _descriptor(k_rows, config.block_n),
                     _descriptor(v_rows, config.block_n))
+    if lse is not None and (lse.shape != (num_tokens, num_heads) or lse.dtype != torch.float32
+                            or lse.stride() != (num_heads, 1)):
+        raise ValueError(f"lse must be a contiguous [{num_tokens}, {num_heads}] float32 tensor, got "
+                         f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
     _prefill_tma_kernel[grid](
-        *operands, out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens,
-        sinks if sinks is not None else q, sm_scale_k * LOG2E, sm_scale_k, float(logit_cap or 1.0),
-        int(sliding_window or 0), out.stride(0), out.stride(1), num_work,
+        *operands, out, lse if lse is not None else out, tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts,
+        seq_lens, sinks if sinks is not None else q, sm_scale_k * LOG2E, sm_scale_k, float(logit_cap or 1.0),
+        int(sliding_window or 0), out.stride(0), out.stride(1), num_heads, num_work,
         q.shape[0], k_rows.shape[0], q.stride(0), k_rows.stride(0), v_rows.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_cap is not None,
         HAS_SINKS=sinks is not None, WARP_SPECIALIZE=config.warp_specialize, PERSISTENT=bool(config.persistent),
         MASK_EVERY_TILE=config.mask_every_tile, DEVICE_DESC=config.device_descriptors,
-        KV_HEAD_MAJOR=config.kv_head_major, DOT_F32=dot_dtype_is_f32(q),
+        KV_HEAD_MAJOR=config.kv_head_major, DOT_F32=dot_dtype_is_f32(q), HAS_LSE=lse is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
