@@ -50,11 +50,14 @@ from attnserve.analysis.training import flash_attention_with_lse, kernels  # noq
 from attnserve.analysis.training.kernels import Tiles  # noqa: E402
 from attnserve.versions import package_versions  # noqa: E402
 
-# the backward's tiles (BLOCK_M, BLOCK_N, warps, stages), each kernel swept with the other held at its default
-DKDV_CANDIDATES = [(32, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 4), (64, 128, 8, 2), (16, 128, 8, 4),
-                   (64, 64, 4, 3), (32, 64, 4, 3)]
-DQ_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-                 (64, 128, 8, 2)]
+# the backward's tiles (BLOCK_M, BLOCK_N, warps, stages[, diagonal split[, TMA descriptors]]), each kernel swept
+# with the other held at its default (kernels.Tiles); tools/compile_training_sm90.py gives each one's spills
+DKDV_CANDIDATES = [(32, 128, 8, 3), (32, 128, 8, 2), (32, 128, 8, 3, 2), (64, 128, 8, 2), (16, 128, 8, 4),
+                   (32, 64, 8, 3), (32, 128, 8, 3, 1, 1), (32, 128, 8, 2, 1, 1), (32, 128, 8, 3, 2, 1),
+                   (16, 128, 8, 4, 1, 1), (32, 64, 8, 3, 1, 1)]
+DQ_CANDIDATES = [(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3, 2), (64, 64, 4, 3), (128, 64, 8, 3, 1, 1),
+                 (128, 64, 8, 2, 1, 1), (128, 32, 8, 3, 1, 1), (128, 128, 8, 2, 1, 1), (128, 64, 8, 4, 1, 1),
+                 (128, 64, 8, 3, 2, 1)]
 SWEEP_SEQLENS = (1024, 4096, 16384)  # each candidate's time against the best at every T, averaged
 
 
@@ -136,11 +139,18 @@ def sweep(tokens, h, d, seqlens=SWEEP_SEQLENS):
             except Exception as exc:  # noqa: BLE001 - a candidate that does not build or fit is recorded
                 per[name] = repr(exc)[:200]
         o, lse = kernels.forward(q, k, v, True, scale, None, None, base, tma=None)
+        want = kernels.backward(do, q, k, v, o, lse, True, scale, None, None, base)
         for name, cands in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)):
             per = out[name].setdefault(str(t), {})
             for c in cands:
                 tiles = Tiles(base.fwd, c, base.dq) if name == "dkdv" else Tiles(base.fwd, base.dkdv, c)
                 try:
+                    got = kernels.backward(do, q, k, v, o, lse, True, scale, None, None, tiles)
+                    err = max(((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
+                              for g, w in zip(got, want))
+                    if not err <= 0.02:  # NaN too
+                        per[str(c)] = f"wrong: max abs diff {err:.3g} of the largest gradient against the default"
+                        continue
                     # the whole backward: delta + both kernels; the other kernel's share is the same for every c
                     per[str(c)] = _ms(lambda: kernels.backward(do, q, k, v, o, lse, True, scale, None, None, tiles))
                 except Exception as exc:  # noqa: BLE001

@@ -55,6 +55,46 @@ def test_gradients_match_autograd_through_the_dense_formula(impl, case):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-11, msg=f"d{name}")
 
 
+@needs_interpreter
+@pytest.mark.parametrize("extra", [(2,), (1, 1), (2, 1)], ids=["diagonal-split", "descriptors", "both"])
+@pytest.mark.parametrize("case", ["causal-gqa", "causal-long-keys", "window-softcap", "window-noncausal"])
+def test_backward_tile_variants(case, extra):
+    # the fifth tile entry halves the step of the masked (diagonal, or windowed) blocks of dkdv and dq; the sixth
+    # reads the loops' tiles through tensor descriptors (rows past the end as zeros, as the masked loads give)
+    from attnserve.analysis.training import kernels
+
+    b, hq, hk, tq, tk, d, causal, window, softcap = CASES[case]
+    q, k, v, do = (t.detach() for t in _inputs(b, hq, hk, tq, tk, d, seed=11))
+    base = kernels.INTERPRETER_TILES
+    split = kernels.Tiles(base.fwd, base.dkdv + extra, base.dq + extra)
+    o, lse = kernels.forward(q, k, v, causal, d ** -0.5, window, softcap)
+    got = kernels.backward(do, q, k, v, o, lse, causal, d ** -0.5, window, softcap, split)
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(dense_attention(*x, causal=causal, window=window, softcap=softcap), x, do)
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11, msg=f"d{name}")
+
+
+@needs_interpreter
+def test_descriptors_are_dropped_where_tma_cannot_read_the_rows(monkeypatch):
+    from attnserve.analysis.training import kernels
+
+    q, k, v, do = (t.detach() for t in _inputs(1, 2, 1, 21, 21, 16, seed=2))
+    launches = []
+    real = kernels._launch_backward
+    monkeypatch.setattr(kernels, "_launch_backward", lambda t: launches.append(real(t)) or launches[-1])
+    tiles = kernels.Tiles(kernels.INTERPRETER_TILES.fwd, (16, 32, 4, 1, 1, 1), (32, 16, 4, 1, 1, 1))
+    o, lse = kernels.forward(q, k, v, True, 0.25, None, None)
+    kernels.backward(do, q, k, v, o, lse, True, 0.25, None, None, tiles)
+    strided = torch.zeros(1, 2, 21, 17, dtype=q.dtype)[..., :16]  # rows of 17 doubles: not a 16-byte multiple
+    strided.copy_(q)
+    got = kernels.backward(do, strided, k, v, o, lse, True, 0.25, None, None, tiles)
+    assert [x["DESC"] for x in launches] == [True, True, False, True]  # dkdv reads q; dq reads k and v
+    want = kernels.backward(do, q, k, v, o, lse, True, 0.25, None, None, kernels.INTERPRETER_TILES)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gradcheck_float64(impl):
     # GQA (2 query heads per KV head), causal with more keys than queries, window and softcap in one call;

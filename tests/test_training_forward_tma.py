@@ -111,3 +111,25 @@ def test_the_serving_call_checks_the_lse_it_is_given():
                           config=forward_tma.INTERPRETER_TMA_FORWARD.config, lse=lse)
     _, want = blockwise_forward(q.double(), k.double(), v.double(), True, scale, None, None)
     assert (lse.view(2, 40, 2).transpose(1, 2).double() - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["heads", "tokens"])
+def test_gradients_through_the_prefill_forward_within_half_precision(layout):
+    # fp16 (the interpreter's dot reads bf16 wrongly in the blocked backward): the prefill kernel's O and LSE feed
+    # the blocked backward, whose gradients must stay within half-precision rounding of float64
+    from attnserve.analysis.training import dense_attention, flash_attention
+
+    b, hq, hk, tq, tk, d, window, softcap = CASES["gqa-long-keys"]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (_make(b, h, t, d, layout, g).half().requires_grad_() for h, t in ((hq, tq), (hk, tk), (hk, tk)))
+    do = torch.randn(b, hq, tq, d, generator=g).half()
+    assert forward_tma.applies(q, k, v, True, forward_tma.default_tma_forward(d, q.device))
+    out = flash_attention(q, k, v, causal=True, impl="triton")
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = dense_attention(*x64, causal=True)
+    ref_grads = torch.autograd.grad(ref, x64, do.double())
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=5e-3)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert got.dtype == torch.float16 and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2, msg=f"d{name}")

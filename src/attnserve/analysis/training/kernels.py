@@ -47,11 +47,17 @@ from attnserve.attention.kernels.interpreter_compat import let_interpreter_index
 
 @dataclass(frozen=True)
 class Tiles:
-    """(BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) of each kernel."""
+    """(BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) of each kernel. The backward kernels take two more:
+    the diagonal split (default 1), which sweeps the causal diagonal's masked blocks in steps of BLOCK_M (dkdv) or
+    BLOCK_N (dq) divided by it; and descriptors (default 0), 1 to read the loop's tiles (Q and dO in dkdv, K and
+    V in dq) through TMA descriptors instead of pointer loads, where the tensors allow it. At head_dim 128 both
+    kernels sit at the 255-register ceiling and spill (tools/compile_training_sm90.py, causal, sm_90: dkdv
+    (32, 128, 8, 3) 460 bytes a thread, 320 with descriptors, 264 with both; dq (128, 64, 8, 3) 68, none with
+    descriptors, whose K and V otherwise arrive through plain loads, unpipelined): which wins is measured."""
 
-    fwd: tuple[int, int, int, int]
-    dkdv: tuple[int, int, int, int]
-    dq: tuple[int, int, int, int]
+    fwd: tuple[int, ...]
+    dkdv: tuple[int, ...]
+    dq: tuple[int, ...]
 
 
 # by head dim; the key-block kernel wants many keys per program (its dK and dV accumulators stay resident),
@@ -70,8 +76,12 @@ def tiles_for(head_dim: int) -> Tiles:
     return GPU_TILES[64 if head_dim <= 64 else 128]
 
 
-def _launch(t: tuple[int, int, int, int]) -> dict:
+def _launch(t: tuple[int, ...]) -> dict:
     return dict(BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3])
+
+
+def _launch_backward(t: tuple[int, ...]) -> dict:
+    return dict(_launch(t), DIAG_SPLIT=t[4] if len(t) > 4 else 1, DESC=bool(t[5]) if len(t) > 5 else False)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -251,20 +261,26 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_db, stri
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                 offs_n, offs_d, lo, hi, Tq, Tk, off, window, sm_scale, softcap,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, DESC: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         # rows past Tq load as zeros (dO and delta too), so they add nothing to dK or dV: only the score
         # masks depend on MASKED
         row_ok = offs_m < Tq
-        qT = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+        if DESC:  # q_base, do_base: descriptors of this head's [Tq, HEAD_DIM] rows (zeros past Tq)
+            qT = tl.trans(q_base.load([start_m, 0]))
+        else:
+            qT = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
         sT, tT = _logits(tl.dot(k, qT), sm_scale, softcap, SOFTCAP)
         pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)
         if MASKED:
             pT = tl.where(_visible_t(offs_m, offs_n, off, window, CAUSAL, WINDOW), pT, 0.0)
-        do = _head_rows(do_base, stride_dot, offs_m, offs_d, Tq, True)
+        if DESC:
+            do = do_base.load([start_m, 0])
+        else:
+            do = _head_rows(do_base, stride_dot, offs_m, offs_d, Tq, True)
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         dv += tl.dot(pT.to(do.dtype), do)
         dpT = tl.dot(v, tl.trans(do))
@@ -282,7 +298,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                  stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
                  H, HK, GROUP, Tq, Tk, off, window, sm_scale, softcap,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                 ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAG_SPLIT: tl.constexpr,
+                 DESC: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     _bhk, b, hk = _batch_head(HK)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -304,23 +321,32 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         h = hk * GROUP + g
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
+        q_diag = q_base
+        do_diag = do_base
+        if DESC:  # TMA: each tile lands in shared memory once, where both its uses read it
+            q_diag = tl.make_tensor_descriptor(q_base, [Tq, HEAD_DIM], [stride_qt, 1],
+                                               [BLOCK_M // DIAG_SPLIT, HEAD_DIM])
+            do_diag = tl.make_tensor_descriptor(do_base, [Tq, HEAD_DIM], [stride_dot, 1],
+                                                [BLOCK_M // DIAG_SPLIT, HEAD_DIM])
+            q_base = tl.make_tensor_descriptor(q_base, [Tq, HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
+            do_base = tl.make_tensor_descriptor(do_base, [Tq, HEAD_DIM], [stride_dot, 1], [BLOCK_M, HEAD_DIM])
         row = (b * H + h) * Tq
         if WINDOW:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
                                  offs_n, offs_d, lo, hi, Tq, Tk, off, window, sm_scale, softcap,
-                                 BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP)
+                                 BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP, DESC)
         else:
             full_lo = lo
             if CAUSAL:  # the diagonal blocks, then the rows that see every key of the block
                 full_lo = tl.minimum((tl.maximum(start_n + BLOCK_N - 1 - off, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M,
                                      hi)
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_diag, do_diag, LSE + row, DELTA + row, stride_qt, stride_dot,
                                      offs_n, offs_d, lo, full_lo, Tq, Tk, off, window, sm_scale, softcap,
-                                     BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP)
+                                     BLOCK_M // DIAG_SPLIT, True, CAUSAL, WINDOW, SOFTCAP, DESC)
             # keys past Tk load as zeros and their dK, dV rows are never stored: no mask needed for them
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
                                  offs_n, offs_d, full_lo, hi, Tq, Tk, off, window, sm_scale, softcap,
-                                 BLOCK_M, False, CAUSAL, WINDOW, SOFTCAP)
+                                 BLOCK_M, False, CAUSAL, WINDOW, SOFTCAP, DESC)
     dk = dk * sm_scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -332,11 +358,17 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi,
               Tq, Tk, off, window, sm_scale, softcap,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-              SOFTCAP: tl.constexpr):
+              SOFTCAP: tl.constexpr, DESC: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, k, s, t = _key_block(q, k_base, stride_kt, start_n, offs_d, Tk, sm_scale, softcap, BLOCK_N, MASKED,
-                                     SOFTCAP)
-        v = _head_rows(v_base, stride_vt, offs_n, offs_d, Tk, MASKED)
+        if DESC:  # k_base, v_base: descriptors of this head's [Tk, HEAD_DIM] rows (rows past Tk read as zeros)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = k_base.load([start_n, 0])
+            s, t = _logits(tl.dot(q, tl.trans(k)), sm_scale, softcap, SOFTCAP)
+            v = v_base.load([start_n, 0])
+        else:
+            offs_n, k, s, t = _key_block(q, k_base, stride_kt, start_n, offs_d, Tk, sm_scale, softcap, BLOCK_N,
+                                         MASKED, SOFTCAP)
+            v = _head_rows(v_base, stride_vt, offs_n, offs_d, Tk, MASKED)
         p = tl.exp2(s - lse[:, None])
         if MASKED:
             p = tl.where(_visible(offs_m, offs_n, Tq, Tk, off, window, CAUSAL, WINDOW), p, 0.0)
@@ -355,7 +387,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                stride_dqb, stride_dqh, stride_dqt,
                H, GROUP, Tq, Tk, off, window, sm_scale, softcap,
                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-               ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAG_SPLIT: tl.constexpr,
+               DESC: tl.constexpr):
     start_m, bh, b, h, hk = _query_program(H, GROUP, BLOCK_M, CAUSAL)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -367,14 +400,21 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     delta = tl.load(DELTA + row + offs_m, mask=row_ok, other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
+    k_diag = k_base
+    v_diag = v_base
+    if DESC:  # TMA: each tile lands in shared memory once, where both its uses read it
+        k_diag = tl.make_tensor_descriptor(k_base, [Tk, HEAD_DIM], [stride_kt, 1], [BLOCK_N // DIAG_SPLIT, HEAD_DIM])
+        v_diag = tl.make_tensor_descriptor(v_base, [Tk, HEAD_DIM], [stride_vt, 1], [BLOCK_N // DIAG_SPLIT, HEAD_DIM])
+        k_base = tl.make_tensor_descriptor(k_base, [Tk, HEAD_DIM], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
+        v_base = tl.make_tensor_descriptor(v_base, [Tk, HEAD_DIM], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)
 
     lo, full, hi = _key_blocks(start_m, Tk, off, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     if not WINDOW:
         dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, full,
-                       Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, False, CAUSAL, WINDOW, SOFTCAP)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full, hi,
-                   Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP)
+                       Tq, Tk, off, window, sm_scale, softcap, BLOCK_N, False, CAUSAL, WINDOW, SOFTCAP, DESC)
+    dq = _dq_inner(dq, q, do, lse, delta, k_diag, v_diag, stride_kt, stride_vt, offs_m, offs_d, full, hi,
+                   Tq, Tk, off, window, sm_scale, softcap, BLOCK_N // DIAG_SPLIT, True, CAUSAL, WINDOW, SOFTCAP, DESC)
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -388,6 +428,13 @@ def _acc_dtype(t: torch.Tensor):
 
 def _lse_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _tma_readable(*tensors: torch.Tensor) -> bool:
+    """Whether a descriptor over each (batch, head)'s [T, D] rows can read these tensors: 16-byte aligned base,
+    batch, head and row strides (TMA's rule)."""
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:3])
+               for t in tensors)
 
 
 def _s(t: torch.Tensor) -> tuple[int, int, int]:
@@ -439,10 +486,17 @@ def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int | N
     scalars = (Tq, Tk, Tk - Tq, window or 0, sm_scale, softcap or 1.0)
 
     tiles = tiles or tiles_for(D)
+    # TMA loads where asked for and the rows they read allow them; the descriptors are built on the device
+    dkdv_tile = tiles.dkdv if _tma_readable(q, do) else tiles.dkdv[:5]
+    dq_tile = tiles.dq if _tma_readable(k, v) else tiles.dq[:5]
+    if q.is_cuda and (len(dkdv_tile) > 5 and dkdv_tile[5] or len(dq_tile) > 5 and dq_tile[5]):
+        from attnserve.attention.kernels.mha.prefill_tma import _scratch
+
+        triton.set_allocator(_scratch)
     _dkdv_kernel[(triton.cdiv(Tk, tiles.dkdv[1]), B * HK)](
         q, k, v, do, lse, delta, dk, dv, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dk), *_s(dv),
-        H, HK, H // HK, *scalars, **common, **_launch(tiles.dkdv))
+        H, HK, H // HK, *scalars, **common, **_launch_backward(dkdv_tile))
     _dq_kernel[(triton.cdiv(Tq, tiles.dq[0]), B * H)](
         q, k, v, do, lse, delta, dq, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dq),
-        H, H // HK, *scalars, **common, **_launch(tiles.dq))
+        H, H // HK, *scalars, **common, **_launch_backward(dq_tile))
     return dq, dk, dv
