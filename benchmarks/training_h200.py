@@ -23,6 +23,7 @@ Then the traffic model against the DRAM bytes the kernels move: Nsight Compute's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -74,6 +75,11 @@ def forward_candidates(d):
             out[f"tma {order}"] = ("tma", TmaForward(default, order))
         if default.warp_specialize:
             out["tma unspecialised"] = ("tma", TmaForward(PrefillTmaConfig(128, 128, 8, 2, False), "heads_fastest"))
+            # one program a tile, launched in the list's order, the key loop specialised: head_by_head launches
+            # each head's tiles together, as the blocked kernel's grid does (its K and V stay in L2)
+            one_per_tile = dataclasses.replace(default, persistent=0)
+            for order in ("head_by_head", "heads_fastest"):
+                out[f"tma one program a tile {order}"] = ("tma", TmaForward(one_per_tile, order))
     return out
 
 
@@ -94,7 +100,7 @@ def _ms(fn, rep=60):
 
 def _empty_cache():
     if not CPU_RUN:
-        _empty_cache()
+        torch.cuda.empty_cache()
 
 
 def _forward_with(candidate, q, k, v, scale, tiles):
