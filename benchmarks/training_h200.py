@@ -51,11 +51,13 @@ from attnserve.analysis.training import flash_attention_with_lse, kernels  # noq
 from attnserve.analysis.training.kernels import Tiles  # noqa: E402
 from attnserve.versions import package_versions  # noqa: E402
 
-# the backward's tiles (BLOCK_M, BLOCK_N, warps, stages[, diagonal split[, TMA descriptors]]), each kernel swept
-# with the other held at its default (kernels.Tiles); tools/compile_training_sm90.py gives each one's spills
+# the backward's tiles (BLOCK_M, BLOCK_N, warps, stages[, diagonal split[, TMA descriptors[, fused dQ]]]), each
+# kernel swept with the other held at its default (kernels.Tiles); a fused-dQ dkdv tile launches no dq kernel, so
+# its time is the whole backward's; tools/compile_training_sm90.py gives each one's spills
 DKDV_CANDIDATES = [(32, 128, 8, 3), (32, 128, 8, 2), (32, 128, 8, 3, 2), (64, 128, 8, 2), (16, 128, 8, 4),
-                   (32, 64, 8, 3), (32, 128, 8, 3, 1, 1), (32, 128, 8, 2, 1, 1), (32, 128, 8, 3, 2, 1),
-                   (16, 128, 8, 4, 1, 1), (32, 64, 8, 3, 1, 1)]
+                   (32, 128, 8, 3, 1, 1), (32, 128, 8, 2, 1, 1), (32, 128, 8, 3, 2, 1),
+                   (32, 128, 8, 3, 1, 0, 1), (32, 128, 8, 2, 1, 0, 1), (32, 128, 8, 3, 1, 1, 1),
+                   (32, 128, 8, 3, 2, 1, 1), (64, 128, 8, 2, 1, 1, 1), (16, 128, 8, 4, 1, 1, 1)]
 DQ_CANDIDATES = [(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3, 2), (64, 64, 4, 3), (128, 64, 8, 3, 1, 1),
                  (128, 64, 8, 2, 1, 1), (128, 32, 8, 3, 1, 1), (128, 128, 8, 2, 1, 1), (128, 64, 8, 4, 1, 1),
                  (128, 64, 8, 3, 2, 1)]

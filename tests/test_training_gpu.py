@@ -76,3 +76,33 @@ def test_backward_peak_memory_is_linear_at_8k():
     assert extra <= 3 * td + 2 * b * h * t * 4 + (1 << 20), (extra, td)  # dq, dk, dv, delta (+ allocator slack)
     assert extra < score_matrix / 10
     del grads
+
+
+# the backward tile variants the sweep races (kernels.Tiles): the diagonal in half steps, TMA descriptor loads, and
+# dQ fused into the dkdv kernel through TMA reductions, which only the GPU runs (the interpreter adds element-wise)
+VARIANTS = {"diagonal-split": ((32, 128, 8, 3, 2), (128, 64, 8, 3, 2)),
+            "descriptors": ((32, 128, 8, 3, 1, 1), (128, 64, 8, 3, 1, 1)),
+            "fused-dq": ((32, 128, 8, 3, 1, 0, 1), (128, 64, 8, 3)),
+            "fused-dq-descriptors-split": ((32, 128, 8, 2, 2, 1, 1), (128, 64, 8, 3))}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4], CASES[5]], ids=["c1", "c2", "c4", "c5"])
+def test_backward_tile_variants_match_the_default(case, variant):
+    from attnserve.analysis.training import kernels
+
+    b, hq, hk, tq, tk, d, causal, window, softcap = case
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, do = (torch.randn(b, h, t, d, device="cuda", generator=g, dtype=torch.bfloat16)
+                   for h, t in ((hq, tq), (hk, tk), (hk, tk), (hq, tq)))
+    scale = d ** -0.5
+    o, lse = kernels.forward(q, k, v, causal, scale, window, softcap)
+    base = kernels.tiles_for(d)
+    dkdv, dq = VARIANTS[variant]
+    if d != 128:  # the head-dim-64 tiles, with the variant's extra entries
+        dkdv, dq = base.dkdv + dkdv[4:], base.dq + dq[4:]
+    want = kernels.backward(do, q, k, v, o, lse, causal, scale, window, softcap, base)
+    got = kernels.backward(do, q, k, v, o, lse, causal, scale, window, softcap, kernels.Tiles(base.fwd, dkdv, dq))
+    for name, x, y in zip("qkv", got, want):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert ((x.float() - y.float()).abs().max() / y.float().abs().max()).item() < 1e-2, f"d{name}"

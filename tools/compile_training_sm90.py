@@ -29,7 +29,8 @@ from triton.runtime.jit import mangle_type
 from attnserve.analysis.training import kernels
 
 KERNELS = {"fwd": kernels._fwd_kernel, "dkdv": kernels._dkdv_kernel, "dq": kernels._dq_kernel}
-DEFAULT_TILES = ["dkdv:32,128,8,3", "dkdv:32,128,8,3,2", "dq:128,64,8,3", "dq:128,64,8,3,2", "dq:128,32,8,3"]
+DEFAULT_TILES = ["dkdv:32,128,8,3", "dkdv:32,128,8,3,2", "dkdv:32,128,8,3,1,1", "dkdv:32,128,8,3,1,0,1",
+                 "dq:128,64,8,3", "dq:128,64,8,3,2", "dq:128,64,8,3,1,1"]
 
 
 def compile_tile(kernel: str, tile: tuple[int, ...], head_dim: int = 128, causal: bool = True) -> dict:
@@ -37,14 +38,18 @@ def compile_tile(kernel: str, tile: tuple[int, ...], head_dim: int = 128, causal
     constexprs = {"HEAD_DIM": head_dim, "CAUSAL": causal, "WINDOW": False, "SOFTCAP": False,
                   "ACC_DTYPE": tl.float32, "BLOCK_M": tile[0], "BLOCK_N": tile[1]}
     if kernel != "fwd":
-        constexprs["DIAG_SPLIT"] = tile[4] if len(tile) > 4 else 1
-        constexprs["DESC"] = bool(tile[5]) if len(tile) > 5 else False
+        full = kernels._full(tile)
+        constexprs["DIAG_SPLIT"] = full[4]
+        constexprs["DESC"] = bool(full[5])
+    if kernel == "dkdv":
+        constexprs["DQ_FUSED"] = bool(kernels._full(tile)[6])
+        constexprs["TMA_REDUCE"] = True
     half, single = torch.empty(16, dtype=torch.bfloat16), torch.empty(16, dtype=torch.float32)
     args = {}
     for name in fn.arg_names:  # tensors: upper-case names (LSE, DELTA in float32); sizes and strides: ints
         if name in constexprs:
             continue
-        if name in ("LSE", "DELTA"):
+        if name in ("LSE", "DELTA", "DQ_ACC"):
             args[name] = single
         elif name.isupper() and name not in ("H", "HK", "GROUP"):
             args[name] = half
@@ -71,14 +76,15 @@ def compile_tile(kernel: str, tile: tuple[int, ...], head_dim: int = 128, causal
     return row | {"registers": int(regs[0]) if regs else None, "spill_bytes": int(spills[0]) if spills else None,
                   "shared_kib": round(k.metadata.shared / 1024, 1), "wgmma": ptx.count("wgmma.mma_async"),
                   "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
-                  "tma_loads": ptx.count("cp.async.bulk.tensor"), "global_loads": ptx.count("ld.global")}
+                  "tma_loads": ptx.count("cp.async.bulk.tensor"), "global_loads": ptx.count("ld.global"),
+                  "tma_reductions": ptx.count("cp.reduce.async.bulk.tensor"), "mma_sync": ptx.count("mma.sync")}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiles", nargs="*", default=DEFAULT_TILES,
-                   help="kernel:BLOCK_M,BLOCK_N,warps,stages[,diagonal split[,descriptors (1: TMA loads)]] (kernel: "
-                        "fwd, dkdv or dq)")
+                   help="kernel:BLOCK_M,BLOCK_N,warps,stages[,diagonal split[,descriptors (1: TMA loads)[,fused dQ "
+                        "(dkdv)]]] (kernel: fwd, dkdv or dq)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--not-causal", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object a line")
@@ -92,7 +98,8 @@ def main(argv=None) -> int:
             print(f"{kernel:5s} {str(tuple(row['tile'])):22s} " + (row["error"] if "error" in row else
                   f"{row['registers']} registers, {row['spill_bytes']} bytes spilled, {row['shared_kib']} KiB shared, "
                   f"{row['wgmma']} wgmma, {row['cp_async']} cp.async, {row['tma_loads']} TMA loads, "
-                  f"{row['global_loads']} ld.global"), flush=True)
+                  f"{row['global_loads']} ld.global, {row['tma_reductions']} TMA reductions, {row['mma_sync']} mma.sync"),
+                  flush=True)
     return 0
 
 

@@ -80,8 +80,14 @@ def _launch(t: tuple[int, ...]) -> dict:
     return dict(BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3])
 
 
+def _full(t: tuple[int, ...]) -> tuple[int, ...]:
+    """A backward tile with its optional entries filled in: (..., diagonal split 1, descriptors 0, fused dQ 0)."""
+    return tuple(t) + (1, 0, 0)[len(t) - 4:]
+
+
 def _launch_backward(t: tuple[int, ...]) -> dict:
-    return dict(_launch(t), DIAG_SPLIT=t[4] if len(t) > 4 else 1, DESC=bool(t[5]) if len(t) > 5 else False)
+    t = _full(t)
+    return dict(_launch(t), DIAG_SPLIT=t[4], DESC=bool(t[5]))
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -261,7 +267,8 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_db, stri
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                 offs_n, offs_d, lo, hi, Tq, Tk, off, window, sm_scale, softcap,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                SOFTCAP: tl.constexpr, DESC: tl.constexpr):
+                SOFTCAP: tl.constexpr, DESC: tl.constexpr, dq_acc, DQ_FUSED: tl.constexpr, TMA_REDUCE: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -288,18 +295,24 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         if SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
+        if DQ_FUSED:  # this block's share of dQ = dS K * scale
+            dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k) * sm_scale
+            if TMA_REDUCE:  # added in L2 by one TMA reduction; rows past Tq are clipped
+                dq_acc.atomic_add([start_m, 0], dq_part)
+            else:  # the interpreter has no descriptor reductions: the same sums, element by element
+                tl.atomic_add(dq_acc + offs_m[:, None] * HEAD_DIM + offs_d[None, :], dq_part, mask=row_ok[:, None])
     return dk, dv
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                  stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                  stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
                  H, HK, GROUP, Tq, Tk, off, window, sm_scale, softcap,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                  ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAG_SPLIT: tl.constexpr,
-                 DESC: tl.constexpr):
+                 DESC: tl.constexpr, DQ_FUSED: tl.constexpr, TMA_REDUCE: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     _bhk, b, hk = _batch_head(HK)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -331,10 +344,20 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             q_base = tl.make_tensor_descriptor(q_base, [Tq, HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
             do_base = tl.make_tensor_descriptor(do_base, [Tq, HEAD_DIM], [stride_dot, 1], [BLOCK_M, HEAD_DIM])
         row = (b * H + h) * Tq
+        dq_acc = DQ_ACC
+        dq_acc_diag = DQ_ACC
+        if DQ_FUSED and not TMA_REDUCE:
+            dq_acc = DQ_ACC + row * HEAD_DIM
+            dq_acc_diag = dq_acc
+        if DQ_FUSED and TMA_REDUCE:  # DQ_ACC: [B, H, Tq, HEAD_DIM] contiguous, float32, zeroed
+            dq_acc_diag = tl.make_tensor_descriptor(DQ_ACC + row * HEAD_DIM, [Tq, HEAD_DIM], [HEAD_DIM, 1],
+                                                    [BLOCK_M // DIAG_SPLIT, HEAD_DIM])
+            dq_acc = tl.make_tensor_descriptor(DQ_ACC + row * HEAD_DIM, [Tq, HEAD_DIM], [HEAD_DIM, 1],
+                                               [BLOCK_M, HEAD_DIM])
         if WINDOW:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
                                  offs_n, offs_d, lo, hi, Tq, Tk, off, window, sm_scale, softcap,
-                                 BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP, DESC)
+                                 BLOCK_M, True, CAUSAL, WINDOW, SOFTCAP, DESC, dq_acc, DQ_FUSED, TMA_REDUCE, HEAD_DIM)
         else:
             full_lo = lo
             if CAUSAL:  # the diagonal blocks, then the rows that see every key of the block
@@ -342,11 +365,12 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                                      hi)
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_diag, do_diag, LSE + row, DELTA + row, stride_qt, stride_dot,
                                      offs_n, offs_d, lo, full_lo, Tq, Tk, off, window, sm_scale, softcap,
-                                     BLOCK_M // DIAG_SPLIT, True, CAUSAL, WINDOW, SOFTCAP, DESC)
+                                     BLOCK_M // DIAG_SPLIT, True, CAUSAL, WINDOW, SOFTCAP, DESC, dq_acc_diag, DQ_FUSED,
+                                     TMA_REDUCE, HEAD_DIM)
             # keys past Tk load as zeros and their dK, dV rows are never stored: no mask needed for them
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row, stride_qt, stride_dot,
                                  offs_n, offs_d, full_lo, hi, Tq, Tk, off, window, sm_scale, softcap,
-                                 BLOCK_M, False, CAUSAL, WINDOW, SOFTCAP, DESC)
+                                 BLOCK_M, False, CAUSAL, WINDOW, SOFTCAP, DESC, dq_acc, DQ_FUSED, TMA_REDUCE, HEAD_DIM)
     dk = dk * sm_scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -479,7 +503,6 @@ def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int | N
     block = 16 if interpreting() else 64
     _delta_kernel[(triton.cdiv(Tq, block), B * H)](o, do, delta, *_s(o), *_s(do), H, Tq,
                                                    HEAD_DIM=D, ACC_DTYPE=acc, BLOCK_M=block)
-    dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     common = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SOFTCAP=softcap is not None, ACC_DTYPE=acc)
@@ -487,15 +510,24 @@ def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int | N
 
     tiles = tiles or tiles_for(D)
     # TMA loads where asked for and the rows they read allow them; the descriptors are built on the device
-    dkdv_tile = tiles.dkdv if _tma_readable(q, do) else tiles.dkdv[:5]
-    dq_tile = tiles.dq if _tma_readable(k, v) else tiles.dq[:5]
-    if q.is_cuda and (len(dkdv_tile) > 5 and dkdv_tile[5] or len(dq_tile) > 5 and dq_tile[5]):
+    dkdv_tile, dq_tile = _full(tiles.dkdv), _full(tiles.dq)
+    fused = bool(dkdv_tile[6]) and q.dtype != torch.float64  # TMA reductions add float32 at most
+    if not _tma_readable(q, do):
+        dkdv_tile = dkdv_tile[:5] + (0,) + dkdv_tile[6:]
+    if not _tma_readable(k, v):
+        dq_tile = dq_tile[:5] + (0,) + dq_tile[6:]
+    if q.is_cuda and (dkdv_tile[5] or fused or dq_tile[5]):
         from attnserve.attention.kernels.mha.prefill_tma import _scratch
 
         triton.set_allocator(_scratch)
+    # with dQ fused into dkdv, every key block adds its share into one float32 accumulator: [B, H, Tq, D]
+    dq_acc = torch.zeros((B, H, Tq, D), device=q.device, dtype=torch.float32) if fused else delta
     _dkdv_kernel[(triton.cdiv(Tk, tiles.dkdv[1]), B * HK)](
-        q, k, v, do, lse, delta, dk, dv, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dk), *_s(dv),
-        H, HK, H // HK, *scalars, **common, **_launch_backward(dkdv_tile))
+        q, k, v, do, lse, delta, dk, dv, dq_acc, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dk), *_s(dv),
+        H, HK, H // HK, *scalars, **common, **_launch_backward(dkdv_tile), DQ_FUSED=fused, TMA_REDUCE=q.is_cuda)
+    if fused:
+        return dq_acc.to(q.dtype), dk, dv
+    dq = torch.empty_like(q)
     _dq_kernel[(triton.cdiv(Tq, tiles.dq[0]), B * H)](
         q, k, v, do, lse, delta, dq, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dq),
         H, H // HK, *scalars, **common, **_launch_backward(dq_tile))
