@@ -150,7 +150,8 @@ def sweep(tokens, h, d, seqlens=SWEEP_SEQLENS):
         want = kernels.backward(do, q, k, v, o, lse, True, scale, None, None, base)
         for name, cands in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)):
             per = out[name].setdefault(str(t), {})
-            for c in cands:
+            default = getattr(base, name)
+            for c in [default] + [c for c in cands if c != default]:  # the head dim's default races too
                 tiles = Tiles(base.fwd, c, base.dq) if name == "dkdv" else Tiles(base.fwd, base.dkdv, c)
                 try:
                     got = kernels.backward(do, q, k, v, o, lse, True, scale, None, None, tiles)
