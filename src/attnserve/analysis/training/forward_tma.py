@@ -57,8 +57,9 @@ class TmaForward:
 # sm90, by head dim, from training_h200.py's sweep (benchmarks/results/training-h100.json: causal, 16 heads, 16k
 # tokens, T = 1k / 4k / 16k). At 128 the warp-specialised kernel one program a tile, each head's tiles launched
 # together, the heaviest first: its mean time against the best candidate at each T was 1.02, the blocked kernel's
-# 1.10, the serving default's (persistent, heads fastest) 1.13: the persistent list keeps many heads' keys in flight
-# and reads them from DRAM at 16k. Head dims not swept take the blocked kernel (None).
+# 1.07, the serving default's (persistent, heads fastest) 1.09: the persistent list keeps many heads' keys in flight
+# and is the slower at 16k. At 64 (training-h100-d64.json) the blocked kernel beats the prefill kernel's
+# unspecialised tiles (1.07), so 64 and every head dim not swept take the blocked kernel (no entry).
 GPU_TMA_FORWARD: dict[int, TmaForward | None] = {
     128: TmaForward(dataclasses.replace(PREFILL_TMA_TILES[128], persistent=0), "head_by_head"),
 }
