@@ -70,7 +70,8 @@ def forward_candidates(d):
     from attnserve.analysis.training.forward_tma import TmaForward
     from attnserve.attention.kernels.mha.prefill_tma import PREFILL_TMA_TILES, PrefillTmaConfig
 
-    out = {f"blocked {c}": ("blocked", c) for c in [(128, 64, 8, 3), (128, 128, 8, 3)]}
+    table = kernels.GPU_TILES[128 if d > 64 else 64].fwd  # the table's blocked tile races too
+    out = {f"blocked {c}": ("blocked", c) for c in dict.fromkeys([table, (128, 64, 8, 3), (128, 128, 8, 3)])}
     default = PREFILL_TMA_TILES.get(d)
     if default is not None:
         for order in ("heads_fastest", "head_by_head"):
