@@ -74,8 +74,10 @@ def test_layouts_it_cannot_read_in_place_fall_back():
     assert forward_tma.layout(q, k.transpose(1, 2).contiguous().transpose(1, 2), v) is None  # mixed layouts
     assert forward_tma.layout(q[:, :, ::2], k, v) is None  # strided rows
     choice = forward_tma.INTERPRETER_TMA_FORWARD
-    assert not forward_tma.applies(q[:, :, ::2], k, v, True, choice)
-    assert not forward_tma.applies(q[..., :32], k[..., :32], v[..., :32], True, choice)  # head dim not in the table
+    assert forward_tma.applicable_layout(q, k, v, True, choice) == "heads"
+    assert forward_tma.applicable_layout(q[:, :, ::2], k, v, True, choice) is None
+    assert forward_tma.applicable_layout(q[..., :32], k[..., :32], v[..., :32], True, choice) is None  # head dim
+    assert forward_tma.applicable_layout(q, k, v, False, choice) is None  # the prefill kernel is causal only
     with pytest.raises(ValueError, match="heads-major or all tokens-major"):
         forward_tma.forward_tma(q[:, :, ::2], k, v, 1.0, None, None, choice)
     with pytest.raises(ValueError, match="order"):
@@ -123,7 +125,7 @@ def test_gradients_through_the_prefill_forward_within_half_precision(layout):
     g = torch.Generator().manual_seed(3)
     q, k, v = (_make(b, h, t, d, layout, g).half().requires_grad_() for h, t in ((hq, tq), (hk, tk), (hk, tk)))
     do = torch.randn(b, hq, tq, d, generator=g).half()
-    assert forward_tma.applies(q, k, v, True, forward_tma.default_tma_forward(d, q.device))
+    assert forward_tma.applicable_layout(q, k, v, True, forward_tma.default_tma_forward(d, q.device)) == layout
     out = flash_attention(q, k, v, causal=True, impl="triton")
     grads = torch.autograd.grad(out, (q, k, v), do)
     x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]

@@ -477,8 +477,9 @@ def forward(q, k, v, causal: bool, sm_scale: float, window: int | None, softcap:
         let_interpreter_index_with_loaded_scalars()
     if tma == "default":
         tma = forward_tma.default_tma_forward(q.shape[-1], q.device)
-    if forward_tma.applies(q, k, v, causal, tma):
-        return forward_tma.forward_tma(q, k, v, sm_scale, window, softcap, tma)
+    kind = forward_tma.applicable_layout(q, k, v, causal, tma)
+    if kind is not None:
+        return forward_tma.forward_tma(q, k, v, sm_scale, window, softcap, tma, kind)
     B, H, Tq, D = q.shape
     HK, Tk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
