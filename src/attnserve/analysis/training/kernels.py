@@ -47,13 +47,16 @@ from attnserve.attention.kernels.interpreter_compat import let_interpreter_index
 
 @dataclass(frozen=True)
 class Tiles:
-    """(BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) of each kernel. The backward kernels take two more:
+    """(BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) of each kernel. The backward kernels take more:
     the diagonal split (default 1), which sweeps the causal diagonal's masked blocks in steps of BLOCK_M (dkdv) or
-    BLOCK_N (dq) divided by it; and descriptors (default 0), 1 to read the loop's tiles (Q and dO in dkdv, K and
-    V in dq) through TMA descriptors instead of pointer loads, where the tensors allow it. At head_dim 128 both
-    kernels sit at the 255-register ceiling and spill (tools/compile_training_sm90.py, causal, sm_90: dkdv
-    (32, 128, 8, 3) 460 bytes a thread, 320 with descriptors, 264 with both; dq (128, 64, 8, 3) 68, none with
-    descriptors, whose K and V otherwise arrive through plain loads, unpipelined): which wins is measured."""
+    BLOCK_N (dq) divided by it; descriptors (default 0), 1 to read the loop's tiles (Q and dO in dkdv, K and V
+    in dq) through TMA descriptors instead of pointer loads, where the tensors allow it; and on dkdv, fused dQ
+    (default 0), 1 to add each block's dS K share into a float32 accumulator (one TMA reduction a block on a
+    GPU) and launch no dq kernel. At head_dim 128 both kernels sit at the 255-register ceiling and spill
+    (tools/compile_training_sm90.py, causal, sm_90: dkdv (32, 128, 8, 3) 460 bytes a thread, 320 with
+    descriptors, 264 with both; dq (128, 64, 8, 3) 68, none with descriptors, whose K and V otherwise arrive
+    through plain loads, unpipelined). training_h200.py races them all; on an H100 none beat the plain tiles
+    (docs/kernels.md, "Training")."""
 
     fwd: tuple[int, ...]
     dkdv: tuple[int, ...]
@@ -523,7 +526,7 @@ def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int | N
 
         triton.set_allocator(_scratch)
     # with dQ fused into dkdv, every key block adds its share into one float32 accumulator: [B, H, Tq, D]
-    dq_acc = torch.zeros((B, H, Tq, D), device=q.device, dtype=torch.float32) if fused else delta
+    dq_acc = torch.zeros((B, H, Tq, D), device=q.device, dtype=torch.float32) if fused else delta  # else unused
     _dkdv_kernel[(triton.cdiv(Tk, tiles.dkdv[1]), B * HK)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dk), *_s(dv),
         H, HK, H // HK, *scalars, **common, **_launch_backward(dkdv_tile), DQ_FUSED=fused, TMA_REDUCE=q.is_cuda)
