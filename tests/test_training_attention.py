@@ -212,3 +212,41 @@ def test_triton_backward_allocates_only_the_gradients_and_two_row_vectors():
     grads = 3 * t * d * 4  # dq, dk, dv in float32
     delta = t * 4  # rowsum(dO * O), one float per row
     assert grads <= peak <= grads + delta + 4096
+
+
+def test_the_training_kernels_and_the_prefill_kernel_with_lse_compile_for_sm90():
+    """Compiled offline with Triton's ptxas (the interpreter accepts code the GPU compiler refuses): the backward
+    tile options build what they claim (TMA loads with descriptors, one TMA reduction a loop with fused dQ), and
+    the prefill kernel writing the LSE keeps its warp specialisation and its registers."""
+    import ast
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src") + os.pathsep + env.get("PYTHONPATH", "")
+
+    def run(tool, *args):
+        proc = subprocess.run([sys.executable, str(root / "tools" / tool), *args], check=False, capture_output=True,
+                              text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip().splitlines()
+
+    rows = {tuple(r["tile"]): r for r in map(json.loads, run("compile_training_sm90.py", "--json", "--tiles",
+                                                              "dkdv:32,128,8,3", "dkdv:32,128,8,3,1,1",
+                                                              "dkdv:32,128,8,3,1,0,1", "dq:128,64,8,3,1,1"))}
+    assert all("error" not in r for r in rows.values()), rows
+    plain, described, fused = rows[(32, 128, 8, 3)], rows[(32, 128, 8, 3, 1, 1)], rows[(32, 128, 8, 3, 1, 0, 1)]
+    assert plain["tma_loads"] == 0 and plain["tma_reductions"] == 0
+    assert described["tma_loads"] > 0 and rows[(128, 64, 8, 3, 1, 1)]["tma_loads"] > 0
+    assert fused["tma_reductions"] == 2  # one in the diagonal's loop, one in the full blocks' loop
+    assert rows[(128, 64, 8, 3, 1, 1)]["spill_bytes"] == 0  # dq's K and V through TMA: no spills
+
+    out = [ast.literal_eval(line) for line in run("compile_prefill_tma_sm90.py", "--configs", "128,128,4,2,1,1,0,1",
+                                                  "--lse", "--group", "1")]
+    plain, with_lse = (r for r in out if not r["lse"]), (r for r in out if r["lse"])
+    plain, with_lse = next(plain), next(with_lse)
+    assert with_lse["warp_specialized"] and with_lse["warps"] == 12
+    assert with_lse["registers"] == plain["registers"] and with_lse["spill_bytes"] == 0
