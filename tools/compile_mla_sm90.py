@@ -75,6 +75,8 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
             "grid_dependency_control": kernel.asm["ptx"].count("griddepcontrol."),  # PDL's wait and release
             "async_copies": ttgir.count("async_copy_global_to_local"),
             "tma_loads": kernel.asm["ptx"].count("cp.async.bulk.tensor"),
+            "tma_reductions": kernel.asm["ptx"].count("cp.reduce.async.bulk.tensor"),
+            "mma_sync": kernel.asm["ptx"].count("mma.sync"),
             "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),
             "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir),
             "wgmma": {m: kernel.asm["ptx"].count(m) for m in sorted(set(re.findall(r"wgmma\.mma_async\S*?(m64n\d+k\d+)",

@@ -52,11 +52,11 @@ class Tiles:
     BLOCK_N (dq) divided by it; descriptors (default 0), 1 to read the loop's tiles (Q and dO in dkdv, K and V
     in dq) through TMA descriptors instead of pointer loads, where the tensors allow it; and on dkdv, fused dQ
     (default 0), 1 to add each block's dS K share into a float32 accumulator (one TMA reduction a block on a
-    GPU) and launch no dq kernel. At head_dim 128 both kernels sit at the 255-register ceiling and spill
-    (tools/compile_training_sm90.py, causal, sm_90: dkdv (32, 128, 8, 3) 460 bytes a thread, 320 with
-    descriptors, 264 with both; dq (128, 64, 8, 3) 68, none with descriptors, whose K and V otherwise arrive
-    through plain loads, unpipelined). training_h200.py races them all; on an H100 none beat the plain tiles
-    (docs/kernels.md, "Training")."""
+    GPU) and launch no dq kernel. At head_dim 128 dkdv sits at the 255-register ceiling and spills when causal
+    (tools/compile_training_sm90.py, sm_90, the launcher's 16-divisible pointers and strides: (32, 128, 8, 3)
+    stores 196 bytes a thread, 172 with the diagonal split, 164 with descriptors, none when not causal); dq
+    (128, 64, 8, 3) uses 255 registers and does not spill, 183 with descriptors. training_h200.py races them
+    all; on an H100 none beat the plain tiles (docs/kernels.md, "Training")."""
 
     fwd: tuple[int, ...]
     dkdv: tuple[int, ...]
