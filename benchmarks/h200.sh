@@ -31,9 +31,11 @@
 #               RACES (default 2) races of each kind.
 #               On an H100 (2026-12-05) the JIT builds took ~150 s, fa4's tests 50 s, one MHA race ~100 s: the MHA
 #               races fill one call (BUDGET=590) and the MLA race wants a call of its own
-#   prefill-ncu Nsight Compute on one launch of triton's, FA4's and FlashInfer fa3's prefill at 1x16384 and
-#               8x2048 (benchmarks/prefill_ncu.py: pipes busy, stall reasons) -> ncu-h200-<workload>.json; FA4 from
-#               /tmp/site2 where benchmarks/peer_wheels.sh stage put it; NCU_WORKLOADS: workload names, comma-separated
+#   prefill-ncu Nsight Compute on every kernel of one call of each contestant (benchmarks/prefill_ncu.py: pipes busy,
+#               stall reasons, DRAM bytes) -> ncu-h200-<workload>.json; MHA: triton, FA4 (from the /tmp/site2 that
+#               benchmarks/peer_wheels.sh stage put it in), FlashInfer fa3 and cuDNN on fresh prompts; MLA: triton and
+#               FlashInfer MLA fa3. NCU_WORKLOADS: workload names, comma-separated (default: the MHA cases under
+#               1.0x of the best peer but 1x16384; NCU_WORKLOADS=mla: the MLA ones)
 #   engine      engine_gpu_decode.py, Llama-3-8B shape, 64 x 1024/256 and 1 x 1024/256: PDL on, overlap off, fused
 #               ops off, FlashInfer decode -> engine_gpu_decode.json; then the step profile ->
 #               engine_gpu_profile.json
@@ -187,7 +189,7 @@ MLA_BACKENDS=${MLA_BACKENDS:-triton flashinfer-mla-fa3}
 WARM=()
 has tests && WARM+=("mla fa3" "decode tensor" "prefill fa3" "extend fa3" "extend fa2")  # fa2: the verify graphs
 has mha && WARM+=("decode tensor" "prefill fa3" "extend fa3")
-has prefill-ncu && WARM+=("prefill fa3")
+has prefill-ncu && WARM+=("prefill fa3" "extend fa3" "mla fa3")
 if has race; then
   [ "${RACE_MHA:-1}" = 1 ] && WARM+=("decode tensor" "prefill fa3" "extend fa3")
   [ "${RACE_MLA:-0}" = 1 ] && WARM+=("mla fa3")
@@ -323,16 +325,20 @@ step_race() {
   [ "$runs_ok" = "$want" ]
 }
 
+NCU_MHA="prefill 8x2048,prefill 32x512,extend 8x(4096+512)"
+NCU_MLA="mla decode 128x4096 h128 p1,mla decode 64x8192 h128 p64,mla extend 8x(4096+512) h128 p1,mla extend 8x(4096+512) h16 p64"
 step_prefill_ncu() {
-  local w path=$PYTHONPATH rc=0
+  local w workloads path=$PYTHONPATH rc=0
   wait_warm
   [ -f "$SITE2/.peer-set" ] && path=$PYTHONPATH:$SITE2_PATH
+  workloads=${NCU_WORKLOADS:-$NCU_MHA}
+  [ "$workloads" = mla ] && workloads=$NCU_MLA
   local IFS=,
-  for w in ${NCU_WORKLOADS:-prefill 1x16384,prefill 8x2048}; do
+  for w in $workloads; do
     local tag=${w// /-}; tag=${tag//[()+]/}
     echo "== ncu, $w ($(left) s left)"
-    PYTHONPATH=$path timeout "$(cap 240)" python3 benchmarks/prefill_ncu.py --workload "$w" \
-      --timeout-s 100 --out "$OUT/ncu-h200-$tag.json" > "$LOGS/ncu-$tag.log" 2>&1 || rc=$?
+    PYTHONPATH=$path timeout "$(cap 300)" python3 benchmarks/prefill_ncu.py --workload "$w" \
+      --timeout-s 120 --out "$OUT/ncu-h200-$tag.json" > "$LOGS/ncu-$tag.log" 2>&1 || rc=$?
     cut -c1-600 "$LOGS/ncu-$tag.log" | tail -8
   done
   return $rc

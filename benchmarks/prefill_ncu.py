@@ -1,13 +1,17 @@
-"""What bounds a prefill kernel: Nsight Compute on one launch of each contestant at one race workload.
+"""What bounds an attention kernel: Nsight Compute on every launch of one call of each contestant at one race workload.
 
-For every contestant (default: triton, fa4, flashinfer-fa3) a child process builds the race's batch, calls the
-racer once to compile and warm it, then once more; ncu profiles that second launch of the kernel whose name
-matches the contestant's pattern, with clocks left alone (`--clock-control none`) and caches flushed between
-replays. Kept per contestant: duration, the tensor (wgmma), MUFU (exp2), FMA and ALU pipes' share of their peak,
-issue slots busy, and the six largest warp stall reasons (ncu's issue_stalled_*.ratio metrics), so
-"the softmax is not hidden under the MMAs" (MUFU and ALU busy, tensor pipe idle) reads as numbers.
+For every contestant (MHA prefill and extend: triton, fa4, flashinfer-fa3, and sdpa-cudnn on fresh prompts; MLA
+decode and extend: triton, flashinfer-mla-fa3) a child process builds the race's batch, calls the racer once to
+compile and warm it, then once more between cudaProfilerStart and cudaProfilerStop: ncu (`--profile-from-start
+off`) profiles every kernel of that second call, so a split-KV decode's merge or the extend's gather of its keys
+counts with the attention kernel. Clocks are left alone (`--clock-control none`) and caches flushed between
+replays. Kept per kernel: duration, the tensor (wgmma), MUFU (exp2), FMA and ALU pipes' share of their peak, issue
+slots busy, and the six largest warp stall reasons (ncu's issue_stalled_*.ratio metrics), so "the softmax is not
+hidden under the MMAs" (MUFU and ALU busy, tensor pipe idle) reads as numbers. The record's headline is the
+longest kernel's; `us_total` sums the call's kernels.
 
     python benchmarks/prefill_ncu.py --workload "prefill 1x16384" --out prefill-ncu.json [--contestants triton fa4]
+    python benchmarks/prefill_ncu.py --workload "mla decode 128x4096 h128 p1" --out mla-ncu.json
 
 Without ncu on PATH it writes the record with `ncu_error` and exits 1; `--child` is the profiled process.
 """
@@ -23,13 +27,9 @@ import subprocess
 import sys
 import time
 
-# the kernel name each contestant's attention launch matches (ncu -k regex:...)
-KERNEL_PATTERNS = {
-    "triton": "_prefill_tma_kernel|_extend_kernel",
-    "fa4": "[Ff]lash|[Aa]ttention|fmha",
-    "flashinfer-fa3": "[Pp]refill|[Aa]ttention",
-    "sdpa-cudnn": "cudnn|fmha|sdpa|[Aa]ttention",
-}
+# each workload kind's default contestants (a contestant the workload has no racer for is recorded as absent)
+MHA_CONTESTANTS = ["triton", "fa4", "flashinfer-fa3", "sdpa-cudnn"]
+MLA_CONTESTANTS = ["triton", "flashinfer-mla-fa3"]
 # pipes' cycles active as % of peak (tensor = wgmma on sm90; xu = MUFU: exp2, rcp), issue slots, stall reasons
 METRICS = [
     "gpu__time_duration.sum",
@@ -44,36 +44,53 @@ METRICS = [
 ]
 
 
+def find_workload(name: str):
+    from attnserve.bench.workloads import MLA_WORKLOADS, TINY_WORKLOADS, WORKLOADS
+
+    for w in WORKLOADS + MLA_WORKLOADS + TINY_WORKLOADS:
+        if w.name == name:
+            return w
+    raise SystemExit(f"no race workload named {name!r}")
+
+
 def child(workload: str, contestant: str) -> None:
     import torch
 
     from attnserve.bench.racers import build_race_batch, racers_for
-    from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
 
-    w = next(x for x in WORKLOADS + TINY_WORKLOADS if x.name == workload)
-    rb = build_race_batch(w, device="cuda" if torch.cuda.is_available() else "cpu")  # the CPU: a smoke run
-    fn = racers_for(rb, [contestant])[contestant]()
-    for _ in range(2):  # the first call compiles and warms; ncu skips its launch
-        out = fn()
-        if rb.q.is_cuda:
-            torch.cuda.synchronize()
+    rb = build_race_batch(find_workload(workload), device="cuda" if torch.cuda.is_available() else "cpu")
+    racers = racers_for(rb, [contestant])
+    if contestant not in racers:
+        raise SystemExit(f"{contestant} has no racer for {workload}")
+    fn = racers[contestant]()
+    out = fn()  # compiles and warms, outside the profiled range
+    if rb.q.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()  # ncu --profile-from-start off: only this call's kernels
+    out = fn()
+    if rb.q.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
     print(f"{contestant}: {tuple(out.shape)}")
 
 
-def parse_raw_csv(text: str) -> dict:
-    """ncu --csv --page raw: a header row, a units row, one row per profiled kernel -> the last kernel's metrics."""
+def parse_raw_csv(text: str) -> list[dict]:
+    """ncu --csv --page raw: a header row, a units row, one row per profiled kernel -> each kernel's metrics."""
     lines = [ln for ln in text.splitlines() if ln.startswith('"')]
     if len(lines) < 3:
-        return {}
+        return []
     rows = list(csv.reader(io.StringIO("\n".join(lines))))
-    header, values = rows[0], rows[-1]
-    out: dict = {}
-    for name, value in zip(header, values):
-        try:
-            out[name] = float(value.replace(",", ""))
-        except ValueError:
-            out[name] = value
-    return out
+    header = rows[0]
+    kernels = []
+    for values in rows[2:]:
+        out: dict = {}
+        for name, value in zip(header, values):
+            try:
+                out[name] = float(value.replace(",", ""))
+            except ValueError:
+                out[name] = value
+        kernels.append(out)
+    return kernels
 
 
 def summarise(raw: dict) -> dict:
@@ -93,10 +110,19 @@ def summarise(raw: dict) -> dict:
                               if k.startswith("sm__inst_executed_pipe_") and k.endswith(".sum")}}
 
 
+def profile_record(kernels: list[dict]) -> dict:
+    """The longest kernel's summary as the headline, every kernel's name and time, and their sum."""
+    summaries = [summarise(k) for k in kernels]
+    head = max(summaries, key=lambda s: s["us"])
+    return head | {"us_total": round(sum(s["us"] for s in summaries), 1),
+                   "kernels": [{"kernel": s["kernel"], "us": s["us"]} for s in summaries], "raw": kernels}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="prefill 1x16384")
-    p.add_argument("--contestants", nargs="*", default=["triton", "fa4", "flashinfer-fa3"])
+    p.add_argument("--contestants", nargs="*", default=None,
+                   help=f"default: {' '.join(MHA_CONTESTANTS)} (MLA workloads: {' '.join(MLA_CONTESTANTS)})")
     p.add_argument("--out", default="prefill-ncu.json")
     p.add_argument("--timeout-s", type=float, default=240, help="per contestant")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -122,15 +148,18 @@ def main(argv=None) -> int:
         save()
         print(result["ncu_error"])
         return 1
-    for name in args.contestants:
-        cmd = [ncu, "--clock-control", "none", "--cache-control", "all", "-k", f"regex:{KERNEL_PATTERNS[name]}",
-               "--launch-skip", "1", "--launch-count", "1", "--csv", "--page", "raw",
+    w = find_workload(args.workload)
+    # SDPA races fresh prompts only (no cached prefix)
+    contestants = args.contestants or (MLA_CONTESTANTS if w.mla else
+                                       [c for c in MHA_CONTESTANTS if not (w.prefix and c.startswith("sdpa"))])
+    for name in contestants:
+        cmd = [ncu, "--clock-control", "none", "--cache-control", "all", "--profile-from-start", "off",
+               "--csv", "--page", "raw",
                "--metrics", ",".join(METRICS), sys.executable, __file__, "--child", name, "--workload", args.workload]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, check=False)
-            raw = parse_raw_csv(proc.stdout)
-            rec = summarise(raw) if raw else {"error": (proc.stdout[-800:] + proc.stderr[-800:])}
-            rec["raw"] = raw
+            kernels = parse_raw_csv(proc.stdout)
+            rec = profile_record(kernels) if kernels else {"error": (proc.stdout[-800:] + proc.stderr[-800:])}
         except subprocess.TimeoutExpired:
             rec = {"error": f"timeout after {args.timeout_s} s"}
         result["profiles"][name] = rec
