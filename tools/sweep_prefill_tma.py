@@ -6,12 +6,19 @@ per (workload, config) and `best`, the config with the smallest geometric mean o
 the best time per workload (the default in PREFILL_TMA_TILES is taken from it).
 
     PYTHONPATH=src python3 tools/sweep_prefill_tma.py --out sweep-prefill-tma.json [--budget-s 120]
+
+--gluon adds the Gluon kernel (kernels/mha/prefill_gluon.py, the backend's prefill_kernel="gluon"), checked and
+timed the same way; --default-only races only the default config; --kernel-before FILE adds the default config
+run on another version of prefill_tma.py (e.g. one `git show REV:src/...` wrote), loaded beside this one, so a
+change to the kernel is timed against its parent in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import sys
@@ -19,7 +26,8 @@ import time
 
 import torch
 
-from attnserve.attention.kernels.mha.prefill_tma import PrefillTmaConfig
+from attnserve.attention.kernels.mha import prefill_tma
+from attnserve.attention.kernels.mha.prefill_tma import PREFILL_TMA_TILES, PrefillTmaConfig
 from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager
 from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
@@ -47,6 +55,21 @@ def run_once(rb, **options):
     return us, out, meta.extend_path
 
 
+@contextlib.contextmanager
+def kernel_from(path: str):
+    """The backend's prefill_tma_attention taken from another copy of prefill_tma.py while the block runs."""
+    spec = importlib.util.spec_from_file_location("prefill_tma_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    saved = prefill_tma.prefill_tma_attention
+    prefill_tma.prefill_tma_attention = module.prefill_tma_attention
+    try:
+        yield
+    finally:
+        prefill_tma.prefill_tma_attention = saved
+
+
 def best_config(rows: list[dict]) -> dict | None:
     ok = [r for r in rows if r.get("us", 0) > 0 and "block_m" in r]
     fastest: dict[str, float] = {}
@@ -68,6 +91,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=0, help="stop starting configs after this many seconds")
     p.add_argument("--warp-specialized", action="store_true", help="the warp-specialised configs first, then the rest")
     p.add_argument("--best-options", default=None, help="write the best config here as --triton-options JSON")
+    p.add_argument("--gluon", action="store_true", help="race the Gluon kernel too")
+    p.add_argument("--default-only", action="store_true", help="only the default config of head_dim 128")
+    p.add_argument("--kernel-before", default=None, help="another prefill_tma.py, raced at the default config")
     args = p.parse_args(argv)
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,6 +101,8 @@ def main(argv=None) -> int:
     if args.workloads:
         workloads = [w for w in workloads if any(n in w.name for n in args.workloads)]
     configs = TINY_CONFIGS if args.tiny else (WS_CONFIGS + CONFIGS if args.warp_specialized else CONFIGS)
+    if args.default_only:
+        configs = [TINY_CONFIGS[0] if args.tiny else PREFILL_TMA_TILES[128]]
     rows: list[dict] = []
     batches = [build_race_batch(w, device=device, seed=i) for i, w in enumerate(workloads)]
     refs = {}
@@ -97,24 +125,44 @@ def main(argv=None) -> int:
                 json.dump({"prefill_tma_config": best}, f)
         return best
 
+    def check(w, rb, row, out, us, path):
+        ref = refs[w.name]
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        if not err < 1e-2:
+            raise ValueError(f"output differs from the paged kernel's by {err:.2e}")
+        flops = w.flops(rb.layer.num_heads, rb.layer.head_dim)
+        row |= {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1) if us else None, "rel_err_vs_paged": err,
+                "path": path}
+        print(f"{w.name:<22} {row['kernel']:<42} {us:9.1f} us {row['tflops'] or 0:6.0f} TFLOP/s", flush=True)
+
+    extra = ([("prefill_gluon", {"prefill_kernel": "gluon"}, contextlib.nullcontext)] if args.gluon else []) + (
+        [(f"prefill_tma ({args.kernel_before})", {"prefill_tma_config": configs[0]},
+          lambda: kernel_from(args.kernel_before))] if args.kernel_before else [])
+    for name, options, context in extra:
+        for w, rb in zip(workloads, batches):
+            row = {"workload": w.name, "kernel": name}
+            try:
+                with context():
+                    us, out, path = run_once(rb, prefill_tma=True, **options)
+                check(w, rb, row, out, us, path)
+            except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile or run is a result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(f"{w.name:<22} {name} FAILED {row['error']}", flush=True)
+            rows.append(row)
+        save()
+
     for cfg in configs:
         if args.budget_s and time.time() - start > args.budget_s:
             print(f"budget spent: {cfg} and later configs not run", flush=True)
             break
         for w, rb in zip(workloads, batches):
             row = {"workload": w.name, "kernel": "prefill_tma", **dataclasses.asdict(cfg)}
+            row["kernel"] = (f"prefill_tma {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
+                             f"ws={int(cfg.warp_specialize)} p={cfg.persistent} dev={int(cfg.device_descriptors)} "
+                             f"kv={int(cfg.kv_head_major)}")
             try:
                 us, out, path = run_once(rb, prefill_tma=True, prefill_tma_config=cfg)
-                ref = refs[w.name]
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                if not err < 1e-2:
-                    raise ValueError(f"output differs from the paged kernel's by {err:.2e}")
-                flops = w.flops(rb.layer.num_heads, rb.layer.head_dim)
-                row |= {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1) if us else None,
-                        "rel_err_vs_paged": err, "path": path}
-                print(f"{w.name:<22} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-                      f"ws={int(cfg.warp_specialize)} p={cfg.persistent} dev={int(cfg.device_descriptors)} kv={int(cfg.kv_head_major)} "
-                      f"{us:9.1f} us {row['tflops'] or 0:6.0f} TFLOP/s", flush=True)
+                check(w, rb, row, out, us, path)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"{w.name:<22} {cfg} FAILED {row['error']}", flush=True)

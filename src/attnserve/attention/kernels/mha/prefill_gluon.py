@@ -1,0 +1,221 @@
+"""Causal prefill / extend in Gluon on Hopper: the mask only on the diagonal, the softmax under the P.V MMA.
+
+The Triton prefill (prefill_tma.py) leaves two things to Triton 3.6's warp specialisation, which does
+neither: it builds the causal mask on every key tile (the pass takes one key loop, so the diagonal
+cannot have its own), and it waits for each MMA before the softmax that follows, so the tensor cores
+idle while the exponentials run (Nsight Compute on an H100: 38 % of ALU issue, 58-62 % tensor pipe,
+against 18-23 % and 68-82 % for FA4 and FlashInfer's FA3 kernel). Gluon states the schedule itself:
+
+- one program per (query head, query tile of 128 rows), two warpgroups of 64 rows each;
+- K and V tiles arrive by TMA into two-slot rings, each slot with its own mbarrier, and a slot is
+  reloaded as soon as the MMA reading it has finished (K after S = Q.K^T, V after O += P.V);
+- each iteration issues S(j+1) = Q.K(j+1)^T and then O += P(j).V(j), both asynchronous, waits for the
+  first only, and runs the softmax of S(j+1) while P(j).V(j) is still in the tensor cores (FlashAttention-3's
+  intra-warpgroup overlap);
+- the mask is applied only on tiles that cross the diagonal, behind a branch taken per tile.
+
+Reads the same operands as prefill_tma (ragged contiguous K/V rows, the ExtendTiles work list); causal
+attention with head_dim 128 in bf16 or fp16 only, no window, soft-cap, sinks or LSE (the caller keeps
+prefill_tma for those). Gluon does not run under the Triton interpreter: tools/compile_prefill_gluon_sm90.py
+compiles it for sm_90 on any machine, and its GPU tests compare it with the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from attnserve.attention.kernels.common import LOG2E
+from attnserve.attention.kernels.extend_tiles import ExtendTiles
+from attnserve.attention.kernels.params import LayerParams
+
+BLOCK_M = 128  # query rows per program: two warpgroups of 64
+BLOCK_N = 128  # keys per TMA tile
+NUM_WARPS = 8
+STAGES = 2  # slots of each of the K and V rings
+
+
+def gluon_prefill_supported(q: torch.Tensor, head_dim: int, layer: LayerParams, lse) -> str | None:
+    """Why this kernel cannot serve the call (None: it can)."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "needs a Hopper GPU (sm_90)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (bf16 and fp16 only)"
+    if head_dim != 128:
+        return f"head_dim {head_dim} (128 only)"
+    if layer.sliding_window is not None or layer.logit_cap is not None or layer.sinks is not None or lse is not None:
+        return "a window, soft-cap, sinks or the LSE (prefill_tma has them)"
+    return None
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, row_pos, n0, full_end, qk_scale_log2,
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Scores s `[BLOCK_M, BLOCK_N]` of the keys from n0 -> P, the rescale factor and the new running max and sum.
+
+    Keys below full_end are visible to every row: only a tile reaching past it is masked (row_pos
+    `[BLOCK_M]`: each row's absolute position). The max is of raw scores (the scale is positive), so
+    the exponent is one FMA per score."""
+    if n0 + BLOCK_N > full_end:
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N] offsets in the tile
+        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(row_pos - n0, 1), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_new, 1))
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _load_tile(desc, ring, bars, tile, row0, col, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               STAGES: gl.constexpr):
+    """Key tile `tile` (rows row0 + tile * BLOCK_N ...) into its ring slot, signalled on the slot's barrier."""
+    slot = tile % STAGES
+    bar = bars.index(slot)
+    mbarrier.expect(bar, BLOCK_N * HEAD_DIM * 2)
+    tma.async_copy_global_to_shared(desc, [row0 + tile * BLOCK_N, col], bar, ring.index(slot))
+
+
+@gluon.jit
+def _prefill_gluon_kernel(
+    q_desc, k_desc, v_desc, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
+    qk_scale_log2, stride_ot, stride_oh,
+    NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+):
+    # the accumulators of both MMAs: wgmma's layout, 16 rows a warp, two warpgroups stacked
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1)
+    r = gl.load(tile_req + t)
+    m0 = gl.load(tile_m0 + t)
+    q_start = gl.load(qo_indptr + r)
+    ext = gl.load(qo_indptr + r + 1) - q_start
+    seq = gl.load(seq_lens + r)
+    kv_start = gl.load(kv_starts + r)
+    prefix = seq - ext
+    kv_col = pid_h // (NUM_HEADS // NUM_KV_HEADS) * HEAD_DIM
+    hi = gl.minimum(seq, prefix + m0 + BLOCK_M)  # nothing past the tile's last position is visible
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    full_end = prefix + m0 + 1  # keys below it are visible to every row of the tile
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar.index(0), BLOCK_M * HEAD_DIM * 2)
+    tma.async_copy_global_to_shared(q_desc, [q_start + m0, pid_h * HEAD_DIM], q_bar.index(0), q_smem)
+    for i in gl.static_range(STAGES):
+        if i < n_tiles:
+            _load_tile(k_desc, k_ring, k_bars, i, kv_start, kv_col, BLOCK_N, HEAD_DIM, STAGES)
+            _load_tile(v_desc, v_ring, v_bars, i, kv_start, kv_col, BLOCK_N, HEAD_DIM, STAGES)
+
+    row_pos = prefix + m0 + gl.arange(0, BLOCK_M, layout=row_layout)  # [BLOCK_M] absolute positions
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+
+    # tile 0: S, then its softmax (every causal tile list starts at key 0)
+    mbarrier.wait(q_bar.index(0), 0)
+    mbarrier.wait(k_bars.index(0), 0)
+    s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False)
+    gl.thread_barrier()  # every warpgroup has read K slot 0 before TMA refills it
+    if STAGES < n_tiles:
+        _load_tile(k_desc, k_ring, k_bars, STAGES, kv_start, kv_col, BLOCK_N, HEAD_DIM, STAGES)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
+
+    for j in range(0, n_tiles - 1):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        nxt = j + 1
+        # S(j+1) = Q.K(j+1)^T, then O += P(j).V(j), both in flight at once
+        mbarrier.wait(k_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem, k_ring.index(nxt % STAGES).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+        mbarrier.wait(v_bars.index(slot), phase)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # S(j+1) done; P(j).V(j) still running
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, nxt * BLOCK_N, full_end, qk_scale_log2,
+                                           BLOCK_N, s_layout)
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])  # P(j) in registers stays live until P.V is done
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        gl.thread_barrier()  # both warpgroups are done with K slot (j+1) and V slot j
+        if nxt + STAGES < n_tiles:
+            _load_tile(k_desc, k_ring, k_bars, nxt + STAGES, kv_start, kv_col, BLOCK_N, HEAD_DIM, STAGES)
+        if j + STAGES < n_tiles:
+            _load_tile(v_desc, v_ring, v_bars, j + STAGES, kv_start, kv_col, BLOCK_N, HEAD_DIM, STAGES)
+
+    last = n_tiles - 1
+    mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_ring.index(last % STAGES), acc)
+
+    mbarrier.invalidate(q_bar.index(0))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))  # [BLOCK_M] among the new tokens
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+    ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + pid_h * stride_oh, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
+
+
+def _descriptor(rows: torch.Tensor, block_rows: int):
+    """A host descriptor over `[rows, heads * dim]` whose blocks are `block_rows` rows of one head."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    n, heads, dim = rows.shape
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], gl.bfloat16 if rows.dtype == torch.bfloat16
+                                                  else gl.float16)
+    return TensorDescriptor(rows, [n, heads * dim], [rows.stride(0), 1], [block_rows, dim], layout)
+
+
+def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, kv_starts: torch.Tensor,
+                            out: torch.Tensor, tiles: ExtendTiles, qo_indptr: torch.Tensor, seq_lens: torch.Tensor,
+                            layer: LayerParams) -> torch.Tensor:
+    """prefill_tma_attention's contract (q `[T, Hq, D]`, K/V rows `[rows, Hkv, D]`, request r's keys at rows
+    kv_starts[r] .. + seq_lens[r], `tiles` of 128 positions) for causal attention at head_dim 128."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_rows.shape[1]
+    why = gluon_prefill_supported(q, head_dim, layer, None)
+    if why:
+        raise ValueError(f"the Gluon prefill cannot run this call: {why}")
+    if tiles.positions != BLOCK_M:
+        raise ValueError(f"tiles cover {tiles.positions} positions, the kernel's {BLOCK_M}")
+    if num_tokens == 0 or tiles.num_tiles == 0:
+        return out
+    _prefill_gluon_kernel[(num_heads, tiles.num_tiles)](
+        _descriptor(q, BLOCK_M), _descriptor(k_rows, BLOCK_N), _descriptor(v_rows, BLOCK_N), out,
+        tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens, layer.sm_scale * LOG2E,
+        out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
+        STAGES=STAGES, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
+    )
+    return out

@@ -1,0 +1,113 @@
+"""The Gluon prefill (kernels/mha/prefill_gluon.py): compiled for sm_90 here, against the float64 oracle on a Hopper GPU.
+
+Gluon kernels do not run under the Triton interpreter, so the CPU checks what it can: the kernel builds for
+Hopper (registers, shared memory, wgmma and TMA in its PTX), and the backend asked for it on a machine it cannot
+serve keeps the Triton kernel and says why. On an sm_90 GPU it runs against the oracle.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from attention_helpers import poison_unused_slots, rel_err, run_layer_step
+
+from attnserve.attention.kernels.extend_tiles import build_extend_tiles
+from attnserve.attention.kernels.mha import prefill_gluon
+from attnserve.attention.kernels.mha.prefill_tma import request_slots
+from attnserve.attention.kernels.params import LayerParams
+from attnserve.attention.metadata import metadata_for_batch
+from attnserve.choice.registry import backend_for_pool
+from attnserve.reference.attention import reference_for_batch
+from attnserve.reference.synthetic import make_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+
+
+def _compile_report(dtype: str) -> dict:
+    """tools/compile_prefill_gluon_sm90.py in a process of its own: the interpreter's (TRITON_INTERPRET=1) Triton
+    functions cannot be called from a compiled kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_prefill_gluon_sm90.py"), "--dtype", dtype],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_kernel_builds_for_sm90(dtype):
+    rep = _compile_report(dtype)
+    assert rep["ptxas_rc"] == 0 and rep["warps"] == prefill_gluon.NUM_WARPS
+    assert rep["smem_kib"] <= 227  # Hopper's shared memory per block
+    assert rep["registers"] <= 255 and not rep["wgmma_serialized"]
+    assert rep["tma_loads"] >= 3  # Q, K and V through descriptors
+    assert rep["wgmma"] >= 32  # S and P.V, 8 k-steps each, in the first tile, the loop and the last tile
+
+
+def test_what_the_kernel_refuses_is_named():
+    q = torch.empty(4, 2, 128, dtype=torch.bfloat16)
+    assert "Hopper" in prefill_gluon.gluon_prefill_supported(q, 128, LayerParams(1.0), None)
+    with pytest.raises(ValueError, match="prefill_kernel"):
+        sb = make_batch([0], [4], num_heads=2, num_kv_heads=1, head_dim=128, dtype=torch.bfloat16, device=DEVICE)
+        backend_for_pool("triton", sb.pool, prefill_kernel="cutlass")
+
+
+@pytest.mark.skipif(HOPPER, reason="on an sm_90 GPU the Gluon kernel runs (tested below)")
+def test_asked_for_where_it_cannot_run_the_triton_kernel_serves():
+    sb = make_batch([0, 7], [18, 5], num_heads=8, num_kv_heads=2, head_dim=128, page_size=1, dtype=torch.bfloat16,
+                    device=DEVICE, score_scale=20.0, seed=3)
+    poison_unused_slots(sb)
+    out, step = run_layer_step(sb, backend_for_pool("triton", sb.pool, prefill_kernel="gluon"))
+    assert step.extend_path.startswith("prefill_tma") and "Gluon kernel refused" in step.extend_path
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("prefix", [[0, 0, 0, 0, 0], [0, 128, 37, 1000, 5]], ids=["fresh", "prefix"])
+def test_gpu_kernel_matches_oracle_on_ragged_lengths(dtype, group, prefix):
+    """Lengths on and around the 128-row tiles (one row, one tile, a tile and one), prefixes aligned and not."""
+    kv_heads = 2
+    sb = make_batch(prefix, [1, 127, 128, 129, 300], num_heads=kv_heads * group, num_kv_heads=kv_heads,
+                    head_dim=128, page_size=1, dtype=dtype, device="cuda", score_scale=20.0, seed=group)
+    poison_unused_slots(sb)
+    fb, layer = sb.fb, sb.layer
+    meta = metadata_for_batch(fb)
+    if any(prefix):
+        slots, starts = request_slots(meta.kv_indptr, meta.kv_indices, fb.seq_lens_cpu, 1, "cuda")
+        k_rows, v_rows = sb.pool.k_buffer[0].index_select(0, slots), sb.pool.v_buffer[0].index_select(0, slots)
+    else:
+        k_rows, v_rows, starts = sb.k, sb.v, meta.qo_indptr[:-1]
+    tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, prefill_gluon.BLOCK_M, "cuda")
+    out = torch.full_like(sb.q, float("nan"))  # [T, Hq, D]
+    prefill_gluon.prefill_gluon_attention(sb.q, k_rows, v_rows, starts, out, tiles, meta.qo_indptr,
+                                          fb.seq_lens.to(torch.int32), LayerParams(layer.scaling))
+    assert not out.isnan().any()
+    assert rel_err(out, reference_for_batch(sb.q, layer, fb, compute_dtype=torch.float32)) < 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("prefix,page_size", [([0] * 4, 1), ([0, 1000, 0, 37], 1), ([0, 1000, 0, 37], 16)])
+def test_gpu_backend_takes_the_gluon_kernel_on_real_shapes(prefix, page_size):
+    sb = make_batch(prefix, [1024, 512, 300, 700], num_heads=32, num_kv_heads=8, head_dim=128,
+                    page_size=page_size, dtype=torch.bfloat16, device="cuda", score_scale=20.0)
+    poison_unused_slots(sb)
+    out, step = run_layer_step(sb, backend_for_pool("triton", sb.pool, prefill_kernel="gluon"))
+    assert step.extend_path == "prefill_gluon"
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
+
+
+@needs_hopper
+def test_gpu_features_it_lacks_stay_on_the_triton_kernel():
+    sb = make_batch([37, 0], [21, 19], num_heads=4, num_kv_heads=2, head_dim=128, page_size=4,
+                    dtype=torch.bfloat16, device="cuda", score_scale=20.0, sliding_window=10)
+    out, step = run_layer_step(sb, backend_for_pool("triton", sb.pool, prefill_kernel="gluon"))
+    assert step.extend_path.startswith("prefill_tma") and "window" in step.extend_path
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
