@@ -31,16 +31,16 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, head_dim
     rows = torch.empty(4096, kv_heads * group, head_dim, dtype=dtype)  # stands in for q (and k / v below)
     kv = torch.empty(4096, kv_heads, head_dim, dtype=dtype)
     idx = torch.empty(16, dtype=torch.int32)
-    args = dict(q_desc=pg._descriptor(rows, pg.BLOCK_M), k_desc=pg._descriptor(kv, pg.BLOCK_N),
+    args = dict(q_desc=pg._descriptor(rows, pg.BLOCK_M // 2), k_desc=pg._descriptor(kv, pg.BLOCK_N),
                 v_desc=pg._descriptor(kv, pg.BLOCK_N), Out=rows, tile_req=idx, tile_m0=idx, qo_indptr=idx,
                 kv_starts=idx, seq_lens=idx, qk_scale_log2=0.1, stride_ot=4096, stride_oh=128)
     constexprs = dict(NUM_HEADS=kv_heads * group, NUM_KV_HEADS=kv_heads, BLOCK_M=pg.BLOCK_M, BLOCK_N=pg.BLOCK_N,
-                      HEAD_DIM=head_dim, STAGES=pg.STAGES, NUM_WARPS=pg.NUM_WARPS)
+                      HEAD_DIM=head_dim, STAGES=pg.STAGES, CONSUMER_REGS=pg.CONSUMER_REGS)
     fn = pg._prefill_gluon_kernel
     signature = {n: ("constexpr" if n in constexprs else mangle_type(args[n])) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ("Out", "stride_ot", "stride_oh")}
-    kernel = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 64),
-                            options={"num_warps": pg.NUM_WARPS})
+    kernel = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": pg.LOADER_WARPS})
     ptx = kernel.asm["ptx"]
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -59,6 +59,7 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, head_dim
             "smem_kib": round(kernel.metadata.shared / 1024, 1), "warps": kernel.metadata.num_warps,
             "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "wgmma_wait": len(re.findall(r"wgmma\.wait_group", ptx)),
             "tma_loads": ptx.count("cp.async.bulk.tensor"), "local_memory": "ld.local" in ptx or "st.local" in ptx,
+            "setmaxnreg": sorted({" ".join(m.split()) for m in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+", ptx)}),
             "wgmma_serialized": "wgmma.mma_async instructions are serialized" in info,
             "ptxas_warnings": [ln for ln in info.splitlines() if "warning" in ln.lower()][:5]}
 

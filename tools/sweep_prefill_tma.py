@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--gluon", action="store_true", help="race the Gluon kernel too")
     p.add_argument("--default-only", action="store_true", help="only the default config of head_dim 128")
     p.add_argument("--kernel-before", default=None, help="another prefill_tma.py, raced at the default config")
+    p.add_argument("--extra-last", action="store_true", help="the Gluon and --kernel-before rows after the configs "
+                   "(run twice, once each way, to see what the order moves)")
     args = p.parse_args(argv)
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,19 +140,22 @@ def main(argv=None) -> int:
     extra = ([("prefill_gluon", {"prefill_kernel": "gluon"}, contextlib.nullcontext)] if args.gluon else []) + (
         [(f"prefill_tma ({args.kernel_before})", {"prefill_tma_config": configs[0]},
           lambda: kernel_from(args.kernel_before))] if args.kernel_before else [])
-    for name, options, context in extra:
-        for w, rb in zip(workloads, batches):
-            row = {"workload": w.name, "kernel": name}
-            try:
-                with context():
-                    us, out, path = run_once(rb, prefill_tma=True, **options)
-                check(w, rb, row, out, us, path)
-            except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile or run is a result
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                print(f"{w.name:<22} {name} FAILED {row['error']}", flush=True)
-            rows.append(row)
-        save()
+    def run_extra():
+        for name, options, context in extra:
+            for w, rb in zip(workloads, batches):
+                row = {"workload": w.name, "kernel": name}
+                try:
+                    with context():
+                        us, out, path = run_once(rb, prefill_tma=True, **options)
+                    check(w, rb, row, out, us, path)
+                except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile or run is a result
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    print(f"{w.name:<22} {name} FAILED {row['error']}", flush=True)
+                rows.append(row)
+            save()
 
+    if not args.extra_last:
+        run_extra()
     for cfg in configs:
         if args.budget_s and time.time() - start > args.budget_s:
             print(f"budget spent: {cfg} and later configs not run", flush=True)
@@ -168,6 +173,8 @@ def main(argv=None) -> int:
                 print(f"{w.name:<22} {cfg} FAILED {row['error']}", flush=True)
             rows.append(row)
         save()
+    if args.extra_last:
+        run_extra()
     print("best:", json.dumps(save()), flush=True)
     return 0
 

@@ -37,9 +37,10 @@ from attnserve.attention.kernels.common import LOG2E
 from attnserve.attention.kernels.extend_tiles import ExtendTiles
 from attnserve.attention.kernels.params import LayerParams
 
-BLOCK_M = 128  # query rows per program: two warpgroups of 64
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per TMA tile
-NUM_WARPS = 8
+LOADER_WARPS = 4  # the default partition, which issues the TMA loads (one warpgroup: setmaxnreg works per group)
+CONSUMER_REGS = 240  # registers of each consumer thread; the loader keeps what is left (FlashAttention-3's split)
 STAGES = 2  # slots of each of the K and V rings
 
 
@@ -59,10 +60,10 @@ def gluon_prefill_supported(q: torch.Tensor, head_dim: int, layer: LayerParams, 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, row_pos, n0, full_end, qk_scale_log2,
                   BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """Scores s `[BLOCK_M, BLOCK_N]` of the keys from n0 -> P, the rescale factor and the new running max and sum.
+    """Scores s `[ROWS, BLOCK_N]` of the keys from n0 -> P, the rescale factor and the new running max and sum.
 
     Keys below full_end are visible to every row: only a tile reaching past it is masked (row_pos
-    `[BLOCK_M]`: each row's absolute position). The max is of raw scores (the scale is positive), so
+    `[ROWS]`: each row's absolute position). The max is of raw scores (the scale is positive), so
     the exponent is one FMA per score."""
     if n0 + BLOCK_N > full_end:
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N] offsets in the tile
@@ -75,13 +76,79 @@ def _softmax_tile(s, m_i, l_i, row_pos, n0, full_end, qk_scale_log2,
 
 
 @gluon.jit
-def _load_tile(desc, ring, bars, tile, row0, col, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               STAGES: gl.constexpr):
-    """Key tile `tile` (rows row0 + tile * BLOCK_N ...) into its ring slot, signalled on the slot's barrier."""
-    slot = tile % STAGES
-    bar = bars.index(slot)
-    mbarrier.expect(bar, BLOCK_N * HEAD_DIM * 2)
-    tma.async_copy_global_to_shared(desc, [row0 + tile * BLOCK_N, col], bar, ring.index(slot))
+def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free,
+            q_row, q_col, kv_row, kv_col, n_tiles,
+            HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The producer: both halves of the query tile, then K and V tiles into their rings as slots come free."""
+    mbarrier.expect(q_bar.index(0), 2 * HALF_M * HEAD_DIM * 2)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar.index(0), q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar.index(0), q_smem.index(1))
+    for i in range(n_tiles):
+        slot = i % STAGES
+        free_phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier counts as released: the first pass does not wait
+        mbarrier.wait(k_free.index(slot), free_phase)
+        mbarrier.expect(k_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot), k_ring.index(slot))
+        mbarrier.wait(v_free.index(slot), free_phase)
+        mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot), v_ring.index(slot))
+
+
+@gluon.jit
+def _consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free, Out,
+              half, q_start, m0, ext, prefix, pid_h, n_tiles, qk_scale_log2, stride_ot, stride_oh,
+              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's 64 query rows: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight together, the softmax of
+    S(j+1) while the second runs; each ring slot released (one arrival of the two consumers') once read."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    q_half = q_smem.index(half)
+    first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
+    row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
+    full_end = first + 1  # keys below it are visible to every row of the half
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([HALF_M], -1.0e30, gl.float32, row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
+
+    mbarrier.wait(q_bar.index(0), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_half, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False)
+    mbarrier.arrive(k_free.index(0), count=1)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(0, n_tiles - 1):
+        slot = j % STAGES
+        nxt = j + 1
+        nslot = nxt % STAGES
+        mbarrier.wait(k_ready.index(nslot), (nxt // STAGES) & 1)
+        s_tok = warpgroup_mma(q_half, k_ring.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # S(j+1) done; P(j).V(j) still running
+        mbarrier.arrive(k_free.index(nslot), count=1)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, nxt * BLOCK_N, full_end, qk_scale_log2,
+                                           BLOCK_N, s_layout)
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])  # P(j) in registers stays live until P.V is done
+        mbarrier.arrive(v_free.index(slot), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    last = n_tiles - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
+    mbarrier.arrive(v_free.index(last % STAGES), count=1)
+
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+    ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + pid_h * stride_oh, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
 
 
 @gluon.jit
@@ -89,17 +156,12 @@ def _prefill_gluon_kernel(
     q_desc, k_desc, v_desc, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
     qk_scale_log2, stride_ot, stride_oh,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    # the accumulators of both MMAs: wgmma's layout, 16 rows a warp, two warpgroups stacked
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # FlashAttention-3's layout: this program's warps (the default partition) load, two consumer warpgroups
+    # take 64 query rows each and share the K/V rings
+    HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-
     pid_h = gl.program_id(0)
     t = gl.program_id(1)
     r = gl.load(tile_req + t)
@@ -110,81 +172,32 @@ def _prefill_gluon_kernel(
     kv_start = gl.load(kv_starts + r)
     prefix = seq - ext
     kv_col = pid_h // (NUM_HEADS // NUM_KV_HEADS) * HEAD_DIM
-    hi = gl.minimum(seq, prefix + m0 + BLOCK_M)  # nothing past the tile's last position is visible
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-    full_end = prefix + m0 + 1  # keys below it are visible to every row of the tile
+    n_tiles = gl.cdiv(gl.minimum(seq, prefix + m0 + BLOCK_M), BLOCK_N)  # nothing past the last row is visible
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar.index(0), count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_free.index(i), count=2)  # one arrival from each consumer
+        mbarrier.init(v_free.index(i), count=2)
     fence_async_shared()
 
-    mbarrier.expect(q_bar.index(0), BLOCK_M * HEAD_DIM * 2)
-    tma.async_copy_global_to_shared(q_desc, [q_start + m0, pid_h * HEAD_DIM], q_bar.index(0), q_smem)
-    for i in gl.static_range(STAGES):
-        if i < n_tiles:
-            _load_tile(k_desc, k_ring, k_bars, i, kv_start, kv_col, BLOCK_N, HEAD_DIM, STAGES)
-            _load_tile(v_desc, v_ring, v_bars, i, kv_start, kv_col, BLOCK_N, HEAD_DIM, STAGES)
-
-    row_pos = prefix + m0 + gl.arange(0, BLOCK_M, layout=row_layout)  # [BLOCK_M] absolute positions
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-
-    # tile 0: S, then its softmax (every causal tile list starts at key 0)
-    mbarrier.wait(q_bar.index(0), 0)
-    mbarrier.wait(k_bars.index(0), 0)
-    s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False)
-    gl.thread_barrier()  # every warpgroup has read K slot 0 before TMA refills it
-    if STAGES < n_tiles:
-        _load_tile(k_desc, k_ring, k_bars, STAGES, kv_start, kv_col, BLOCK_N, HEAD_DIM, STAGES)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
-
-    for j in range(0, n_tiles - 1):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        nxt = j + 1
-        # S(j+1) = Q.K(j+1)^T, then O += P(j).V(j), both in flight at once
-        mbarrier.wait(k_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_ring.index(nxt % STAGES).permute((1, 0)), zero_s, use_acc=False,
-                              is_async=True)
-        mbarrier.wait(v_bars.index(slot), phase)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])  # S(j+1) done; P(j).V(j) still running
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, nxt * BLOCK_N, full_end, qk_scale_log2,
-                                           BLOCK_N, s_layout)
-        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])  # P(j) in registers stays live until P.V is done
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        gl.thread_barrier()  # both warpgroups are done with K slot (j+1) and V slot j
-        if nxt + STAGES < n_tiles:
-            _load_tile(k_desc, k_ring, k_bars, nxt + STAGES, kv_start, kv_col, BLOCK_N, HEAD_DIM, STAGES)
-        if j + STAGES < n_tiles:
-            _load_tile(v_desc, v_ring, v_bars, j + STAGES, kv_start, kv_col, BLOCK_N, HEAD_DIM, STAGES)
-
-    last = n_tiles - 1
-    mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_ring.index(last % STAGES), acc)
-
-    mbarrier.invalidate(q_bar.index(0))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-
-    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))  # [BLOCK_M] among the new tokens
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-    ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + pid_h * stride_oh, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
+    gl.warp_specialize([
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free,
+                   q_start + m0, pid_h * HEAD_DIM, kv_start, kv_col, n_tiles, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free, Out, 0, q_start, m0, ext,
+                     prefix, pid_h, n_tiles, qk_scale_log2, stride_ot, stride_oh, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free, Out, 1, q_start, m0, ext,
+                     prefix, pid_h, n_tiles, qk_scale_log2, stride_ot, stride_oh, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def _descriptor(rows: torch.Tensor, block_rows: int):
@@ -212,10 +225,10 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
     if num_tokens == 0 or tiles.num_tiles == 0:
         return out
     _prefill_gluon_kernel[(num_heads, tiles.num_tiles)](
-        _descriptor(q, BLOCK_M), _descriptor(k_rows, BLOCK_N), _descriptor(v_rows, BLOCK_N), out,
+        _descriptor(q, BLOCK_M // 2), _descriptor(k_rows, BLOCK_N), _descriptor(v_rows, BLOCK_N), out,
         tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens, layer.sm_scale * LOG2E,
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
-        STAGES=STAGES, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
+        STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, num_warps=LOADER_WARPS,
     )
     return out
