@@ -194,7 +194,7 @@ def _attend_tile(
                                                      HAS_SOFTCAP, True)
         else:
             if MASK_EVERY_TILE or HAS_WINDOW:
-                visible = offs_n0[None, :] <= (q_pos - n0)[:, None]
+                visible = offs_n[None, :] <= q_pos[:, None]
                 if HAS_WINDOW:
                     visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
                 s = tl.where(visible, s, float("-inf"))
