@@ -33,7 +33,7 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, head_dim
     idx = torch.empty(16, dtype=torch.int32)
     args = dict(q_desc=pg._descriptor(rows, pg.BLOCK_M // 2), k_desc=pg._descriptor(kv, pg.BLOCK_N),
                 v_desc=pg._descriptor(kv, pg.BLOCK_N), Out=rows, tile_req=idx, tile_m0=idx, qo_indptr=idx,
-                kv_starts=idx, seq_lens=idx, qk_scale_log2=0.1, stride_ot=4096, stride_oh=128)
+                kv_starts=idx, seq_lens=idx, qk_scale_log2=0.1, stride_ot=4096, stride_oh=128, num_work=1000)
     constexprs = dict(NUM_HEADS=kv_heads * group, NUM_KV_HEADS=kv_heads, BLOCK_M=pg.BLOCK_M, BLOCK_N=pg.BLOCK_N,
                       HEAD_DIM=head_dim, STAGES=pg.STAGES, CONSUMER_REGS=pg.CONSUMER_REGS)
     fn = pg._prefill_gluon_kernel

@@ -76,30 +76,66 @@ def _softmax_tile(s, m_i, l_i, row_pos, n0, full_end, qk_scale_log2,
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free,
-            q_row, q_col, kv_row, kv_col, n_tiles,
-            HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """The producer: both halves of the query tile, then K and V tiles into their rings as slots come free."""
-    mbarrier.expect(q_bar.index(0), 2 * HALF_M * HEAD_DIM * 2)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar.index(0), q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar.index(0), q_smem.index(1))
-    for i in range(n_tiles):
-        slot = i % STAGES
-        free_phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier counts as released: the first pass does not wait
-        mbarrier.wait(k_free.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot), k_ring.index(slot))
-        mbarrier.wait(v_free.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot), v_ring.index(slot))
+def _work_item(w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
+               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr):
+    """Work item w (query tiles heaviest first, query heads fastest): the tile's request and rows, its head,
+    the column of its KV head, and how many key tiles it reads."""
+    t = w // NUM_HEADS
+    h = w % NUM_HEADS
+    r = gl.load(tile_req + t)
+    m0 = gl.load(tile_m0 + t)
+    q_start = gl.load(qo_indptr + r)
+    ext = gl.load(qo_indptr + r + 1) - q_start
+    seq = gl.load(seq_lens + r)
+    kv_start = gl.load(kv_starts + r)
+    prefix = seq - ext
+    n_tiles = gl.cdiv(gl.minimum(seq, prefix + m0 + BLOCK_M), BLOCK_N)  # nothing past the last row is visible
+    return h, m0, q_start, ext, prefix, kv_start, h // GROUP * HEAD_DIM, n_tiles
 
 
 @gluon.jit
-def _consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free, Out,
-              half, q_start, m0, ext, prefix, pid_h, n_tiles, qk_scale_log2, stride_ot, stride_oh,
-              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup's 64 query rows: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight together, the softmax of
-    S(j+1) while the second runs; each ring slot released (one arrival of the two consumers') once read."""
+def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+            tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
+            NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The producer: for each of this program's work items, both halves of the query tile once the consumers
+    are done with the last one's, then its K and V tiles into their rings as slots come free (so the next
+    item's first tiles arrive while the consumers finish this one)."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    it = 0  # K/V tiles loaded so far: ring slot and phase
+    done = 0  # work items loaded so far: the query buffer's phase
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
+            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+        mbarrier.wait(q_free.index(0), (done & 1) ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(q_ready.index(0), BLOCK_M * HEAD_DIM * 2)
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * HEAD_DIM], q_ready.index(0), q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0 + HALF_M, h * HEAD_DIM], q_ready.index(0),
+                                        q_smem.index(1))
+        for i in range(n_tiles):
+            slot = it % STAGES
+            free_phase = ((it // STAGES) & 1) ^ 1
+            row = kv_start + i * BLOCK_N
+            mbarrier.wait(k_free.index(slot), free_phase)
+            mbarrier.expect(k_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
+            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot), k_ring.index(slot))
+            mbarrier.wait(v_free.index(slot), free_phase)
+            mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
+            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), v_ring.index(slot))
+            it += 1
+        done += 1
+
+
+@gluon.jit
+def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, Out,
+              tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
+              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
+    together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
+    consumers') once read."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -108,95 +144,98 @@ def _consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free, O
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
     q_half = q_smem.index(half)
-    first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
-    row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
-    full_end = first + 1  # keys below it are visible to every row of the half
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([HALF_M], -1.0e30, gl.float32, row_layout)
-    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
+    it = 0  # K/V tiles consumed so far: ring slot and phase
+    done = 0  # work items finished: the query buffer's phase
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
+            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+        first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
+        row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
+        full_end = first + 1  # keys below it are visible to every row of the half
+        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([HALF_M], -1.0e30, gl.float32, row_layout)
+        l_i = gl.zeros([HALF_M], gl.float32, row_layout)
 
-    mbarrier.wait(q_bar.index(0), 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_half, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False)
-    mbarrier.arrive(k_free.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    for j in range(0, n_tiles - 1):
-        slot = j % STAGES
-        nxt = j + 1
-        nslot = nxt % STAGES
-        mbarrier.wait(k_ready.index(nslot), (nxt // STAGES) & 1)
-        s_tok = warpgroup_mma(q_half, k_ring.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])  # S(j+1) done; P(j).V(j) still running
-        mbarrier.arrive(k_free.index(nslot), count=1)
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, nxt * BLOCK_N, full_end, qk_scale_log2,
-                                           BLOCK_N, s_layout)
-        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])  # P(j) in registers stays live until P.V is done
-        mbarrier.arrive(v_free.index(slot), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        mbarrier.wait(q_ready.index(0), done & 1)
+        slot = it % STAGES
+        mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+        s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
+        mbarrier.arrive(k_free.index(slot), count=1)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-    last = n_tiles - 1
-    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
-    mbarrier.arrive(v_free.index(last % STAGES), count=1)
+        for j in range(0, n_tiles - 1):
+            slot = (it + j) % STAGES
+            nslot = (it + j + 1) % STAGES
+            mbarrier.wait(k_ready.index(nslot), ((it + j + 1) // STAGES) & 1)
+            s_tok = warpgroup_mma(q_half, k_ring.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(slot), ((it + j) // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])  # S(j+1) done; P(j).V(j) still running
+            mbarrier.arrive(k_free.index(nslot), count=1)
+            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, (j + 1) * BLOCK_N, full_end, qk_scale_log2,
+                                               BLOCK_N, s_layout)
+            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])  # P(j) in registers stays live until P.V is done
+            mbarrier.arrive(v_free.index(slot), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.arrive(q_free.index(0), count=1)  # this item's scores are done: the loader may bring the next Q
+        last = it + n_tiles - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
+        mbarrier.arrive(v_free.index(last % STAGES), count=1)
+        it += n_tiles
+        done += 1
 
-    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-    ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + pid_h * stride_oh, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+        rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+        ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + h * stride_oh, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("num_work",))  # a step's work count: no variant per divisibility (prefill_tma's reason)
 def _prefill_gluon_kernel(
     q_desc, k_desc, v_desc, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
-    qk_scale_log2, stride_ot, stride_oh,
+    qk_scale_log2, stride_ot, stride_oh, num_work,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    # FlashAttention-3's layout: this program's warps (the default partition) load, two consumer warpgroups
-    # take 64 query rows each and share the K/V rings
+    # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
+    # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
+    # tile and share the K/V rings
     HALF_M: gl.constexpr = BLOCK_M // 2
+    GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS
     dtype: gl.constexpr = q_desc.dtype
-    pid_h = gl.program_id(0)
-    t = gl.program_id(1)
-    r = gl.load(tile_req + t)
-    m0 = gl.load(tile_m0 + t)
-    q_start = gl.load(qo_indptr + r)
-    ext = gl.load(qo_indptr + r + 1) - q_start
-    seq = gl.load(seq_lens + r)
-    kv_start = gl.load(kv_starts + r)
-    prefix = seq - ext
-    kv_col = pid_h // (NUM_HEADS // NUM_KV_HEADS) * HEAD_DIM
-    n_tiles = gl.cdiv(gl.minimum(seq, prefix + m0 + BLOCK_M), BLOCK_N)  # nothing past the last row is visible
-
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar.index(0), count=1)
+    mbarrier.init(q_ready.index(0), count=1)
+    mbarrier.init(q_free.index(0), count=2)  # one arrival from each consumer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_free.index(i), count=2)  # one arrival from each consumer
+        mbarrier.init(k_free.index(i), count=2)
         mbarrier.init(v_free.index(i), count=2)
     fence_async_shared()
 
     gl.warp_specialize([
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free,
-                   q_start + m0, pid_h * HEAD_DIM, kv_start, kv_col, n_tiles, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free, Out, 0, q_start, m0, ext,
-                     prefix, pid_h, n_tiles, qk_scale_log2, stride_ot, stride_oh, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_free, v_free, Out, 1, q_start, m0, ext,
-                     prefix, pid_h, n_tiles, qk_scale_log2, stride_ot, stride_oh, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                   tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
+                   NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, Out,
+                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, Out,
+                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -224,10 +263,12 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         raise ValueError(f"tiles cover {tiles.positions} positions, the kernel's {BLOCK_M}")
     if num_tokens == 0 or tiles.num_tiles == 0:
         return out
-    _prefill_gluon_kernel[(num_heads, tiles.num_tiles)](
+    num_work = num_heads * tiles.num_tiles
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    _prefill_gluon_kernel[(min(num_work, sms),)](
         _descriptor(q, BLOCK_M // 2), _descriptor(k_rows, BLOCK_N), _descriptor(v_rows, BLOCK_N), out,
         tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens, layer.sm_scale * LOG2E,
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), num_work,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, num_warps=LOADER_WARPS,
     )
