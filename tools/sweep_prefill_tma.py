@@ -30,7 +30,7 @@ from attnserve.attention.kernels.mha import prefill_tma
 from attnserve.attention.kernels.mha.prefill_tma import PREFILL_TMA_TILES, PrefillTmaConfig
 from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager
-from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS
+from attnserve.bench.workloads import TINY_WORKLOADS, WORKLOADS, prefill_workload
 from attnserve.choice.registry import backend_for_pool
 
 # (block_m, block_n, warps, stages, warp_specialize[, mask_every_tile[, persistent]]). 128 x 128 x 3 stages and
@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--gluon", action="store_true", help="race the Gluon kernel too")
     p.add_argument("--default-only", action="store_true", help="only the default config of head_dim 128")
     p.add_argument("--kernel-before", default=None, help="another prefill_tma.py, raced at the default config")
+    p.add_argument("--prefills", nargs="*", default=[], help="more fresh-prompt shapes, BATCHxTOKENS (e.g. 16x1024)")
     p.add_argument("--extra-last", action="store_true", help="the Gluon and --kernel-before rows after the configs "
                    "(run twice, once each way, to see what the order moves)")
     args = p.parse_args(argv)
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     workloads = [w for w in (TINY_WORKLOADS if args.tiny else WORKLOADS) if w.kind != "decode" and w.mla is None]
     if args.workloads:
         workloads = [w for w in workloads if any(n in w.name for n in args.workloads)]
+    workloads += [prefill_workload(*map(int, shape.split("x"))) for shape in args.prefills]
     configs = TINY_CONFIGS if args.tiny else (WS_CONFIGS + CONFIGS if args.warp_specialized else CONFIGS)
     if args.default_only:
         configs = [TINY_CONFIGS[0] if args.tiny else PREFILL_TMA_TILES[128]]

@@ -67,7 +67,7 @@ def _decode(batch: int, ctx: int, page: int) -> Workload:
     return Workload(f"decode {batch}x{ctx} p{page}", "decode", batch, ctx - 1, 1, page)
 
 
-def _prefill(batch: int, tokens: int) -> Workload:
+def prefill_workload(batch: int, tokens: int) -> Workload:
     return Workload(f"prefill {batch}x{tokens}", "prefill", batch, 0, tokens, 1)
 
 
@@ -88,9 +88,9 @@ WORKLOADS: list[Workload] = [
     _decode(256, 1024, 1),
     _decode(8, 8192, 1),
     _decode(1, 32768, 1),
-    _prefill(8, 2048),
-    _prefill(1, 16384),
-    _prefill(32, 512),
+    prefill_workload(8, 2048),
+    prefill_workload(1, 16384),
+    prefill_workload(32, 512),
     Workload("extend 8x(4096+512)", "extend", 8, 4096, 512, 1),
 ]
 
@@ -110,7 +110,7 @@ _TINY_MLA = MLAShape(16, kv_lora_rank=32, rope_dim=16, qk_head_dim=48)
 TINY_WORKLOADS: list[Workload] = [
     _decode(4, 64, 1),
     _decode(2, 96, 16),
-    _prefill(2, 48),
+    prefill_workload(2, 48),
     Workload("extend 2x(40+24)", "extend", 2, 40, 24, 4),
     _mla_decode(4, 64, 16, 1, _TINY_MLA),
     _mla_decode(2, 96, 16, 16, _TINY_MLA),

@@ -99,8 +99,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_r
             tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """The producer: for each of this program's work items, both halves of the query tile once the consumers
-    are done with the last one's, then its K and V tiles into their rings as slots come free (so the next
+    """The producer: for each of this program's work items, both halves of the query tile into one of two
+    buffers (once the consumers are done with the item before last), then its K and V tiles into their rings as slots come free (so the next
     item's first tiles arrive while the consumers finish this one)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     it = 0  # K/V tiles loaded so far: ring slot and phase
@@ -108,11 +108,12 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_r
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
-        mbarrier.wait(q_free.index(0), (done & 1) ^ 1)  # a fresh barrier counts as released
-        mbarrier.expect(q_ready.index(0), BLOCK_M * HEAD_DIM * 2)
-        tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * HEAD_DIM], q_ready.index(0), q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_start + m0 + HALF_M, h * HEAD_DIM], q_ready.index(0),
-                                        q_smem.index(1))
+        qb = done % 2  # the query buffer of this item: the next item's Q loads while this one is computed
+        mbarrier.wait(q_free.index(qb), ((done // 2) & 1) ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(q_ready.index(qb), BLOCK_M * HEAD_DIM * 2)
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb))
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0 + HALF_M, h * HEAD_DIM], q_ready.index(qb),
+                                        q_smem.index(2 * qb + 1))
         for i in range(n_tiles):
             slot = it % STAGES
             free_phase = ((it // STAGES) & 1) ^ 1
@@ -143,7 +144,6 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
-    q_half = q_smem.index(half)
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
@@ -157,7 +157,9 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
         m_i = gl.full([HALF_M], -1.0e30, gl.float32, row_layout)
         l_i = gl.zeros([HALF_M], gl.float32, row_layout)
 
-        mbarrier.wait(q_ready.index(0), done & 1)
+        qb = done % 2
+        q_half = q_smem.index(2 * qb + half)
+        mbarrier.wait(q_ready.index(qb), (done // 2) & 1)
         slot = it % STAGES
         mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
         s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
@@ -179,7 +181,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
             mbarrier.arrive(v_free.index(slot), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.arrive(q_free.index(0), count=1)  # this item's scores are done: the loader may bring the next Q
+        mbarrier.arrive(q_free.index(qb), count=1)  # this item's scores are done: its query buffer is free
         last = it + n_tiles - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
@@ -208,17 +210,18 @@ def _prefill_gluon_kernel(
     HALF_M: gl.constexpr = BLOCK_M // 2
     GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [4, HALF_M, HEAD_DIM], q_desc.layout)  # two buffers of two halves
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready.index(0), count=1)
-    mbarrier.init(q_free.index(0), count=2)  # one arrival from each consumer
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_free.index(i), count=2)  # one arrival from each consumer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
