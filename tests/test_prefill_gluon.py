@@ -114,3 +114,27 @@ def test_gpu_features_it_lacks_stay_on_the_triton_kernel():
     out, step = run_layer_step(sb, backend_for_pool("triton", sb.pool, prefill_kernel="gluon"))
     assert step.extend_path.startswith("prefill_tma") and "window" in step.extend_path
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+def test_the_default_takes_the_gluon_kernel_only_for_long_enough_tiles():
+    """Key tiles a 128-row query tile reads, on average: the measured crossover with prefill_tma."""
+    assert prefill_gluon.mean_key_tiles([0] * 32, [512] * 32) == 2.5  # tiles read 1, 2, 3, 4 key tiles
+    assert prefill_gluon.mean_key_tiles([0] * 8, [2048] * 8) == 8.5
+    assert prefill_gluon.mean_key_tiles([4096], [512]) == 34.5
+    assert prefill_gluon.mean_key_tiles([37], [1]) == 1.0 and prefill_gluon.mean_key_tiles([], []) == 0.0
+    assert "prefill_tma is faster" in prefill_gluon.short_tiles_blocker([0] * 32, [512] * 32)
+    assert prefill_gluon.short_tiles_blocker([0] * 8, [2048] * 8) is None
+    assert prefill_gluon.short_tiles_blocker([4096] * 8, [512] * 8) is None
+
+
+@needs_hopper
+def test_gpu_default_takes_the_gluon_kernel_for_long_prompts_and_prefill_tma_for_short_ones():
+    long = make_batch([0, 1000], [2048, 1536], num_heads=32, num_kv_heads=8, head_dim=128, page_size=1,
+                      dtype=torch.bfloat16, device="cuda", score_scale=20.0)
+    out, step = run_layer_step(long, backend_for_pool("triton", long.pool))
+    assert step.extend_path == "prefill_gluon"
+    assert rel_err(out, reference_for_batch(long.q, long.layer, long.fb, compute_dtype=torch.float32)) < 1e-2
+    short = make_batch([0] * 8, [512] * 8, num_heads=32, num_kv_heads=8, head_dim=128, page_size=1,
+                       dtype=torch.bfloat16, device="cuda", score_scale=20.0)
+    _, step = run_layer_step(short, backend_for_pool("triton", short.pool))
+    assert step.extend_path == "prefill_tma (warp-specialised)"

@@ -36,9 +36,10 @@ class TritonMHABackend(TritonBackendBase):
         """Options: num_sms, split_waves, min_split_tokens, max_kv_splits (the decode split policy),
         decode_config (kernels.mha.configs.DecodeConfig), extend_config (kernels.mha.extend.ExtendConfig),
         prefill_tma (None: wherever it applies, the default; False: never; True: raise where it does not apply),
-        prefill_tma_config (kernels.mha.prefill_tma.PrefillTmaConfig), prefill_kernel ("triton", the default, or
-        "gluon": on the TMA path, causal calls at head_dim 128 on sm90 run kernels.mha.prefill_gluon, the rest stay
-        on prefill_tma), prefill_tma_gather_mib (the most memory the
+        prefill_tma_config (kernels.mha.prefill_tma.PrefillTmaConfig), prefill_kernel (on the TMA path: "auto", the
+        default, runs kernels.mha.prefill_gluon where it serves the call, causal at head_dim 128 on sm90, and its
+        query tiles read prefill_gluon.MIN_MEAN_KEY_TILES key tiles or more on average; "gluon" wherever it serves
+        the call; "triton": prefill_tma always), prefill_tma_gather_mib (the most memory the
         TMA path may gather a batch's cached keys into, default 1024 MiB; beyond it the paged kernel runs),
         split_mixed (default True: a MIXED step's leading decodes run through the decode kernel, the prompt chunks
         alone through the extend path). The MLA options are accepted and unused, as one option set serves both
@@ -53,9 +54,9 @@ class TritonMHABackend(TritonBackendBase):
         self.extend_config = options.get("extend_config")
         self.prefill_tma = options.get("prefill_tma")
         self.prefill_tma_config = options.get("prefill_tma_config")
-        self.prefill_kernel = options.get("prefill_kernel") or "triton"
-        if self.prefill_kernel not in ("triton", "gluon"):
-            raise ValueError(f"prefill_kernel must be 'triton' or 'gluon', not {self.prefill_kernel!r}")
+        self.prefill_kernel = options.get("prefill_kernel") or "auto"
+        if self.prefill_kernel not in ("auto", "triton", "gluon"):
+            raise ValueError(f"prefill_kernel must be 'auto', 'triton' or 'gluon', not {self.prefill_kernel!r}")
         self.prefill_tma_gather_bytes = int(options.get("prefill_tma_gather_mib", 1024)) << 20
 
     def _programs_per_split(self) -> int:
@@ -157,11 +158,15 @@ class TritonMHABackend(TritonBackendBase):
         from attnserve.attention.kernels.mha.prefill_tma import prefill_tma_attention
 
         rows, blocker = self._tma_key_rows(step, q, k, v, layer)
-        if rows is not None and self.prefill_kernel == "gluon":
+        if rows is not None and self.prefill_kernel != "triton":
             from attnserve.attention.kernels.mha import prefill_gluon
 
             params = self._params_of(layer)
-            gluon_blocker = prefill_gluon.gluon_prefill_supported(q, layer.head_dim, params, None)
+            gluon_blocker = prefill_gluon.gluon_prefill_supported(q, layer.head_dim, params, None)  # per layer
+            if gluon_blocker is None and self.prefill_kernel == "auto":
+                if step.gluon_check is None:  # the step's lengths: once for every layer
+                    step.gluon_check = (prefill_gluon.short_tiles_blocker(step.prefix_lens, step.extend_lens),)
+                gluon_blocker = step.gluon_check[0]
             if gluon_blocker is None:
                 step.path = "prefill_gluon"
                 return prefill_gluon.prefill_gluon_attention(q, *rows, out, self._tiles_of(step, prefill_gluon.BLOCK_M),

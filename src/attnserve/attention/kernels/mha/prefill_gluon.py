@@ -42,6 +42,11 @@ BLOCK_N = 128  # keys per TMA tile
 LOADER_WARPS = 4  # the default partition, which issues the TMA loads (one warpgroup: setmaxnreg works per group)
 CONSUMER_REGS = 240  # registers of each consumer thread; the loader keeps what is left (FlashAttention-3's split)
 STAGES = 2  # slots of each of the K and V rings
+# The default takes this kernel for a call whose query tiles read at least this many key tiles on average: below
+# it the per-tile start (the first S waited for, the last P.V, the store) outweighs the overlap, and prefill_tma is
+# faster (H100, sweep_prefill_tma.py --gluon: 0.70x at 64x256 with 1.5 key tiles a query tile, 0.86x at 32x512
+# with 2.5, 0.98x at 16x1024 with 4.5; 1.03-1.05x at 8x2048 with 8.5 and 1.10-1.26x from 4x4096 up)
+MIN_MEAN_KEY_TILES = 6
 
 
 def gluon_prefill_supported(q: torch.Tensor, head_dim: int, layer: LayerParams, lse) -> str | None:
@@ -54,6 +59,24 @@ def gluon_prefill_supported(q: torch.Tensor, head_dim: int, layer: LayerParams, 
         return f"head_dim {head_dim} (128 only)"
     if layer.sliding_window is not None or layer.logit_cap is not None or layer.sinks is not None or lse is not None:
         return "a window, soft-cap, sinks or the LSE (prefill_tma has them)"
+    return None
+
+
+def mean_key_tiles(prefix_lens: list[int], extend_lens: list[int]) -> float:
+    """Key tiles a query tile of the call reads, on average (causal: each tile reads up to its last row)."""
+    tiles = keys = 0
+    for p, e in zip(prefix_lens, extend_lens):
+        for m0 in range(0, e, BLOCK_M):
+            tiles += 1
+            keys += -(-(p + min(m0 + BLOCK_M, e)) // BLOCK_N)
+    return keys / tiles if tiles else 0.0
+
+
+def short_tiles_blocker(prefix_lens: list[int], extend_lens: list[int]) -> str | None:
+    """Why the default keeps prefill_tma for this call's lengths (None: the Gluon kernel is the faster one)."""
+    mean = mean_key_tiles(prefix_lens, extend_lens)
+    if mean < MIN_MEAN_KEY_TILES:
+        return f"{mean:.1f} key tiles a query tile, under {MIN_MEAN_KEY_TILES}: prefill_tma is faster"
     return None
 
 
