@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "prefill_ncu.py"
@@ -62,17 +63,23 @@ def test_without_ncu_the_record_says_so(ncu_script, tmp_path, monkeypatch):
     assert rec["ncu_error"] == "ncu is not on PATH" and rec["workload"] == "prefill 2x48"
 
 
+def _child_env() -> dict:
+    """The child as this suite runs: compiled on a GPU, under the interpreter without one."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
 @pytest.mark.parametrize("workload", ["prefill 2x48", "mla decode 4x64 h16 p1"])
 def test_the_child_runs_one_call_of_triton(workload):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, str(SCRIPT), "--child", "triton", "--workload", workload],
-                          capture_output=True, text=True, env=env, timeout=600, check=False)
+                          capture_output=True, text=True, env=_child_env(), timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("triton: (")
 
 
 def test_the_child_refuses_a_contestant_the_workload_has_no_racer_for():
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, str(SCRIPT), "--child", "sdpa-cudnn", "--workload", "mla decode 4x64 h16 p1"],
-                          capture_output=True, text=True, env=env, timeout=600, check=False)
+                          capture_output=True, text=True, env=_child_env(), timeout=600, check=False)
     assert proc.returncode != 0 and "has no racer" in proc.stderr
