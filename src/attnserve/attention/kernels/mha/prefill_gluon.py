@@ -3,16 +3,18 @@
 The Triton prefill (prefill_tma.py) leaves two things to Triton 3.6's warp specialisation, which does
 neither: it builds the causal mask on every key tile (the pass takes one key loop, so the diagonal
 cannot have its own), and it waits for each MMA before the softmax that follows, so the tensor cores
-idle while the exponentials run (Nsight Compute on an H100: 38 % of ALU issue, 58-62 % tensor pipe,
-against 18-23 % and 68-82 % for FA4 and FlashInfer's FA3 kernel). Gluon states the schedule itself:
+idle while the exponentials run (Nsight Compute on an H100 at 1 x 16384: 662 M ALU instructions and
+the tensor pipe 62 % busy, against 241-278 M and 81-82 % for FA4 and FlashInfer's FA3 kernel). Gluon
+states the schedule itself, as FlashAttention-3 lays it out:
 
-- one program per (query head, query tile of 128 rows), two warpgroups of 64 rows each;
-- K and V tiles arrive by TMA into two-slot rings, each slot with its own mbarrier, and a slot is
-  reloaded as soon as the MMA reading it has finished (K after S = Q.K^T, V after O += P.V);
-- each iteration issues S(j+1) = Q.K(j+1)^T and then O += P(j).V(j), both asynchronous, waits for the
-  first only, and runs the softmax of S(j+1) while P(j).V(j) is still in the tensor cores (FlashAttention-3's
-  intra-warpgroup overlap);
-- the mask is applied only on tiles that cross the diagonal, behind a branch taken per tile.
+- persistent: one program per SM walks prefill_tma's work list (query tiles heaviest first, heads fastest);
+- a loader warpgroup (the default partition, 24 registers) brings both 64-row halves of each item's query
+  tile into one of two buffers and the K and V tiles into two-slot rings, each slot with a ready and a
+  free mbarrier, reloading a slot as soon as both consumers have read it;
+- two consumer warpgroups (240 registers each) take 64 query rows each: every iteration issues
+  S(j+1) = Q.K(j+1)^T and O += P(j).V(j) together, waits for the first only, and runs the softmax of
+  S(j+1) while P(j).V(j) is still in the tensor cores (the intra-warpgroup overlap);
+- the mask is applied only on tiles that cross a half's diagonal, behind a branch taken per tile.
 
 Reads the same operands as prefill_tma (ragged contiguous K/V rows, the ExtendTiles work list); causal
 attention with head_dim 128 in bf16 or fp16 only, no window, soft-cap, sinks or LSE (the caller keeps
@@ -44,8 +46,8 @@ CONSUMER_REGS = 240  # registers of each consumer thread; the loader keeps what 
 STAGES = 2  # slots of each of the K and V rings
 # The default takes this kernel for a call whose query tiles read at least this many key tiles on average: below
 # it the per-tile start (the first S waited for, the last P.V, the store) outweighs the overlap, and prefill_tma is
-# faster (H100, sweep_prefill_tma.py --gluon: 0.70x at 64x256 with 1.5 key tiles a query tile, 0.86x at 32x512
-# with 2.5, 0.98x at 16x1024 with 4.5; 1.03-1.05x at 8x2048 with 8.5 and 1.10-1.26x from 4x4096 up)
+# faster (H100, sweep-prefill-gluon-h100-{1,2}.json: 0.70x at 64x256 with 1.5 key tiles a query tile, 0.85-0.88x
+# at 32x512 with 2.5, 0.97-0.99x at 16x1024 with 4.5; 1.03-1.05x at 8x2048 with 8.5, 1.03-1.26x on longer ones)
 MIN_MEAN_KEY_TILES = 6
 
 
