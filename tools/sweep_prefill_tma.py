@@ -139,44 +139,32 @@ def main(argv=None) -> int:
                 "path": path}
         print(f"{w.name:<22} {row['kernel']:<42} {us:9.1f} us {row['tflops'] or 0:6.0f} TFLOP/s", flush=True)
 
-    extra = ([("prefill_gluon", {"prefill_kernel": "gluon"}, contextlib.nullcontext)] if args.gluon else []) + (
-        [(f"prefill_tma ({args.kernel_before})", {"prefill_tma_config": configs[0]},
-          lambda: kernel_from(args.kernel_before))] if args.kernel_before else [])
-    def run_extra():
-        for name, options, context in extra:
-            for w, rb in zip(workloads, batches):
-                row = {"workload": w.name, "kernel": name}
-                try:
-                    with context():
-                        us, out, path = run_once(rb, prefill_tma=True, **options)
-                    check(w, rb, row, out, us, path)
-                except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile or run is a result
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    print(f"{w.name:<22} {name} FAILED {row['error']}", flush=True)
-                rows.append(row)
-            save()
+    # every candidate: (row label, the backend's options, what to run it inside, the config's fields for best_config)
+    def config_candidate(cfg):
+        label = (f"prefill_tma {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} ws={int(cfg.warp_specialize)} "
+                 f"p={cfg.persistent} dev={int(cfg.device_descriptors)} kv={int(cfg.kv_head_major)}")
+        return label, {"prefill_tma_config": cfg}, contextlib.nullcontext, dataclasses.asdict(cfg)
 
-    if not args.extra_last:
-        run_extra()
-    for cfg in configs:
+    extra = ([("prefill_gluon", {"prefill_kernel": "gluon"}, contextlib.nullcontext, {})] if args.gluon else []) + (
+        [(f"prefill_tma ({args.kernel_before})", {"prefill_tma_config": configs[0]},
+          lambda: kernel_from(args.kernel_before), {})] if args.kernel_before else [])
+    candidates = [config_candidate(cfg) for cfg in configs]
+    candidates = candidates + extra if args.extra_last else extra + candidates
+    for label, options, context, fields in candidates:
         if args.budget_s and time.time() - start > args.budget_s:
-            print(f"budget spent: {cfg} and later configs not run", flush=True)
+            print(f"budget spent: {label} and later candidates not run", flush=True)
             break
         for w, rb in zip(workloads, batches):
-            row = {"workload": w.name, "kernel": "prefill_tma", **dataclasses.asdict(cfg)}
-            row["kernel"] = (f"prefill_tma {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-                             f"ws={int(cfg.warp_specialize)} p={cfg.persistent} dev={int(cfg.device_descriptors)} "
-                             f"kv={int(cfg.kv_head_major)}")
+            row = {"workload": w.name, "kernel": label, **fields}
             try:
-                us, out, path = run_once(rb, prefill_tma=True, prefill_tma_config=cfg)
+                with context():
+                    us, out, path = run_once(rb, prefill_tma=True, **options)
                 check(w, rb, row, out, us, path)
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is a result
+            except Exception as exc:  # noqa: BLE001 - a kernel or config that fails to compile or run is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                print(f"{w.name:<22} {cfg} FAILED {row['error']}", flush=True)
+                print(f"{w.name:<22} {label} FAILED {row['error']}", flush=True)
             rows.append(row)
         save()
-    if args.extra_last:
-        run_extra()
     print("best:", json.dumps(save()), flush=True)
     return 0
 
