@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from attnserve.attention.kernels.common import LOG2E
 from attnserve.attention.kernels.extend_tiles import ExtendTiles
+from attnserve.attention.kernels.mha.prefill_tma import tma_rows_ok
 from attnserve.attention.kernels.params import LayerParams
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
@@ -289,6 +290,12 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         raise ValueError(f"the Gluon prefill cannot run this call: {why}")
     if tiles.positions != BLOCK_M:
         raise ValueError(f"tiles cover {tiles.positions} positions, the kernel's {BLOCK_M}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
+    for name, t in (("q", q), ("k_rows", k_rows), ("v_rows", v_rows)):
+        if not tma_rows_ok(t) or t.dtype != q.dtype:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} with strides {t.stride()} cannot be read through TMA "
+                             f"beside q's {q.dtype}")
     if num_tokens == 0 or tiles.num_tiles == 0:
         return out
     num_work = num_heads * tiles.num_tiles
