@@ -28,14 +28,16 @@
 #               -> kernels-race-h200-{1,2}.json + .png; RACE_WORKLOADS narrows it, RACE_MLA=1 adds the MLA race
 #               (triton, FlashInfer MLA 0.6 and 0.7) -> kernels-race-mla-h200-{1,2}.json + .png; RACE_MHA=0 leaves
 #               out fa4's tests and the MHA races (with RACE_MLA=1: the MLA race alone, its kernels warmed instead);
-#               RACES (default 2) races of each kind.
+#               RACES (default 2) races of each kind. With PEER_SET=fa4's two stage calls /tmp/site2 holds FA4 alone:
+#               the race then takes FA4 from it and FlashInfer only as the 0.6 of .whl (no child process)
 #               On an H100 (2026-12-05) the JIT builds took ~150 s, fa4's tests 50 s, one MHA race ~100 s: the MHA
 #               races fill one call (BUDGET=590) and the MLA race wants a call of its own
 #   prefill-ncu Nsight Compute on every kernel of one call of each contestant (benchmarks/prefill_ncu.py: pipes busy,
 #               stall reasons, DRAM bytes) -> ncu-h200-<workload>.json; MHA: triton, FA4 (from the /tmp/site2 that
 #               benchmarks/peer_wheels.sh stage put it in), FlashInfer fa3 and cuDNN on fresh prompts; MLA: triton and
-#               FlashInfer MLA fa3. NCU_WORKLOADS: workload names, comma-separated (default: the MHA cases under
-#               1.0x of the best peer but 1x16384; NCU_WORKLOADS=mla: the MLA ones)
+#               FlashInfer MLA fa3. NCU_WORKLOADS: workload names, comma-separated (default: the four MHA prefill and
+#               extend cases; NCU_WORKLOADS=mla: the MLA ones under 1.0x). On an H100 (2026-12-06) three MHA
+#               workloads took 290 s with FlashInfer's JIT build (about 80 s), the four MLA ones 160 s
 #   engine      engine_gpu_decode.py, Llama-3-8B shape, 64 x 1024/256 and 1 x 1024/256: PDL on, overlap off, fused
 #               ops off, FlashInfer decode -> engine_gpu_decode.json; then the step profile ->
 #               engine_gpu_profile.json
@@ -277,23 +279,30 @@ install_peers() {
 }
 
 step_race() {
-  local i runs_ok=0 want=0 mha=${RACE_MHA:-1} mla=${RACE_MLA:-0} site2_warm=()
+  local i runs_ok=0 want=0 mha=${RACE_MHA:-1} mla=${RACE_MLA:-0} site2_warm=() mha_peer=() mla_peer=() warm2=""
   wait_warm
   install_peers || return 1
   [ "$mha" = 1 ] && site2_warm+=("decode tensor" "prefill fa3" "extend fa3")
   [ "$mla" = 1 ] && site2_warm+=("mla fa3")
   [ ${#site2_warm[@]} -gt 0 ] || { echo "RACE_MHA=0 without RACE_MLA=1: nothing to race"; return 1; }
-  # FlashInfer 0.7's JIT kernels build in the background while FA4's tests run (its own cache per version)
-  PYTHONPATH=$SITE2_PATH:$PYTHONPATH timeout "$(cap 300)" nice -n 19 python3 benchmarks/warm_flashinfer.py \
-    "${site2_warm[@]}" > "$LOGS/warm-flashinfer-site2.log" 2>&1 &
-  local warm2=$!
+  if [ -d "$SITE2/flashinfer" ]; then
+    mha_peer=(--peer-site "$SITE2" --peer-backends flashinfer flashinfer-fa3)
+    mla_peer=(--peer-site "$SITE2" --peer-backends flashinfer-mla-fa3)
+    # FlashInfer 0.7's JIT kernels build in the background while FA4's tests run (its own cache per version)
+    PYTHONPATH=$SITE2_PATH:$PYTHONPATH timeout "$(cap 300)" nice -n 19 python3 benchmarks/warm_flashinfer.py \
+      "${site2_warm[@]}" > "$LOGS/warm-flashinfer-site2.log" 2>&1 &
+    warm2=$!
+  else
+    echo "$SITE2 holds no FlashInfer (PEER_SET=fa4): FA4 races, FlashInfer only as the 0.6 of .whl" \
+      > "$LOGS/warm-flashinfer-site2.log"
+  fi
   if [ "$mha" = 1 ]; then
     echo "== fa4 against the oracle ($(left) s left)"
     PYTHONPATH=$PYTHONPATH:$SITE2_PATH timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fa4_backend.py \
       > "$LOGS/pytest-fa4.log" 2>&1
     echo "fa4 tests rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest-fa4.log" | cut -c1-300 | head -20; tail -1 "$LOGS/pytest-fa4.log"
   fi
-  wait "$warm2" 2> /dev/null; echo "FlashInfer 0.7 builds:"; cat "$LOGS/warm-flashinfer-site2.log"
+  [ -n "$warm2" ] && wait "$warm2" 2> /dev/null; echo "FlashInfer 0.7 builds:"; cat "$LOGS/warm-flashinfer-site2.log"
   if [ "$mha" = 1 ]; then
     want=$((want + ${RACES:-2}))
     for i in $(seq 1 "${RACES:-2}"); do
@@ -302,7 +311,7 @@ step_race() {
       PYTHONPATH=$PYTHONPATH:$SITE2_PATH timeout "$(cap 200)" python3 -m attnserve bench kernels --runs 2 \
         ${RACE_WORKLOADS:+--workloads $RACE_WORKLOADS} \
         --backends triton flashinfer flashinfer-fa3 fa4 sdpa-cudnn sdpa-flash \
-        --peer-site "$SITE2" --peer-backends flashinfer flashinfer-fa3 ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} \
+        "${mha_peer[@]}" ${TRITON_OPTIONS:+--triton-options "$TRITON_OPTIONS"} \
         ${BENCH_ARGS:-} --json "$OUT/kernels-race-h200-$i.json" --png "$OUT/kernels-race-h200-$i.png" \
         > "$LOGS/bench-race-$i.log" 2>&1
       echo "race $i rc=$?"; grep -A40 '^results' "$LOGS/bench-race-$i.log" | cut -c1-200; grep ' / ' "$LOGS/bench-race-$i.log"
@@ -315,7 +324,7 @@ step_race() {
       echo "== MLA race $i of ${RACES:-2} ($(left) s left)"
       # shellcheck disable=SC2086
       PYTHONPATH=$PYTHONPATH:$SITE2_PATH timeout "$(cap 150)" python3 -m attnserve bench kernels --runs 2 --workloads mla \
-        --backends triton flashinfer-mla-fa3 --peer-site "$SITE2" --peer-backends flashinfer-mla-fa3 \
+        --backends triton flashinfer-mla-fa3 "${mla_peer[@]}" \
         ${BENCH_ARGS:-} --json "$OUT/kernels-race-mla-h200-$i.json" --png "$OUT/kernels-race-mla-h200-$i.png" \
         > "$LOGS/bench-race-mla-$i.log" 2>&1
       echo "MLA race $i rc=$?"; grep ' / ' "$LOGS/bench-race-mla-$i.log"
@@ -325,7 +334,7 @@ step_race() {
   [ "$runs_ok" = "$want" ]
 }
 
-NCU_MHA="prefill 8x2048,prefill 32x512,extend 8x(4096+512)"
+NCU_MHA="prefill 8x2048,prefill 1x16384,prefill 32x512,extend 8x(4096+512)"
 NCU_MLA="mla decode 128x4096 h128 p1,mla decode 64x8192 h128 p64,mla extend 8x(4096+512) h128 p1,mla extend 8x(4096+512) h16 p64"
 step_prefill_ncu() {
   local w workloads path=$PYTHONPATH rc=0
