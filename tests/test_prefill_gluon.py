@@ -30,19 +30,20 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 
-def _compile_report(dtype: str) -> dict:
+def _compile_report(dtype: str, pingpong: bool) -> dict:
     """tools/compile_prefill_gluon_sm90.py in a process of its own: the interpreter's (TRITON_INTERPRET=1) Triton
     functions cannot be called from a compiled kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_prefill_gluon_sm90.py"), "--dtype", dtype],
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_prefill_gluon_sm90.py"), "--dtype", dtype]
+                          + (["--pingpong"] if pingpong else []),
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_the_kernel_builds_for_sm90(dtype):
-    rep = _compile_report(dtype)
+@pytest.mark.parametrize("dtype,pingpong", [("bf16", False), ("fp16", False), ("bf16", True)])
+def test_the_kernel_builds_for_sm90(dtype, pingpong):
+    rep = _compile_report(dtype, pingpong)
     assert rep["ptxas_rc"] == 0 and rep["warps"] == prefill_gluon.LOADER_WARPS + 8  # the loader, two consumers
     assert rep["smem_kib"] <= 227  # Hopper's shared memory per block
     assert rep["spill_bytes"] == [0, 0] and not rep["wgmma_serialized"]
@@ -51,6 +52,15 @@ def test_the_kernel_builds_for_sm90(dtype):
     assert rep["tma_loads"] >= 3  # Q, K and V through descriptors
     # S and P.V, 8 k-steps each, in the first tile, the loop and the last tile, in each consumer
     assert rep["wgmma"] >= 64
+
+
+def test_the_pingpong_build_hands_the_turn_over_through_mbarriers():
+    plain, pingpong = _compile_report("bf16", False), _compile_report("bf16", True)
+    # each consumer waits for its turn and hands it over around its MMA issues: the first S, each loop step, the last
+    # P.V (three sites a consumer, two consumers); nothing else changes
+    assert pingpong["mbarrier_waits"] - plain["mbarrier_waits"] >= 6
+    assert pingpong["mbarrier_arrives"] - plain["mbarrier_arrives"] >= 6
+    assert pingpong["wgmma"] == plain["wgmma"] and pingpong["tma_loads"] == plain["tma_loads"]
 
 
 def test_what_the_kernel_refuses_is_named():
@@ -72,10 +82,11 @@ def test_asked_for_where_it_cannot_run_the_triton_kernel_serves():
 
 
 @needs_hopper
+@pytest.mark.parametrize("pingpong", [False, True], ids=["plain", "pingpong"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("prefix", [[0, 0, 0, 0, 0], [0, 128, 37, 1000, 5]], ids=["fresh", "prefix"])
-def test_gpu_kernel_matches_oracle_on_ragged_lengths(dtype, group, prefix):
+def test_gpu_kernel_matches_oracle_on_ragged_lengths(dtype, group, prefix, pingpong):
     """Lengths on and around the 128-row tiles (one row, one tile, a tile and one), prefixes aligned and not."""
     kv_heads = 2
     sb = make_batch(prefix, [1, 127, 128, 129, 300], num_heads=kv_heads * group, num_kv_heads=kv_heads,
@@ -91,7 +102,7 @@ def test_gpu_kernel_matches_oracle_on_ragged_lengths(dtype, group, prefix):
     tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, prefill_gluon.BLOCK_M, "cuda")
     out = torch.full_like(sb.q, float("nan"))  # [T, Hq, D]
     prefill_gluon.prefill_gluon_attention(sb.q, k_rows, v_rows, starts, out, tiles, meta.qo_indptr,
-                                          fb.seq_lens.to(torch.int32), LayerParams(layer.scaling))
+                                          fb.seq_lens.to(torch.int32), LayerParams(layer.scaling), pingpong=pingpong)
     assert not out.isnan().any()
     assert rel_err(out, reference_for_batch(sb.q, layer, fb, compute_dtype=torch.float32)) < 1e-2
 

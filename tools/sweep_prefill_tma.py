@@ -8,7 +8,7 @@ the best time per workload (the default in PREFILL_TMA_TILES is taken from it).
     PYTHONPATH=src python3 tools/sweep_prefill_tma.py --out sweep-prefill-tma.json [--budget-s 120]
 
 --gluon adds the Gluon kernel (kernels/mha/prefill_gluon.py, the backend's prefill_kernel="gluon"), checked and
-timed the same way; --default-only races only the default config; --kernel-before FILE adds the default config
+timed the same way (--gluon-pingpong: with its consumers taking turns); --default-only races only the default config; --kernel-before FILE adds the default config
 run on another version of prefill_tma.py (e.g. one `git show REV:src/...` wrote), loaded beside this one, so a
 change to the kernel is timed against its parent in the same process.
 """
@@ -70,6 +70,18 @@ def kernel_from(path: str):
         prefill_tma.prefill_tma_attention = saved
 
 
+@contextlib.contextmanager
+def gluon_pingpong():
+    """The Gluon prefill with its consumers' ping-pong while the block runs."""
+    from attnserve.attention.kernels.mha import prefill_gluon
+
+    saved, prefill_gluon.PINGPONG = prefill_gluon.PINGPONG, True
+    try:
+        yield
+    finally:
+        prefill_gluon.PINGPONG = saved
+
+
 def best_config(rows: list[dict]) -> dict | None:
     ok = [r for r in rows if r.get("us", 0) > 0 and "block_m" in r]
     fastest: dict[str, float] = {}
@@ -92,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--warp-specialized", action="store_true", help="the warp-specialised configs first, then the rest")
     p.add_argument("--best-options", default=None, help="write the best config here as --triton-options JSON")
     p.add_argument("--gluon", action="store_true", help="race the Gluon kernel too")
+    p.add_argument("--gluon-pingpong", action="store_true", help="and the Gluon kernel with its consumers' ping-pong")
     p.add_argument("--default-only", action="store_true", help="only the default config of head_dim 128")
     p.add_argument("--kernel-before", default=None, help="another prefill_tma.py, raced at the default config")
     p.add_argument("--prefills", nargs="*", default=[], help="more fresh-prompt shapes, BATCHxTOKENS (e.g. 16x1024)")
@@ -146,6 +159,7 @@ def main(argv=None) -> int:
         return label, {"prefill_tma_config": cfg}, contextlib.nullcontext, dataclasses.asdict(cfg)
 
     extra = ([("prefill_gluon", {"prefill_kernel": "gluon"}, contextlib.nullcontext, {})] if args.gluon else []) + (
+        [("prefill_gluon pingpong", {"prefill_kernel": "gluon"}, gluon_pingpong, {})] if args.gluon_pingpong else []) + (
         [(f"prefill_tma ({args.kernel_before})", {"prefill_tma_config": configs[0]},
           lambda: kernel_from(args.kernel_before), {})] if args.kernel_before else [])
     candidates = [config_candidate(cfg) for cfg in configs]

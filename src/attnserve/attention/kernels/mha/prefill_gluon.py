@@ -50,6 +50,9 @@ STAGES = 2  # slots of each of the K and V rings
 # faster (H100, sweep-prefill-gluon-h100-{1,2}.json: 0.70x at 64x256 with 1.5 key tiles a query tile, 0.85-0.88x
 # at 32x512 with 2.5, 0.97-0.99x at 16x1024 with 4.5; 1.03-1.05x at 8x2048 with 8.5, 1.03-1.26x on longer ones)
 MIN_MEAN_KEY_TILES = 6
+# The consumers taking turns to issue their MMAs (FlashAttention-3's ping-pong): built and compiled for sm_90, not
+# yet run on a GPU, so off until its GPU tests and a race say otherwise (tools/sweep_prefill_tma.py --gluon-pingpong)
+PINGPONG = False
 
 
 def gluon_prefill_supported(q: torch.Tensor, head_dim: int, layer: LayerParams, lse) -> str | None:
@@ -155,13 +158,33 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_r
 
 
 @gluon.jit
-def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, Out,
+def _take_turn(turns, half: gl.constexpr, turn):
+    """Wait until this consumer may issue its MMAs (its turn-th turn); the count of turns taken after it.
+
+    turns: two mbarriers of one arrival each, one per consumer, which the other consumer arrives on when it
+    hands over. A fresh barrier reads as phase 1 complete, so the first consumer's first wait passes."""
+    mbarrier.wait(turns.index(half), (turn & 1) ^ (1 - half))
+    return turn + 1
+
+
+@gluon.jit
+def _hand_over(turns, half: gl.constexpr):
+    """This consumer's MMAs are issued: the other consumer's turn."""
+    mbarrier.arrive(turns.index(1 - half), count=1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
-    consumers') once read."""
+    consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
+    consumer first; each hands the turn over as soon as its MMAs are issued), so one's softmax runs
+    under the other's MMAs (FlashAttention-3's warpgroup ping-pong, ordered through mbarriers, as Gluon
+    has no named barriers). Every wait for data comes before the wait for the turn: a consumer holding
+    the turn waits only for the tensor cores."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -173,6 +196,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
+    turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
@@ -188,7 +212,13 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
         mbarrier.wait(q_ready.index(qb), (done // 2) & 1)
         slot = it % STAGES
         mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-        s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
+        if PINGPONG:
+            turn = _take_turn(turns, half, turn)
+            s_tok = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            _hand_over(turns, half)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+        else:
+            s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
         mbarrier.arrive(k_free.index(slot), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -196,9 +226,15 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
             slot = (it + j) % STAGES
             nslot = (it + j + 1) % STAGES
             mbarrier.wait(k_ready.index(nslot), ((it + j + 1) // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(v_ready.index(slot), ((it + j) // STAGES) & 1)
+                turn = _take_turn(turns, half, turn)
             s_tok = warpgroup_mma(q_half, k_ring.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(slot), ((it + j) // STAGES) & 1)
+            if not PINGPONG:
+                mbarrier.wait(v_ready.index(slot), ((it + j) // STAGES) & 1)
             o_tok = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
+            if PINGPONG:
+                _hand_over(turns, half)
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S(j+1) done; P(j).V(j) still running
             mbarrier.arrive(k_free.index(nslot), count=1)
             p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, (j + 1) * BLOCK_N, full_end, qk_scale_log2,
@@ -210,7 +246,13 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
         mbarrier.arrive(q_free.index(qb), count=1)  # this item's scores are done: its query buffer is free
         last = it + n_tiles - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
+        if PINGPONG:
+            turn = _take_turn(turns, half, turn)
+            o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
+            _hand_over(turns, half)
+            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        else:
+            acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
         mbarrier.arrive(v_free.index(last % STAGES), count=1)
         it += n_tiles
         done += 1
@@ -228,7 +270,7 @@ def _prefill_gluon_kernel(
     q_desc, k_desc, v_desc, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
     qk_scale_log2, stride_ot, stride_oh, num_work,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -248,6 +290,12 @@ def _prefill_gluon_kernel(
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=2)  # one arrival from each consumer
+    if PINGPONG:  # the consumers' turns, one barrier a consumer
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
+    else:  # unused: the consumers take the same arguments either way
+        turns = q_ready
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -259,12 +307,12 @@ def _prefill_gluon_kernel(
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                    tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
                    NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, Out,
+        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, Out,
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
+        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -280,9 +328,10 @@ def _descriptor(rows: torch.Tensor, block_rows: int):
 
 def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, kv_starts: torch.Tensor,
                             out: torch.Tensor, tiles: ExtendTiles, qo_indptr: torch.Tensor, seq_lens: torch.Tensor,
-                            layer: LayerParams) -> torch.Tensor:
+                            layer: LayerParams, pingpong: bool | None = None) -> torch.Tensor:
     """prefill_tma_attention's contract (q `[T, Hq, D]`, K/V rows `[rows, Hkv, D]`, request r's keys at rows
-    kv_starts[r] .. + seq_lens[r], `tiles` of 128 positions) for causal attention at head_dim 128."""
+    kv_starts[r] .. + seq_lens[r], `tiles` of 128 positions) for causal attention at head_dim 128.
+    pingpong: the consumers take turns to issue their MMAs (None: the module's PINGPONG)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_rows.shape[1]
     why = gluon_prefill_supported(q, head_dim, layer, None)
@@ -305,6 +354,7 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens, layer.sm_scale * LOG2E,
         out.stride(0), out.stride(1), num_work,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
-        STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, num_warps=LOADER_WARPS,
+        STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG if pingpong is None else pingpong,
+        num_warps=LOADER_WARPS,
     )
     return out
