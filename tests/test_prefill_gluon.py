@@ -31,12 +31,11 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 
 def _compile_report(dtype: str, pingpong: bool) -> dict:
-    """tools/compile_prefill_gluon_sm90.py in a process of its own: the interpreter's (TRITON_INTERPRET=1) Triton
-    functions cannot be called from a compiled kernel."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT / "src")}
+    """tools/compile_prefill_gluon_sm90.py in a process of its own, which turns the interpreter off: the
+    interpreter's (TRITON_INTERPRET=1) Triton functions cannot be called from a compiled kernel."""
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_prefill_gluon_sm90.py"), "--dtype", dtype]
                           + (["--pingpong"] if pingpong else []),
-                          capture_output=True, text=True, env=env, timeout=600, check=False)
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -44,14 +43,15 @@ def _compile_report(dtype: str, pingpong: bool) -> dict:
 @pytest.mark.parametrize("dtype,pingpong", [("bf16", False), ("fp16", False), ("bf16", True)])
 def test_the_kernel_builds_for_sm90(dtype, pingpong):
     rep = _compile_report(dtype, pingpong)
-    assert rep["ptxas_rc"] == 0 and rep["warps"] == prefill_gluon.LOADER_WARPS + 8  # the loader, two consumers
+    # (ptxas failing fails the tool, and _compile_report with it)
+    assert rep["warps"] == prefill_gluon.LOADER_WARPS + 8  # the loader, two consumers
     assert rep["smem_kib"] <= 227  # Hopper's shared memory per block
     assert rep["spill_bytes"] == [0, 0] and not rep["wgmma_serialized"]
     # the consumers take FlashAttention-3's register share from the loader
     assert f"setmaxnreg.inc.sync.aligned.u32 {prefill_gluon.CONSUMER_REGS}" in rep["setmaxnreg"]
     assert rep["tma_loads"] >= 3  # Q, K and V through descriptors
     # S and P.V, 8 k-steps each, in the first tile, the loop and the last tile, in each consumer
-    assert rep["wgmma"] >= 64
+    assert sum(rep["wgmma"].values()) >= 64
 
 
 def test_the_pingpong_build_hands_the_turn_over_through_mbarriers():

@@ -76,6 +76,12 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
             "async_copies": ttgir.count("async_copy_global_to_local"),
             "tma_loads": kernel.asm["ptx"].count("cp.async.bulk.tensor"),
             "tma_reductions": kernel.asm["ptx"].count("cp.reduce.async.bulk.tensor"),
+            "warps": kernel.metadata.num_warps,  # a warp-specialised kernel's partitions included
+            # setmaxnreg's register moves between partitions, and the mbarrier traffic of warp-specialised kernels
+            "setmaxnreg": sorted({" ".join(m.split()) for m in
+                                  re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+", kernel.asm["ptx"])}),
+            "mbarrier_arrives": kernel.asm["ptx"].count("mbarrier.arrive"),
+            "mbarrier_waits": kernel.asm["ptx"].count("mbarrier.try_wait"),
             "mma_sync": kernel.asm["ptx"].count("mma.sync"),
             "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),
             "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir),
