@@ -155,9 +155,10 @@ def test_the_default_takes_the_gluon_kernel_only_for_long_enough_tiles():
     assert prefill_gluon.mean_key_tiles([0] * 8, [2048] * 8) == 8.5
     assert prefill_gluon.mean_key_tiles([4096], [512]) == 34.5
     assert prefill_gluon.mean_key_tiles([37], [1]) == 1.0 and prefill_gluon.mean_key_tiles([], []) == 0.0
-    assert "prefill_tma is faster" in prefill_gluon.short_tiles_blocker([0] * 32, [512] * 32)
-    assert prefill_gluon.short_tiles_blocker([0] * 8, [2048] * 8) is None
-    assert prefill_gluon.short_tiles_blocker([4096] * 8, [512] * 8) is None
+    blocker = prefill_gluon.short_tiles_blocker
+    assert "prefill_tma is faster" in blocker(prefill_gluon.mean_key_tiles([0] * 32, [512] * 32))
+    assert blocker(prefill_gluon.mean_key_tiles([0] * 8, [2048] * 8)) is None
+    assert blocker(prefill_gluon.mean_key_tiles([4096] * 8, [512] * 8)) is None
 
 
 @needs_hopper

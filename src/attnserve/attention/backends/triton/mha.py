@@ -158,33 +158,40 @@ class TritonMHABackend(TritonBackendBase):
         from attnserve.attention.kernels.mha.prefill_tma import prefill_tma_attention
 
         rows, blocker = self._tma_key_rows(step, q, k, v, layer)
-        if rows is not None and self.prefill_kernel != "triton":
-            from attnserve.attention.kernels.mha import prefill_gluon
-
-            params = self._params_of(layer)
-            gluon_blocker = prefill_gluon.gluon_prefill_supported(q, layer.head_dim, params, None)  # per layer
-            if gluon_blocker is None and self.prefill_kernel == "auto":
-                if step.gluon_check is None:  # the step's lengths: once for every layer
-                    step.gluon_check = (prefill_gluon.short_tiles_blocker(step.prefix_lens, step.extend_lens),)
-                gluon_blocker = step.gluon_check[0]
+        params = self._params_of(layer)
+        if rows is not None:
+            gluon_blocker = self._gluon_blocker(step, q, layer, params)
             if gluon_blocker is None:
+                from attnserve.attention.kernels.mha import prefill_gluon
+
                 step.path = "prefill_gluon"
                 return prefill_gluon.prefill_gluon_attention(q, *rows, out, self._tiles_of(step, prefill_gluon.BLOCK_M),
                                                              step.meta.qo_indptr, step.seq_lens, params)
-        if rows is not None:
             cfg = self._prefill_tma_config(layer.head_dim)
             step.path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
             if self.prefill_kernel == "gluon":
                 step.path += f" (the Gluon kernel refused: {gluon_blocker})"
             tiles = self._tiles_of(step, cfg.block_m)
-            return prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens,
-                                         self._params_of(layer), config=cfg)
+            return prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens, params, config=cfg)
         step.path = f"paged ({blocker})"
         lid = layer.layer_id
         cfg = self._extend_config(step, layer.gqa_group)
         return extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
                                 self._extend_rows(step, self._extend_tiles(step, layer.gqa_group, cfg)),
-                                self._params_of(layer), config=cfg)
+                                params, config=cfg)
+
+    def _gluon_blocker(self, step: ExtendStep, q: torch.Tensor, layer: AttentionLayer, params) -> str | None:
+        """Why the Gluon prefill does not serve this layer of the step on the TMA path (None: it does)."""
+        if self.prefill_kernel == "triton":
+            return "prefill_kernel='triton'"
+        from attnserve.attention.kernels.mha import prefill_gluon
+
+        why = prefill_gluon.gluon_prefill_supported(q, layer.head_dim, params, None)  # the layer's features
+        if why is None and self.prefill_kernel == "auto":
+            if step.mean_key_tiles is None:  # the step's lengths: once for every layer
+                step.mean_key_tiles = prefill_gluon.mean_key_tiles(step.prefix_lens, step.extend_lens)
+            why = prefill_gluon.short_tiles_blocker(step.mean_key_tiles)
+        return why
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decode_layer(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer, meta: TritonStep) -> torch.Tensor:

@@ -78,9 +78,9 @@ def mean_key_tiles(prefix_lens: list[int], extend_lens: list[int]) -> float:
     return keys / tiles if tiles else 0.0
 
 
-def short_tiles_blocker(prefix_lens: list[int], extend_lens: list[int]) -> str | None:
-    """Why the default keeps prefill_tma for this call's lengths (None: the Gluon kernel is the faster one)."""
-    mean = mean_key_tiles(prefix_lens, extend_lens)
+def short_tiles_blocker(mean: float) -> str | None:
+    """Why the default keeps prefill_tma for a call whose query tiles read `mean` key tiles on average (None: the
+    Gluon kernel is the faster one)."""
     if mean < MIN_MEAN_KEY_TILES:
         return f"{mean:.1f} key tiles a query tile, under {MIN_MEAN_KEY_TILES}: prefill_tma is faster"
     return None
