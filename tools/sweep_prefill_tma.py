@@ -8,9 +8,10 @@ the best time per workload (the default in PREFILL_TMA_TILES is taken from it).
     PYTHONPATH=src python3 tools/sweep_prefill_tma.py --out sweep-prefill-tma.json [--budget-s 120]
 
 --gluon adds the Gluon kernel (kernels/mha/prefill_gluon.py, the backend's prefill_kernel="gluon"), checked and
-timed the same way (--gluon-pingpong: with its consumers taking turns); --default-only races only the default config; --kernel-before FILE adds the default config
-run on another version of prefill_tma.py (e.g. one `git show REV:src/...` wrote), loaded beside this one, so a
-change to the kernel is timed against its parent in the same process.
+timed the same way (--gluon-pingpong: with its consumers taking turns); --default-only races only the default
+config; --kernel-before FILE adds the default config run on another version of prefill_tma.py (e.g. one
+`git show REV:src/...` wrote), loaded beside this one, so a change to the kernel is timed against its parent in
+the same process.
 """
 
 from __future__ import annotations

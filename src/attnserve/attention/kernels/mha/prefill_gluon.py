@@ -129,8 +129,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_r
             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """The producer: for each of this program's work items, both halves of the query tile into one of two
-    buffers (once the consumers are done with the item before last), then its K and V tiles into their rings as slots come free (so the next
-    item's first tiles arrive while the consumers finish this one)."""
+    buffers (once the consumers are done with the item before last), then its K and V tiles into their rings
+    as slots come free (so the next item's first tiles arrive while the consumers finish this one)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     it = 0  # K/V tiles loaded so far: ring slot and phase
     done = 0  # work items loaded so far: the query buffer's phase
