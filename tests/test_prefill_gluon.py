@@ -30,11 +30,11 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 
-def _compile_report(dtype: str, pingpong: bool) -> dict:
+def _compile_report(dtype: str, pingpong: bool, indirect: bool = False) -> dict:
     """tools/compile_prefill_gluon_sm90.py in a process of its own, which turns the interpreter off: the
     interpreter's (TRITON_INTERPRET=1) Triton functions cannot be called from a compiled kernel."""
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_prefill_gluon_sm90.py"), "--dtype", dtype]
-                          + (["--pingpong"] if pingpong else []),
+                          + (["--pingpong"] if pingpong else []) + (["--indirect"] if indirect else []),
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(proc.stdout.splitlines()[-1])
@@ -63,6 +63,16 @@ def test_the_pingpong_build_hands_the_turn_over_through_mbarriers():
     assert pingpong["wgmma"] == plain["wgmma"] and pingpong["tma_loads"] == plain["tma_loads"]
 
 
+def test_the_indirect_build_copies_key_rows_with_cp_async_and_keeps_tma_for_the_queries():
+    plain, indirect = _compile_report("bf16", False), _compile_report("bf16", False, indirect=True)
+    assert indirect["spill_bytes"] == [0, 0] and not indirect["wgmma_serialized"]
+    assert indirect["async_copies"] == 2 and plain["async_copies"] == 0  # K and V, row by row
+    assert indirect["tma_loads"] == 2 and plain["tma_loads"] == 4  # only the query halves through TMA
+    # the consumers give the loader the registers its row addresses need
+    assert f"setmaxnreg.inc.sync.aligned.u32 {prefill_gluon.INDIRECT_CONSUMER_REGS}" in indirect["setmaxnreg"]
+    assert indirect["wgmma"] == plain["wgmma"] and indirect["smem_kib"] == plain["smem_kib"]
+
+
 def test_what_the_kernel_refuses_is_named():
     q = torch.empty(4, 2, 128, dtype=torch.bfloat16)
     assert "Hopper" in prefill_gluon.gluon_prefill_supported(q, 128, LayerParams(1.0), None)
@@ -81,24 +91,31 @@ def test_asked_for_where_it_cannot_run_the_triton_kernel_serves():
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
-def check_ragged_lengths(dtype: torch.dtype, group: int, prefix: list[int], pingpong: bool) -> float:
+def check_ragged_lengths(dtype: torch.dtype, group: int, prefix: list[int], pingpong: bool,
+                         indirect: bool = False, page_size: int = 1) -> float:
     """The kernel on lengths on and around the 128-row tiles (one row, one tile, a tile and one), prefixes aligned
-    and not, against the oracle: the relative error (asserted free of NaN)."""
+    and not, against the oracle: the relative error (asserted free of NaN). indirect: the keys read in the pool
+    through their slots (the unused slots poisoned), not gathered into rows first."""
     kv_heads = 2
     sb = make_batch(prefix, [1, 127, 128, 129, 300], num_heads=kv_heads * group, num_kv_heads=kv_heads,
-                    head_dim=128, page_size=1, dtype=dtype, device="cuda", score_scale=20.0, seed=group)
+                    head_dim=128, page_size=page_size, dtype=dtype, device="cuda", score_scale=20.0, seed=group)
     poison_unused_slots(sb)
     fb, layer = sb.fb, sb.layer
     meta = metadata_for_batch(fb)
-    if any(prefix):
-        slots, starts = request_slots(meta.kv_indptr, meta.kv_indices, fb.seq_lens_cpu, 1, "cuda")
-        k_rows, v_rows = sb.pool.k_buffer[0].index_select(0, slots), sb.pool.v_buffer[0].index_select(0, slots)
+    slots = None
+    if indirect:
+        slots, starts = request_slots(meta.kv_indptr, meta.kv_indices, fb.seq_lens_cpu, page_size, "cuda")
+        k_rows, v_rows = sb.pool.k_buffer[0], sb.pool.v_buffer[0]
+    elif any(prefix):
+        slots_, starts = request_slots(meta.kv_indptr, meta.kv_indices, fb.seq_lens_cpu, page_size, "cuda")
+        k_rows, v_rows = sb.pool.k_buffer[0].index_select(0, slots_), sb.pool.v_buffer[0].index_select(0, slots_)
     else:
         k_rows, v_rows, starts = sb.k, sb.v, meta.qo_indptr[:-1]
     tiles = build_extend_tiles(fb.prefix_lens_cpu, fb.extend_lens_cpu, prefill_gluon.BLOCK_M, "cuda")
     out = torch.full_like(sb.q, float("nan"))  # [T, Hq, D]
     prefill_gluon.prefill_gluon_attention(sb.q, k_rows, v_rows, starts, out, tiles, meta.qo_indptr,
-                                          fb.seq_lens.to(torch.int32), LayerParams(layer.scaling), pingpong=pingpong)
+                                          fb.seq_lens.to(torch.int32), LayerParams(layer.scaling), pingpong=pingpong,
+                                          slots=slots)
     assert not out.isnan().any()
     return rel_err(out, reference_for_batch(sb.q, layer, fb, compute_dtype=torch.float32))
 
@@ -109,6 +126,15 @@ def check_ragged_lengths(dtype: torch.dtype, group: int, prefix: list[int], ping
 @pytest.mark.parametrize("prefix", [[0, 0, 0, 0, 0], [0, 128, 37, 1000, 5]], ids=["fresh", "prefix"])
 def test_gpu_kernel_matches_oracle_on_ragged_lengths(dtype, group, prefix):
     assert check_ragged_lengths(dtype, group, prefix, pingpong=False) < 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("prefix,page_size", [([0] * 5, 1), ([0, 128, 37, 1000, 5], 1), ([0, 128, 37, 1000, 5], 16)],
+                         ids=["fresh", "prefix", "prefix-pages16"])
+def test_gpu_indirect_kernel_matches_oracle_reading_the_pool(dtype, group, prefix, page_size):
+    assert check_ragged_lengths(dtype, group, prefix, pingpong=False, indirect=True, page_size=page_size) < 1e-2
 
 
 @needs_hopper
@@ -136,8 +162,26 @@ def test_gpu_backend_takes_the_gluon_kernel_on_real_shapes(prefix, page_size):
                     page_size=page_size, dtype=torch.bfloat16, device="cuda", score_scale=20.0)
     poison_unused_slots(sb)
     out, step = run_layer_step(sb, backend_for_pool("triton", sb.pool, prefill_kernel="gluon"))
-    assert step.extend_path == "prefill_gluon"
+    # a cached prefix: the keys read where they lie in the pool, not gathered
+    assert step.extend_path == ("prefill_gluon (pool rows)" if any(prefix) else "prefill_gluon")
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)) < 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("prefix", [[0] * 4, [0, 1000, 0, 37]], ids=["fresh", "prefix"])
+def test_gpu_work_order_either_way_matches_oracle_over_several_rounds(prefix, monkeypatch):
+    """The programs' rounds taken in order and from either end (SNAKE): every work item computed exactly once."""
+    sb = make_batch(prefix, [1024, 512, 300, 700], num_heads=32, num_kv_heads=8, head_dim=128, page_size=1,
+                    dtype=torch.bfloat16, device="cuda", score_scale=20.0)
+    poison_unused_slots(sb)
+    work = 32 * sum(-(-e // prefill_gluon.BLOCK_M) for e in sb.fb.extend_lens_cpu)
+    assert work > 3 * torch.cuda.get_device_properties(0).multi_processor_count + 1  # several rounds, the last short
+    ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
+    for snake in (False, True):
+        monkeypatch.setattr(prefill_gluon, "SNAKE", snake)
+        out, step = run_layer_step(sb, backend_for_pool("triton", sb.pool, prefill_kernel="gluon"))
+        assert step.extend_path.startswith("prefill_gluon")
+        assert rel_err(out, ref) < 1e-2
 
 
 @needs_hopper
@@ -166,7 +210,7 @@ def test_gpu_default_takes_the_gluon_kernel_for_long_prompts_and_prefill_tma_for
     long = make_batch([0, 1000], [2048, 1536], num_heads=32, num_kv_heads=8, head_dim=128, page_size=1,
                       dtype=torch.bfloat16, device="cuda", score_scale=20.0)
     out, step = run_layer_step(long, backend_for_pool("triton", long.pool))
-    assert step.extend_path == "prefill_gluon"
+    assert step.extend_path == "prefill_gluon (pool rows)"
     assert rel_err(out, reference_for_batch(long.q, long.layer, long.fb, compute_dtype=torch.float32)) < 1e-2
     short = make_batch([0] * 8, [512] * 8, num_heads=32, num_kv_heads=8, head_dim=128, page_size=1,
                        dtype=torch.bfloat16, device="cuda", score_scale=20.0)

@@ -58,7 +58,7 @@ def test_request_slots_follow_each_requests_tokens():
     meta = metadata_for_batch(fb)
     slots, starts = request_slots(meta.kv_indptr, meta.kv_indices, fb.seq_lens_cpu, 4, DEVICE)
     expected = torch.cat([fb.req_to_token[r, :s].long() for r, s in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu)])
-    assert torch.equal(slots.cpu(), expected.cpu())
+    assert slots.dtype == torch.int32 and torch.equal(slots.long().cpu(), expected.cpu())
     assert starts.tolist() == [0, 9, 16]
 
 

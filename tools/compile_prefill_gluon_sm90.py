@@ -5,7 +5,7 @@ builds for Hopper at all, its registers and spills (ptxas), shared memory, the p
 register moves (setmaxnreg), and the wgmma, TMA and mbarrier instructions in its PTX
 (compile_mla_sm90.compile_sm90 does the compiling). The GPU tests check what it computes.
 
-    python3 tools/compile_prefill_gluon_sm90.py [--dtype fp16] [--pingpong]
+    python3 tools/compile_prefill_gluon_sm90.py [--dtype fp16] [--pingpong] [--indirect]
 """
 
 from __future__ import annotations
@@ -28,17 +28,24 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 from attnserve.attention.kernels.mha import prefill_gluon as pg  # noqa: E402
 
 
-def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, pingpong: bool = False) -> dict:
+def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, pingpong: bool = False,
+                   indirect: bool = False) -> dict:
+    """indirect: the loader reading K and V rows through a slot list (cp.async) instead of TMA."""
     kv_heads, head_dim = 8, 128
     q = torch.empty(4096, kv_heads * group, head_dim, dtype=dtype)  # stands in for the query rows
     kv = torch.empty(4096, kv_heads, head_dim, dtype=dtype)  # and for the K / V rows
-    types = {"q_desc": mangle_type(pg._descriptor(q, pg.BLOCK_M // 2)), "k_desc": mangle_type(pg._descriptor(kv, pg.BLOCK_N)),
-             "v_desc": mangle_type(pg._descriptor(kv, pg.BLOCK_N)), "Out": mangle_type(q), "kv_starts": "*i32"}
+    kv_type = mangle_type(kv) if indirect else mangle_type(pg._descriptor(kv, pg.BLOCK_N))
+    types = {"q_desc": mangle_type(pg._descriptor(q, pg.BLOCK_M // 2)), "k_src": kv_type, "v_src": kv_type,
+             "Out": mangle_type(q), "kv_starts": "*i32", "slots": "*i32"}
     constexprs = dict(NUM_HEADS=kv_heads * group, NUM_KV_HEADS=kv_heads, BLOCK_M=pg.BLOCK_M, BLOCK_N=pg.BLOCK_N,
-                      HEAD_DIM=head_dim, STAGES=pg.STAGES, CONSUMER_REGS=pg.CONSUMER_REGS, PINGPONG=pingpong)
+                      HEAD_DIM=head_dim, STAGES=pg.STAGES,
+                      CONSUMER_REGS=pg.INDIRECT_CONSUMER_REGS if indirect else pg.CONSUMER_REGS, PINGPONG=pingpong,
+                      INDIRECT=indirect, KV_LAYOUT=pg._shared_layout(dtype, pg.BLOCK_N, head_dim),
+                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES,
+                      SNAKE=pg.SNAKE)
     report = compile_sm90(pg._prefill_gluon_kernel, constexprs, pg.LOADER_WARPS, 1, source=GluonASTSource,
                           pointers=types)
-    return {"dtype": str(dtype), "group": group, "pingpong": pingpong, **report}
+    return {"dtype": str(dtype), "group": group, "pingpong": pingpong, "indirect": indirect, **report}
 
 
 def main(argv=None) -> int:
@@ -46,9 +53,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--pingpong", action="store_true", help="the consumers taking turns to issue their MMAs")
+    p.add_argument("--indirect", action="store_true", help="K and V rows read through a slot list (cp.async)")
     args = p.parse_args(argv)
     print(json.dumps(compile_report(torch.bfloat16 if args.dtype == "bf16" else torch.float16, args.group,
-                                    args.pingpong)))
+                                    args.pingpong, args.indirect)))
     return 0
 
 

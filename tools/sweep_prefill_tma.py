@@ -8,7 +8,8 @@ the best time per workload (the default in PREFILL_TMA_TILES is taken from it).
     PYTHONPATH=src python3 tools/sweep_prefill_tma.py --out sweep-prefill-tma.json [--budget-s 120]
 
 --gluon adds the Gluon kernel (kernels/mha/prefill_gluon.py, the backend's prefill_kernel="gluon"), checked and
-timed the same way (--gluon-pingpong: with its consumers taking turns); --default-only races only the default
+timed the same way (--gluon-set NAME=VALUE[,NAME=VALUE]: once more with the module's switches set so, e.g.
+PINGPONG=1, SNAKE=1, READ_POOL_ROWS=0 or INDIRECT_ROW_LANES=16; repeatable); --default-only races only the default
 config; --kernel-before FILE adds the default config run on another version of prefill_tma.py (e.g. one
 `git show REV:src/...` wrote), loaded beside this one, so a change to the kernel is timed against its parent in
 the same process.
@@ -22,6 +23,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import statistics
 import sys
 import time
 
@@ -72,15 +74,25 @@ def kernel_from(path: str):
 
 
 @contextlib.contextmanager
-def gluon_pingpong():
-    """The Gluon prefill with its consumers' ping-pong while the block runs."""
+def gluon_settings(assignments: str):
+    """The Gluon prefill's module switches set while the block runs: "NAME=VALUE[,NAME=VALUE]", each value an int
+    (a bool switch takes 0 or 1) of a name the module has."""
     from attnserve.attention.kernels.mha import prefill_gluon
 
-    saved, prefill_gluon.PINGPONG = prefill_gluon.PINGPONG, True
+    new = {}
+    for item in assignments.split(","):
+        name, _, value = item.partition("=")
+        if not hasattr(prefill_gluon, name) or not name.isupper():
+            raise SystemExit(f"prefill_gluon has no switch {name!r}")
+        new[name] = type(getattr(prefill_gluon, name))(int(value))
+    saved = {name: getattr(prefill_gluon, name) for name in new}
+    for name, value in new.items():
+        setattr(prefill_gluon, name, value)
     try:
         yield
     finally:
-        prefill_gluon.PINGPONG = saved
+        for name, value in saved.items():
+            setattr(prefill_gluon, name, value)
 
 
 def best_config(rows: list[dict]) -> dict | None:
@@ -92,8 +104,8 @@ def best_config(rows: list[dict]) -> dict | None:
     scores: dict[tuple, list[float]] = {}
     for r in ok:
         scores.setdefault(tuple(r[k] for k in keys), []).append(math.log(r["us"] / fastest[r["workload"]]))
-    complete = {k: v for k, v in scores.items() if len(v) == len(fastest)}
-    return dict(zip(keys, min(complete, key=lambda k: sum(complete[k])))) if complete else None
+    complete = {k: v for k, v in scores.items() if len(v) >= len(fastest)}  # every workload, in one round or more
+    return dict(zip(keys, min(complete, key=lambda k: sum(complete[k]) / len(complete[k])))) if complete else None
 
 
 def main(argv=None) -> int:
@@ -105,12 +117,15 @@ def main(argv=None) -> int:
     p.add_argument("--warp-specialized", action="store_true", help="the warp-specialised configs first, then the rest")
     p.add_argument("--best-options", default=None, help="write the best config here as --triton-options JSON")
     p.add_argument("--gluon", action="store_true", help="race the Gluon kernel too")
-    p.add_argument("--gluon-pingpong", action="store_true", help="and the Gluon kernel with its consumers' ping-pong")
+    p.add_argument("--gluon-set", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="and the Gluon kernel with these module switches (repeatable: a candidate each)")
     p.add_argument("--default-only", action="store_true", help="only the default config of head_dim 128")
     p.add_argument("--kernel-before", default=None, help="another prefill_tma.py, raced at the default config")
     p.add_argument("--prefills", nargs="*", default=[], help="more fresh-prompt shapes, BATCHxTOKENS (e.g. 16x1024)")
     p.add_argument("--extra-last", action="store_true", help="the Gluon and --kernel-before rows after the configs "
                    "(run twice, once each way, to see what the order moves)")
+    p.add_argument("--rounds", type=int, default=1, help="race every candidate this many times, the order reversed "
+                   "on every other round (a GPU's clocks drift over a sweep): `summary` holds each one's median")
     args = p.parse_args(argv)
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,7 +152,8 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
-                       "date": time.strftime("%Y-%m-%d", time.gmtime()), "best": best, "rows": rows}, f, indent=1)
+                       "date": time.strftime("%Y-%m-%d", time.gmtime()), "best": best, "rounds": args.rounds,
+                       "summary": summary(rows), "rows": rows}, f, indent=1)
         if args.best_options and best:
             with open(args.best_options, "w") as f:
                 json.dump({"prefill_tma_config": best}, f)
@@ -157,20 +173,18 @@ def main(argv=None) -> int:
     def config_candidate(cfg):
         label = (f"prefill_tma {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} ws={int(cfg.warp_specialize)} "
                  f"p={cfg.persistent} dev={int(cfg.device_descriptors)} kv={int(cfg.kv_head_major)}")
-        return label, {"prefill_tma_config": cfg}, contextlib.nullcontext, dataclasses.asdict(cfg)
+        # prefill_kernel="triton": the backend's default would take the Gluon kernel on long tiles
+        return label, {"prefill_tma_config": cfg, "prefill_kernel": "triton"}, contextlib.nullcontext, \
+            dataclasses.asdict(cfg)
 
-    extra = ([("prefill_gluon", {"prefill_kernel": "gluon"}, contextlib.nullcontext, {})] if args.gluon else []) + (
-        [("prefill_gluon pingpong", {"prefill_kernel": "gluon"}, gluon_pingpong, {})] if args.gluon_pingpong else []) + (
-        [(f"prefill_tma ({args.kernel_before})", {"prefill_tma_config": configs[0]},
+    extra = ([("prefill_gluon", {"prefill_kernel": "gluon"}, contextlib.nullcontext, {})] if args.gluon else []) + [
+        (f"prefill_gluon {sets}", {"prefill_kernel": "gluon"}, lambda sets=sets: gluon_settings(sets), {})
+        for sets in args.gluon_set] + (
+        [(f"prefill_tma ({args.kernel_before})", {"prefill_tma_config": configs[0], "prefill_kernel": "triton"},
           lambda: kernel_from(args.kernel_before), {})] if args.kernel_before else [])
-    candidates = [config_candidate(cfg) for cfg in configs]
-    candidates = candidates + extra if args.extra_last else extra + candidates
-    for label, options, context, fields in candidates:
-        if args.budget_s and time.time() - start > args.budget_s:
-            print(f"budget spent: {label} and later candidates not run", flush=True)
-            break
+    def race_candidate(label, options, context, fields, rnd):
         for w, rb in zip(workloads, batches):
-            row = {"workload": w.name, "kernel": label, **fields}
+            row = {"workload": w.name, "kernel": label, **fields, "round": rnd}
             try:
                 with context():
                     us, out, path = run_once(rb, prefill_tma=True, **options)
@@ -180,8 +194,38 @@ def main(argv=None) -> int:
                 print(f"{w.name:<22} {label} FAILED {row['error']}", flush=True)
             rows.append(row)
         save()
+
+    candidates = [config_candidate(cfg) for cfg in configs]
+    candidates = candidates + extra if args.extra_last else extra + candidates
+    for rnd in range(args.rounds):
+        for label, options, context, fields in candidates if rnd % 2 == 0 else candidates[::-1]:
+            if args.budget_s and time.time() - start > args.budget_s:
+                print(f"budget spent: {label} and later candidates not run", flush=True)
+                break
+            race_candidate(label, options, context, fields, rnd)
     print("best:", json.dumps(save()), flush=True)
+    for line in summary_lines(rows):
+        print(line, flush=True)
     return 0
+
+
+def summary(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Each workload's candidates: the median of their times over the rounds."""
+    times: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        if r.get("us"):
+            times.setdefault(r["workload"], {}).setdefault(r["kernel"], []).append(r["us"])
+    return {w: {k: round(statistics.median(v), 1) for k, v in ks.items()} for w, ks in times.items()}
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for w, ks in summary(rows).items():
+        base = ks.get("prefill_gluon")
+        for k, us in ks.items():
+            vs = f"  {base / us:5.3f}x the Gluon default" if base and k != "prefill_gluon" else ""
+            lines.append(f"{w:<22} {k:<48} {us:9.1f} us (median){vs}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -109,70 +109,88 @@ class TritonMHABackend(TritonBackendBase):
 
         return self.prefill_tma_config or default_prefill_tma_config(head_dim, self.pool.device)
 
-    def _tma_key_rows(self, step: ExtendStep, q, k, v, layer: AttentionLayer):
-        """((k_rows, v_rows, kv_starts), None) when this call takes the TMA path, else (None, why not).
-
-        Fresh prompts read the call's own k and v; with a cached prefix every request's keys are gathered
-        from the pool into contiguous rows once per layer.
-        """
+    def _tma_blocker(self, step: ExtendStep, q, layer: AttentionLayer) -> str | None:
+        """Why this call cannot take the TMA path (None: it can)."""
         from attnserve.attention.kernels.common import interpreting
         from attnserve.attention.kernels.mha import prefill_tma as tma
         from attnserve.attention.kernels.mha.configs import fast_path_blocker
 
         if self.prefill_tma is False:
-            return None, "TMA path off"
-        pool = self.pool
+            return "TMA path off"
         blocker = fast_path_blocker(head_dim=layer.head_dim, v_dim=layer.v_head_dim, q_dtype=q.dtype,
-                                    kv_dtype=pool.dtype, custom_mask=step.custom_mask, target=target_for(q.device),
-                                    interpreting=interpreting())
+                                    kv_dtype=self.pool.dtype, custom_mask=step.custom_mask,
+                                    target=target_for(q.device), interpreting=interpreting())
         if blocker is None and step.verify:
             # a few new tokens a request: gathering every prefix's keys per layer costs more than it saves, and a
             # CUDA graph cannot hold buffers sized by the host lengths
             blocker = "verify step"
         if blocker is None and not tma.tma_rows_ok(q):
             blocker = "q layout"
-        rows = None
-        if blocker is None:
-            if not any(step.prefix_lens) and tma.tma_rows_ok(k) and tma.tma_rows_ok(v):
-                rows = (k, v, step.meta.qo_indptr[:-1])
-            else:
-                seq_total = sum(step.prefix_lens) + sum(step.extend_lens)
-                need = seq_total * pool.num_kv_heads * (layer.head_dim + layer.v_head_dim) * pool.dtype.itemsize
-                if need > self.prefill_tma_gather_bytes:
-                    blocker = f"gathering the prefix needs {need >> 20} MiB"
-                else:
-                    if step.key_rows is None:
-                        seq_lens = [p + e for p, e in zip(step.prefix_lens, step.extend_lens)]
-                        step.key_rows = tma.request_slots(step.meta.kv_indptr, step.meta.kv_indices, seq_lens,
-                                                      pool.page_size, pool.device)
-                    slots, starts = step.key_rows
-                    lid = layer.layer_id
-                    rows = (tma.gather_request_rows(pool.get_key_buffer(lid), slots),
-                            tma.gather_request_rows(pool.get_value_buffer(lid), slots), starts)
-        if rows is None and self.prefill_tma:
-            raise ValueError(f"the TMA prefill path does not apply to this call: {blocker}")
-        return rows, blocker
+        return blocker
+
+    def _key_slots(self, step: ExtendStep):
+        """(slots [rows] int64, kv_starts [B] int32): every request's keys' pool rows, once per step."""
+        from attnserve.attention.kernels.mha import prefill_tma as tma
+
+        if step.key_rows is None:
+            seq_lens = [p + e for p, e in zip(step.prefix_lens, step.extend_lens)]
+            step.key_rows = tma.request_slots(step.meta.kv_indptr, step.meta.kv_indices, seq_lens,
+                                              self.pool.page_size, self.pool.device)
+        return step.key_rows
+
+    def _tma_key_rows(self, step: ExtendStep, k, v, layer: AttentionLayer):
+        """((k_rows, v_rows, kv_starts), None) for prefill_tma, else (None, why not).
+
+        Fresh prompts read the call's own k and v; with a cached prefix every request's keys are gathered
+        from the pool into contiguous rows once per layer.
+        """
+        from attnserve.attention.kernels.mha import prefill_tma as tma
+
+        if not any(step.prefix_lens) and tma.tma_rows_ok(k) and tma.tma_rows_ok(v):
+            return (k, v, step.meta.qo_indptr[:-1]), None
+        pool = self.pool
+        seq_total = sum(step.prefix_lens) + sum(step.extend_lens)
+        need = seq_total * pool.num_kv_heads * (layer.head_dim + layer.v_head_dim) * pool.dtype.itemsize
+        if need > self.prefill_tma_gather_bytes:
+            return None, f"gathering the prefix needs {need >> 20} MiB"
+        slots, starts = self._key_slots(step)
+        lid = layer.layer_id
+        return (tma.gather_request_rows(pool.get_key_buffer(lid), slots),
+                tma.gather_request_rows(pool.get_value_buffer(lid), slots), starts), None
 
     def _extend_layer(self, q, k, v, out, layer: AttentionLayer, step: ExtendStep) -> torch.Tensor:
+        from attnserve.attention.kernels.mha import prefill_gluon
         from attnserve.attention.kernels.mha.extend import extend_attention
         from attnserve.attention.kernels.mha.prefill_tma import prefill_tma_attention
 
-        rows, blocker = self._tma_key_rows(step, q, k, v, layer)
         params = self._params_of(layer)
-        if rows is not None:
+        blocker = self._tma_blocker(step, q, layer)
+        if blocker is None:
             gluon_blocker = self._gluon_blocker(step, q, layer, params)
-            if gluon_blocker is None:
-                from attnserve.attention.kernels.mha import prefill_gluon
-
+            if gluon_blocker is None and any(step.prefix_lens) and prefill_gluon.READ_POOL_ROWS:
+                # the keys read where they lie in the pool: no gather
+                slots, starts = self._key_slots(step)
+                lid = layer.layer_id
+                step.path = "prefill_gluon (pool rows)"
+                return prefill_gluon.prefill_gluon_attention(
+                    q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), starts, out,
+                    self._tiles_of(step, prefill_gluon.BLOCK_M), step.meta.qo_indptr, step.seq_lens, params,
+                    slots=slots)
+            rows, blocker = self._tma_key_rows(step, k, v, layer)
+            if rows is not None and gluon_blocker is None:  # a fresh prompt's own k and v, or gathered rows
                 step.path = "prefill_gluon"
                 return prefill_gluon.prefill_gluon_attention(q, *rows, out, self._tiles_of(step, prefill_gluon.BLOCK_M),
                                                              step.meta.qo_indptr, step.seq_lens, params)
-            cfg = self._prefill_tma_config(layer.head_dim)
-            step.path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
-            if self.prefill_kernel == "gluon":
-                step.path += f" (the Gluon kernel refused: {gluon_blocker})"
-            tiles = self._tiles_of(step, cfg.block_m)
-            return prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens, params, config=cfg)
+            if rows is not None:
+                cfg = self._prefill_tma_config(layer.head_dim)
+                step.path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
+                if self.prefill_kernel == "gluon":
+                    step.path += f" (the Gluon kernel refused: {gluon_blocker})"
+                tiles = self._tiles_of(step, cfg.block_m)
+                return prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens, params,
+                                             config=cfg)
+        if self.prefill_tma:
+            raise ValueError(f"the TMA prefill path does not apply to this call: {blocker}")
         step.path = f"paged ({blocker})"
         lid = layer.layer_id
         cfg = self._extend_config(step, layer.gqa_group)

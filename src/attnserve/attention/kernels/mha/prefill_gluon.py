@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -44,15 +45,32 @@ BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per TMA tile
 LOADER_WARPS = 4  # the default partition, which issues the TMA loads (one warpgroup: setmaxnreg works per group)
 CONSUMER_REGS = 240  # registers of each consumer thread; the loader keeps what is left (FlashAttention-3's split)
-STAGES = 2  # slots of each of the K and V rings
+# the indirect loader (cp.async) spills at the 24 registers left beside 240: at 224 it keeps 56, enough for
+# INDIRECT_ROW_LANES = 8 (tools/compile_prefill_gluon_sm90.py --indirect: no spills, consumers included)
+INDIRECT_CONSUMER_REGS = 224
+# Loader lanes that copy one key row together, 16 bytes each, in the indirect loader: a warp's copy instruction reads
+# 32 / INDIRECT_ROW_LANES rows, INDIRECT_ROW_LANES * 16 bytes of each, and a thread keeps the pool rows of
+# 128 / (32 / INDIRECT_ROW_LANES * 4 warps) keys. Extend 8 x (4096 + 512) on an H100, the median of three rounds
+# (sweep-prefill-gluon-indirect-h100-*.json): 1 lane 1,077 us, 2 lanes 742, 4 lanes 635, 8 lanes (whole 128-byte
+# lines) 586, against 618 for the Gluon kernel on gathered rows; 16 lanes spill.
+INDIRECT_ROW_LANES = 8
+# slots of each of the K and V rings; with 2 the query tile is double-buffered (192 KiB of shared memory), with 3
+# it is not (224 KiB, of Hopper's 227)
+STAGES = 2
 # The default takes this kernel for a call whose query tiles read at least this many key tiles on average: below
 # it the per-tile start (the first S waited for, the last P.V, the store) outweighs the overlap, and prefill_tma is
 # faster (H100, sweep-prefill-gluon-h100-{1,2}.json: 0.70x at 64x256 with 1.5 key tiles a query tile, 0.85-0.88x
 # at 32x512 with 2.5, 0.97-0.99x at 16x1024 with 4.5; 1.03-1.05x at 8x2048 with 8.5, 1.03-1.26x on longer ones)
 MIN_MEAN_KEY_TILES = 6
 # The consumers taking turns to issue their MMAs (FlashAttention-3's ping-pong): built and compiled for sm_90, not
-# yet run on a GPU, so off until its GPU tests and a race say otherwise (tools/sweep_prefill_tma.py --gluon-pingpong)
+# yet run on a GPU, so off until its GPU tests and a race say otherwise (tools/sweep_prefill_tma.py --gluon-set PINGPONG=1)
 PINGPONG = False
+# A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having them
+# gathered into contiguous rows first; False brings the gather back (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
+READ_POOL_ROWS = True
+# Programs take the work list's rounds alternately from either end (_rounds): not yet raced, so off until a sweep
+# says otherwise (tools/sweep_prefill_tma.py --gluon-set SNAKE=1)
+SNAKE = False
 
 
 def gluon_prefill_supported(q: torch.Tensor, head_dim: int, layer: LayerParams, lse) -> str | None:
@@ -105,6 +123,34 @@ def _softmax_tile(s, m_i, l_i, row_pos, n0, full_end, qk_scale_log2,
 
 
 @gluon.jit
+def _rounds(num_work, SNAKE: gl.constexpr):
+    """How many work items this program takes: one a round, the last round short of one item a program.
+
+    Round k's items are k * programs .. + programs - 1, the work list heaviest first; program p takes the p-th,
+    or with SNAKE the p-th from the round's end on odd rounds, so a program that took a heavier item than the
+    others in one round takes a lighter one in the next (with tiles of every length the plain order leaves
+    program 0 a few percent more work than the average: the last one to finish)."""
+    p = gl.program_id(0)
+    g = gl.num_programs(0)
+    full = num_work // g
+    j = p
+    if SNAKE:
+        j = p + (full % 2) * (g - 1 - 2 * p)
+    return full + (j < num_work - full * g).to(gl.int32)
+
+
+@gluon.jit
+def _round_item(k, SNAKE: gl.constexpr):
+    """The work item this program takes in round k (see _rounds)."""
+    p = gl.program_id(0)
+    g = gl.num_programs(0)
+    j = p
+    if SNAKE:
+        j = p + (k % 2) * (g - 1 - 2 * p)
+    return k * g + j
+
+
+@gluon.jit
 def _work_item(w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
                NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr):
@@ -127,18 +173,20 @@ def _work_item(w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
 def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
             tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SNAKE: gl.constexpr):
     """The producer: for each of this program's work items, both halves of the query tile into one of two
     buffers (once the consumers are done with the item before last), then its K and V tiles into their rings
     as slots come free (so the next item's first tiles arrive while the consumers finish this one)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
+    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     it = 0  # K/V tiles loaded so far: ring slot and phase
     done = 0  # work items loaded so far: the query buffer's phase
-    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+    for k in range(_rounds(num_work, SNAKE)):
+        w = _round_item(k, SNAKE)
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
-        qb = done % 2  # the query buffer of this item: the next item's Q loads while this one is computed
-        mbarrier.wait(q_free.index(qb), ((done // 2) & 1) ^ 1)  # a fresh barrier counts as released
+        qb = done % Q_BUFFERS  # this item's query buffer: with two, the next item's Q loads while this one runs
+        mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(q_ready.index(qb), BLOCK_M * HEAD_DIM * 2)
         tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb))
         tma.async_copy_global_to_shared(q_desc, [q_start + m0 + HALF_M, h * HEAD_DIM], q_ready.index(qb),
@@ -155,6 +203,84 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_r
             tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), v_ring.index(slot))
             it += 1
         done += 1
+
+
+@gluon.jit
+def _tile_rows(request_slots, n0, seq, key_in_tile):
+    """The pool rows of a request's keys n0 .. n0 + BLOCK_N (request_slots: its seq keys' rows; 0 past its end,
+    where the copy reads nothing)."""
+    key = n0 + key_in_tile
+    return gl.load(request_slots + key, mask=key < seq, other=0)
+
+
+@gluon.jit
+def _copy_rows(tile, head, stride, rows, valid, cols):
+    """cp.async of the key rows `rows` `[BLOCK_N]` (pool rows of one KV head at `head`) into `tile`; the rows not
+    valid are zero-filled, not read."""
+    offsets = gl.expand_dims(rows.to(gl.int64) * stride, 1) + cols  # [BLOCK_N, HEAD_DIM]
+    async_copy.async_copy_global_to_shared(tile, head + offsets, mask=gl.expand_dims(valid, 1))
+
+
+@gluon.jit
+def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
+                     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
+                     SNAKE: gl.constexpr):
+    """_loader for keys left where they are in the KV pool: request r's key n is pool row slots[kv_starts[r] + n].
+
+    TMA cannot gather rows, so each K and V tile is copied with cp.async, ROW_LANES loader lanes a key row, 16
+    bytes each (INDIRECT_ROW_LANES says why); every thread's arrival on the slot's ready barrier (init count:
+    the loader's threads) fires once its copies have landed. Keys past the request's end are zero-filled, not
+    read. A tile's pool rows are loaded while the loader still waits for its slots (the next tile's as soon
+    as this one's copies are issued). The query tile still comes through TMA. This spares the call a gather
+    of every request's keys into contiguous rows (two index_selects: 100 of 586 us at extend 8 x (4096 + 512)
+    on an H100, ncu-h100-gluon-extend-8x4096512.json)."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    # ROW_LANES lanes copy a key row together, 16 bytes each
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ROW_LANES, ROW_LANES], [LOADER_WARPS, 1], [1, 0])
+    key_in_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows_layout))  # [BLOCK_N]
+    cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout)), 0)  # [1, HEAD_DIM]
+    it = 0
+    done = 0
+    for k in range(_rounds(num_work, SNAKE)):
+        w = _round_item(k, SNAKE)
+        h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
+            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+        seq = prefix + ext
+        k_head = k_pool + kv_col  # this item's KV head in every pool row
+        v_head = v_pool + kv_col
+        request_slots = slots + kv_start
+        rows = _tile_rows(request_slots, 0, seq, key_in_tile)  # [BLOCK_N] int32
+        qb = done % Q_BUFFERS
+        mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(qb), BLOCK_M * HEAD_DIM * 2)
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb))
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0 + HALF_M, h * HEAD_DIM], q_ready.index(qb),
+                                        q_smem.index(2 * qb + 1))
+        for i in range(n_tiles):
+            slot = it % STAGES
+            free_phase = ((it // STAGES) & 1) ^ 1
+            valid = i * BLOCK_N + key_in_tile < seq
+            mbarrier.wait(k_free.index(slot), free_phase)
+            _copy_rows(k_ring.index(slot), k_head, stride_k, rows, valid, cols)
+            async_copy.mbarrier_arrive(k_ready.index(slot), increment_count=False)
+            mbarrier.wait(v_free.index(slot), free_phase)
+            _copy_rows(v_ring.index(slot), v_head, stride_v, rows, valid, cols)
+            async_copy.mbarrier_arrive(v_ready.index(slot), increment_count=False)
+            rows = _tile_rows(request_slots, (i + 1) * BLOCK_N, seq, key_in_tile)  # the next tile's, read early
+            it += 1
+        done += 1
+
+
+@gluon.jit
+def _wait_ready(bar, phase, INDIRECT: gl.constexpr):
+    """Wait for a K or V tile. cp.async (the indirect loader) writes shared memory through the generic proxy and
+    wgmma reads it through the async one: a proxy fence orders the two (TMA writes through the async proxy)."""
+    mbarrier.wait(bar, phase)
+    if INDIRECT:
+        fence_async_shared()
 
 
 @gluon.jit
@@ -177,7 +303,8 @@ def _hand_over(turns, half: gl.constexpr):
 def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
+              SNAKE: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
@@ -186,6 +313,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     has no named barriers). Every wait for data comes before the wait for the turn: a consumer holding
     the turn waits only for the tensor cores."""
     HALF_M: gl.constexpr = BLOCK_M // 2
+    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -197,7 +325,8 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
-    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+    for k in range(_rounds(num_work, SNAKE)):
+        w = _round_item(k, SNAKE)
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
         first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
@@ -207,11 +336,11 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
         m_i = gl.full([HALF_M], -1.0e30, gl.float32, row_layout)
         l_i = gl.zeros([HALF_M], gl.float32, row_layout)
 
-        qb = done % 2
+        qb = done % Q_BUFFERS
         q_half = q_smem.index(2 * qb + half)
-        mbarrier.wait(q_ready.index(qb), (done // 2) & 1)
+        mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
         slot = it % STAGES
-        mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+        _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
         if PINGPONG:
             turn = _take_turn(turns, half, turn)
             s_tok = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -225,13 +354,13 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
         for j in range(0, n_tiles - 1):
             slot = (it + j) % STAGES
             nslot = (it + j + 1) % STAGES
-            mbarrier.wait(k_ready.index(nslot), ((it + j + 1) // STAGES) & 1)
+            _wait_ready(k_ready.index(nslot), ((it + j + 1) // STAGES) & 1, INDIRECT)
             if PINGPONG:
-                mbarrier.wait(v_ready.index(slot), ((it + j) // STAGES) & 1)
+                _wait_ready(v_ready.index(slot), ((it + j) // STAGES) & 1, INDIRECT)
                 turn = _take_turn(turns, half, turn)
             s_tok = warpgroup_mma(q_half, k_ring.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             if not PINGPONG:
-                mbarrier.wait(v_ready.index(slot), ((it + j) // STAGES) & 1)
+                _wait_ready(v_ready.index(slot), ((it + j) // STAGES) & 1, INDIRECT)
             o_tok = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
             if PINGPONG:
                 _hand_over(turns, half)
@@ -245,7 +374,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.arrive(q_free.index(qb), count=1)  # this item's scores are done: its query buffer is free
         last = it + n_tiles - 1
-        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        _wait_ready(v_ready.index(last % STAGES), (last // STAGES) & 1, INDIRECT)
         if PINGPONG:
             turn = _take_turn(turns, half, turn)
             o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
@@ -267,27 +396,31 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
 
 @gluon.jit(do_not_specialize=("num_work",))  # a step's work count: no variant per divisibility (prefill_tma's reason)
 def _prefill_gluon_kernel(
-    q_desc, k_desc, v_desc, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
-    qk_scale_log2, stride_ot, stride_oh, num_work,
+    q_desc, k_src, v_src, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots,
+    qk_scale_log2, stride_ot, stride_oh, stride_k, stride_v, num_work,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
+    SNAKE: gl.constexpr,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
-    # tile and share the K/V rings
+    # tile and share the K/V rings. k_src / v_src: TMA descriptors over contiguous rows, or (INDIRECT) the pool's
+    # `[slots, Hkv, D]` buffers, read row by row through `slots`
     HALF_M: gl.constexpr = BLOCK_M // 2
     GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [4, HALF_M, HEAD_DIM], q_desc.layout)  # two buffers of two halves
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, HALF_M, HEAD_DIM], q_desc.layout)  # buffers of 2 halves
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=2)  # one arrival from each consumer
     if PINGPONG:  # the consumers' turns, one barrier a consumer
@@ -296,24 +429,47 @@ def _prefill_gluon_kernel(
             mbarrier.init(turns.index(i), count=1)
     else:  # unused: the consumers take the same arguments either way
         turns = q_ready
+    # a tile is ready on the TMA's one arrival and its bytes, or on every loader thread's cp.async arrival
+    READY_ARRIVALS: gl.constexpr = LOADER_WARPS * 32 if INDIRECT else 1
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_ready.index(i), count=READY_ARRIVALS)
+        mbarrier.init(v_ready.index(i), count=READY_ARRIVALS)
         mbarrier.init(k_free.index(i), count=2)
         mbarrier.init(v_free.index(i), count=2)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                   tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
-                   NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
-                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
-        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
-                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
-    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    # (Gluon takes the partitions' functions only as literals: the loader chosen by a branch around the whole call)
+    if INDIRECT:
+        gl.warp_specialize([
+            (_indirect_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready,
+                                k_free, v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k,
+                                stride_v, num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                LOADER_WARPS, ROW_LANES, SNAKE)),
+            (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
+                         tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE)),
+            (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
+                         tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
+                       v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
+                       NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SNAKE)),
+            (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
+                         tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE)),
+            (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
+                         tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+def _shared_layout(dtype: torch.dtype, block_rows: int, dim: int):
+    """The swizzled shared layout wgmma reads a `[block_rows, dim]` tile in (and TMA writes it in)."""
+    return gl.NVMMASharedLayout.get_default_for([block_rows, dim], gl.bfloat16 if dtype == torch.bfloat16
+                                                else gl.float16)
 
 
 def _descriptor(rows: torch.Tensor, block_rows: int):
@@ -321,17 +477,25 @@ def _descriptor(rows: torch.Tensor, block_rows: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     n, heads, dim = rows.shape
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], gl.bfloat16 if rows.dtype == torch.bfloat16
-                                                  else gl.float16)
-    return TensorDescriptor(rows, [n, heads * dim], [rows.stride(0), 1], [block_rows, dim], layout)
+    return TensorDescriptor(rows, [n, heads * dim], [rows.stride(0), 1], [block_rows, dim],
+                            _shared_layout(rows.dtype, block_rows, dim))
+
+
+def rows_readable(t: torch.Tensor) -> bool:
+    """Whether the indirect loader can copy `t`'s `[rows, H, D]` rows 16 bytes at a time (a pool buffer)."""
+    return (t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+            and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
 def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, kv_starts: torch.Tensor,
                             out: torch.Tensor, tiles: ExtendTiles, qo_indptr: torch.Tensor, seq_lens: torch.Tensor,
-                            layer: LayerParams, pingpong: bool | None = None) -> torch.Tensor:
+                            layer: LayerParams, pingpong: bool | None = None,
+                            slots: torch.Tensor | None = None) -> torch.Tensor:
     """prefill_tma_attention's contract (q `[T, Hq, D]`, K/V rows `[rows, Hkv, D]`, request r's keys at rows
     kv_starts[r] .. + seq_lens[r], `tiles` of 128 positions) for causal attention at head_dim 128.
-    pingpong: the consumers take turns to issue their MMAs (None: the module's PINGPONG)."""
+    pingpong: the consumers take turns to issue their MMAs (None: the module's PINGPONG).
+    slots: `[rows]` int32, request r's key n at K/V row slots[kv_starts[r] + n] (prefill_tma.request_slots): the
+    keys are read where they lie, the KV pool's `[slots, Hkv, D]` buffers, instead of gathered first."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_rows.shape[1]
     why = gluon_prefill_supported(q, head_dim, layer, None)
@@ -341,20 +505,27 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         raise ValueError(f"tiles cover {tiles.positions} positions, the kernel's {BLOCK_M}")
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
+    readable = rows_readable if slots is not None else tma_rows_ok
     for name, t in (("q", q), ("k_rows", k_rows), ("v_rows", v_rows)):
-        if not tma_rows_ok(t) or t.dtype != q.dtype:
-            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} with strides {t.stride()} cannot be read through TMA "
-                             f"beside q's {q.dtype}")
+        if not (tma_rows_ok(t) if name == "q" else readable(t)) or t.dtype != q.dtype:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} with strides {t.stride()} cannot be read "
+                             f"{'through TMA' if name == 'q' or slots is None else 'by rows'} beside q's {q.dtype}")
+    if slots is not None and slots.dtype != torch.int32:
+        raise ValueError(f"slots must be int32, not {slots.dtype}")
     if num_tokens == 0 or tiles.num_tiles == 0:
         return out
     num_work = num_heads * tiles.num_tiles
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    indirect = slots is not None
+    k_src, v_src = (k_rows, v_rows) if indirect else (_descriptor(k_rows, BLOCK_N), _descriptor(v_rows, BLOCK_N))
     _prefill_gluon_kernel[(min(num_work, sms),)](
-        _descriptor(q, BLOCK_M // 2), _descriptor(k_rows, BLOCK_N), _descriptor(v_rows, BLOCK_N), out,
-        tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens, layer.sm_scale * LOG2E,
-        out.stride(0), out.stride(1), num_work,
+        _descriptor(q, BLOCK_M // 2), k_src, v_src, out,
+        tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens, slots if indirect else kv_starts,
+        layer.sm_scale * LOG2E, out.stride(0), out.stride(1), k_rows.stride(0), v_rows.stride(0), num_work,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
-        STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG if pingpong is None else pingpong,
+        STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
+        PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
+        SNAKE=SNAKE, KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
         num_warps=LOADER_WARPS,
     )
     return out

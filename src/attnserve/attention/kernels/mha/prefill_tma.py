@@ -130,7 +130,7 @@ def gather_request_rows(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tens
 
 def request_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: list[int], page_size: int,
                   device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool slots of every request's keys in order, `[sum(seq_lens)]` int64, and each request's first row `[B]`.
+    """Pool slots of every request's keys in order, `[sum(seq_lens)]` int32, and each request's first row `[B]`.
 
     Host-side lengths size everything, and only the [B] lengths and starts travel (through pinned memory):
     nothing waits for the device, so the step in flight keeps running while this one is launched.
@@ -146,7 +146,7 @@ def request_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: l
     pos = torch.arange(total, device=device) - starts_t[req]  # [total] position within the request
     page = kv_indices.long()[kv_indptr.long()[req] + pos // page_size]  # [total]
     slots = page * page_size + pos % page_size  # [total]
-    return slots, starts_t.to(torch.int32)
+    return slots.to(torch.int32), starts_t.to(torch.int32)  # (a pool's slots number under 2^31)
 
 
 @triton.jit
