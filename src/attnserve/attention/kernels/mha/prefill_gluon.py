@@ -16,9 +16,11 @@ states the schedule itself, as FlashAttention-3 lays it out:
   S(j+1) while P(j).V(j) is still in the tensor cores (the intra-warpgroup overlap);
 - the mask is applied only on tiles that cross a half's diagonal, behind a branch taken per tile.
 
-Reads the same operands as prefill_tma (ragged contiguous K/V rows, the ExtendTiles work list); causal
-attention with head_dim 128 in bf16 or fp16 only, no window, soft-cap, sinks or LSE (the caller keeps
-prefill_tma for those). Gluon does not run under the Triton interpreter: tools/compile_prefill_gluon_sm90.py
+Reads the same operands as prefill_tma (ragged contiguous K/V rows, the ExtendTiles work list), or, for a
+call with a cached prefix, the KV pool's rows where they lie, through each request's slot list: an indirect
+loader copies them with cp.async, as TMA cannot gather rows, and the backend no longer gathers every
+request's keys first. Causal attention with head_dim 128 in bf16 or fp16 only, no window, soft-cap, sinks or
+LSE (the caller keeps prefill_tma for those). Gluon does not run under the Triton interpreter: tools/compile_prefill_gluon_sm90.py
 compiles it for sm_90 on any machine, and its GPU tests compare it with the oracle.
 """
 
@@ -55,22 +57,31 @@ INDIRECT_CONSUMER_REGS = 224
 # lines) 586, against 618 for the Gluon kernel on gathered rows; 16 lanes spill.
 INDIRECT_ROW_LANES = 8
 # slots of each of the K and V rings; with 2 the query tile is double-buffered (192 KiB of shared memory), with 3
-# it is not (224 KiB, of Hopper's 227)
+# it is not (224 KiB, of Hopper's 227): 3 measured 0.99-1.00x (sweep-prefill-gluon-indirect-h100-5.json)
 STAGES = 2
 # The default takes this kernel for a call whose query tiles read at least this many key tiles on average: below
 # it the per-tile start (the first S waited for, the last P.V, the store) outweighs the overlap, and prefill_tma is
 # faster (H100, sweep-prefill-gluon-h100-{1,2}.json: 0.70x at 64x256 with 1.5 key tiles a query tile, 0.85-0.88x
 # at 32x512 with 2.5, 0.97-0.99x at 16x1024 with 4.5; 1.03-1.05x at 8x2048 with 8.5, 1.03-1.26x on longer ones)
 MIN_MEAN_KEY_TILES = 6
-# The consumers taking turns to issue their MMAs (FlashAttention-3's ping-pong): built and compiled for sm_90, not
-# yet run on a GPU, so off until its GPU tests and a race say otherwise (tools/sweep_prefill_tma.py --gluon-set PINGPONG=1)
+# The consumers taking turns to issue their MMAs (FlashAttention-3's ping-pong): correct on the GPU, and no faster
+# (H100, two sweeps in both orders: 0.99-1.02x at 8x2048, 1.00x at 1x16384, 1.01-1.02x at extend, within the runs'
+# noise; sweep-prefill-gluon-pingpong-h100-{1,2}.json), so off (tools/sweep_prefill_tma.py --gluon-set PINGPONG=1)
 PINGPONG = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having them
 # gathered into contiguous rows first; False brings the gather back (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
 READ_POOL_ROWS = True
-# Programs take the work list's rounds alternately from either end (_rounds): not yet raced, so off until a sweep
-# says otherwise (tools/sweep_prefill_tma.py --gluon-set SNAKE=1)
+# Programs take the work list's rounds alternately from either end (_rounds): the model of the plain order's
+# imbalance gives 3 % at 1 x 16384 and 4 x 4096, but the races measure nothing out of their noise (H100, medians of
+# three rounds: 1.02x at 1 x 16384, 1.00x at 4 x 4096 and 8 x 2048, 0.98x at extend;
+# sweep-prefill-gluon-indirect-h100-3.json), so off (tools/sweep_prefill_tma.py --gluon-set SNAKE=1)
 SNAKE = False
+# The work list KV head by KV head (each one's tiles heaviest first, its query heads fastest) instead of tile by tile
+# over every head: the programs running together read the keys of one or two KV heads, which L2 can hold (Nsight
+# Compute, H100: 613 MB of DRAM reads at extend 8 x (4096 + 512) and 1,957 MB at 1 x 16384 against FA3's 244 and
+# 203, which orders its tiles for L2). Raced (medians of three rounds, sweep-prefill-gluon-kvmajor-h100.json): 1.03x
+# at 8 x 2048, 1.01x at 1 x 16384, 1.00x at extend, within the noise, so the DRAM re-reads do not bound it: off
+KV_HEAD_MAJOR = False
 
 
 def gluon_prefill_supported(q: torch.Tensor, head_dim: int, layer: LayerParams, lse) -> str | None:
@@ -151,13 +162,19 @@ def _round_item(k, SNAKE: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
+def _work_item(w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
                NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr):
-    """Work item w (query tiles heaviest first, query heads fastest): the tile's request and rows, its head,
-    the column of its KV head, and how many key tiles it reads."""
-    t = w // NUM_HEADS
-    h = w % NUM_HEADS
+               HEAD_DIM: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
+    """Work item w (query tiles heaviest first, query heads fastest; with KV_HEAD_MAJOR the items of one KV head
+    first, tiles heaviest first, the group's query heads fastest): the tile's request and rows, its head, the
+    column of its KV head, and how many key tiles it reads."""
+    if KV_HEAD_MAJOR:
+        per_kv_head = num_work // (NUM_HEADS // GROUP)
+        t = w % per_kv_head // GROUP
+        h = w // per_kv_head * GROUP + w % GROUP
+    else:
+        t = w // NUM_HEADS
+        h = w % NUM_HEADS
     r = gl.load(tile_req + t)
     m0 = gl.load(tile_m0 + t)
     q_start = gl.load(qo_indptr + r)
@@ -173,7 +190,7 @@ def _work_item(w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
 def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
             tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SNAKE: gl.constexpr):
+            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SNAKE: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
     """The producer: for each of this program's work items, both halves of the query tile into one of two
     buffers (once the consumers are done with the item before last), then its K and V tiles into their rings
     as slots come free (so the next item's first tiles arrive while the consumers finish this one)."""
@@ -184,7 +201,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_r
     for k in range(_rounds(num_work, SNAKE)):
         w = _round_item(k, SNAKE)
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
+            KV_HEAD_MAJOR)
         qb = done % Q_BUFFERS  # this item's query buffer: with two, the next item's Q loads while this one runs
         mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(q_ready.index(qb), BLOCK_M * HEAD_DIM * 2)
@@ -226,7 +244,7 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
                      NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-                     SNAKE: gl.constexpr):
+                     SNAKE: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
     """_loader for keys left where they are in the KV pool: request r's key n is pool row slots[kv_starts[r] + n].
 
     TMA cannot gather rows, so each K and V tile is copied with cp.async, ROW_LANES loader lanes a key row, 16
@@ -247,7 +265,8 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
     for k in range(_rounds(num_work, SNAKE)):
         w = _round_item(k, SNAKE)
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
+            KV_HEAD_MAJOR)
         seq = prefix + ext
         k_head = k_pool + kv_col  # this item's KV head in every pool row
         v_head = v_pool + kv_col
@@ -304,7 +323,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
-              SNAKE: gl.constexpr):
+              SNAKE: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
@@ -328,7 +347,8 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     for k in range(_rounds(num_work, SNAKE)):
         w = _round_item(k, SNAKE)
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
+            KV_HEAD_MAJOR)
         first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
         row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
         full_end = first + 1  # keys below it are visible to every row of the half
@@ -401,7 +421,7 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-    SNAKE: gl.constexpr,
+    SNAKE: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -444,25 +464,29 @@ def _prefill_gluon_kernel(
             (_indirect_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready,
                                 k_free, v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k,
                                 stride_v, num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                LOADER_WARPS, ROW_LANES, SNAKE)),
+                                LOADER_WARPS, ROW_LANES, SNAKE, KV_HEAD_MAJOR)),
             (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                          tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE)),
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE,
+                         KV_HEAD_MAJOR)),
             (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                          tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE)),
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE,
+                         KV_HEAD_MAJOR)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                        v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
-                       NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SNAKE)),
+                       NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SNAKE, KV_HEAD_MAJOR)),
             (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                          tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE)),
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE,
+                         KV_HEAD_MAJOR)),
             (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                          tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE)),
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE,
+                         KV_HEAD_MAJOR)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -525,7 +549,7 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
         PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
-        SNAKE=SNAKE, KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
+        SNAKE=SNAKE, KV_HEAD_MAJOR=KV_HEAD_MAJOR, KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
         num_warps=LOADER_WARPS,
     )
     return out
