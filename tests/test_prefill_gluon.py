@@ -168,25 +168,6 @@ def test_gpu_backend_takes_the_gluon_kernel_on_real_shapes(prefix, page_size):
 
 
 @needs_hopper
-@pytest.mark.parametrize("prefix", [[0] * 4, [0, 1000, 0, 37]], ids=["fresh", "prefix"])
-@pytest.mark.parametrize("switch", ["SNAKE", "KV_HEAD_MAJOR"])
-def test_gpu_work_order_either_way_matches_oracle_over_several_rounds(prefix, switch, monkeypatch):
-    """The programs' rounds taken in order and from either end (SNAKE), the work list tile by tile or KV head by
-    KV head (KV_HEAD_MAJOR): every work item computed exactly once."""
-    sb = make_batch(prefix, [1024, 512, 300, 700], num_heads=32, num_kv_heads=8, head_dim=128, page_size=1,
-                    dtype=torch.bfloat16, device="cuda", score_scale=20.0)
-    poison_unused_slots(sb)
-    work = 32 * sum(-(-e // prefill_gluon.BLOCK_M) for e in sb.fb.extend_lens_cpu)
-    assert work > 3 * torch.cuda.get_device_properties(0).multi_processor_count + 1  # several rounds, the last short
-    ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
-    for on in (False, True):
-        monkeypatch.setattr(prefill_gluon, switch, on)
-        out, step = run_layer_step(sb, backend_for_pool("triton", sb.pool, prefill_kernel="gluon"))
-        assert step.extend_path.startswith("prefill_gluon")
-        assert rel_err(out, ref) < 1e-2
-
-
-@needs_hopper
 def test_gpu_features_it_lacks_stay_on_the_triton_kernel():
     sb = make_batch([37, 0], [21, 19], num_heads=4, num_kv_heads=2, head_dim=128, page_size=4,
                     dtype=torch.bfloat16, device="cuda", score_scale=20.0, sliding_window=10)

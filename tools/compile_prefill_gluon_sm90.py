@@ -41,8 +41,7 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, pingpong
                       HEAD_DIM=head_dim, STAGES=pg.STAGES,
                       CONSUMER_REGS=pg.INDIRECT_CONSUMER_REGS if indirect else pg.CONSUMER_REGS, PINGPONG=pingpong,
                       INDIRECT=indirect, KV_LAYOUT=pg._shared_layout(dtype, pg.BLOCK_N, head_dim),
-                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES,
-                      SNAKE=pg.SNAKE, KV_HEAD_MAJOR=pg.KV_HEAD_MAJOR)
+                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES)
     report = compile_sm90(pg._prefill_gluon_kernel, constexprs, pg.LOADER_WARPS, 1, source=GluonASTSource,
                           pointers=types)
     return {"dtype": str(dtype), "group": group, "pingpong": pingpong, "indirect": indirect, **report}

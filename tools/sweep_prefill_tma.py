@@ -9,7 +9,7 @@ the best time per workload (the default in PREFILL_TMA_TILES is taken from it).
 
 --gluon adds the Gluon kernel (kernels/mha/prefill_gluon.py, the backend's prefill_kernel="gluon"), checked and
 timed the same way (--gluon-set NAME=VALUE[,NAME=VALUE]: once more with the module's switches set so, e.g.
-PINGPONG=1, SNAKE=1, READ_POOL_ROWS=0 or INDIRECT_ROW_LANES=16; repeatable); --default-only races only the default
+PINGPONG=1, STAGES=3, READ_POOL_ROWS=0 or INDIRECT_ROW_LANES=16; repeatable); --default-only races only the default
 config; --kernel-before FILE adds the default config run on another version of prefill_tma.py (e.g. one
 `git show REV:src/...` wrote), loaded beside this one, so a change to the kernel is timed against its parent in
 the same process.

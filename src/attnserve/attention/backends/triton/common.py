@@ -103,7 +103,7 @@ class ExtendStep:
     # (kernels.mla.extend_rows.ExtendRowsPlan, its KernelPlan, None) or (None, None, why not): decided at the
     # step's first MLA layer, which every later layer shares
     mla_rows: tuple | None = None
-    key_rows: object = None  # (slots [rows] int64, kv_starts [B] int32): every request's keys' pool rows (TMA path)
+    key_rows: object = None  # (slots [rows] int32, kv_starts [B] int32): every request's keys' pool rows (TMA path)
     mean_key_tiles: float | None = None  # key tiles a 128-row query tile reads (the Gluon prefill's rule)
     verify: bool = False  # a TARGET_VERIFY step: a few new tokens a request over a long prefix
     mask_new_keys_only: bool = False  # custom_mask is per request [ext, ext] over the new tokens (a tree's)

@@ -129,7 +129,7 @@ class TritonMHABackend(TritonBackendBase):
         return blocker
 
     def _key_slots(self, step: ExtendStep):
-        """(slots [rows] int64, kv_starts [B] int32): every request's keys' pool rows, once per step."""
+        """(slots [rows] int32, kv_starts [B] int32): every request's keys' pool rows, once per step."""
         from attnserve.attention.kernels.mha import prefill_tma as tma
 
         if step.key_rows is None:

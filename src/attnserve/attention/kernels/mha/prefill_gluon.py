@@ -71,17 +71,6 @@ PINGPONG = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having them
 # gathered into contiguous rows first; False brings the gather back (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
 READ_POOL_ROWS = True
-# Programs take the work list's rounds alternately from either end (_rounds): the model of the plain order's
-# imbalance gives 3 % at 1 x 16384 and 4 x 4096, but the races measure nothing out of their noise (H100, medians of
-# three rounds: 1.02x at 1 x 16384, 1.00x at 4 x 4096 and 8 x 2048, 0.98x at extend;
-# sweep-prefill-gluon-indirect-h100-3.json), so off (tools/sweep_prefill_tma.py --gluon-set SNAKE=1)
-SNAKE = False
-# The work list KV head by KV head (each one's tiles heaviest first, its query heads fastest) instead of tile by tile
-# over every head: the programs running together read the keys of one or two KV heads, which L2 can hold (Nsight
-# Compute, H100: 613 MB of DRAM reads at extend 8 x (4096 + 512) and 1,957 MB at 1 x 16384 against FA3's 244 and
-# 203, which orders its tiles for L2). Raced (medians of three rounds, sweep-prefill-gluon-kvmajor-h100.json): 1.03x
-# at 8 x 2048, 1.01x at 1 x 16384, 1.00x at extend, within the noise, so the DRAM re-reads do not bound it: off
-KV_HEAD_MAJOR = False
 
 
 def gluon_prefill_supported(q: torch.Tensor, head_dim: int, layer: LayerParams, lse) -> str | None:
@@ -134,47 +123,13 @@ def _softmax_tile(s, m_i, l_i, row_pos, n0, full_end, qk_scale_log2,
 
 
 @gluon.jit
-def _rounds(num_work, SNAKE: gl.constexpr):
-    """How many work items this program takes: one a round, the last round short of one item a program.
-
-    Round k's items are k * programs .. + programs - 1, the work list heaviest first; program p takes the p-th,
-    or with SNAKE the p-th from the round's end on odd rounds, so a program that took a heavier item than the
-    others in one round takes a lighter one in the next (with tiles of every length the plain order leaves
-    program 0 a few percent more work than the average: the last one to finish)."""
-    p = gl.program_id(0)
-    g = gl.num_programs(0)
-    full = num_work // g
-    j = p
-    if SNAKE:
-        j = p + (full % 2) * (g - 1 - 2 * p)
-    return full + (j < num_work - full * g).to(gl.int32)
-
-
-@gluon.jit
-def _round_item(k, SNAKE: gl.constexpr):
-    """The work item this program takes in round k (see _rounds)."""
-    p = gl.program_id(0)
-    g = gl.num_programs(0)
-    j = p
-    if SNAKE:
-        j = p + (k % 2) * (g - 1 - 2 * p)
-    return k * g + j
-
-
-@gluon.jit
-def _work_item(w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
+def _work_item(w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
                NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
-    """Work item w (query tiles heaviest first, query heads fastest; with KV_HEAD_MAJOR the items of one KV head
-    first, tiles heaviest first, the group's query heads fastest): the tile's request and rows, its head, the
-    column of its KV head, and how many key tiles it reads."""
-    if KV_HEAD_MAJOR:
-        per_kv_head = num_work // (NUM_HEADS // GROUP)
-        t = w % per_kv_head // GROUP
-        h = w // per_kv_head * GROUP + w % GROUP
-    else:
-        t = w // NUM_HEADS
-        h = w % NUM_HEADS
+               HEAD_DIM: gl.constexpr):
+    """Work item w (query tiles heaviest first, query heads fastest): the tile's request and rows, its head,
+    the column of its KV head, and how many key tiles it reads."""
+    t = w // NUM_HEADS
+    h = w % NUM_HEADS
     r = gl.load(tile_req + t)
     m0 = gl.load(tile_m0 + t)
     q_start = gl.load(qo_indptr + r)
@@ -190,7 +145,7 @@ def _work_item(w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
 def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
             tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SNAKE: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
+            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """The producer: for each of this program's work items, both halves of the query tile into one of two
     buffers (once the consumers are done with the item before last), then its K and V tiles into their rings
     as slots come free (so the next item's first tiles arrive while the consumers finish this one)."""
@@ -198,11 +153,9 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_r
     Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     it = 0  # K/V tiles loaded so far: ring slot and phase
     done = 0  # work items loaded so far: the query buffer's phase
-    for k in range(_rounds(num_work, SNAKE)):
-        w = _round_item(k, SNAKE)
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
-            KV_HEAD_MAJOR)
+            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
         qb = done % Q_BUFFERS  # this item's query buffer: with two, the next item's Q loads while this one runs
         mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(q_ready.index(qb), BLOCK_M * HEAD_DIM * 2)
@@ -243,8 +196,8 @@ def _copy_rows(tile, head, stride, rows, valid, cols):
 def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
                      NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-                     SNAKE: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                     ROW_LANES: gl.constexpr):
     """_loader for keys left where they are in the KV pool: request r's key n is pool row slots[kv_starts[r] + n].
 
     TMA cannot gather rows, so each K and V tile is copied with cp.async, ROW_LANES loader lanes a key row, 16
@@ -262,11 +215,9 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
     cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout)), 0)  # [1, HEAD_DIM]
     it = 0
     done = 0
-    for k in range(_rounds(num_work, SNAKE)):
-        w = _round_item(k, SNAKE)
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
-            KV_HEAD_MAJOR)
+            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
         seq = prefix + ext
         k_head = k_pool + kv_col  # this item's KV head in every pool row
         v_head = v_pool + kv_col
@@ -322,8 +273,7 @@ def _hand_over(turns, half: gl.constexpr):
 def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
-              SNAKE: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
@@ -344,11 +294,9 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
-    for k in range(_rounds(num_work, SNAKE)):
-        w = _round_item(k, SNAKE)
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
-            KV_HEAD_MAJOR)
+            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
         first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
         row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
         full_end = first + 1  # keys below it are visible to every row of the half
@@ -421,7 +369,6 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-    SNAKE: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -464,29 +411,25 @@ def _prefill_gluon_kernel(
             (_indirect_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready,
                                 k_free, v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k,
                                 stride_v, num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                LOADER_WARPS, ROW_LANES, SNAKE, KV_HEAD_MAJOR)),
+                                LOADER_WARPS, ROW_LANES)),
             (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                          tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE,
-                         KV_HEAD_MAJOR)),
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
             (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                          tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE,
-                         KV_HEAD_MAJOR)),
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                        v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
-                       NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SNAKE, KV_HEAD_MAJOR)),
+                       NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
             (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                          tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE,
-                         KV_HEAD_MAJOR)),
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
             (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                          tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT, SNAKE,
-                         KV_HEAD_MAJOR)),
+                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -548,8 +491,7 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         layer.sm_scale * LOG2E, out.stride(0), out.stride(1), k_rows.stride(0), v_rows.stride(0), num_work,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
-        PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
-        SNAKE=SNAKE, KV_HEAD_MAJOR=KV_HEAD_MAJOR, KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
+        PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES, KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
         num_warps=LOADER_WARPS,
     )
     return out
