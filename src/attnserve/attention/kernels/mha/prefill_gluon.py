@@ -142,26 +142,33 @@ def _work_item(w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+def _load_query(q_desc, q_smem, q_ready, q_free, done, row, h, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                STAGES: gl.constexpr):
+    """Both 64-row halves of the query tile at `row` (head h) into the buffer of the done-th item, once the
+    consumers have released it. With two buffers the next item's Q loads while this one runs (see STAGES)."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    qb = done % Q_BUFFERS
+    mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)  # a fresh barrier counts as released
+    mbarrier.expect(q_ready.index(qb), BLOCK_M * HEAD_DIM * 2)
+    tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb))
+    tma.async_copy_global_to_shared(q_desc, [row + HALF_M, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb + 1))
+
+
+@gluon.jit
+def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
             tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """The producer: for each of this program's work items, both halves of the query tile into one of two
     buffers (once the consumers are done with the item before last), then its K and V tiles into their rings
     as slots come free (so the next item's first tiles arrive while the consumers finish this one)."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     it = 0  # K/V tiles loaded so far: ring slot and phase
     done = 0  # work items loaded so far: the query buffer's phase
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
-        qb = done % Q_BUFFERS  # this item's query buffer: with two, the next item's Q loads while this one runs
-        mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)  # a fresh barrier counts as released
-        mbarrier.expect(q_ready.index(qb), BLOCK_M * HEAD_DIM * 2)
-        tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb))
-        tma.async_copy_global_to_shared(q_desc, [q_start + m0 + HALF_M, h * HEAD_DIM], q_ready.index(qb),
-                                        q_smem.index(2 * qb + 1))
+        _load_query(q_desc, q_smem, q_ready, q_free, done, q_start + m0, h, BLOCK_M, HEAD_DIM, STAGES)
         for i in range(n_tiles):
             slot = it % STAGES
             free_phase = ((it // STAGES) & 1) ^ 1
@@ -198,7 +205,7 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
                      NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
                      ROW_LANES: gl.constexpr):
-    """_loader for keys left where they are in the KV pool: request r's key n is pool row slots[kv_starts[r] + n].
+    """_tma_loader for keys left where they are in the KV pool: request r's key n is pool row slots[kv_starts[r] + n].
 
     TMA cannot gather rows, so each K and V tile is copied with cp.async, ROW_LANES loader lanes a key row, 16
     bytes each (INDIRECT_ROW_LANES says why); every thread's arrival on the slot's ready barrier (init count:
@@ -207,8 +214,6 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
     as this one's copies are issued). The query tile still comes through TMA. This spares the call a gather
     of every request's keys into contiguous rows (two index_selects: 100 of 586 us at extend 8 x (4096 + 512)
     on an H100, ncu-h100-gluon-extend-8x4096512.json)."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     # ROW_LANES lanes copy a key row together, 16 bytes each
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ROW_LANES, ROW_LANES], [LOADER_WARPS, 1], [1, 0])
     key_in_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows_layout))  # [BLOCK_N]
@@ -223,12 +228,7 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
         v_head = v_pool + kv_col
         request_slots = slots + kv_start
         rows = _tile_rows(request_slots, 0, seq, key_in_tile)  # [BLOCK_N] int32
-        qb = done % Q_BUFFERS
-        mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(qb), BLOCK_M * HEAD_DIM * 2)
-        tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb))
-        tma.async_copy_global_to_shared(q_desc, [q_start + m0 + HALF_M, h * HEAD_DIM], q_ready.index(qb),
-                                        q_smem.index(2 * qb + 1))
+        _load_query(q_desc, q_smem, q_ready, q_free, done, q_start + m0, h, BLOCK_M, HEAD_DIM, STAGES)
         for i in range(n_tiles):
             slot = it % STAGES
             free_phase = ((it // STAGES) & 1) ^ 1
@@ -242,6 +242,24 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
             rows = _tile_rows(request_slots, (i + 1) * BLOCK_N, seq, key_in_tile)  # the next tile's, read early
             it += 1
         done += 1
+
+
+@gluon.jit
+def _loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+            tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
+            NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
+            INDIRECT: gl.constexpr):
+    """The producer partition (the default one): K and V through TMA from contiguous rows, or (INDIRECT) copied
+    from the pool's rows through the slot list."""
+    if INDIRECT:
+        _indirect_loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
+                         v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v,
+                         num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES)
+    else:
+        _tma_loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                    tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, STAGES)
 
 
 @gluon.jit
@@ -405,32 +423,17 @@ def _prefill_gluon_kernel(
         mbarrier.init(v_free.index(i), count=2)
     fence_async_shared()
 
-    # (Gluon takes the partitions' functions only as literals: the loader chosen by a branch around the whole call)
-    if INDIRECT:
-        gl.warp_specialize([
-            (_indirect_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready,
-                                k_free, v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k,
-                                stride_v, num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                LOADER_WARPS, ROW_LANES)),
-            (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
-                         tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
-            (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
-                         tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
-        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
-    else:
-        gl.warp_specialize([
-            (_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
-                       v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
-                       NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
-                         tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
-            (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
-                         tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                         stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
-        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    gl.warp_specialize([
+        (_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                   tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
+                   NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES, INDIRECT)),
+        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
+                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
+        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
+                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def _shared_layout(dtype: torch.dtype, block_rows: int, dim: int):
