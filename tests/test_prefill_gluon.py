@@ -91,6 +91,60 @@ def test_asked_for_where_it_cannot_run_the_triton_kernel_serves():
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
+class _GluonStandIn:
+    """prefill_gluon_attention as the backend calls it, recorded, and run on the CPU as its contract says: with
+    `slots`, request r's key n is row slots[kv_starts[r] + n] of the K/V buffers, gathered here, then
+    prefill_tma (interpreted) attends over the rows."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k_rows, v_rows, kv_starts, out, tiles, qo_indptr, seq_lens, layer, pingpong=None,
+                 slots=None):
+        from attnserve.attention.kernels.mha import prefill_tma
+
+        self.calls.append({"k_rows": k_rows, "v_rows": v_rows, "kv_starts": kv_starts, "slots": slots})
+        if slots is not None:
+            k_rows, v_rows = k_rows.index_select(0, slots.long()), v_rows.index_select(0, slots.long())
+        ext = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
+        prefix = [s - e for s, e in zip(seq_lens.tolist(), ext)]
+        cfg = prefill_tma.default_prefill_tma_config(q.shape[-1], q.device)
+        return prefill_tma.prefill_tma_attention(q, k_rows, v_rows, kv_starts, out,
+                                                 build_extend_tiles(prefix, ext, cfg.block_m, q.device), qo_indptr,
+                                                 seq_lens, layer, config=cfg)
+
+
+@pytest.mark.skipif(HOPPER, reason="the GPU tests above run the kernel itself on these paths")
+@pytest.mark.parametrize("read_pool_rows", [True, False], ids=["pool-rows", "gathered"])
+@pytest.mark.parametrize("prefix", [[0, 0], [9, 30]], ids=["fresh", "prefix"])
+def test_the_backend_hands_the_kernel_the_pool_and_the_slots_for_a_cached_prefix(prefix, read_pool_rows,
+                                                                                   monkeypatch):
+    """Where the Gluon kernel serves: a fresh prompt's own k and v; a cached prefix's pool buffers with each
+    request's slot list (READ_POOL_ROWS), no gather, or the rows gathered first; the answer the oracle's."""
+    sb = make_batch(prefix, [21, 7], num_heads=4, num_kv_heads=2, head_dim=128, page_size=4, dtype=torch.bfloat16,
+                    device=DEVICE, score_scale=20.0, seed=5)
+    poison_unused_slots(sb)
+    stand_in = _GluonStandIn()
+    monkeypatch.setattr(prefill_gluon, "gluon_prefill_supported", lambda *args: None)
+    monkeypatch.setattr(prefill_gluon, "prefill_gluon_attention", stand_in)
+    monkeypatch.setattr(prefill_gluon, "READ_POOL_ROWS", read_pool_rows)
+    # a gather budget of 0 MiB: only a path that gathers nothing may serve a cached prefix
+    out, step = run_layer_step(sb, backend_for_pool("triton", sb.pool, prefill_kernel="gluon",
+                                                    prefill_tma_gather_mib=0 if read_pool_rows else 1024))
+    assert len(stand_in.calls) == 1
+    call = stand_in.calls[0]
+    if any(prefix) and read_pool_rows:
+        assert step.extend_path == "prefill_gluon (pool rows)"
+        assert call["k_rows"].data_ptr() == sb.pool.k_buffer[0].data_ptr()  # the pool itself
+        assert call["v_rows"].data_ptr() == sb.pool.v_buffer[0].data_ptr()
+        assert call["slots"].dtype == torch.int32 and call["slots"].numel() == sum(sb.fb.seq_lens_cpu)
+    else:
+        assert step.extend_path == "prefill_gluon" and call["slots"] is None
+        if not any(prefix):
+            assert call["k_rows"].data_ptr() == sb.k.data_ptr()  # the call's own keys
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
 def check_ragged_lengths(dtype: torch.dtype, group: int, prefix: list[int], pingpong: bool,
                          indirect: bool = False, page_size: int = 1) -> float:
     """The kernel on lengths on and around the 128-row tiles (one row, one tile, a tile and one), prefixes aligned
