@@ -3,7 +3,8 @@
 Decode is Flash-Decoding with each KV head's query group on tensor cores (kernels/mha/decode.py). Extend /
 prefill takes, per call, one of two kernels: on Hopper the TMA kernel (kernels/mha/prefill_tma.py: keys as
 contiguous rows through tensor descriptors, warp-specialised: the call's own k/v for fresh prompts, each
-request's keys gathered from the pool when there is a cached prefix), and everywhere else, or for what it
+request's keys gathered from the pool when there is a cached prefix; or its Gluon twin, kernels/mha/prefill_gluon.py,
+which reads a cached prefix's keys where they lie in the pool), and everywhere else, or for what it
 lacks (custom masks, FP8 pools, head dims other than 64/128/256, a V width unlike K's), the FlashAttention-2
 style kernel that reads the prefix and the new tokens through the page table (kernels/mha/extend.py).
 The step metadata's `extend_path` names the one that ran.
@@ -39,8 +40,9 @@ class TritonMHABackend(TritonBackendBase):
         prefill_tma_config (kernels.mha.prefill_tma.PrefillTmaConfig), prefill_kernel (on the TMA path: "auto", the
         default, runs kernels.mha.prefill_gluon where it serves the call, causal at head_dim 128 on sm90, and its
         query tiles read prefill_gluon.MIN_MEAN_KEY_TILES key tiles or more on average; "gluon" wherever it serves
-        the call; "triton": prefill_tma always), prefill_tma_gather_mib (the most memory the
-        TMA path may gather a batch's cached keys into, default 1024 MiB; beyond it the paged kernel runs),
+        the call; "triton": prefill_tma always), prefill_tma_gather_mib (the most memory
+        prefill_tma may gather a batch's cached keys into, default 1024 MiB; beyond it the paged kernel runs; the
+        Gluon kernel gathers nothing),
         split_mixed (default True: a MIXED step's leading decodes run through the decode kernel, the prompt chunks
         alone through the extend path). The MLA options are accepted and unused, as one option set serves both
         pools."""

@@ -20,8 +20,9 @@ Reads the same operands as prefill_tma (ragged contiguous K/V rows, the ExtendTi
 call with a cached prefix, the KV pool's rows where they lie, through each request's slot list: an indirect
 loader copies them with cp.async, as TMA cannot gather rows, and the backend no longer gathers every
 request's keys first. Causal attention with head_dim 128 in bf16 or fp16 only, no window, soft-cap, sinks or
-LSE (the caller keeps prefill_tma for those). Gluon does not run under the Triton interpreter: tools/compile_prefill_gluon_sm90.py
-compiles it for sm_90 on any machine, and its GPU tests compare it with the oracle.
+LSE (the caller keeps prefill_tma for those). Gluon does not run under the Triton interpreter:
+tools/compile_prefill_gluon_sm90.py compiles it for sm_90 on any machine, and its GPU tests compare it with
+the oracle.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ MIN_MEAN_KEY_TILES = 6
 # (H100, two sweeps in both orders: 0.99-1.02x at 8x2048, 1.00x at 1x16384, 1.01-1.02x at extend, within the runs'
 # noise; sweep-prefill-gluon-pingpong-h100-{1,2}.json), so off (tools/sweep_prefill_tma.py --gluon-set PINGPONG=1)
 PINGPONG = False
-# A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having them
-# gathered into contiguous rows first; False brings the gather back (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
+# A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
+# them gathered into contiguous rows first; False brings the gather back
+# (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
 READ_POOL_ROWS = True
 
 
@@ -494,7 +496,8 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         layer.sm_scale * LOG2E, out.stride(0), out.stride(1), k_rows.stride(0), v_rows.stride(0), num_work,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
-        PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES, KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
+        PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
+        KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
         num_warps=LOADER_WARPS,
     )
     return out
