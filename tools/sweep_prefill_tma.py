@@ -73,18 +73,26 @@ def kernel_from(path: str):
         prefill_tma.prefill_tma_attention = saved
 
 
-@contextlib.contextmanager
-def gluon_settings(assignments: str):
-    """The Gluon prefill's module switches set while the block runs: "NAME=VALUE[,NAME=VALUE]", each value an int
-    (a bool switch takes 0 or 1) of a name the module has."""
+def parse_gluon_settings(assignments: str) -> dict:
+    """"NAME=VALUE[,NAME=VALUE]" -> {NAME: value}: each value an int (a bool switch takes 0 or 1) of an upper-case
+    name the Gluon prefill's module has."""
     from attnserve.attention.kernels.mha import prefill_gluon
 
     new = {}
     for item in assignments.split(","):
         name, _, value = item.partition("=")
-        if not hasattr(prefill_gluon, name) or not name.isupper():
+        if not name.isupper() or not hasattr(prefill_gluon, name):
             raise SystemExit(f"prefill_gluon has no switch {name!r}")
         new[name] = type(getattr(prefill_gluon, name))(int(value))
+    return new
+
+
+@contextlib.contextmanager
+def gluon_settings(assignments: str):
+    """The Gluon prefill's module switches set while the block runs (parse_gluon_settings)."""
+    from attnserve.attention.kernels.mha import prefill_gluon
+
+    new = parse_gluon_settings(assignments)
     saved = {name: getattr(prefill_gluon, name) for name in new}
     for name, value in new.items():
         setattr(prefill_gluon, name, value)
@@ -127,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="race every candidate this many times, the order reversed "
                    "on every other round (a GPU's clocks drift over a sweep): `summary` holds each one's median")
     args = p.parse_args(argv)
+    for sets in args.gluon_set:  # a misspelt switch stops the sweep before anything runs
+        parse_gluon_settings(sets)
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     workloads = [w for w in (TINY_WORKLOADS if args.tiny else WORKLOADS) if w.kind != "decode" and w.mla is None]
@@ -200,9 +210,11 @@ def main(argv=None) -> int:
     for rnd in range(args.rounds):
         for label, options, context, fields in candidates if rnd % 2 == 0 else candidates[::-1]:
             if args.budget_s and time.time() - start > args.budget_s:
-                print(f"budget spent: {label} and later candidates not run", flush=True)
                 break
             race_candidate(label, options, context, fields, rnd)
+        if args.budget_s and time.time() - start > args.budget_s:
+            print(f"budget spent in round {rnd + 1} of {args.rounds}: the candidates left not run", flush=True)
+            break
     print("best:", json.dumps(save()), flush=True)
     for line in summary_lines(rows):
         print(line, flush=True)
