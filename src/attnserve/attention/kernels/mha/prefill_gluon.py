@@ -159,12 +159,12 @@ def _load_query(q_desc, q_smem, q_ready, q_free, done, row, h, BLOCK_M: gl.const
 
 @gluon.jit
 def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-            tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
-            NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """The producer: for each of this program's work items, both halves of the query tile into one of two
-    buffers (once the consumers are done with the item before last), then its K and V tiles into their rings
-    as slots come free (so the next item's first tiles arrive while the consumers finish this one)."""
+                tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
+                NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The producer over contiguous rows: for each of this program's work items, the query tile
+    (_load_query), then its K and V tiles into their rings as slots come free (so the next item's first
+    tiles arrive while the consumers finish this one)."""
     it = 0  # K/V tiles loaded so far: ring slot and phase
     done = 0  # work items loaded so far: the query buffer's phase
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
@@ -453,12 +453,6 @@ def _descriptor(rows: torch.Tensor, block_rows: int):
                             _shared_layout(rows.dtype, block_rows, dim))
 
 
-def rows_readable(t: torch.Tensor) -> bool:
-    """Whether the indirect loader can copy `t`'s `[rows, H, D]` rows 16 bytes at a time (a pool buffer)."""
-    return (t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
-            and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
-
-
 def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, kv_starts: torch.Tensor,
                             out: torch.Tensor, tiles: ExtendTiles, qo_indptr: torch.Tensor, seq_lens: torch.Tensor,
                             layer: LayerParams, pingpong: bool | None = None,
@@ -477,11 +471,11 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         raise ValueError(f"tiles cover {tiles.positions} positions, the kernel's {BLOCK_M}")
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
-    readable = rows_readable if slots is not None else tma_rows_ok
+    # TMA's layout rules are the indirect loader's too: heads adjacent in a row, rows 16-byte aligned
     for name, t in (("q", q), ("k_rows", k_rows), ("v_rows", v_rows)):
-        if not (tma_rows_ok(t) if name == "q" else readable(t)) or t.dtype != q.dtype:
-            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} with strides {t.stride()} cannot be read "
-                             f"{'through TMA' if name == 'q' or slots is None else 'by rows'} beside q's {q.dtype}")
+        if not tma_rows_ok(t) or t.dtype != q.dtype:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} with strides {t.stride()} cannot be read as rows "
+                             f"of 16-byte-aligned heads beside q's {q.dtype}")
     if slots is not None and slots.dtype != torch.int32:
         raise ValueError(f"slots must be int32, not {slots.dtype}")
     if num_tokens == 0 or tiles.num_tiles == 0:
