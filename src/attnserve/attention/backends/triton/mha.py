@@ -161,28 +161,15 @@ class TritonMHABackend(TritonBackendBase):
                 tma.gather_request_rows(pool.get_value_buffer(lid), slots), starts), None
 
     def _extend_layer(self, q, k, v, out, layer: AttentionLayer, step: ExtendStep) -> torch.Tensor:
-        from attnserve.attention.kernels.mha import prefill_gluon
-        from attnserve.attention.kernels.mha.extend import extend_attention
         from attnserve.attention.kernels.mha.prefill_tma import prefill_tma_attention
 
         params = self._params_of(layer)
         blocker = self._tma_blocker(step, q, layer)
         if blocker is None:
             gluon_blocker = self._gluon_blocker(step, q, layer, params)
-            if gluon_blocker is None and any(step.prefix_lens) and prefill_gluon.READ_POOL_ROWS:
-                # the keys read where they lie in the pool: no gather
-                slots, starts = self._key_slots(step)
-                lid = layer.layer_id
-                step.path = "prefill_gluon (pool rows)"
-                return prefill_gluon.prefill_gluon_attention(
-                    q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), starts, out,
-                    self._tiles_of(step, prefill_gluon.BLOCK_M), step.meta.qo_indptr, step.seq_lens, params,
-                    slots=slots)
+            if gluon_blocker is None:
+                return self._gluon_extend(q, k, v, out, layer, step, params)
             rows, blocker = self._tma_key_rows(step, k, v, layer)
-            if rows is not None and gluon_blocker is None:  # a fresh prompt's own k and v, or gathered rows
-                step.path = "prefill_gluon"
-                return prefill_gluon.prefill_gluon_attention(q, *rows, out, self._tiles_of(step, prefill_gluon.BLOCK_M),
-                                                             step.meta.qo_indptr, step.seq_lens, params)
             if rows is not None:
                 cfg = self._prefill_tma_config(layer.head_dim)
                 step.path = "prefill_tma" + (" (warp-specialised)" if cfg.warp_specialize else "")
@@ -191,9 +178,36 @@ class TritonMHABackend(TritonBackendBase):
                 tiles = self._tiles_of(step, cfg.block_m)
                 return prefill_tma_attention(q, *rows, out, tiles, step.meta.qo_indptr, step.seq_lens, params,
                                              config=cfg)
+        return self._paged_extend(q, out, layer, step, params, blocker)
+
+    def _gluon_extend(self, q, k, v, out, layer: AttentionLayer, step: ExtendStep, params) -> torch.Tensor:
+        """The Gluon prefill on a layer it serves: a cached prefix's keys read where they lie in the pool
+        (prefill_gluon.READ_POOL_ROWS), else the rows prefill_tma would read (a fresh prompt's own k and v, or
+        the prefix gathered)."""
+        from attnserve.attention.kernels.mha import prefill_gluon
+
+        if any(step.prefix_lens) and prefill_gluon.READ_POOL_ROWS:
+            slots, starts = self._key_slots(step)
+            lid = layer.layer_id
+            step.path = "prefill_gluon (pool rows)"
+            return prefill_gluon.prefill_gluon_attention(
+                q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), starts, out,
+                self._tiles_of(step, prefill_gluon.BLOCK_M), step.meta.qo_indptr, step.seq_lens, params, slots=slots)
+        rows, blocker = self._tma_key_rows(step, k, v, layer)
+        if rows is None:  # a gather over its budget
+            return self._paged_extend(q, out, layer, step, params, blocker)
+        step.path = "prefill_gluon"
+        return prefill_gluon.prefill_gluon_attention(q, *rows, out, self._tiles_of(step, prefill_gluon.BLOCK_M),
+                                                     step.meta.qo_indptr, step.seq_lens, params)
+
+    def _paged_extend(self, q, out, layer: AttentionLayer, step: ExtendStep, params, why: str) -> torch.Tensor:
+        """The FlashAttention-2 style kernel through the page table, where the TMA path does not apply (`why`);
+        with prefill_tma=True that is an error instead."""
+        from attnserve.attention.kernels.mha.extend import extend_attention
+
         if self.prefill_tma:
-            raise ValueError(f"the TMA prefill path does not apply to this call: {blocker}")
-        step.path = f"paged ({blocker})"
+            raise ValueError(f"the TMA prefill path does not apply to this call: {why}")
+        step.path = f"paged ({why})"
         lid = layer.layer_id
         cfg = self._extend_config(step, layer.gqa_group)
         return extend_attention(q, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid), out,
