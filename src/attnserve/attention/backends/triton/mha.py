@@ -218,8 +218,12 @@ class TritonMHABackend(TritonBackendBase):
         """Why the Gluon prefill does not serve this layer of the step on the TMA path (None: it does)."""
         if self.prefill_kernel == "triton":
             return "prefill_kernel='triton'"
-        from attnserve.attention.kernels.mha import prefill_gluon
+        try:
+            from attnserve.attention.kernels.mha import prefill_gluon
+        except ImportError as exc:  # a Triton before Gluon's Hopper API (the gpu extra allows 3.2)
+            import triton
 
+            return f"Triton {triton.__version__} has no Gluon for Hopper ({exc})"
         why = prefill_gluon.gluon_prefill_supported(q, layer.head_dim, params, None)  # the layer's features
         if why is None and self.prefill_kernel == "auto":
             if step.mean_key_tiles is None:  # the step's lengths: once for every layer
