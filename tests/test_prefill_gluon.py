@@ -30,11 +30,11 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 
-def _compile_report(dtype: str, pingpong: bool, indirect: bool = False) -> dict:
+def _compile_report(dtype: str, pingpong: bool, indirect: bool = False, *flags: str) -> dict:
     """tools/compile_prefill_gluon_sm90.py in a process of its own, which turns the interpreter off: the
     interpreter's (TRITON_INTERPRET=1) Triton functions cannot be called from a compiled kernel."""
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_prefill_gluon_sm90.py"), "--dtype", dtype]
-                          + (["--pingpong"] if pingpong else []) + (["--indirect"] if indirect else []),
+                          + (["--pingpong"] if pingpong else []) + (["--indirect"] if indirect else []) + list(flags),
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(proc.stdout.splitlines()[-1])
@@ -73,6 +73,15 @@ def test_the_indirect_build_copies_key_rows_with_cp_async_and_keeps_tma_for_the_
     assert indirect["wgmma"] == plain["wgmma"] and indirect["smem_kib"] == plain["smem_kib"]
 
 
+@pytest.mark.parametrize("indirect", [False, True], ids=["tma", "indirect"])
+def test_the_overlapped_items_build_with_every_mma_asynchronous(indirect):
+    plain, overlap = _compile_report("bf16", False, indirect), _compile_report("bf16", False, indirect, "--overlap-items")
+    # ptxas serialises every wgmma when a non-wgmma instruction may read an accumulator in flight (its C7514)
+    assert not overlap["wgmma_serialized"] and overlap["tma_loads"] == plain["tma_loads"]
+    # the first item's first S moves out of the item loop: 8 more k-steps a consumer
+    assert sum(overlap["wgmma"].values()) - sum(plain["wgmma"].values()) == 16
+
+
 def test_what_the_kernel_refuses_is_named():
     q = torch.empty(4, 2, 128, dtype=torch.bfloat16)
     assert "Hopper" in prefill_gluon.gluon_prefill_supported(q, 128, LayerParams(1.0), None)
@@ -88,6 +97,23 @@ def test_asked_for_where_it_cannot_run_the_triton_kernel_serves():
     poison_unused_slots(sb)
     out, step = run_layer_step(sb, backend_for_pool("triton", sb.pool, prefill_kernel="gluon"))
     assert step.extend_path.startswith("prefill_tma") and "Gluon kernel refused" in step.extend_path
+    assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
+
+
+@pytest.mark.parametrize("prefill_kernel", ["auto", "gluon"])
+def test_a_triton_without_gluon_keeps_the_triton_kernel_and_says_why(prefill_kernel, monkeypatch):
+    """With a Triton older than Gluon's Hopper API (the gpu extra allows 3.2), importing the kernel fails: the
+    default and an explicit "gluon" keep prefill_tma, the path naming what is missing, instead of raising."""
+    import attnserve.attention.kernels.mha as mha_kernels
+
+    monkeypatch.setitem(sys.modules, "attnserve.attention.kernels.mha.prefill_gluon", None)  # import -> ImportError
+    monkeypatch.delattr(mha_kernels, "prefill_gluon")
+    sb = make_batch([0, 7], [18, 5], num_heads=8, num_kv_heads=2, head_dim=128, page_size=1, dtype=torch.bfloat16,
+                    device=DEVICE, score_scale=20.0, seed=3)
+    out, step = run_layer_step(sb, backend_for_pool("triton", sb.pool, prefill_kernel=prefill_kernel))
+    assert step.extend_path.startswith("prefill_tma")
+    if prefill_kernel == "gluon":
+        assert "has no Gluon for Hopper" in step.extend_path
     assert rel_err(out, reference_for_batch(sb.q, sb.layer, sb.fb)) < 1e-2
 
 
@@ -146,12 +172,13 @@ def test_the_backend_hands_the_kernel_the_pool_and_the_slots_for_a_cached_prefix
 
 
 def check_ragged_lengths(dtype: torch.dtype, group: int, prefix: list[int], pingpong: bool,
-                         indirect: bool = False, page_size: int = 1) -> float:
+                         indirect: bool = False, page_size: int = 1,
+                         extend: tuple[int, ...] = (1, 127, 128, 129, 300)) -> float:
     """The kernel on lengths on and around the 128-row tiles (one row, one tile, a tile and one), prefixes aligned
     and not, against the oracle: the relative error (asserted free of NaN). indirect: the keys read in the pool
     through their slots (the unused slots poisoned), not gathered into rows first."""
     kv_heads = 2
-    sb = make_batch(prefix, [1, 127, 128, 129, 300], num_heads=kv_heads * group, num_kv_heads=kv_heads,
+    sb = make_batch(prefix, list(extend), num_heads=kv_heads * group, num_kv_heads=kv_heads,
                     head_dim=128, page_size=page_size, dtype=dtype, device="cuda", score_scale=20.0, seed=group)
     poison_unused_slots(sb)
     fb, layer = sb.fb, sb.layer
@@ -189,6 +216,24 @@ def test_gpu_kernel_matches_oracle_on_ragged_lengths(dtype, group, prefix):
                          ids=["fresh", "prefix", "prefix-pages16"])
 def test_gpu_indirect_kernel_matches_oracle_reading_the_pool(dtype, group, prefix, page_size):
     assert check_ragged_lengths(dtype, group, prefix, pingpong=False, indirect=True, page_size=page_size) < 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("indirect", [False, True], ids=["rows", "pool"])
+def test_gpu_overlapped_items_match_oracle_with_several_items_a_program(indirect, monkeypatch):
+    """512 work items (32 query tiles of 1 to 16 key tiles, 16 heads), more than an H100 or H200 has SMs: every
+    program runs several, so OVERLAP_ITEMS issues next items' first S under last P.V, and a program's last item
+    takes the branch without one."""
+    monkeypatch.setattr(prefill_gluon, "OVERLAP_ITEMS", True)
+    assert check_ragged_lengths(torch.bfloat16, 8, [0, 128, 37, 1000, 5, 0, 300], pingpong=False, indirect=indirect,
+                                extend=(1, 127, 128, 129, 300, 1000, 2000)) < 1e-2
+
+
+@needs_hopper
+def test_gpu_overlapped_items_refuse_pingpong(monkeypatch):
+    monkeypatch.setattr(prefill_gluon, "OVERLAP_ITEMS", True)
+    with pytest.raises(ValueError, match="ping-pong"):
+        check_ragged_lengths(torch.bfloat16, 1, [0] * 5, pingpong=True)
 
 
 @needs_hopper

@@ -69,6 +69,10 @@ MIN_MEAN_KEY_TILES = 6
 # (H100, two sweeps in both orders: 0.99-1.02x at 8x2048, 1.00x at 1x16384, 1.01-1.02x at extend, within the runs'
 # noise; sweep-prefill-gluon-pingpong-h100-{1,2}.json), so off (tools/sweep_prefill_tma.py --gluon-set PINGPONG=1)
 PINGPONG = False
+# The next work item's first S = Q.K^T issued under this item's last P.V, and this item's rows stored while it runs,
+# instead of the last P.V waited for, the rows stored, and the next item's first S waited for in turn
+# (tools/sweep_prefill_tma.py --gluon-set OVERLAP_ITEMS=1); not with PINGPONG
+OVERLAP_ITEMS = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
 # (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
@@ -290,17 +294,46 @@ def _hand_over(turns, half: gl.constexpr):
 
 
 @gluon.jit
+def _issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, done, it, half: gl.constexpr,
+                        STAGES: gl.constexpr, INDIRECT: gl.constexpr):
+    """Wait for the done-th item's query tile and its first key tile (the it-th), and issue S = Q.K^T on this
+    consumer's half of the rows; the MMA's token."""
+    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    qb = done % Q_BUFFERS
+    mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
+    slot = it % STAGES
+    _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
+    return warpgroup_mma(q_smem.index(2 * qb + half), k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _store_rows(acc, l_i, Out, q_start, m0, ext, h, half: gl.constexpr, stride_ot, stride_oh, HALF_M: gl.constexpr,
+                HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+    """O = acc / l for this consumer's rows of the item, stored where the query rows are (rows past the request's
+    new tokens left alone)."""
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+    ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + h * stride_oh, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
+
+
+@gluon.jit
 def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
+              OVERLAP_ITEMS: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
     consumer first; each hands the turn over as soon as its MMAs are issued), so one's softmax runs
     under the other's MMAs (FlashAttention-3's warpgroup ping-pong, ordered through mbarriers, as Gluon
     has no named barriers). Every wait for data comes before the wait for the turn: a consumer holding
-    the turn waits only for the tensor cores."""
+    the turn waits only for the tensor cores. With OVERLAP_ITEMS the next item's first S is issued with
+    this item's last P.V."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -314,6 +347,11 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
+    first_s = zero_s  # (OVERLAP_ITEMS) the next item's first scores, computed under this item's last P.V
+    if OVERLAP_ITEMS:  # the first item's (a program's first item always exists: one program per item at most)
+        first_s = warpgroup_mma_wait(0, deps=[_issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, 0, 0,
+                                                                  half, STAGES, INDIRECT)])
+        mbarrier.arrive(k_free.index(0), count=1)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
@@ -326,17 +364,21 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
 
         qb = done % Q_BUFFERS
         q_half = q_smem.index(2 * qb + half)
-        mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
-        slot = it % STAGES
-        _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
-        if PINGPONG:
-            turn = _take_turn(turns, half, turn)
-            s_tok = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            _hand_over(turns, half)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
+        if OVERLAP_ITEMS:
+            s = first_s
         else:
-            s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
-        mbarrier.arrive(k_free.index(slot), count=1)
+            mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
+            slot = it % STAGES
+            _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
+            if PINGPONG:
+                turn = _take_turn(turns, half, turn)
+                s_tok = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                      is_async=True)
+                _hand_over(turns, half)
+                s = warpgroup_mma_wait(0, deps=[s_tok])
+            else:
+                s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
+            mbarrier.arrive(k_free.index(slot), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(0, n_tiles - 1):
@@ -363,23 +405,35 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
         mbarrier.arrive(q_free.index(qb), count=1)  # this item's scores are done: its query buffer is free
         last = it + n_tiles - 1
         _wait_ready(v_ready.index(last % STAGES), (last // STAGES) & 1, INDIRECT)
-        if PINGPONG:
-            turn = _take_turn(turns, half, turn)
+        if OVERLAP_ITEMS:
             o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
-            _hand_over(turns, half)
-            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+            if w + gl.num_programs(0) < num_work:  # the next item's first S joins it in the tensor cores
+                s_tok = _issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, done + 1, last + 1, half,
+                                            STAGES, INDIRECT)
+                # both waited for: waiting for the P.V alone (wait_group 1) makes ptxas serialise every wgmma
+                acc, p_op, first_s = warpgroup_mma_wait(0, deps=[o_tok, p_op, s_tok])
+                mbarrier.arrive(v_free.index(last % STAGES), count=1)
+                mbarrier.arrive(k_free.index((last + 1) % STAGES), count=1)
+                _store_rows(acc, l_i, Out, q_start, m0, ext, h, half, stride_ot, stride_oh, HALF_M, HEAD_DIM,
+                            o_layout)
+            else:
+                acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+                mbarrier.arrive(v_free.index(last % STAGES), count=1)
+                _store_rows(acc, l_i, Out, q_start, m0, ext, h, half, stride_ot, stride_oh, HALF_M, HEAD_DIM,
+                            o_layout)
+                first_s = zero_s  # not the old scores: they would stay live (64 registers) through the item
         else:
-            acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
-        mbarrier.arrive(v_free.index(last % STAGES), count=1)
+            if PINGPONG:
+                turn = _take_turn(turns, half, turn)
+                o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
+                _hand_over(turns, half)
+                acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+            else:
+                acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
+            mbarrier.arrive(v_free.index(last % STAGES), count=1)
+            _store_rows(acc, l_i, Out, q_start, m0, ext, h, half, stride_ot, stride_oh, HALF_M, HEAD_DIM, o_layout)
         it += n_tiles
         done += 1
-
-        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-        rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-        ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + h * stride_oh, 1) + gl.expand_dims(cols, 0)
-        gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
 
 
 @gluon.jit(do_not_specialize=("num_work",))  # a step's work count: no variant per divisibility (prefill_tma's reason)
@@ -389,6 +443,7 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
+    OVERLAP_ITEMS: gl.constexpr = False,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -431,10 +486,12 @@ def _prefill_gluon_kernel(
                    NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES, INDIRECT)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
+                     OVERLAP_ITEMS)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
+                     OVERLAP_ITEMS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -480,6 +537,10 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         raise ValueError(f"slots must be int32, not {slots.dtype}")
     if num_tokens == 0 or tiles.num_tiles == 0:
         return out
+    pingpong = PINGPONG if pingpong is None else pingpong
+    if pingpong and OVERLAP_ITEMS:
+        raise ValueError("OVERLAP_ITEMS issues the next item's first S outside the consumers' turns: not with "
+                         "ping-pong")
     num_work = num_heads * tiles.num_tiles
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     indirect = slots is not None
@@ -490,7 +551,7 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         layer.sm_scale * LOG2E, out.stride(0), out.stride(1), k_rows.stride(0), v_rows.stride(0), num_work,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
-        PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
+        PINGPONG=pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES, OVERLAP_ITEMS=OVERLAP_ITEMS,
         KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
         num_warps=LOADER_WARPS,
     )
