@@ -69,6 +69,8 @@ class CompletionGroup:
         self.admission = admission
         self.closing = closing
         self.failed: set[int] = set()  # choices that failed in the engine
+        self._closed = False
+        self._ended = False
         self._inbox: asyncio.Queue = asyncio.Queue()
         self.handles: dict[int, RemoteRequest] = {}
         admission.admit(len(completions))
@@ -151,9 +153,20 @@ class CompletionGroup:
             self.admission.queued -= 1
 
     def close(self) -> None:
-        """Abort what is still running; release the queue slots of what never started."""
+        """Abort what is still running; release the queue slots of what never started (once)."""
+        if self._closed:
+            return
+        self._closed = True
         self.admission.queued -= len(self._starting)
         self._starting.clear()
         for handle in self.handles.values():
             if not handle.stream.finished:
                 self.engine.abort(handle.rid)
+
+    def end(self, count_unfinished) -> None:
+        """The reading is over: close, and give `count_unfinished` the finish reasons of the completions that ended
+        without an output, once (a stream's generator and its response both end it, whichever comes first)."""
+        self.close()
+        if not self._ended:
+            self._ended = True
+            count_unfinished(self.unfinished_reasons())

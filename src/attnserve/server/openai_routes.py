@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -138,10 +139,11 @@ async def _group(state: ServerState, completions: list[Completion]) -> Completio
 async def _collect(state: ServerState, group: CompletionGroup, request: Request) -> list[tuple[int, RequestOutput]]:
     outputs = []
     try:
-        async for choice, event in group.events(request.receive):
-            if event.finished:
-                state.metrics.observe(event.output)
-                outputs.append((choice, event.output))
+        async with aclosing(group.events(request.receive)) as events:
+            async for choice, event in events:
+                if event.finished:
+                    state.metrics.observe(event.output)
+                    outputs.append((choice, event.output))
     except RequestFailed as exc:
         raise APIError(500, f"the request failed in the engine: {exc}", kind="server_error") from None
     except RuntimeError as exc:
@@ -149,7 +151,7 @@ async def _collect(state: ServerState, group: CompletionGroup, request: Request)
     except ServerClosing:
         raise _closing_error() from None
     finally:
-        state.metrics.ended_without_output(group.unfinished_reasons())
+        group.end(state.metrics.ended_without_output)
     return sorted(outputs, key=lambda x: x[0])
 
 
@@ -164,12 +166,13 @@ async def _stream(state: ServerState, group: CompletionGroup, request: Request, 
     try:
         for line in chunks.start():
             yield line
-        async for choice, event in group.events(request.receive):
-            for line in chunks.event(choice, event):
-                yield line
-            if event.finished:
-                state.metrics.observe(event.output)
-                finished.append(event.output)
+        async with aclosing(group.events(request.receive)) as events:  # closed wherever this generator stops
+            async for choice, event in events:
+                for line in chunks.event(choice, event):
+                    yield line
+                if event.finished:
+                    state.metrics.observe(event.output)
+                    finished.append(event.output)
         for line in chunks.end(finished):
             yield line
     except ClientGone:
@@ -179,8 +182,29 @@ async def _stream(state: ServerState, group: CompletionGroup, request: Request, 
     except ServerClosing:
         yield R.sse(_closing_error().body())
     finally:
-        state.metrics.ended_without_output(group.unfinished_reasons())
+        group.end(state.metrics.ended_without_output)
     yield SSE_DONE
+
+
+class GroupStream(StreamingResponse):
+    """The SSE stream of a completion group, ended however the response ends.
+
+    Cancelled while a send waits (the client gone: Starlette's disconnect listener cancels the sending task, and
+    under the `http` middleware every send waits for the middleware to take the message), a StreamingResponse
+    leaves its generator suspended at a yield, never closed: its completions kept generating and went uncounted
+    until garbage collection finalised it. Here the generator is closed and the group ended when the response
+    is, even one whose generator never started."""
+
+    def __init__(self, state: ServerState, group: CompletionGroup, request: Request, chunks):
+        super().__init__(_stream(state, group, request, chunks), media_type="text/event-stream")
+        self.end_group = lambda: group.end(state.metrics.ended_without_output)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # its cleanup does not wait: it runs under a cancellation too
+            self.end_group()
 
 
 class _CompletionChunks:
@@ -263,7 +287,7 @@ async def completions(request: Request, state: Shared):
     rid = R.new_id("cmpl")
     if req.stream:
         chunks = _CompletionChunks(rid, state, req, echo, len(completions))
-        return StreamingResponse(_stream(state, group, request, chunks), media_type="text/event-stream")
+        return GroupStream(state, group, request, chunks)
     try:
         outputs = await _collect(state, group, request)
     except ClientGone:
@@ -288,7 +312,7 @@ async def chat_completions(request: Request, state: Shared):
     rid = R.new_id("chatcmpl")
     if req.stream:
         chunks = _ChatChunks(rid, state, req, len(completions))
-        return StreamingResponse(_stream(state, group, request, chunks), media_type="text/event-stream")
+        return GroupStream(state, group, request, chunks)
     try:
         outputs = await _collect(state, group, request)
     except ClientGone:
