@@ -294,15 +294,17 @@ def _hand_over(turns, half: gl.constexpr):
 
 
 @gluon.jit
-def _issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, done, it, half: gl.constexpr,
+def _issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, done, it, half: gl.constexpr, ready,
                         STAGES: gl.constexpr, INDIRECT: gl.constexpr):
     """Wait for the done-th item's query tile and its first key tile (the it-th), and issue S = Q.K^T on this
-    consumer's half of the rows; the MMA's token."""
+    consumer's half of the rows; the MMA's token. ready False: no such item, nothing waited for."""
     Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     qb = done % Q_BUFFERS
-    mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
+    mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1, pred=ready)
     slot = it % STAGES
-    _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
+    mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1, pred=ready)
+    if INDIRECT:  # (see _wait_ready)
+        fence_async_shared()
     return warpgroup_mma(q_smem.index(2 * qb + half), k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False,
                          is_async=True)
 
@@ -350,7 +352,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     first_s = zero_s  # (OVERLAP_ITEMS) the next item's first scores, computed under this item's last P.V
     if OVERLAP_ITEMS:  # the first item's (a program's first item always exists: one program per item at most)
         first_s = warpgroup_mma_wait(0, deps=[_issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, 0, 0,
-                                                                  half, STAGES, INDIRECT)])
+                                                                  half, True, STAGES, INDIRECT)])
         mbarrier.arrive(k_free.index(0), count=1)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
@@ -407,21 +409,17 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
         _wait_ready(v_ready.index(last % STAGES), (last // STAGES) & 1, INDIRECT)
         if OVERLAP_ITEMS:
             o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
-            if w + gl.num_programs(0) < num_work:  # the next item's first S joins it in the tensor cores
-                s_tok = _issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, done + 1, last + 1, half,
-                                            STAGES, INDIRECT)
-                # both waited for: waiting for the P.V alone (wait_group 1) makes ptxas serialise every wgmma
-                acc, p_op, first_s = warpgroup_mma_wait(0, deps=[o_tok, p_op, s_tok])
-                mbarrier.arrive(v_free.index(last % STAGES), count=1)
-                mbarrier.arrive(k_free.index((last + 1) % STAGES), count=1)
-                _store_rows(acc, l_i, Out, q_start, m0, ext, h, half, stride_ot, stride_oh, HALF_M, HEAD_DIM,
-                            o_layout)
-            else:
-                acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-                mbarrier.arrive(v_free.index(last % STAGES), count=1)
-                _store_rows(acc, l_i, Out, q_start, m0, ext, h, half, stride_ot, stride_oh, HALF_M, HEAD_DIM,
-                            o_layout)
-                first_s = zero_s  # not the old scores: they would stay live (64 registers) through the item
+            # the next item's first S joins it in the tensor cores. A program's last item has none: its waits and
+            # release are predicated off and the S reads whatever the buffers hold, and is discarded; a branch
+            # instead makes ptxas take the ring's addresses for divergent (R2UR copies in every loop step)
+            has_next = w + gl.num_programs(0) < num_work
+            s_tok = _issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, done + 1, last + 1, half,
+                                        has_next, STAGES, INDIRECT)
+            # both waited for: waiting for the P.V alone (wait_group 1) makes ptxas serialise every wgmma
+            acc, p_op, first_s = warpgroup_mma_wait(0, deps=[o_tok, p_op, s_tok])
+            mbarrier.arrive(v_free.index(last % STAGES), count=1)
+            mbarrier.arrive(k_free.index((last + 1) % STAGES), count=1, pred=has_next)
+            _store_rows(acc, l_i, Out, q_start, m0, ext, h, half, stride_ot, stride_oh, HALF_M, HEAD_DIM, o_layout)
         else:
             if PINGPONG:
                 turn = _take_turn(turns, half, turn)
