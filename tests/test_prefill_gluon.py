@@ -74,6 +74,17 @@ def test_the_indirect_build_copies_key_rows_with_cp_async_and_keeps_tma_for_the_
 
 
 @pytest.mark.parametrize("indirect", [False, True], ids=["tma", "indirect"])
+def test_the_thread_release_build_arrives_from_every_consumer_thread_without_group_barriers(indirect):
+    plain = _compile_report("bf16", False, indirect)
+    threads = _compile_report("bf16", False, indirect, "--thread-release")
+    assert not threads["wgmma_serialized"] and threads["spill_bytes"] == [0, 0]
+    # the releases (k, v and the query buffer; the first tile's k and the last tile's v, in each consumer) move to
+    # per-thread arrivals, and the warpgroup barrier in front of each goes with them
+    assert threads["thread_arrives"] - plain["thread_arrives"] == 10
+    assert plain["group_barriers"] - threads["group_barriers"] == 10
+
+
+@pytest.mark.parametrize("indirect", [False, True], ids=["tma", "indirect"])
 def test_the_overlapped_items_build_with_every_mma_asynchronous(indirect):
     plain, overlap = _compile_report("bf16", False, indirect), _compile_report("bf16", False, indirect, "--overlap-items")
     # ptxas serialises every wgmma when a non-wgmma instruction may read an accumulator in flight (its C7514)
@@ -219,12 +230,14 @@ def test_gpu_indirect_kernel_matches_oracle_reading_the_pool(dtype, group, prefi
 
 
 @needs_hopper
+@pytest.mark.parametrize("switches", ["OVERLAP_ITEMS", "THREAD_RELEASE", "OVERLAP_ITEMS,THREAD_RELEASE"])
 @pytest.mark.parametrize("indirect", [False, True], ids=["rows", "pool"])
-def test_gpu_overlapped_items_match_oracle_with_several_items_a_program(indirect, monkeypatch):
+def test_gpu_other_schedules_match_oracle_with_several_items_a_program(switches, indirect, monkeypatch):
     """512 work items (32 query tiles of 1 to 16 key tiles, 16 heads), more than an H100 or H200 has SMs: every
-    program runs several, so OVERLAP_ITEMS issues next items' first S under last P.V, and a program's last item
-    takes the branch without one."""
-    monkeypatch.setattr(prefill_gluon, "OVERLAP_ITEMS", True)
+    program runs several, so OVERLAP_ITEMS issues next items' first S under last P.V (a program's last item issues
+    one on stale buffers, discarded), and THREAD_RELEASE's 256 arrivals a slot turn each ring's phases many times."""
+    for name in switches.split(","):
+        monkeypatch.setattr(prefill_gluon, name, True)
     assert check_ragged_lengths(torch.bfloat16, 8, [0, 128, 37, 1000, 5, 0, 300], pingpong=False, indirect=indirect,
                                 extend=(1, 127, 128, 129, 300, 1000, 2000)) < 1e-2
 

@@ -73,6 +73,10 @@ PINGPONG = False
 # instead of the last P.V waited for, the rows stored, and the next item's first S waited for in turn
 # (tools/sweep_prefill_tma.py --gluon-set OVERLAP_ITEMS=1); not with PINGPONG
 OVERLAP_ITEMS = False
+# Every consumer thread releases a ring slot or query buffer itself (an arrival of each of the 256), instead of one
+# thread a consumer after a barrier of its warpgroup, which Gluon's mbarrier.arrive puts before it: three such
+# barriers in every key step (tools/sweep_prefill_tma.py --gluon-set THREAD_RELEASE=1)
+THREAD_RELEASE = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
 # (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
@@ -278,6 +282,17 @@ def _wait_ready(bar, phase, INDIRECT: gl.constexpr):
 
 
 @gluon.jit
+def _release(bar, THREAD_RELEASE: gl.constexpr):
+    """This consumer is done reading a ring slot or query buffer. THREAD_RELEASE: each thread arrives (the barrier
+    counts all 256), as a cp.async arrival with no copies in flight: it fires at once, and unlike mbarrier.arrive
+    it has no warpgroup barrier in front of it."""
+    if THREAD_RELEASE:
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    else:
+        mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
 def _take_turn(turns, half: gl.constexpr, turn):
     """Wait until this consumer may issue its MMAs (its turn-th turn); the count of turns taken after it.
 
@@ -327,7 +342,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
-              OVERLAP_ITEMS: gl.constexpr):
+              OVERLAP_ITEMS: gl.constexpr, THREAD_RELEASE: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
@@ -353,7 +368,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     if OVERLAP_ITEMS:  # the first item's (a program's first item always exists: one program per item at most)
         first_s = warpgroup_mma_wait(0, deps=[_issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, 0, 0,
                                                                   half, True, STAGES, INDIRECT)])
-        mbarrier.arrive(k_free.index(0), count=1)
+        _release(k_free.index(0), THREAD_RELEASE)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
@@ -380,7 +395,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                 s = warpgroup_mma_wait(0, deps=[s_tok])
             else:
                 s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
-            mbarrier.arrive(k_free.index(slot), count=1)
+            _release(k_free.index(slot), THREAD_RELEASE)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(0, n_tiles - 1):
@@ -397,14 +412,14 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
             if PINGPONG:
                 _hand_over(turns, half)
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S(j+1) done; P(j).V(j) still running
-            mbarrier.arrive(k_free.index(nslot), count=1)
+            _release(k_free.index(nslot), THREAD_RELEASE)
             p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, (j + 1) * BLOCK_N, full_end, qk_scale_log2,
                                                BLOCK_N, s_layout)
             acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])  # P(j) in registers stays live until P.V is done
-            mbarrier.arrive(v_free.index(slot), count=1)
+            _release(v_free.index(slot), THREAD_RELEASE)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.arrive(q_free.index(qb), count=1)  # this item's scores are done: its query buffer is free
+        _release(q_free.index(qb), THREAD_RELEASE)  # this item's scores are done: its query buffer is free
         last = it + n_tiles - 1
         _wait_ready(v_ready.index(last % STAGES), (last // STAGES) & 1, INDIRECT)
         if OVERLAP_ITEMS:
@@ -417,8 +432,8 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                                         has_next, STAGES, INDIRECT)
             # both waited for: waiting for the P.V alone (wait_group 1) makes ptxas serialise every wgmma
             acc, p_op, first_s = warpgroup_mma_wait(0, deps=[o_tok, p_op, s_tok])
-            mbarrier.arrive(v_free.index(last % STAGES), count=1)
-            mbarrier.arrive(k_free.index((last + 1) % STAGES), count=1, pred=has_next)
+            _release(v_free.index(last % STAGES), THREAD_RELEASE)
+            _release(k_free.index((last + 1) % STAGES), THREAD_RELEASE)  # (none waits for it after the last item)
             _store_rows(acc, l_i, Out, q_start, m0, ext, h, half, stride_ot, stride_oh, HALF_M, HEAD_DIM, o_layout)
         else:
             if PINGPONG:
@@ -428,7 +443,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                 acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
             else:
                 acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
-            mbarrier.arrive(v_free.index(last % STAGES), count=1)
+            _release(v_free.index(last % STAGES), THREAD_RELEASE)
             _store_rows(acc, l_i, Out, q_start, m0, ext, h, half, stride_ot, stride_oh, HALF_M, HEAD_DIM, o_layout)
         it += n_tiles
         done += 1
@@ -441,7 +456,7 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-    OVERLAP_ITEMS: gl.constexpr = False,
+    OVERLAP_ITEMS: gl.constexpr = False, THREAD_RELEASE: gl.constexpr = False,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -460,9 +475,10 @@ def _prefill_gluon_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    RELEASES: gl.constexpr = 2 * 4 * 32 if THREAD_RELEASE else 2  # every consumer thread's arrival, or each consumer's
     for i in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_free.index(i), count=2)  # one arrival from each consumer
+        mbarrier.init(q_free.index(i), count=RELEASES)
     if PINGPONG:  # the consumers' turns, one barrier a consumer
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
@@ -474,8 +490,8 @@ def _prefill_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=READY_ARRIVALS)
         mbarrier.init(v_ready.index(i), count=READY_ARRIVALS)
-        mbarrier.init(k_free.index(i), count=2)
-        mbarrier.init(v_free.index(i), count=2)
+        mbarrier.init(k_free.index(i), count=RELEASES)
+        mbarrier.init(v_free.index(i), count=RELEASES)
     fence_async_shared()
 
     gl.warp_specialize([
@@ -485,11 +501,11 @@ def _prefill_gluon_kernel(
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
                      stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     OVERLAP_ITEMS)),
+                     OVERLAP_ITEMS, THREAD_RELEASE)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
                      stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     OVERLAP_ITEMS)),
+                     OVERLAP_ITEMS, THREAD_RELEASE)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -550,6 +566,7 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
         PINGPONG=pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES, OVERLAP_ITEMS=OVERLAP_ITEMS,
+        THREAD_RELEASE=THREAD_RELEASE,
         KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
         num_warps=LOADER_WARPS,
     )
