@@ -81,8 +81,6 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
             "setmaxnreg": sorted({" ".join(m.split()) for m in
                                   re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+", kernel.asm["ptx"])}),
             "mbarrier_arrives": kernel.asm["ptx"].count("mbarrier.arrive"),
-            "thread_arrives": kernel.asm["ptx"].count("cp.async.mbarrier.arrive"),  # each thread's, no group barrier
-            "group_barriers": len(re.findall(r"\bbar\.sync\s+\d+,\s*128;", kernel.asm["ptx"])),  # a warpgroup's
             "mbarrier_waits": kernel.asm["ptx"].count("mbarrier.try_wait"),
             "mma_sync": kernel.asm["ptx"].count("mma.sync"),
             "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),

@@ -5,7 +5,7 @@ builds for Hopper at all, its registers and spills (ptxas), shared memory, the p
 register moves (setmaxnreg), and the wgmma, TMA and mbarrier instructions in its PTX
 (compile_mla_sm90.compile_sm90 does the compiling). The GPU tests check what it computes.
 
-    python3 tools/compile_prefill_gluon_sm90.py [--dtype fp16] [--pingpong] [--indirect] [--overlap-items] [--thread-release]
+    python3 tools/compile_prefill_gluon_sm90.py [--dtype fp16] [--pingpong] [--indirect]
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ from attnserve.attention.kernels.mha import prefill_gluon as pg  # noqa: E402
 
 
 def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, pingpong: bool = False,
-                   indirect: bool = False, overlap_items: bool = False,
-                   thread_release: bool = False) -> dict:
-    """indirect: the loader reading K and V rows through a slot list (cp.async) instead of TMA; overlap_items,
-    thread_release: the module's OVERLAP_ITEMS and THREAD_RELEASE switches."""
+                   indirect: bool = False) -> dict:
+    """indirect: the loader reading K and V rows through a slot list (cp.async) instead of TMA."""
     kv_heads, head_dim = 8, 128
     q = torch.empty(4096, kv_heads * group, head_dim, dtype=dtype)  # stands in for the query rows
     kv = torch.empty(4096, kv_heads, head_dim, dtype=dtype)  # and for the K / V rows
@@ -43,12 +41,10 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, pingpong
                       HEAD_DIM=head_dim, STAGES=pg.STAGES,
                       CONSUMER_REGS=pg.INDIRECT_CONSUMER_REGS if indirect else pg.CONSUMER_REGS, PINGPONG=pingpong,
                       INDIRECT=indirect, KV_LAYOUT=pg._shared_layout(dtype, pg.BLOCK_N, head_dim),
-                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES, OVERLAP_ITEMS=overlap_items,
-                      THREAD_RELEASE=thread_release)
+                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES)
     report = compile_sm90(pg._prefill_gluon_kernel, constexprs, pg.LOADER_WARPS, 1, source=GluonASTSource,
                           pointers=types)
-    return {"dtype": str(dtype), "group": group, "pingpong": pingpong, "indirect": indirect,
-            "overlap_items": overlap_items, "thread_release": thread_release, **report}
+    return {"dtype": str(dtype), "group": group, "pingpong": pingpong, "indirect": indirect, **report}
 
 
 def main(argv=None) -> int:
@@ -57,12 +53,9 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--pingpong", action="store_true", help="the consumers taking turns to issue their MMAs")
     p.add_argument("--indirect", action="store_true", help="K and V rows read through a slot list (cp.async)")
-    p.add_argument("--overlap-items", action="store_true", help="the next item's first S under this one's last P.V")
-    p.add_argument("--thread-release", action="store_true", help="every consumer thread releases ring slots itself")
     args = p.parse_args(argv)
     print(json.dumps(compile_report(torch.bfloat16 if args.dtype == "bf16" else torch.float16, args.group,
-                                    args.pingpong, args.indirect, args.overlap_items,
-                                    args.thread_release)))
+                                    args.pingpong, args.indirect)))
     return 0
 
 

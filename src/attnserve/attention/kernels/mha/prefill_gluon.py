@@ -69,14 +69,6 @@ MIN_MEAN_KEY_TILES = 6
 # (H100, two sweeps in both orders: 0.99-1.02x at 8x2048, 1.00x at 1x16384, 1.01-1.02x at extend, within the runs'
 # noise; sweep-prefill-gluon-pingpong-h100-{1,2}.json), so off (tools/sweep_prefill_tma.py --gluon-set PINGPONG=1)
 PINGPONG = False
-# The next work item's first S = Q.K^T issued under this item's last P.V, and this item's rows stored while it runs,
-# instead of the last P.V waited for, the rows stored, and the next item's first S waited for in turn
-# (tools/sweep_prefill_tma.py --gluon-set OVERLAP_ITEMS=1); not with PINGPONG
-OVERLAP_ITEMS = False
-# Every consumer thread releases a ring slot or query buffer itself (an arrival of each of the 256), instead of one
-# thread a consumer after a barrier of its warpgroup, which Gluon's mbarrier.arrive puts before it: three such
-# barriers in every key step (tools/sweep_prefill_tma.py --gluon-set THREAD_RELEASE=1)
-THREAD_RELEASE = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
 # (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
@@ -282,17 +274,6 @@ def _wait_ready(bar, phase, INDIRECT: gl.constexpr):
 
 
 @gluon.jit
-def _release(bar, THREAD_RELEASE: gl.constexpr):
-    """This consumer is done reading a ring slot or query buffer. THREAD_RELEASE: each thread arrives (the barrier
-    counts all 256), as a cp.async arrival with no copies in flight: it fires at once, and unlike mbarrier.arrive
-    it has no warpgroup barrier in front of it."""
-    if THREAD_RELEASE:
-        async_copy.mbarrier_arrive(bar, increment_count=False)
-    else:
-        mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
 def _take_turn(turns, half: gl.constexpr, turn):
     """Wait until this consumer may issue its MMAs (its turn-th turn); the count of turns taken after it.
 
@@ -309,48 +290,17 @@ def _hand_over(turns, half: gl.constexpr):
 
 
 @gluon.jit
-def _issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, done, it, half: gl.constexpr, ready,
-                        STAGES: gl.constexpr, INDIRECT: gl.constexpr):
-    """Wait for the done-th item's query tile and its first key tile (the it-th), and issue S = Q.K^T on this
-    consumer's half of the rows; the MMA's token. ready False: no such item, nothing waited for."""
-    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
-    qb = done % Q_BUFFERS
-    mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1, pred=ready)
-    slot = it % STAGES
-    mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1, pred=ready)
-    if INDIRECT:  # (see _wait_ready)
-        fence_async_shared()
-    return warpgroup_mma(q_smem.index(2 * qb + half), k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                         is_async=True)
-
-
-@gluon.jit
-def _store_rows(acc, l_i, Out, q_start, m0, ext, h, half: gl.constexpr, stride_ot, stride_oh, HALF_M: gl.constexpr,
-                HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
-    """O = acc / l for this consumer's rows of the item, stored where the query rows are (rows past the request's
-    new tokens left alone)."""
-    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-    ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + h * stride_oh, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
-
-
-@gluon.jit
 def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
-              OVERLAP_ITEMS: gl.constexpr, THREAD_RELEASE: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
     consumer first; each hands the turn over as soon as its MMAs are issued), so one's softmax runs
     under the other's MMAs (FlashAttention-3's warpgroup ping-pong, ordered through mbarriers, as Gluon
     has no named barriers). Every wait for data comes before the wait for the turn: a consumer holding
-    the turn waits only for the tensor cores. With OVERLAP_ITEMS the next item's first S is issued with
-    this item's last P.V."""
+    the turn waits only for the tensor cores."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -364,11 +314,6 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
-    first_s = zero_s  # (OVERLAP_ITEMS) the next item's first scores, computed under this item's last P.V
-    if OVERLAP_ITEMS:  # the first item's (a program's first item always exists: one program per item at most)
-        first_s = warpgroup_mma_wait(0, deps=[_issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, 0, 0,
-                                                                  half, True, STAGES, INDIRECT)])
-        _release(k_free.index(0), THREAD_RELEASE)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
@@ -381,21 +326,17 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
 
         qb = done % Q_BUFFERS
         q_half = q_smem.index(2 * qb + half)
-        if OVERLAP_ITEMS:
-            s = first_s
+        mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
+        slot = it % STAGES
+        _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
+        if PINGPONG:
+            turn = _take_turn(turns, half, turn)
+            s_tok = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            _hand_over(turns, half)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
         else:
-            mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
-            slot = it % STAGES
-            _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
-            if PINGPONG:
-                turn = _take_turn(turns, half, turn)
-                s_tok = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                      is_async=True)
-                _hand_over(turns, half)
-                s = warpgroup_mma_wait(0, deps=[s_tok])
-            else:
-                s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
-            _release(k_free.index(slot), THREAD_RELEASE)
+            s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
+        mbarrier.arrive(k_free.index(slot), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(0, n_tiles - 1):
@@ -412,41 +353,33 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
             if PINGPONG:
                 _hand_over(turns, half)
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S(j+1) done; P(j).V(j) still running
-            _release(k_free.index(nslot), THREAD_RELEASE)
+            mbarrier.arrive(k_free.index(nslot), count=1)
             p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, (j + 1) * BLOCK_N, full_end, qk_scale_log2,
                                                BLOCK_N, s_layout)
             acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])  # P(j) in registers stays live until P.V is done
-            _release(v_free.index(slot), THREAD_RELEASE)
+            mbarrier.arrive(v_free.index(slot), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        _release(q_free.index(qb), THREAD_RELEASE)  # this item's scores are done: its query buffer is free
+        mbarrier.arrive(q_free.index(qb), count=1)  # this item's scores are done: its query buffer is free
         last = it + n_tiles - 1
         _wait_ready(v_ready.index(last % STAGES), (last // STAGES) & 1, INDIRECT)
-        if OVERLAP_ITEMS:
+        if PINGPONG:
+            turn = _take_turn(turns, half, turn)
             o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
-            # the next item's first S joins it in the tensor cores. A program's last item has none: its waits and
-            # release are predicated off and the S reads whatever the buffers hold, and is discarded; a branch
-            # instead makes ptxas take the ring's addresses for divergent (R2UR copies in every loop step)
-            has_next = w + gl.num_programs(0) < num_work
-            s_tok = _issue_first_scores(q_smem, k_ring, q_ready, k_ready, zero_s, done + 1, last + 1, half,
-                                        has_next, STAGES, INDIRECT)
-            # both waited for: waiting for the P.V alone (wait_group 1) makes ptxas serialise every wgmma
-            acc, p_op, first_s = warpgroup_mma_wait(0, deps=[o_tok, p_op, s_tok])
-            _release(v_free.index(last % STAGES), THREAD_RELEASE)
-            _release(k_free.index((last + 1) % STAGES), THREAD_RELEASE)  # (none waits for it after the last item)
-            _store_rows(acc, l_i, Out, q_start, m0, ext, h, half, stride_ot, stride_oh, HALF_M, HEAD_DIM, o_layout)
+            _hand_over(turns, half)
+            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         else:
-            if PINGPONG:
-                turn = _take_turn(turns, half, turn)
-                o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
-                _hand_over(turns, half)
-                acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-            else:
-                acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
-            _release(v_free.index(last % STAGES), THREAD_RELEASE)
-            _store_rows(acc, l_i, Out, q_start, m0, ext, h, half, stride_ot, stride_oh, HALF_M, HEAD_DIM, o_layout)
+            acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
+        mbarrier.arrive(v_free.index(last % STAGES), count=1)
         it += n_tiles
         done += 1
+
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+        rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+        ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + h * stride_oh, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
 
 
 @gluon.jit(do_not_specialize=("num_work",))  # a step's work count: no variant per divisibility (prefill_tma's reason)
@@ -456,7 +389,6 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-    OVERLAP_ITEMS: gl.constexpr = False, THREAD_RELEASE: gl.constexpr = False,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -475,10 +407,9 @@ def _prefill_gluon_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    RELEASES: gl.constexpr = 2 * 4 * 32 if THREAD_RELEASE else 2  # every consumer thread's arrival, or each consumer's
     for i in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_free.index(i), count=RELEASES)
+        mbarrier.init(q_free.index(i), count=2)  # one arrival from each consumer
     if PINGPONG:  # the consumers' turns, one barrier a consumer
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
@@ -490,8 +421,8 @@ def _prefill_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=READY_ARRIVALS)
         mbarrier.init(v_ready.index(i), count=READY_ARRIVALS)
-        mbarrier.init(k_free.index(i), count=RELEASES)
-        mbarrier.init(v_free.index(i), count=RELEASES)
+        mbarrier.init(k_free.index(i), count=2)
+        mbarrier.init(v_free.index(i), count=2)
     fence_async_shared()
 
     gl.warp_specialize([
@@ -500,12 +431,10 @@ def _prefill_gluon_kernel(
                    NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES, INDIRECT)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     OVERLAP_ITEMS, THREAD_RELEASE)),
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     OVERLAP_ITEMS, THREAD_RELEASE)),
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -551,10 +480,6 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         raise ValueError(f"slots must be int32, not {slots.dtype}")
     if num_tokens == 0 or tiles.num_tiles == 0:
         return out
-    pingpong = PINGPONG if pingpong is None else pingpong
-    if pingpong and OVERLAP_ITEMS:
-        raise ValueError("OVERLAP_ITEMS issues the next item's first S outside the consumers' turns: not with "
-                         "ping-pong")
     num_work = num_heads * tiles.num_tiles
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     indirect = slots is not None
@@ -565,8 +490,7 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         layer.sm_scale * LOG2E, out.stride(0), out.stride(1), k_rows.stride(0), v_rows.stride(0), num_work,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
-        PINGPONG=pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES, OVERLAP_ITEMS=OVERLAP_ITEMS,
-        THREAD_RELEASE=THREAD_RELEASE,
+        PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
         KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
         num_warps=LOADER_WARPS,
     )
