@@ -30,11 +30,11 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 
-def _compile_report(dtype: str, pingpong: bool, indirect: bool = False) -> dict:
+def _compile_report(dtype: str, pingpong: bool, indirect: bool = False, *flags: str) -> dict:
     """tools/compile_prefill_gluon_sm90.py in a process of its own, which turns the interpreter off: the
     interpreter's (TRITON_INTERPRET=1) Triton functions cannot be called from a compiled kernel."""
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_prefill_gluon_sm90.py"), "--dtype", dtype]
-                          + (["--pingpong"] if pingpong else []) + (["--indirect"] if indirect else []),
+                          + (["--pingpong"] if pingpong else []) + (["--indirect"] if indirect else []) + list(flags),
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(proc.stdout.splitlines()[-1])
@@ -71,6 +71,16 @@ def test_the_indirect_build_copies_key_rows_with_cp_async_and_keeps_tma_for_the_
     # the consumers give the loader the registers its row addresses need
     assert f"setmaxnreg.inc.sync.aligned.u32 {prefill_gluon.INDIRECT_CONSUMER_REGS}" in indirect["setmaxnreg"]
     assert indirect["wgmma"] == plain["wgmma"] and indirect["smem_kib"] == plain["smem_kib"]
+
+
+@pytest.mark.parametrize("indirect", [False, True], ids=["tma", "indirect"])
+def test_the_kv_head_major_work_list_builds_with_the_same_schedule(indirect):
+    plain = _compile_report("bf16", False, indirect)
+    kv_major = _compile_report("bf16", False, indirect, "--kv-head-major")
+    # only which item a program takes changes: the same MMAs, copies, barriers and register split, no spills
+    for key in ("wgmma", "tma_loads", "async_copies", "mbarrier_waits", "mbarrier_arrives", "setmaxnreg", "smem_kib"):
+        assert kv_major[key] == plain[key], key
+    assert kv_major["spill_bytes"] == [0, 0] and not kv_major["wgmma_serialized"]
 
 
 def test_what_the_kernel_refuses_is_named():
@@ -163,12 +173,13 @@ def test_the_backend_hands_the_kernel_the_pool_and_the_slots_for_a_cached_prefix
 
 
 def check_ragged_lengths(dtype: torch.dtype, group: int, prefix: list[int], pingpong: bool,
-                         indirect: bool = False, page_size: int = 1) -> float:
+                         indirect: bool = False, page_size: int = 1,
+                         extend: tuple[int, ...] = (1, 127, 128, 129, 300)) -> float:
     """The kernel on lengths on and around the 128-row tiles (one row, one tile, a tile and one), prefixes aligned
     and not, against the oracle: the relative error (asserted free of NaN). indirect: the keys read in the pool
     through their slots (the unused slots poisoned), not gathered into rows first."""
     kv_heads = 2
-    sb = make_batch(prefix, [1, 127, 128, 129, 300], num_heads=kv_heads * group, num_kv_heads=kv_heads,
+    sb = make_batch(prefix, list(extend), num_heads=kv_heads * group, num_kv_heads=kv_heads,
                     head_dim=128, page_size=page_size, dtype=dtype, device="cuda", score_scale=20.0, seed=group)
     poison_unused_slots(sb)
     fb, layer = sb.fb, sb.layer
@@ -206,6 +217,17 @@ def test_gpu_kernel_matches_oracle_on_ragged_lengths(dtype, group, prefix):
                          ids=["fresh", "prefix", "prefix-pages16"])
 def test_gpu_indirect_kernel_matches_oracle_reading_the_pool(dtype, group, prefix, page_size):
     assert check_ragged_lengths(dtype, group, prefix, pingpong=False, indirect=True, page_size=page_size) < 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("indirect", [False, True], ids=["rows", "pool"])
+def test_gpu_kv_head_major_work_list_matches_oracle(group, indirect, monkeypatch):
+    """Every (query tile, head) item exactly once in the KV-head-major order: 32 query tiles of 1 to 16 key tiles
+    over 2 KV heads, with 1 and 8 query heads each (64 and 512 items, under and over an H100's or H200's SMs)."""
+    monkeypatch.setattr(prefill_gluon, "KV_HEAD_MAJOR", True)
+    assert check_ragged_lengths(torch.bfloat16, group, [0, 128, 37, 1000, 5, 0, 300], pingpong=False,
+                                indirect=indirect, extend=(1, 127, 128, 129, 300, 1000, 2000)) < 1e-2
 
 
 @needs_hopper

@@ -5,7 +5,7 @@ builds for Hopper at all, its registers and spills (ptxas), shared memory, the p
 register moves (setmaxnreg), and the wgmma, TMA and mbarrier instructions in its PTX
 (compile_mla_sm90.compile_sm90 does the compiling). The GPU tests check what it computes.
 
-    python3 tools/compile_prefill_gluon_sm90.py [--dtype fp16] [--pingpong] [--indirect]
+    python3 tools/compile_prefill_gluon_sm90.py [--dtype fp16] [--pingpong] [--indirect] [--kv-head-major]
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from attnserve.attention.kernels.mha import prefill_gluon as pg  # noqa: E402
 
 
 def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, pingpong: bool = False,
-                   indirect: bool = False) -> dict:
-    """indirect: the loader reading K and V rows through a slot list (cp.async) instead of TMA."""
+                   indirect: bool = False, kv_head_major: bool = False) -> dict:
+    """indirect: the loader reading K and V rows through a slot list (cp.async) instead of TMA; kv_head_major: the
+    work list KV head by KV head (the module's KV_HEAD_MAJOR)."""
     kv_heads, head_dim = 8, 128
     q = torch.empty(4096, kv_heads * group, head_dim, dtype=dtype)  # stands in for the query rows
     kv = torch.empty(4096, kv_heads, head_dim, dtype=dtype)  # and for the K / V rows
@@ -41,10 +42,11 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, pingpong
                       HEAD_DIM=head_dim, STAGES=pg.STAGES,
                       CONSUMER_REGS=pg.INDIRECT_CONSUMER_REGS if indirect else pg.CONSUMER_REGS, PINGPONG=pingpong,
                       INDIRECT=indirect, KV_LAYOUT=pg._shared_layout(dtype, pg.BLOCK_N, head_dim),
-                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES)
+                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES, KV_HEAD_MAJOR=kv_head_major)
     report = compile_sm90(pg._prefill_gluon_kernel, constexprs, pg.LOADER_WARPS, 1, source=GluonASTSource,
                           pointers=types)
-    return {"dtype": str(dtype), "group": group, "pingpong": pingpong, "indirect": indirect, **report}
+    return {"dtype": str(dtype), "group": group, "pingpong": pingpong, "indirect": indirect,
+            "kv_head_major": kv_head_major, **report}
 
 
 def main(argv=None) -> int:
@@ -53,9 +55,10 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--pingpong", action="store_true", help="the consumers taking turns to issue their MMAs")
     p.add_argument("--indirect", action="store_true", help="K and V rows read through a slot list (cp.async)")
+    p.add_argument("--kv-head-major", action="store_true", help="the work list KV head by KV head")
     args = p.parse_args(argv)
     print(json.dumps(compile_report(torch.bfloat16 if args.dtype == "bf16" else torch.float16, args.group,
-                                    args.pingpong, args.indirect)))
+                                    args.pingpong, args.indirect, args.kv_head_major)))
     return 0
 
 

@@ -69,6 +69,13 @@ MIN_MEAN_KEY_TILES = 6
 # (H100, two sweeps in both orders: 0.99-1.02x at 8x2048, 1.00x at 1x16384, 1.01-1.02x at extend, within the runs'
 # noise; sweep-prefill-gluon-pingpong-h100-{1,2}.json), so off (tools/sweep_prefill_tma.py --gluon-set PINGPONG=1)
 PINGPONG = False
+# The work list KV head by KV head (each one's tiles heaviest first, its query heads fastest) instead of tile by tile
+# over every head, so the programs running together read the keys of one KV head, which L2 holds. Nsight Compute at
+# 8 x 2048 (H100): the plain order reads 611 MB of DRAM against 201-203 MB for FA3 and FA4, which read Q, K and V
+# once (ncu-h100-gluon-prefill-8x2048.json). Raced once (medians of three rounds, noise up to 4%): 1.03x at 8 x 2048,
+# 1.01x at 1 x 16384, 1.00x at extend (sweep-prefill-gluon-kvmajor-h100.json); off until a race with the noise
+# control says more (tools/sweep_prefill_tma.py --gluon-set KV_HEAD_MAJOR=1)
+KV_HEAD_MAJOR = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
 # (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
@@ -125,13 +132,18 @@ def _softmax_tile(s, m_i, l_i, row_pos, n0, full_end, qk_scale_log2,
 
 
 @gluon.jit
-def _work_item(w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
+def _work_item(w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
                NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr):
-    """Work item w (query tiles heaviest first, query heads fastest): the tile's request and rows, its head,
-    the column of its KV head, and how many key tiles it reads."""
-    t = w // NUM_HEADS
-    h = w % NUM_HEADS
+               HEAD_DIM: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
+    """Work item w (query tiles heaviest first, query heads fastest; with KV_HEAD_MAJOR one KV head's items
+    first): the tile's request and rows, its head, the column of its KV head, and how many key tiles it reads."""
+    if KV_HEAD_MAJOR:
+        per_kv_head = num_work // (NUM_HEADS // GROUP)
+        t = w % per_kv_head // GROUP
+        h = w // per_kv_head * GROUP + w % GROUP
+    else:
+        t = w // NUM_HEADS
+        h = w % NUM_HEADS
     r = gl.load(tile_req + t)
     m0 = gl.load(tile_m0 + t)
     q_start = gl.load(qo_indptr + r)
@@ -161,7 +173,7 @@ def _load_query(q_desc, q_smem, q_ready, q_free, done, row, h, BLOCK_M: gl.const
 def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                 tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
                 NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
     """The producer over contiguous rows: for each of this program's work items, the query tile
     (_load_query), then its K and V tiles into their rings as slots come free (so the next item's first
     tiles arrive while the consumers finish this one)."""
@@ -169,7 +181,8 @@ def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free,
     done = 0  # work items loaded so far: the query buffer's phase
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
+            KV_HEAD_MAJOR)
         _load_query(q_desc, q_smem, q_ready, q_free, done, q_start + m0, h, BLOCK_M, HEAD_DIM, STAGES)
         for i in range(n_tiles):
             slot = it % STAGES
@@ -206,7 +219,7 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
                      NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                     ROW_LANES: gl.constexpr):
+                     ROW_LANES: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
     """_tma_loader for keys left where they are in the KV pool: request r's key n is pool row slots[kv_starts[r] + n].
 
     TMA cannot gather rows, so each K and V tile is copied with cp.async, ROW_LANES loader lanes a key row, 16
@@ -224,7 +237,8 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
     done = 0
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
+            KV_HEAD_MAJOR)
         seq = prefix + ext
         k_head = k_pool + kv_col  # this item's KV head in every pool row
         v_head = v_pool + kv_col
@@ -251,17 +265,18 @@ def _loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_rea
             tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-            INDIRECT: gl.constexpr):
+            INDIRECT: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
     """The producer partition (the default one): K and V through TMA from contiguous rows, or (INDIRECT) copied
     from the pool's rows through the slot list."""
     if INDIRECT:
         _indirect_loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                          v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v,
-                         num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES)
+                         num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES,
+                         KV_HEAD_MAJOR)
     else:
         _tma_loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, STAGES)
+                    HEAD_DIM, STAGES, KV_HEAD_MAJOR)
 
 
 @gluon.jit
@@ -293,7 +308,8 @@ def _hand_over(turns, half: gl.constexpr):
 def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
+              KV_HEAD_MAJOR: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
@@ -316,7 +332,8 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
+            KV_HEAD_MAJOR)
         first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
         row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
         full_end = first + 1  # keys below it are visible to every row of the half
@@ -389,6 +406,7 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
+    KV_HEAD_MAJOR: gl.constexpr = False,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -428,13 +446,16 @@ def _prefill_gluon_kernel(
     gl.warp_specialize([
         (_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                    tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
-                   NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES, INDIRECT)),
+                   NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES, INDIRECT,
+                   KV_HEAD_MAJOR)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
+                     KV_HEAD_MAJOR)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
+                     KV_HEAD_MAJOR)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -491,7 +512,7 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
         PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
-        KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
+        KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS, KV_HEAD_MAJOR=KV_HEAD_MAJOR,
         num_warps=LOADER_WARPS,
     )
     return out
