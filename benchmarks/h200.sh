@@ -31,7 +31,8 @@
 #               RACES (default 2) races of each kind. With PEER_SET=fa4's two stage calls /tmp/site2 holds FA4 alone:
 #               the race then takes FA4 from it and FlashInfer only as the 0.6 of .whl (no child process)
 #               On an H100 (2026-12-05) the JIT builds took ~150 s, fa4's tests 50 s, one MHA race ~100 s: the MHA
-#               races fill one call (BUDGET=590) and the MLA race wants a call of its own
+#               races fill one call (BUDGET=590) and the MLA race wants a call of its own. With PEER_SET=fa4 on a
+#               machine a `tests` call left warm (FlashInfer's JIT cache built), RACES=1 took 112 s in all (2026-12-06)
 #   prefill-ncu Nsight Compute on every kernel of one call of each contestant (benchmarks/prefill_ncu.py: pipes busy,
 #               stall reasons, DRAM bytes) -> ncu-h200-<workload>.json; MHA: triton, FA4 (from the /tmp/site2 that
 #               benchmarks/peer_wheels.sh stage put it in), FlashInfer fa3 and cuDNN on fresh prompts; MLA: triton and
