@@ -83,6 +83,31 @@ def test_the_kv_head_major_work_list_builds_with_the_same_schedule(indirect):
     assert kv_major["spill_bytes"] == [0, 0] and not kv_major["wgmma_serialized"]
 
 
+@pytest.mark.parametrize("indirect", [False, True], ids=["tma", "indirect"])
+def test_p_left_out_of_the_wait_builds_with_nothing_rewriting_the_mma_operands(indirect):
+    plain = _compile_report("bf16", False, indirect)
+    out = _compile_report("bf16", False, indirect, "--p-out-of-wait")
+    assert out["wgmma_operand_rewrites"] == [] and plain["wgmma_operand_rewrites"] == []
+    assert not out["wgmma_serialized"] and out["spill_bytes"] == [0, 0]
+    for key in ("wgmma", "tma_loads", "async_copies", "mbarrier_waits", "mbarrier_arrives", "setmaxnreg"):
+        assert out[key] == plain[key], key
+
+
+def test_the_operand_rewrite_check_finds_a_write_before_the_wait_and_none_after():
+    """compile_mla_sm90.wgmma_operand_rewrites on PTX written here: a wgmma reading A from %r5 and %r6, then a move
+    into %r6 before or after the wait for every group."""
+    mma = "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r1,%r2}, {%r5,%r6}, %rd1, %p1, 1, 1, 1;"
+    before = "\n".join([mma, "mov.b32 %r6, {%rs1, %rs2};", "wgmma.wait_group.sync.aligned 0;"])
+    after = "\n".join([mma, "wgmma.wait_group.sync.aligned 0;", "mov.b32 %r6, {%rs1, %rs2};"])
+    code = ("import json, sys; sys.path.insert(0, 'tools'); from compile_mla_sm90 import wgmma_operand_rewrites as w; "
+            f"print(json.dumps([w({before!r}), w({after!r})]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found_before, found_after = json.loads(proc.stdout.splitlines()[-1])
+    assert found_before == ["mov.b32 %r6, {%rs1, %rs2};"] and found_after == []
+
+
 def test_what_the_kernel_refuses_is_named():
     q = torch.empty(4, 2, 128, dtype=torch.bfloat16)
     assert "Hopper" in prefill_gluon.gluon_prefill_supported(q, 128, LayerParams(1.0), None)
@@ -217,6 +242,14 @@ def test_gpu_kernel_matches_oracle_on_ragged_lengths(dtype, group, prefix):
                          ids=["fresh", "prefix", "prefix-pages16"])
 def test_gpu_indirect_kernel_matches_oracle_reading_the_pool(dtype, group, prefix, page_size):
     assert check_ragged_lengths(dtype, group, prefix, pingpong=False, indirect=True, page_size=page_size) < 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("indirect", [False, True], ids=["rows", "pool"])
+def test_gpu_p_left_out_of_the_wait_matches_oracle(indirect, monkeypatch):
+    monkeypatch.setattr(prefill_gluon, "P_IN_WAIT", False)
+    assert check_ragged_lengths(torch.bfloat16, 8, [0, 128, 37, 1000, 5, 0, 300], pingpong=False, indirect=indirect,
+                                extend=(1, 127, 128, 129, 300, 1000, 2000)) < 1e-2
 
 
 @needs_hopper

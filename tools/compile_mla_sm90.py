@@ -81,12 +81,35 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
             "setmaxnreg": sorted({" ".join(m.split()) for m in
                                   re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+", kernel.asm["ptx"])}),
             "mbarrier_arrives": kernel.asm["ptx"].count("mbarrier.arrive"),
+            "wgmma_operand_rewrites": wgmma_operand_rewrites(kernel.asm["ptx"]),
             "mbarrier_waits": kernel.asm["ptx"].count("mbarrier.try_wait"),
             "mma_sync": kernel.asm["ptx"].count("mma.sync"),
             "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),
             "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir),
             "wgmma": {m: kernel.asm["ptx"].count(m) for m in sorted(set(re.findall(r"wgmma\.mma_async\S*?(m64n\d+k\d+)",
                                                                                  kernel.asm["ptx"])))}}
+
+
+def wgmma_operand_rewrites(ptx: str) -> list[str]:
+    """PTX lines that write an A-operand register of a wgmma taking A from registers before a `wgmma.wait_group 0`
+    follows it: PTX leaves the MMA's result undefined then (a conservative reading: the lines in order, branches
+    and all, up to the next wait for every group)."""
+    lines = ptx.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        m = re.search(r"wgmma\.mma_async\.sync\.aligned\.\S+\s+\{[^}]*\},\s*\{([^}]*)\}", line)
+        if not m:
+            continue
+        a_regs = {r.strip() for r in m.group(1).split(",")}
+        for later in lines[i + 1:]:
+            text = later.strip()
+            if "wgmma.wait_group.sync.aligned 0" in text:
+                break
+            d = re.match(r"(?:@!?%p\d+\s+)?[a-z][\w.:]*\s+(%r\d+|\{[^}]*\})\s*,", text)
+            if d and not text.startswith("wgmma") and set(re.findall(r"%r\d+", d.group(1))) & a_regs:
+                found.append(text)
+                break
+    return found
 
 
 def decode_report(block_h, block_n, warps, stages, defer_pv, page_size, heads=128) -> dict:

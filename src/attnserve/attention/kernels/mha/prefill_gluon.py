@@ -76,6 +76,12 @@ PINGPONG = False
 # 1.01x at 1 x 16384, 1.00x at extend (sweep-prefill-gluon-kvmajor-h100.json); off until a race with the noise
 # control says more (tools/sweep_prefill_tma.py --gluon-set KV_HEAD_MAJOR=1)
 KV_HEAD_MAJOR = False
+# P's registers named in the wait for each P.V MMA, Triton's guard that nothing rewrites them while the MMA reads them
+# (PTX leaves that undefined). The wait's register list names P's 64 bf16 values one by one, so ptxas keeps them
+# unpacked and swaps halves back before each MMA: 32 PRMT a key step. False leaves them out (590 SASS instructions a
+# key step against 624); tools/compile_prefill_gluon_sm90.py --p-out-of-wait then checks in the PTX that nothing
+# rewrites them before the wait. Not yet raced (tools/sweep_prefill_tma.py --gluon-set P_IN_WAIT=0)
+P_IN_WAIT = True
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
 # (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
@@ -309,7 +315,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
-              KV_HEAD_MAJOR: gl.constexpr):
+              KV_HEAD_MAJOR: gl.constexpr, P_IN_WAIT: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
@@ -373,7 +379,10 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
             mbarrier.arrive(k_free.index(nslot), count=1)
             p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, (j + 1) * BLOCK_N, full_end, qk_scale_log2,
                                                BLOCK_N, s_layout)
-            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])  # P(j) in registers stays live until P.V is done
+            if P_IN_WAIT:  # P(j) in registers stays live until P.V is done
+                acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(v_free.index(slot), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -406,7 +415,7 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-    KV_HEAD_MAJOR: gl.constexpr = False,
+    KV_HEAD_MAJOR: gl.constexpr = False, P_IN_WAIT: gl.constexpr = True,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -451,11 +460,11 @@ def _prefill_gluon_kernel(
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
                      stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     KV_HEAD_MAJOR)),
+                     KV_HEAD_MAJOR, P_IN_WAIT)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
                      stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     KV_HEAD_MAJOR)),
+                     KV_HEAD_MAJOR, P_IN_WAIT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -513,6 +522,7 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
         PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
         KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS, KV_HEAD_MAJOR=KV_HEAD_MAJOR,
+        P_IN_WAIT=P_IN_WAIT,
         num_warps=LOADER_WARPS,
     )
     return out
