@@ -5,7 +5,8 @@ builds for Hopper at all, its registers and spills (ptxas), shared memory, the p
 register moves (setmaxnreg), and the wgmma, TMA and mbarrier instructions in its PTX
 (compile_mla_sm90.compile_sm90 does the compiling). The GPU tests check what it computes.
 
-    python3 tools/compile_prefill_gluon_sm90.py [--dtype fp16] [--pingpong] [--indirect] [--kv-head-major] [--p-out-of-wait]
+    python3 tools/compile_prefill_gluon_sm90.py [--dtype fp16] [--pingpong] [--indirect] [--kv-head-major]
+        [--p-out-of-wait]
 """
 
 from __future__ import annotations

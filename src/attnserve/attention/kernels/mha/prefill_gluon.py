@@ -187,8 +187,8 @@ def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free,
     done = 0  # work items loaded so far: the query buffer's phase
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
-            KV_HEAD_MAJOR)
+            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
+            HEAD_DIM, KV_HEAD_MAJOR)
         _load_query(q_desc, q_smem, q_ready, q_free, done, q_start + m0, h, BLOCK_M, HEAD_DIM, STAGES)
         for i in range(n_tiles):
             slot = it % STAGES
@@ -243,8 +243,8 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
     done = 0
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
-            KV_HEAD_MAJOR)
+            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
+            HEAD_DIM, KV_HEAD_MAJOR)
         seq = prefix + ext
         k_head = k_pool + kv_col  # this item's KV head in every pool row
         v_head = v_pool + kv_col
@@ -338,8 +338,8 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
-            KV_HEAD_MAJOR)
+            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
+            HEAD_DIM, KV_HEAD_MAJOR)
         first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
         row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
         full_end = first + 1  # keys below it are visible to every row of the half
