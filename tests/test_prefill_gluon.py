@@ -5,6 +5,7 @@ Hopper (registers, shared memory, wgmma and TMA in its PTX), and the backend ask
 serve keeps the Triton kernel and says why. On an sm_90 GPU it runs against the oracle.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -33,8 +34,13 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 def _compile_report(dtype: str, pingpong: bool, indirect: bool = False, *flags: str) -> dict:
     """tools/compile_prefill_gluon_sm90.py in a process of its own, which turns the interpreter off: the
     interpreter's (TRITON_INTERPRET=1) Triton functions cannot be called from a compiled kernel."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_prefill_gluon_sm90.py"), "--dtype", dtype]
-                          + (["--pingpong"] if pingpong else []) + (["--indirect"] if indirect else []) + list(flags),
+    return _compile_tool(("--dtype", dtype, *(["--pingpong"] if pingpong else []),
+                          *(["--indirect"] if indirect else []), *flags))
+
+
+@functools.cache  # several tests compare against the same plain build: compiled once a process
+def _compile_tool(args: tuple[str, ...]) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_prefill_gluon_sm90.py"), *args],
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(proc.stdout.splitlines()[-1])
