@@ -81,8 +81,8 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
             "setmaxnreg": sorted({" ".join(m.split()) for m in
                                   re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+", kernel.asm["ptx"])}),
             "mbarrier_arrives": kernel.asm["ptx"].count("mbarrier.arrive"),
-            "wgmma_operand_rewrites": wgmma_operand_rewrites(kernel.asm["ptx"]),
             "mbarrier_waits": kernel.asm["ptx"].count("mbarrier.try_wait"),
+            "wgmma_operand_rewrites": wgmma_operand_rewrites(kernel.asm["ptx"]),
             "mma_sync": kernel.asm["ptx"].count("mma.sync"),
             "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),
             "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir),
