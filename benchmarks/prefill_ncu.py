@@ -12,6 +12,7 @@ longest kernel's; `us_total` sums the call's kernels.
 
     python benchmarks/prefill_ncu.py --workload "prefill 1x16384" --out prefill-ncu.json [--contestants triton fa4]
     python benchmarks/prefill_ncu.py --workload "mla decode 128x4096 h128 p1" --out mla-ncu.json
+    python benchmarks/prefill_ncu.py --workload "prefill 8x2048" --contestants triton --gluon-set KV_HEAD_MAJOR=1
 
 Without ncu on PATH it writes the record with `ncu_error` and exits 1; `--child` is the profiled process.
 """
@@ -53,24 +54,26 @@ def find_workload(name: str):
     raise SystemExit(f"no race workload named {name!r}")
 
 
-def child(workload: str, contestant: str) -> None:
+def child(workload: str, contestant: str, gluon_set: str) -> None:
     import torch
 
+    from attnserve.attention.kernels.mha.gluon_switches import gluon_settings
     from attnserve.bench.racers import build_race_batch, racers_for
 
     rb = build_race_batch(find_workload(workload), device="cuda" if torch.cuda.is_available() else "cpu")
     racers = racers_for(rb, [contestant])
     if contestant not in racers:
         raise SystemExit(f"{contestant} has no racer for {workload}")
-    fn = racers[contestant]()
-    out = fn()  # compiles and warms, outside the profiled range
-    if rb.q.is_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()  # ncu --profile-from-start off: only this call's kernels
-    out = fn()
-    if rb.q.is_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+    with gluon_settings(gluon_set):  # the switches are read when the kernel is built, at the first call
+        fn = racers[contestant]()
+        out = fn()  # compiles and warms, outside the profiled range
+        if rb.q.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()  # ncu --profile-from-start off: only this call's kernels
+        out = fn()
+        if rb.q.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
     print(f"{contestant}: {tuple(out.shape)}")
 
 
@@ -125,17 +128,24 @@ def main(argv=None) -> int:
                    help=f"default: {' '.join(MHA_CONTESTANTS)} (MLA workloads: {' '.join(MLA_CONTESTANTS)})")
     p.add_argument("--out", default="prefill-ncu.json")
     p.add_argument("--timeout-s", type=float, default=240, help="per contestant")
+    p.add_argument("--gluon-set", default="", metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="the Gluon prefill's module switches while triton runs (e.g. KV_HEAD_MAJOR=1)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.workload, args.child)
+        child(args.workload, args.child, args.gluon_set)
         return 0
     import torch
 
     from attnserve.versions import package_versions
 
     ncu = shutil.which("ncu")
-    result = {"workload": args.workload, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    if args.gluon_set:  # a misspelt switch stops here, before any profile
+        from attnserve.attention.kernels.mha.gluon_switches import parse_gluon_settings
+
+        parse_gluon_settings(args.gluon_set)
+    result = {"workload": args.workload, "gluon_set": args.gluon_set,
+              "date": time.strftime("%Y-%m-%d", time.gmtime()),
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "versions": package_versions(), "metrics": METRICS, "profiles": {}}
 
@@ -155,7 +165,8 @@ def main(argv=None) -> int:
     for name in contestants:
         cmd = [ncu, "--clock-control", "none", "--cache-control", "all", "--profile-from-start", "off",
                "--csv", "--page", "raw",
-               "--metrics", ",".join(METRICS), sys.executable, __file__, "--child", name, "--workload", args.workload]
+               "--metrics", ",".join(METRICS), sys.executable, __file__, "--child", name, "--workload", args.workload,
+               "--gluon-set", args.gluon_set]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, check=False)
             kernels = parse_raw_csv(proc.stdout)

@@ -30,6 +30,7 @@ import time
 import torch
 
 from attnserve.attention.kernels.mha import prefill_tma
+from attnserve.attention.kernels.mha.gluon_switches import gluon_settings, parse_gluon_settings
 from attnserve.attention.kernels.mha.prefill_tma import PREFILL_TMA_TILES, PrefillTmaConfig
 from attnserve.bench.racers import build_race_batch
 from attnserve.bench.timing import time_eager
@@ -71,36 +72,6 @@ def kernel_from(path: str):
         yield
     finally:
         prefill_tma.prefill_tma_attention = saved
-
-
-def parse_gluon_settings(assignments: str) -> dict:
-    """"NAME=VALUE[,NAME=VALUE]" -> {NAME: value}: each value an int (a bool switch takes 0 or 1) of an upper-case
-    name the Gluon prefill's module has."""
-    from attnserve.attention.kernels.mha import prefill_gluon
-
-    new = {}
-    for item in assignments.split(","):
-        name, _, value = item.partition("=")
-        if not name.isupper() or not hasattr(prefill_gluon, name):
-            raise SystemExit(f"prefill_gluon has no switch {name!r}")
-        new[name] = type(getattr(prefill_gluon, name))(int(value))
-    return new
-
-
-@contextlib.contextmanager
-def gluon_settings(assignments: str):
-    """The Gluon prefill's module switches set while the block runs (parse_gluon_settings)."""
-    from attnserve.attention.kernels.mha import prefill_gluon
-
-    new = parse_gluon_settings(assignments)
-    saved = {name: getattr(prefill_gluon, name) for name in new}
-    for name, value in new.items():
-        setattr(prefill_gluon, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(prefill_gluon, name, value)
 
 
 def best_config(rows: list[dict]) -> dict | None:
