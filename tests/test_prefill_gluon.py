@@ -53,6 +53,8 @@ def test_the_kernel_builds_for_sm90(dtype, pingpong):
     assert rep["warps"] == prefill_gluon.LOADER_WARPS + 8  # the loader, two consumers
     assert rep["smem_kib"] <= 227  # Hopper's shared memory per block
     assert rep["spill_bytes"] == [0, 0] and not rep["wgmma_serialized"]
+    # P's registers are left out of the wait for P.V (see the kernel): nothing may write them before that wait
+    assert rep["wgmma_operand_rewrites"] == []
     # the consumers take FlashAttention-3's register share from the loader
     assert f"setmaxnreg.inc.sync.aligned.u32 {prefill_gluon.CONSUMER_REGS}" in rep["setmaxnreg"]
     assert rep["tma_loads"] >= 3  # Q, K and V through descriptors
@@ -72,6 +74,7 @@ def test_the_pingpong_build_hands_the_turn_over_through_mbarriers():
 def test_the_indirect_build_copies_key_rows_with_cp_async_and_keeps_tma_for_the_queries():
     plain, indirect = _compile_report("bf16", False), _compile_report("bf16", False, indirect=True)
     assert indirect["spill_bytes"] == [0, 0] and not indirect["wgmma_serialized"]
+    assert indirect["wgmma_operand_rewrites"] == []
     assert indirect["async_copies"] == 2 and plain["async_copies"] == 0  # K and V, row by row
     assert indirect["tma_loads"] == 2 and plain["tma_loads"] == 4  # only the query halves through TMA
     # the consumers give the loader the registers its row addresses need
@@ -80,23 +83,15 @@ def test_the_indirect_build_copies_key_rows_with_cp_async_and_keeps_tma_for_the_
 
 
 @pytest.mark.parametrize("indirect", [False, True], ids=["tma", "indirect"])
-def test_the_kv_head_major_work_list_builds_with_the_same_schedule(indirect):
+@pytest.mark.parametrize("switches", ["RECIPROCAL=1", "EARLY_ITEM=1"])
+def test_the_switches_build_with_the_same_schedule(switches, indirect):
     plain = _compile_report("bf16", False, indirect)
-    kv_major = _compile_report("bf16", False, indirect, "--kv-head-major")
-    # only which item a program takes changes: the same MMAs, copies, barriers and register split, no spills
+    built = _compile_report("bf16", False, indirect, "--set", switches)
+    # the epilogue's arithmetic or when an item's fields are loaded changes: the same MMAs, copies, barriers and
+    # register split, no spills, nothing rewriting an MMA's operands
     for key in ("wgmma", "tma_loads", "async_copies", "mbarrier_waits", "mbarrier_arrives", "setmaxnreg", "smem_kib"):
-        assert kv_major[key] == plain[key], key
-    assert kv_major["spill_bytes"] == [0, 0] and not kv_major["wgmma_serialized"]
-
-
-@pytest.mark.parametrize("indirect", [False, True], ids=["tma", "indirect"])
-def test_p_left_out_of_the_wait_builds_with_nothing_rewriting_the_mma_operands(indirect):
-    plain = _compile_report("bf16", False, indirect)
-    out = _compile_report("bf16", False, indirect, "--p-out-of-wait")
-    assert out["wgmma_operand_rewrites"] == [] and plain["wgmma_operand_rewrites"] == []
-    assert not out["wgmma_serialized"] and out["spill_bytes"] == [0, 0]
-    for key in ("wgmma", "tma_loads", "async_copies", "mbarrier_waits", "mbarrier_arrives", "setmaxnreg"):
-        assert out[key] == plain[key], key
+        assert built[key] == plain[key], key
+    assert built["spill_bytes"] == [0, 0] and not built["wgmma_serialized"] and built["wgmma_operand_rewrites"] == []
 
 
 def test_the_operand_rewrite_check_finds_a_write_before_the_wait_and_none_after():
@@ -250,23 +245,30 @@ def test_gpu_indirect_kernel_matches_oracle_reading_the_pool(dtype, group, prefi
     assert check_ragged_lengths(dtype, group, prefix, pingpong=False, indirect=True, page_size=page_size) < 1e-2
 
 
-@needs_hopper
-@pytest.mark.parametrize("indirect", [False, True], ids=["rows", "pool"])
-def test_gpu_p_left_out_of_the_wait_matches_oracle(indirect, monkeypatch):
-    monkeypatch.setattr(prefill_gluon, "P_IN_WAIT", False)
-    assert check_ragged_lengths(torch.bfloat16, 8, [0, 128, 37, 1000, 5, 0, 300], pingpong=False, indirect=indirect,
-                                extend=(1, 127, 128, 129, 300, 1000, 2000)) < 1e-2
+LONG_PREFIX, LONG_EXTEND = [0, 128, 37, 1000, 5, 0, 300], (1, 127, 128, 129, 300, 1000, 2000)
 
 
 @needs_hopper
 @pytest.mark.parametrize("group", [1, 8])
 @pytest.mark.parametrize("indirect", [False, True], ids=["rows", "pool"])
-def test_gpu_kv_head_major_work_list_matches_oracle(group, indirect, monkeypatch):
+def test_gpu_work_list_matches_oracle_over_more_items_than_sms(group, indirect):
     """Every (query tile, head) item exactly once in the KV-head-major order: 32 query tiles of 1 to 16 key tiles
     over 2 KV heads, with 1 and 8 query heads each (64 and 512 items, under and over an H100's or H200's SMs)."""
-    monkeypatch.setattr(prefill_gluon, "KV_HEAD_MAJOR", True)
-    assert check_ragged_lengths(torch.bfloat16, group, [0, 128, 37, 1000, 5, 0, 300], pingpong=False,
-                                indirect=indirect, extend=(1, 127, 128, 129, 300, 1000, 2000)) < 1e-2
+    assert check_ragged_lengths(torch.bfloat16, group, LONG_PREFIX, pingpong=False, indirect=indirect,
+                                extend=LONG_EXTEND) < 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("switches", ["RECIPROCAL=1", "EARLY_ITEM=1"])
+@pytest.mark.parametrize("indirect", [False, True], ids=["rows", "pool"])
+def test_gpu_switches_match_oracle(switches, indirect):
+    """Each schedule that is built but off, over more items than SMs: EARLY_ITEM's fields read two items ahead
+    must follow every program's own items to the end of the list."""
+    from attnserve.attention.kernels.mha.gluon_switches import gluon_settings
+
+    with gluon_settings(switches):
+        assert check_ragged_lengths(torch.bfloat16, 8, LONG_PREFIX, pingpong=False, indirect=indirect,
+                                    extend=LONG_EXTEND) < 1e-2
 
 
 @needs_hopper

@@ -5,8 +5,7 @@ builds for Hopper at all, its registers and spills (ptxas), shared memory, the p
 register moves (setmaxnreg), and the wgmma, TMA and mbarrier instructions in its PTX
 (compile_mla_sm90.compile_sm90 does the compiling). The GPU tests check what it computes.
 
-    python3 tools/compile_prefill_gluon_sm90.py [--dtype fp16] [--pingpong] [--indirect] [--kv-head-major]
-        [--p-out-of-wait]
+    python3 tools/compile_prefill_gluon_sm90.py [--dtype fp16] [--pingpong] [--indirect] [--set NAME=VALUE[,...]]
 """
 
 from __future__ import annotations
@@ -27,12 +26,19 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from attnserve.attention.kernels.mha import prefill_gluon as pg  # noqa: E402
+from attnserve.attention.kernels.mha.gluon_switches import gluon_settings  # noqa: E402
 
 
 def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, pingpong: bool = False,
-                   indirect: bool = False, kv_head_major: bool = False, p_in_wait: bool = True) -> dict:
-    """indirect: the loader reading K and V rows through a slot list (cp.async) instead of TMA; kv_head_major: the
-    work list KV head by KV head (the module's KV_HEAD_MAJOR); p_in_wait: the module's P_IN_WAIT."""
+                   indirect: bool = False, switches: str = "") -> dict:
+    """indirect: the loader reading K and V rows through a slot list (cp.async) instead of TMA; switches: the
+    module's switches set so while it builds ("RECIPROCAL=1,EARLY_ITEM=1", gluon_switches.gluon_settings)."""
+    with gluon_settings(switches):
+        return {"dtype": str(dtype), "group": group, "pingpong": pingpong, "indirect": indirect,
+                "switches": switches, **_compile(dtype, group, pingpong, indirect)}
+
+
+def _compile(dtype: torch.dtype, group: int, pingpong: bool, indirect: bool) -> dict:
     kv_heads, head_dim = 8, 128
     q = torch.empty(4096, kv_heads * group, head_dim, dtype=dtype)  # stands in for the query rows
     kv = torch.empty(4096, kv_heads, head_dim, dtype=dtype)  # and for the K / V rows
@@ -43,12 +49,10 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, pingpong
                       HEAD_DIM=head_dim, STAGES=pg.STAGES,
                       CONSUMER_REGS=pg.INDIRECT_CONSUMER_REGS if indirect else pg.CONSUMER_REGS, PINGPONG=pingpong,
                       INDIRECT=indirect, KV_LAYOUT=pg._shared_layout(dtype, pg.BLOCK_N, head_dim),
-                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES, KV_HEAD_MAJOR=kv_head_major,
-                      P_IN_WAIT=p_in_wait)
-    report = compile_sm90(pg._prefill_gluon_kernel, constexprs, pg.LOADER_WARPS, 1, source=GluonASTSource,
-                          pointers=types)
-    return {"dtype": str(dtype), "group": group, "pingpong": pingpong, "indirect": indirect,
-            "kv_head_major": kv_head_major, "p_in_wait": p_in_wait, **report}
+                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES, RECIPROCAL=pg.RECIPROCAL,
+                      EARLY_ITEM=pg.EARLY_ITEM)
+    return compile_sm90(pg._prefill_gluon_kernel, constexprs, pg.LOADER_WARPS, 1, source=GluonASTSource,
+                        pointers=types)
 
 
 def main(argv=None) -> int:
@@ -57,12 +61,11 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--pingpong", action="store_true", help="the consumers taking turns to issue their MMAs")
     p.add_argument("--indirect", action="store_true", help="K and V rows read through a slot list (cp.async)")
-    p.add_argument("--kv-head-major", action="store_true", help="the work list KV head by KV head")
-    p.add_argument("--p-out-of-wait", action="store_true", help="P's registers left out of the wait for P.V")
+    p.add_argument("--set", default="", metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="the module's switches while it builds, e.g. EARLY_ITEM=1")
     args = p.parse_args(argv)
     print(json.dumps(compile_report(torch.bfloat16 if args.dtype == "bf16" else torch.float16, args.group,
-                                    args.pingpong, args.indirect, args.kv_head_major,
-                                    not args.p_out_of_wait)))
+                                    args.pingpong, args.indirect, args.set)))
     return 0
 
 

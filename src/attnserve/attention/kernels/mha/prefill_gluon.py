@@ -69,19 +69,16 @@ MIN_MEAN_KEY_TILES = 6
 # (H100, two sweeps in both orders: 0.99-1.02x at 8x2048, 1.00x at 1x16384, 1.01-1.02x at extend, within the runs'
 # noise; sweep-prefill-gluon-pingpong-h100-{1,2}.json), so off (tools/sweep_prefill_tma.py --gluon-set PINGPONG=1)
 PINGPONG = False
-# The work list KV head by KV head (each one's tiles heaviest first, its query heads fastest) instead of tile by tile
-# over every head, so the programs running together read the keys of one KV head, which L2 holds. Nsight Compute at
-# 8 x 2048 (H100): the plain order reads 611 MB of DRAM against 201-203 MB for FA3 and FA4, which read Q, K and V
-# once (ncu-h100-gluon-prefill-8x2048.json). Raced once (medians of three rounds, noise up to 4%): 1.03x at 8 x 2048,
-# 1.01x at 1 x 16384, 1.00x at extend (sweep-prefill-gluon-kvmajor-h100.json); off until a race with the noise
-# control says more (tools/sweep_prefill_tma.py --gluon-set KV_HEAD_MAJOR=1)
-KV_HEAD_MAJOR = False
-# P's registers named in the wait for each P.V MMA, Triton's guard that nothing rewrites them while the MMA reads them
-# (PTX leaves that undefined). The wait's register list names P's 64 bf16 values one by one, so ptxas keeps them
-# unpacked and swaps halves back before each MMA: 32 PRMT a key step. False leaves them out (590 SASS instructions a
-# key step against 624); tools/compile_prefill_gluon_sm90.py --p-out-of-wait then checks in the PTX that nothing
-# rewrites them before the wait. Not yet raced (tools/sweep_prefill_tma.py --gluon-set P_IN_WAIT=0)
-P_IN_WAIT = True
+# The output divided by each row's sum through one reciprocal a row and a multiply, instead of a division of every
+# element (approximate division with its range checks: about 4 instructions an element, 64 elements a thread, in
+# the epilogue, where neither consumer keeps the tensor cores busy). Not yet raced
+# (tools/sweep_prefill_tma.py --gluon-set RECIPROCAL=1)
+RECIPROCAL = False
+# Each consumer reads a work item's fields ahead: its tile (request and rows) two items ahead, the request's
+# offsets and lengths one item ahead, so no load waits for another. Read at the item's start, the second load's
+# address waits for the first load (an L2 round trip) before the item's first MMA. Not yet raced
+# (tools/sweep_prefill_tma.py --gluon-set EARLY_ITEM=1)
+EARLY_ITEM = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
 # (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
@@ -140,18 +137,30 @@ def _softmax_tile(s, m_i, l_i, row_pos, n0, full_end, qk_scale_log2,
 @gluon.jit
 def _work_item(w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens,
                NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
-    """Work item w (query tiles heaviest first, query heads fastest; with KV_HEAD_MAJOR one KV head's items
-    first): the tile's request and rows, its head, the column of its KV head, and how many key tiles it reads."""
-    if KV_HEAD_MAJOR:
-        per_kv_head = num_work // (NUM_HEADS // GROUP)
-        t = w % per_kv_head // GROUP
-        h = w // per_kv_head * GROUP + w % GROUP
-    else:
-        t = w // NUM_HEADS
-        h = w % NUM_HEADS
-    r = gl.load(tile_req + t)
-    m0 = gl.load(tile_m0 + t)
+               HEAD_DIM: gl.constexpr):
+    """Work item w: the tile's request and rows, its head, the column of its KV head, and how many key tiles it
+    reads (_item_tile, then _item_fields)."""
+    r, m0, h = _item_tile(w, num_work, tile_req, tile_m0, NUM_HEADS, GROUP)
+    return _item_fields(r, m0, h, qo_indptr, kv_starts, seq_lens, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def _item_tile(w, num_work, tile_req, tile_m0, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr):
+    """Work item w's query tile (its request r and first row m0) and head h. The list goes KV head by KV head,
+    each one's query tiles heaviest first with its query heads fastest, so the programs running together read the
+    keys of one KV head, which L2 holds: at 8 x 2048 on an H100, tile by tile over every head read 611 MB of
+    DRAM, this order 206 MB, as FA3 and FA4 (201-203 MB: Q, K and V once), and it measured 1.01-1.03x
+    (ncu-h100-gluon-kv-head-major-8x2048.json, sweep-prefill-gluon-switches-h100-1.json)."""
+    per_kv_head = num_work // (NUM_HEADS // GROUP)
+    t = w % per_kv_head // GROUP
+    h = w // per_kv_head * GROUP + w % GROUP
+    return gl.load(tile_req + t), gl.load(tile_m0 + t), h
+
+
+@gluon.jit
+def _item_fields(r, m0, h, qo_indptr, kv_starts, seq_lens, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The fields of the item at query tile (r, m0), head h: the request's offsets and lengths (loads at r)."""
     q_start = gl.load(qo_indptr + r)
     ext = gl.load(qo_indptr + r + 1) - q_start
     seq = gl.load(seq_lens + r)
@@ -179,7 +188,7 @@ def _load_query(q_desc, q_smem, q_ready, q_free, done, row, h, BLOCK_M: gl.const
 def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                 tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
                 NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
+                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """The producer over contiguous rows: for each of this program's work items, the query tile
     (_load_query), then its K and V tiles into their rings as slots come free (so the next item's first
     tiles arrive while the consumers finish this one)."""
@@ -188,7 +197,7 @@ def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free,
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-            HEAD_DIM, KV_HEAD_MAJOR)
+            HEAD_DIM)
         _load_query(q_desc, q_smem, q_ready, q_free, done, q_start + m0, h, BLOCK_M, HEAD_DIM, STAGES)
         for i in range(n_tiles):
             slot = it % STAGES
@@ -225,7 +234,7 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
                      NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                     ROW_LANES: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
+                     ROW_LANES: gl.constexpr):
     """_tma_loader for keys left where they are in the KV pool: request r's key n is pool row slots[kv_starts[r] + n].
 
     TMA cannot gather rows, so each K and V tile is copied with cp.async, ROW_LANES loader lanes a key row, 16
@@ -244,7 +253,7 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-            HEAD_DIM, KV_HEAD_MAJOR)
+            HEAD_DIM)
         seq = prefix + ext
         k_head = k_pool + kv_col  # this item's KV head in every pool row
         v_head = v_pool + kv_col
@@ -271,18 +280,17 @@ def _loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_rea
             tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-            INDIRECT: gl.constexpr, KV_HEAD_MAJOR: gl.constexpr):
+            INDIRECT: gl.constexpr):
     """The producer partition (the default one): K and V through TMA from contiguous rows, or (INDIRECT) copied
     from the pool's rows through the slot list."""
     if INDIRECT:
         _indirect_loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                          v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v,
-                         num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES,
-                         KV_HEAD_MAJOR)
+                         num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES)
     else:
         _tma_loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, STAGES, KV_HEAD_MAJOR)
+                    HEAD_DIM, STAGES)
 
 
 @gluon.jit
@@ -315,7 +323,7 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
-              KV_HEAD_MAJOR: gl.constexpr, P_IN_WAIT: gl.constexpr):
+              RECIPROCAL: gl.constexpr, EARLY_ITEM: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
@@ -336,10 +344,22 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
+    if EARLY_ITEM:  # the first item's fields and the second one's tile, read before the loop
+        item = _work_item(gl.program_id(0), num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS,
+                          GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+        tile = _item_tile(gl.minimum(gl.program_id(0) + gl.num_programs(0), num_work - 1), num_work, tile_req,
+                          tile_m0, NUM_HEADS, GROUP)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-            w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-            HEAD_DIM, KV_HEAD_MAJOR)
+        if EARLY_ITEM:  # loads whose addresses are known, for the next item's fields and the one after's tile
+            h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = item
+            item = _item_fields(tile[0], tile[1], tile[2], qo_indptr, kv_starts, seq_lens, GROUP, BLOCK_M, BLOCK_N,
+                                HEAD_DIM)
+            tile = _item_tile(gl.minimum(w + 2 * gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
+                              NUM_HEADS, GROUP)
+        else:
+            h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
+                w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
+                HEAD_DIM)
         first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
         row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
         full_end = first + 1  # keys below it are visible to every row of the half
@@ -379,10 +399,11 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
             mbarrier.arrive(k_free.index(nslot), count=1)
             p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, (j + 1) * BLOCK_N, full_end, qk_scale_log2,
                                                BLOCK_N, s_layout)
-            if P_IN_WAIT:  # P(j) in registers stays live until P.V is done
-                acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-            else:
-                acc = warpgroup_mma_wait(0, deps=[o_tok])
+            # P(j)'s registers are left out of the wait: named there one 16-bit value at a time, they kept ptxas from
+            # packing them, and it swapped halves back before each MMA (32 PRMT a key step). Nothing rewrites them
+            # before the wait (tools/compile_prefill_gluon_sm90.py: wgmma_operand_rewrites); 590 SASS
+            # instructions a key step against 624, and 1.00-1.03x (sweep-prefill-gluon-switches-h100-1.json)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(v_free.index(slot), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -401,7 +422,10 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
         done += 1
 
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+        if RECIPROCAL:
+            o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1)
+        else:
+            o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
         rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
         ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + h * stride_oh, 1) + gl.expand_dims(cols, 0)
@@ -415,7 +439,7 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-    KV_HEAD_MAJOR: gl.constexpr = False, P_IN_WAIT: gl.constexpr = True,
+    RECIPROCAL: gl.constexpr = False, EARLY_ITEM: gl.constexpr = False,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -455,16 +479,15 @@ def _prefill_gluon_kernel(
     gl.warp_specialize([
         (_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                    tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
-                   NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES, INDIRECT,
-                   KV_HEAD_MAJOR)),
+                   NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES, INDIRECT)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
                      stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     KV_HEAD_MAJOR, P_IN_WAIT)),
+                     RECIPROCAL, EARLY_ITEM)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
                      stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     KV_HEAD_MAJOR, P_IN_WAIT)),
+                     RECIPROCAL, EARLY_ITEM)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -521,8 +544,8 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
         PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
-        KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS, KV_HEAD_MAJOR=KV_HEAD_MAJOR,
-        P_IN_WAIT=P_IN_WAIT,
+        KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS, RECIPROCAL=RECIPROCAL,
+        EARLY_ITEM=EARLY_ITEM,
         num_warps=LOADER_WARPS,
     )
     return out
