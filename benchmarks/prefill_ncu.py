@@ -12,7 +12,7 @@ longest kernel's; `us_total` sums the call's kernels.
 
     python benchmarks/prefill_ncu.py --workload "prefill 1x16384" --out prefill-ncu.json [--contestants triton fa4]
     python benchmarks/prefill_ncu.py --workload "mla decode 128x4096 h128 p1" --out mla-ncu.json
-    python benchmarks/prefill_ncu.py --workload "prefill 8x2048" --contestants triton --gluon-set EARLY_ITEM=1
+    python benchmarks/prefill_ncu.py --workload "prefill 8x2048" --contestants triton --gluon-set STAGES=3
 
 Without ncu on PATH it writes the record with `ncu_error` and exits 1; `--child` is the profiled process.
 """
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="prefill-ncu.json")
     p.add_argument("--timeout-s", type=float, default=240, help="per contestant")
     p.add_argument("--gluon-set", default="", metavar="NAME=VALUE[,NAME=VALUE]",
-                   help="the Gluon prefill's module switches while triton runs (e.g. EARLY_ITEM=1)")
+                   help="the Gluon prefill's module switches while triton runs (e.g. STAGES=3)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

@@ -32,7 +32,7 @@ from attnserve.attention.kernels.mha.gluon_switches import gluon_settings  # noq
 def compile_report(dtype: torch.dtype = torch.bfloat16, group: int = 4, pingpong: bool = False,
                    indirect: bool = False, switches: str = "") -> dict:
     """indirect: the loader reading K and V rows through a slot list (cp.async) instead of TMA; switches: the
-    module's switches set so while it builds ("RECIPROCAL=1,EARLY_ITEM=1", gluon_switches.gluon_settings)."""
+    module's switches set so while it builds ("PINGPONG=0,STAGES=3", gluon_switches.gluon_settings)."""
     with gluon_settings(switches):
         return {"dtype": str(dtype), "group": group, "pingpong": pingpong, "indirect": indirect,
                 "switches": switches, **_compile(dtype, group, pingpong, indirect)}
@@ -49,8 +49,7 @@ def _compile(dtype: torch.dtype, group: int, pingpong: bool, indirect: bool) -> 
                       HEAD_DIM=head_dim, STAGES=pg.STAGES,
                       CONSUMER_REGS=pg.INDIRECT_CONSUMER_REGS if indirect else pg.CONSUMER_REGS, PINGPONG=pingpong,
                       INDIRECT=indirect, KV_LAYOUT=pg._shared_layout(dtype, pg.BLOCK_N, head_dim),
-                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES, RECIPROCAL=pg.RECIPROCAL,
-                      EARLY_ITEM=pg.EARLY_ITEM)
+                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES)
     return compile_sm90(pg._prefill_gluon_kernel, constexprs, pg.LOADER_WARPS, 1, source=GluonASTSource,
                         pointers=types)
 
@@ -62,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--pingpong", action="store_true", help="the consumers taking turns to issue their MMAs")
     p.add_argument("--indirect", action="store_true", help="K and V rows read through a slot list (cp.async)")
     p.add_argument("--set", default="", metavar="NAME=VALUE[,NAME=VALUE]",
-                   help="the module's switches while it builds, e.g. EARLY_ITEM=1")
+                   help="the module's switches while it builds, e.g. STAGES=3")
     args = p.parse_args(argv)
     print(json.dumps(compile_report(torch.bfloat16 if args.dtype == "bf16" else torch.float16, args.group,
                                     args.pingpong, args.indirect, args.set)))

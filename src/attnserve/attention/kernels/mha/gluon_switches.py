@@ -1,4 +1,4 @@
-"""The Gluon prefill's module switches (prefill_gluon.STAGES, EARLY_ITEM, ...) set from text, so a sweep or a
+"""The Gluon prefill's module switches (prefill_gluon.STAGES, PINGPONG, ...) set from text, so a sweep or a
 profile can race a schedule that is built but off without editing the module."""
 
 from __future__ import annotations

@@ -69,16 +69,6 @@ MIN_MEAN_KEY_TILES = 6
 # (H100, two sweeps in both orders: 0.99-1.02x at 8x2048, 1.00x at 1x16384, 1.01-1.02x at extend, within the runs'
 # noise; sweep-prefill-gluon-pingpong-h100-{1,2}.json), so off (tools/sweep_prefill_tma.py --gluon-set PINGPONG=1)
 PINGPONG = False
-# The output divided by each row's sum through one reciprocal a row and a multiply, instead of a division of every
-# element (approximate division with its range checks: about 4 instructions an element, 64 elements a thread, in
-# the epilogue, where neither consumer keeps the tensor cores busy). Not yet raced
-# (tools/sweep_prefill_tma.py --gluon-set RECIPROCAL=1)
-RECIPROCAL = False
-# Each consumer reads a work item's fields ahead: its tile (request and rows) two items ahead, the request's
-# offsets and lengths one item ahead, so no load waits for another. Read at the item's start, the second load's
-# address waits for the first load (an L2 round trip) before the item's first MMA. Not yet raced
-# (tools/sweep_prefill_tma.py --gluon-set EARLY_ITEM=1)
-EARLY_ITEM = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
 # (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
@@ -322,8 +312,7 @@ def _hand_over(turns, half: gl.constexpr):
 def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
-              RECIPROCAL: gl.constexpr, EARLY_ITEM: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
@@ -344,22 +333,20 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
-    if EARLY_ITEM:  # the first item's fields and the second one's tile, read before the loop
-        item = _work_item(gl.program_id(0), num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS,
+    # A work item's fields are read ahead, its tile (request and rows) two items ahead and the request's offsets
+    # and lengths one item ahead, so no load waits for another: read at the item's start, the second load's
+    # address waited for the first (an L2 round trip) before the item's first MMA. With the reciprocal below,
+    # 1.02-1.06x on fresh prompts (sweep-prefill-gluon-switches-h100-2.json)
+    item = _work_item(gl.program_id(0), num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS,
                           GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
-        tile = _item_tile(gl.minimum(gl.program_id(0) + gl.num_programs(0), num_work - 1), num_work, tile_req,
-                          tile_m0, NUM_HEADS, GROUP)
+    tile = _item_tile(gl.minimum(gl.program_id(0) + gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
+                      NUM_HEADS, GROUP)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        if EARLY_ITEM:  # loads whose addresses are known, for the next item's fields and the one after's tile
-            h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = item
-            item = _item_fields(tile[0], tile[1], tile[2], qo_indptr, kv_starts, seq_lens, GROUP, BLOCK_M, BLOCK_N,
-                                HEAD_DIM)
-            tile = _item_tile(gl.minimum(w + 2 * gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
-                              NUM_HEADS, GROUP)
-        else:
-            h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
-                w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-                HEAD_DIM)
+        h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = item
+        item = _item_fields(tile[0], tile[1], tile[2], qo_indptr, kv_starts, seq_lens, GROUP, BLOCK_M, BLOCK_N,
+                            HEAD_DIM)
+        tile = _item_tile(gl.minimum(w + 2 * gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
+                          NUM_HEADS, GROUP)
         first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
         row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
         full_end = first + 1  # keys below it are visible to every row of the half
@@ -422,10 +409,9 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
         done += 1
 
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        if RECIPROCAL:
-            o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1)
-        else:
-            o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+        # one reciprocal a row and a multiply: dividing each element took about 4 instructions (an approximate
+        # division and its range checks), 64 a thread, here, where neither consumer keeps the tensor cores busy
+        o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1)
         rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
         ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + h * stride_oh, 1) + gl.expand_dims(cols, 0)
@@ -439,7 +425,6 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-    RECIPROCAL: gl.constexpr = False, EARLY_ITEM: gl.constexpr = False,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -482,12 +467,10 @@ def _prefill_gluon_kernel(
                    NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES, INDIRECT)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     RECIPROCAL, EARLY_ITEM)),
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
                      tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     RECIPROCAL, EARLY_ITEM)),
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -544,8 +527,7 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
         PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
-        KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS, RECIPROCAL=RECIPROCAL,
-        EARLY_ITEM=EARLY_ITEM,
+        KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
         num_warps=LOADER_WARPS,
     )
     return out
