@@ -90,6 +90,20 @@ def test_three_stages_build_in_hopper_shared_memory_with_one_query_buffer():
     assert 227 >= three["smem_kib"] and round(three["smem_kib"] - plain["smem_kib"]) == 32
 
 
+@pytest.mark.parametrize("indirect", [False, True], ids=["tma", "indirect"])
+def test_the_dynamic_items_build_claims_items_with_atomics_and_keeps_the_schedule(indirect):
+    plain = _compile_report("bf16", False, indirect)
+    dynamic = _compile_report("bf16", False, indirect, "--set", "DYNAMIC_ITEMS=1")
+    assert dynamic["spill_bytes"] == [0, 0] and not dynamic["wgmma_serialized"]
+    assert dynamic["wgmma_operand_rewrites"] == []
+    # the same MMAs and loads; the consumers wait once more for each query buffer (to read its item) and the
+    # loader arrives once more (the last buffer, which says no item is left)
+    for key in ("wgmma", "tma_loads", "async_copies", "setmaxnreg"):
+        assert dynamic[key] == plain[key], key
+    assert dynamic["mbarrier_waits"] > plain["mbarrier_waits"]
+    assert dynamic["mbarrier_arrives"] > plain["mbarrier_arrives"]
+
+
 def test_the_operand_rewrite_check_finds_a_write_before_the_wait_and_none_after():
     """compile_mla_sm90.wgmma_operand_rewrites on PTX written here: a wgmma reading A from %r5 and %r6, then a move
     into %r6 before or after the wait for every group."""
@@ -253,6 +267,20 @@ def test_gpu_work_list_matches_oracle_over_more_items_than_sms(group, indirect):
     heads each (64 and 512 items, under and over an H100's or H200's SMs)."""
     assert check_ragged_lengths(torch.bfloat16, group, LONG_PREFIX, pingpong=False, indirect=indirect,
                                 extend=LONG_EXTEND) < 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("indirect", [False, True], ids=["rows", "pool"])
+def test_gpu_dynamic_items_match_oracle_launch_after_launch(indirect):
+    """Items claimed through the counter, over more items than SMs, three launches in a row: each must see the
+    counter back at zero (a launch that did not reset it would skip items and leave NaN in the output)."""
+    from attnserve.attention.kernels.mha.gluon_switches import gluon_settings
+
+    with gluon_settings("DYNAMIC_ITEMS=1"):
+        for _ in range(3):
+            assert check_ragged_lengths(torch.bfloat16, 8, LONG_PREFIX, pingpong=False, indirect=indirect,
+                                        extend=LONG_EXTEND) < 1e-2
+            assert prefill_gluon.item_counter(torch.device("cuda")).tolist() == [0, 0]
 
 
 @needs_hopper

@@ -44,12 +44,13 @@ def _compile(dtype: torch.dtype, group: int, pingpong: bool, indirect: bool) -> 
     kv = torch.empty(4096, kv_heads, head_dim, dtype=dtype)  # and for the K / V rows
     kv_type = mangle_type(kv) if indirect else mangle_type(pg._descriptor(kv, pg.BLOCK_N))
     types = {"q_desc": mangle_type(pg._descriptor(q, pg.BLOCK_M // 2)), "k_src": kv_type, "v_src": kv_type,
-             "Out": mangle_type(q), "kv_starts": "*i32", "slots": "*i32"}
+             "Out": mangle_type(q), "kv_starts": "*i32", "slots": "*i32", "counter": "*i32"}
     constexprs = dict(NUM_HEADS=kv_heads * group, NUM_KV_HEADS=kv_heads, BLOCK_M=pg.BLOCK_M, BLOCK_N=pg.BLOCK_N,
                       HEAD_DIM=head_dim, STAGES=pg.STAGES,
                       CONSUMER_REGS=pg.INDIRECT_CONSUMER_REGS if indirect else pg.CONSUMER_REGS, PINGPONG=pingpong,
                       INDIRECT=indirect, KV_LAYOUT=pg._shared_layout(dtype, pg.BLOCK_N, head_dim),
-                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES)
+                      LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES,
+                      DYNAMIC_ITEMS=pg.DYNAMIC_ITEMS)
     return compile_sm90(pg._prefill_gluon_kernel, constexprs, pg.LOADER_WARPS, 1, source=GluonASTSource,
                         pointers=types)
 

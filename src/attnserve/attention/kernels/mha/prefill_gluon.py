@@ -69,6 +69,11 @@ MIN_MEAN_KEY_TILES = 6
 # (H100, two sweeps in both orders: 0.99-1.02x at 8x2048, 1.00x at 1x16384, 1.01-1.02x at extend, within the runs'
 # noise; sweep-prefill-gluon-pingpong-h100-{1,2}.json), so off (tools/sweep_prefill_tma.py --gluon-set PINGPONG=1)
 PINGPONG = False
+# Items claimed as programs come free (an atomic counter the loader draws from; it tells the consumers which item
+# through shared memory) instead of each program taking every 132nd: on the list's costs the static split leaves
+# the busiest program 3% (prefill) to 7% (extend 8 x (4096 + 512)) over the mean, claiming 0.1-3%. Not yet raced
+# (tools/sweep_prefill_tma.py --gluon-set DYNAMIC_ITEMS=1)
+DYNAMIC_ITEMS = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
 # (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
@@ -161,34 +166,101 @@ def _item_fields(r, m0, h, qo_indptr, kv_starts, seq_lens, GROUP: gl.constexpr, 
 
 
 @gluon.jit
-def _load_query(q_desc, q_smem, q_ready, q_free, done, row, h, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                STAGES: gl.constexpr):
-    """Both 64-row halves of the query tile at `row` (head h) into the buffer of the done-th item, once the
-    consumers have released it. With two buffers the next item's Q loads while this one runs (see STAGES)."""
+def _load_query(q_desc, q_smem, q_ready, q_free, item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles,
+                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                DYNAMIC_ITEMS: gl.constexpr):
+    """Both 64-row halves of item w's query tile (head h) into the buffer of the done-th item, once the
+    consumers have released it, and with DYNAMIC_ITEMS its fields beside it (_publish_item). With two buffers
+    the next item's Q loads while this one runs (see STAGES)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     qb = done % Q_BUFFERS
+    row = q_start + m0
     mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)  # a fresh barrier counts as released
+    if DYNAMIC_ITEMS:
+        _publish_item(item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles, STAGES, LOADER_WARPS)
     mbarrier.expect(q_ready.index(qb), BLOCK_M * HEAD_DIM * 2)
     tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb))
     tma.async_copy_global_to_shared(q_desc, [row + HALF_M, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb + 1))
 
 
+ITEM_FIELDS = gl.constexpr(8)  # an item as the loader publishes it (DYNAMIC_ITEMS): w, h, m0, q_start, ext, prefix,
+# n_tiles, unused
+
+
+@gluon.jit
+def _next_item(counter, w, DYNAMIC_ITEMS: gl.constexpr):
+    """The item this program takes after w: the next unclaimed one of the list (DYNAMIC_ITEMS: every program
+    took its program id's first, then claims from one counter, so a program that finished early takes more), or
+    w + programs."""
+    if DYNAMIC_ITEMS:
+        return gl.atomic_add(counter, 1) + gl.num_programs(0)
+    else:
+        return w + gl.num_programs(0)
+
+
+@gluon.jit
+def _publish_item(item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles, STAGES: gl.constexpr,
+                  LOADER_WARPS: gl.constexpr):
+    """The done-th item's fields into its query buffer's slot (w = num_work: no more items), written before that
+    buffer's ready barrier is armed, which the consumers wait for before they read them."""
+    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [LOADER_WARPS], [0])  # one thread's whole row
+    k = gl.arange(0, ITEM_FIELDS, layout=layout)
+    fields = gl.where(k == 0, w, gl.where(k == 1, h, gl.where(k == 2, m0, gl.where(k == 3, q_start, gl.where(
+        k == 4, ext, gl.where(k == 5, prefix, gl.where(k == 6, n_tiles, 0)))))))
+    item_smem.index(done % Q_BUFFERS).store(fields)
+    gl.thread_barrier()  # every loader thread's write before one thread arms the barrier
+
+
+@gluon.jit
+def _read_item(item_smem, q_ready, done, STAGES: gl.constexpr):
+    """The done-th item's fields, as _publish_item wrote them, once its query buffer is ready."""
+    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    qb = done % Q_BUFFERS
+    mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [4], [0])  # every thread all of them
+    fields = item_smem.index(qb).load(layout)
+    k = gl.arange(0, ITEM_FIELDS, layout=layout)
+    return (gl.sum(gl.where(k == 0, fields, 0), 0), gl.sum(gl.where(k == 1, fields, 0), 0),
+            gl.sum(gl.where(k == 2, fields, 0), 0), gl.sum(gl.where(k == 3, fields, 0), 0),
+            gl.sum(gl.where(k == 4, fields, 0), 0), gl.sum(gl.where(k == 5, fields, 0), 0),
+            gl.sum(gl.where(k == 6, fields, 0), 0))
+
+
+@gluon.jit
+def _end_items(item_smem, q_ready, q_free, done, counter, num_work, STAGES: gl.constexpr,
+               LOADER_WARPS: gl.constexpr):
+    """No item after the done-th: tell the consumers through the next query buffer (its ready barrier arrived on
+    without a load), and, as the last program to get here, set the counter back to 0 for the next launch."""
+    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    qb = done % Q_BUFFERS
+    mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
+    _publish_item(item_smem, done, num_work, 0, 0, 0, 0, 0, 0, STAGES, LOADER_WARPS)
+    mbarrier.arrive(q_ready.index(qb), count=1)
+    if gl.atomic_add(counter + 1, 1) == gl.num_programs(0) - 1:  # every program has claimed its last item
+        gl.store(counter, 0)
+        gl.store(counter + 1, 0)
+
+
 @gluon.jit
 def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
+                item_smem, counter, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work,
                 NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                DYNAMIC_ITEMS: gl.constexpr):
     """The producer over contiguous rows: for each of this program's work items, the query tile
     (_load_query), then its K and V tiles into their rings as slots come free (so the next item's first
     tiles arrive while the consumers finish this one)."""
     it = 0  # K/V tiles loaded so far: ring slot and phase
     done = 0  # work items loaded so far: the query buffer's phase
-    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+    w = gl.program_id(0)
+    while w < num_work:
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
             HEAD_DIM)
-        _load_query(q_desc, q_smem, q_ready, q_free, done, q_start + m0, h, BLOCK_M, HEAD_DIM, STAGES)
+        _load_query(q_desc, q_smem, q_ready, q_free, item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles,
+                    BLOCK_M, HEAD_DIM, STAGES, LOADER_WARPS, DYNAMIC_ITEMS)
         for i in range(n_tiles):
             slot = it % STAGES
             free_phase = ((it // STAGES) & 1) ^ 1
@@ -201,6 +273,9 @@ def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free,
             tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), v_ring.index(slot))
             it += 1
         done += 1
+        w = _next_item(counter, w, DYNAMIC_ITEMS)
+    if DYNAMIC_ITEMS:
+        _end_items(item_smem, q_ready, q_free, done, counter, num_work, STAGES, LOADER_WARPS)
 
 
 @gluon.jit
@@ -221,10 +296,10 @@ def _copy_rows(tile, head, stride, rows, valid, cols):
 
 @gluon.jit
 def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
-                     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                     ROW_LANES: gl.constexpr):
+                     item_smem, counter, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v,
+                     num_work, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                     ROW_LANES: gl.constexpr, DYNAMIC_ITEMS: gl.constexpr):
     """_tma_loader for keys left where they are in the KV pool: request r's key n is pool row slots[kv_starts[r] + n].
 
     TMA cannot gather rows, so each K and V tile is copied with cp.async, ROW_LANES loader lanes a key row, 16
@@ -240,7 +315,8 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
     cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout)), 0)  # [1, HEAD_DIM]
     it = 0
     done = 0
-    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+    w = gl.program_id(0)
+    while w < num_work:
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = _work_item(
             w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
             HEAD_DIM)
@@ -249,7 +325,8 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
         v_head = v_pool + kv_col
         request_slots = slots + kv_start
         rows = _tile_rows(request_slots, 0, seq, key_in_tile)  # [BLOCK_N] int32
-        _load_query(q_desc, q_smem, q_ready, q_free, done, q_start + m0, h, BLOCK_M, HEAD_DIM, STAGES)
+        _load_query(q_desc, q_smem, q_ready, q_free, item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles,
+                    BLOCK_M, HEAD_DIM, STAGES, LOADER_WARPS, DYNAMIC_ITEMS)
         for i in range(n_tiles):
             slot = it % STAGES
             free_phase = ((it // STAGES) & 1) ^ 1
@@ -263,24 +340,28 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
             rows = _tile_rows(request_slots, (i + 1) * BLOCK_N, seq, key_in_tile)  # the next tile's, read early
             it += 1
         done += 1
+        w = _next_item(counter, w, DYNAMIC_ITEMS)
+    if DYNAMIC_ITEMS:
+        _end_items(item_smem, q_ready, q_free, done, counter, num_work, STAGES, LOADER_WARPS)
 
 
 @gluon.jit
 def _loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-            tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
+            item_smem, counter, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-            INDIRECT: gl.constexpr):
+            INDIRECT: gl.constexpr, DYNAMIC_ITEMS: gl.constexpr):
     """The producer partition (the default one): K and V through TMA from contiguous rows, or (INDIRECT) copied
     from the pool's rows through the slot list."""
     if INDIRECT:
         _indirect_loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
-                         v_free, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v,
-                         num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES)
+                         v_free, item_smem, counter, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots,
+                         stride_k, stride_v, num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                         LOADER_WARPS, ROW_LANES, DYNAMIC_ITEMS)
     else:
         _tma_loader(q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                    tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, STAGES)
+                    item_smem, counter, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, NUM_HEADS,
+                    GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, DYNAMIC_ITEMS)
 
 
 @gluon.jit
@@ -309,17 +390,12 @@ def _hand_over(turns, half: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
-              tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
-              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr):
-    """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
-    together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
-    consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
-    consumer first; each hands the turn over as soon as its MMAs are issued), so one's softmax runs
-    under the other's MMAs (FlashAttention-3's warpgroup ping-pong, ordered through mbarriers, as Gluon
-    has no named barriers). Every wait for data comes before the wait for the turn: a consumer holding
-    the turn waits only for the tensor cores."""
+def _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_smem, k_ring, v_ring, q_ready, q_free,
+                  k_ready, v_ready, k_free, v_free, turns, Out, qk_scale_log2, stride_ot, stride_oh,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr, INDIRECT: gl.constexpr):
+    """One work item of a consumer (see _consumer): its n_tiles key tiles from ring position `it`, its query tile
+    in the buffer of the done-th item; the turns taken after it (PINGPONG)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -330,15 +406,109 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
+    row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
+    full_end = first + 1  # keys below it are visible to every row of the half
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([HALF_M], -1.0e30, gl.float32, row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
+
+    qb = done % Q_BUFFERS
+    q_half = q_smem.index(2 * qb + half)
+    mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
+    slot = it % STAGES
+    _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
+    if PINGPONG:
+        turn = _take_turn(turns, half, turn)
+        s_tok = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        _hand_over(turns, half)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+    else:
+        s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
+    mbarrier.arrive(k_free.index(slot), count=1)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(0, n_tiles - 1):
+        slot = (it + j) % STAGES
+        nslot = (it + j + 1) % STAGES
+        _wait_ready(k_ready.index(nslot), ((it + j + 1) // STAGES) & 1, INDIRECT)
+        if PINGPONG:
+            _wait_ready(v_ready.index(slot), ((it + j) // STAGES) & 1, INDIRECT)
+            turn = _take_turn(turns, half, turn)
+        s_tok = warpgroup_mma(q_half, k_ring.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if not PINGPONG:
+            _wait_ready(v_ready.index(slot), ((it + j) // STAGES) & 1, INDIRECT)
+        o_tok = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
+        if PINGPONG:
+            _hand_over(turns, half)
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # S(j+1) done; P(j).V(j) still running
+        mbarrier.arrive(k_free.index(nslot), count=1)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, (j + 1) * BLOCK_N, full_end, qk_scale_log2,
+                                           BLOCK_N, s_layout)
+        # P(j)'s registers are left out of the wait: named there one 16-bit value at a time, they kept ptxas from
+        # packing them, and it swapped halves back before each MMA (32 PRMT a key step). Nothing rewrites them
+        # before the wait (tools/compile_prefill_gluon_sm90.py: wgmma_operand_rewrites); 590 SASS
+        # instructions a key step against 624, and 1.00-1.03x (sweep-prefill-gluon-switches-h100-1.json)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        mbarrier.arrive(v_free.index(slot), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    mbarrier.arrive(q_free.index(qb), count=1)  # this item's scores are done: its query buffer is free
+    last = it + n_tiles - 1
+    _wait_ready(v_ready.index(last % STAGES), (last // STAGES) & 1, INDIRECT)
+    if PINGPONG:
+        turn = _take_turn(turns, half, turn)
+        o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
+        _hand_over(turns, half)
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+    else:
+        acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
+    mbarrier.arrive(v_free.index(last % STAGES), count=1)
+
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    # one reciprocal a row and a multiply: dividing each element took about 4 instructions (an approximate
+    # division and its range checks), 64 a thread, here, where neither consumer keeps the tensor cores busy
+    o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1)
+    rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+    ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + h * stride_oh, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
+    return turn
+
+
+@gluon.jit
+def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, item_smem, Out,
+              tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
+              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
+              DYNAMIC_ITEMS: gl.constexpr):
+    """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
+    together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
+    consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
+    consumer first; each hands the turn over as soon as its MMAs are issued), so one's softmax runs
+    under the other's MMAs (FlashAttention-3's warpgroup ping-pong, ordered through mbarriers, as Gluon
+    has no named barriers). Every wait for data comes before the wait for the turn: a consumer holding
+    the turn waits only for the tensor cores. With DYNAMIC_ITEMS the loader says which item comes next
+    (_publish_item), and the consumers read it beside the item's query tile."""
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
+    if DYNAMIC_ITEMS:
+        w, h, m0, q_start, ext, prefix, n_tiles = _read_item(item_smem, q_ready, done, STAGES)
+        while w < num_work:
+            turn = _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_smem, k_ring, v_ring,
+                                 q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out, qk_scale_log2,
+                                 stride_ot, stride_oh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)
+            it += n_tiles
+            done += 1
+            w, h, m0, q_start, ext, prefix, n_tiles = _read_item(item_smem, q_ready, done, STAGES)
+        return
     # A work item's fields are read ahead, its tile (request and rows) two items ahead and the request's offsets
     # and lengths one item ahead, so no load waits for another: read at the item's start, the second load's
     # address waited for the first (an L2 round trip) before the item's first MMA. With the reciprocal below,
     # 1.02-1.06x on fresh prompts (sweep-prefill-gluon-switches-h100-2.json)
     item = _work_item(gl.program_id(0), num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS,
-                          GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
+                      GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
     tile = _item_tile(gl.minimum(gl.program_id(0) + gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
                       NUM_HEADS, GROUP)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
@@ -347,84 +517,21 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                             HEAD_DIM)
         tile = _item_tile(gl.minimum(w + 2 * gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
                           NUM_HEADS, GROUP)
-        first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
-        row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
-        full_end = first + 1  # keys below it are visible to every row of the half
-        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-        m_i = gl.full([HALF_M], -1.0e30, gl.float32, row_layout)
-        l_i = gl.zeros([HALF_M], gl.float32, row_layout)
-
-        qb = done % Q_BUFFERS
-        q_half = q_smem.index(2 * qb + half)
-        mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
-        slot = it % STAGES
-        _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
-        if PINGPONG:
-            turn = _take_turn(turns, half, turn)
-            s_tok = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            _hand_over(turns, half)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-        else:
-            s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
-        mbarrier.arrive(k_free.index(slot), count=1)
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(0, n_tiles - 1):
-            slot = (it + j) % STAGES
-            nslot = (it + j + 1) % STAGES
-            _wait_ready(k_ready.index(nslot), ((it + j + 1) // STAGES) & 1, INDIRECT)
-            if PINGPONG:
-                _wait_ready(v_ready.index(slot), ((it + j) // STAGES) & 1, INDIRECT)
-                turn = _take_turn(turns, half, turn)
-            s_tok = warpgroup_mma(q_half, k_ring.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            if not PINGPONG:
-                _wait_ready(v_ready.index(slot), ((it + j) // STAGES) & 1, INDIRECT)
-            o_tok = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
-            if PINGPONG:
-                _hand_over(turns, half)
-            s = warpgroup_mma_wait(1, deps=[s_tok])  # S(j+1) done; P(j).V(j) still running
-            mbarrier.arrive(k_free.index(nslot), count=1)
-            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, (j + 1) * BLOCK_N, full_end, qk_scale_log2,
-                                               BLOCK_N, s_layout)
-            # P(j)'s registers are left out of the wait: named there one 16-bit value at a time, they kept ptxas from
-            # packing them, and it swapped halves back before each MMA (32 PRMT a key step). Nothing rewrites them
-            # before the wait (tools/compile_prefill_gluon_sm90.py: wgmma_operand_rewrites); 590 SASS
-            # instructions a key step against 624, and 1.00-1.03x (sweep-prefill-gluon-switches-h100-1.json)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(v_free.index(slot), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.arrive(q_free.index(qb), count=1)  # this item's scores are done: its query buffer is free
-        last = it + n_tiles - 1
-        _wait_ready(v_ready.index(last % STAGES), (last // STAGES) & 1, INDIRECT)
-        if PINGPONG:
-            turn = _take_turn(turns, half, turn)
-            o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
-            _hand_over(turns, half)
-            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-        else:
-            acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
-        mbarrier.arrive(v_free.index(last % STAGES), count=1)
+        turn = _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_smem, k_ring, v_ring,
+                             q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out, qk_scale_log2, stride_ot,
+                             stride_oh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)
         it += n_tiles
         done += 1
-
-        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        # one reciprocal a row and a multiply: dividing each element took about 4 instructions (an approximate
-        # division and its range checks), 64 a thread, here, where neither consumer keeps the tensor cores busy
-        o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1)
-        rows = m0 + half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))  # among the new tokens
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-        ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + h * stride_oh, 1) + gl.expand_dims(cols, 0)
-        gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
 
 
 @gluon.jit(do_not_specialize=("num_work",))  # a step's work count: no variant per divisibility (prefill_tma's reason)
 def _prefill_gluon_kernel(
     q_desc, k_src, v_src, Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots,
-    qk_scale_log2, stride_ot, stride_oh, stride_k, stride_v, num_work,
+    qk_scale_log2, stride_ot, stride_oh, stride_k, stride_v, num_work, counter,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
+    DYNAMIC_ITEMS: gl.constexpr = False,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -452,6 +559,11 @@ def _prefill_gluon_kernel(
             mbarrier.init(turns.index(i), count=1)
     else:  # unused: the consumers take the same arguments either way
         turns = q_ready
+    if DYNAMIC_ITEMS:  # each query buffer's item, as the loader claimed it
+        item_smem = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, ITEM_FIELDS],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    else:
+        item_smem = q_ready
     # a tile is ready on the TMA's one arrival and its bytes, or on every loader thread's cp.async arrival
     READY_ARRIVALS: gl.constexpr = LOADER_WARPS * 32 if INDIRECT else 1
     for i in gl.static_range(STAGES):
@@ -463,15 +575,31 @@ def _prefill_gluon_kernel(
 
     gl.warp_specialize([
         (_loader, (q_desc, k_src, v_src, q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                   tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v, num_work,
-                   NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES, INDIRECT)),
-        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
-                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
-        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out,
-                     tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
-                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)),
+                   item_smem, counter, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, slots, stride_k, stride_v,
+                   num_work, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LOADER_WARPS, ROW_LANES, INDIRECT,
+                   DYNAMIC_ITEMS)),
+        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, item_smem,
+                     Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
+                     DYNAMIC_ITEMS)),
+        (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, item_smem,
+                     Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
+                     stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
+                     DYNAMIC_ITEMS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+_ITEM_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def item_counter(device: torch.device) -> torch.Tensor:
+    """`[2]` int32 on the device, zero between launches: the items claimed and the programs finished (DYNAMIC_ITEMS).
+    Each launch sets it back to zero as its last program ends, so one buffer serves every launch on the device's
+    stream, a CUDA graph's replays included; launches running at once on two streams would share it."""
+    index = torch.device(device).index or 0
+    if index not in _ITEM_COUNTERS:
+        _ITEM_COUNTERS[index] = torch.zeros(2, dtype=torch.int32, device=device)
+    return _ITEM_COUNTERS[index]
 
 
 def _shared_layout(dtype: torch.dtype, block_rows: int, dim: int):
@@ -524,10 +652,11 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         _descriptor(q, BLOCK_M // 2), k_src, v_src, out,
         tiles.tile_req, tiles.tile_m0, qo_indptr, kv_starts, seq_lens, slots if indirect else kv_starts,
         layer.sm_scale * LOG2E, out.stride(0), out.stride(1), k_rows.stride(0), v_rows.stride(0), num_work,
+        item_counter(q.device),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
         PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
         KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
-        num_warps=LOADER_WARPS,
+        DYNAMIC_ITEMS=DYNAMIC_ITEMS, num_warps=LOADER_WARPS,
     )
     return out
