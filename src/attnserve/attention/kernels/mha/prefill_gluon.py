@@ -71,8 +71,8 @@ MIN_MEAN_KEY_TILES = 6
 PINGPONG = False
 # Items claimed as programs come free (an atomic counter the loader draws from; it tells the consumers which item
 # through shared memory) instead of each program taking every 132nd: on the list's costs the static split leaves
-# the busiest program 3% (prefill) to 7% (extend 8 x (4096 + 512)) over the mean, claiming 0.1-3%. Not yet raced
-# (tools/sweep_prefill_tma.py --gluon-set DYNAMIC_ITEMS=1)
+# the busiest program 3.1% (prefill) to 7.5% (extend 8 x (4096 + 512)) over the mean, claiming 0.1-0.6% and 2.8%
+# (docs/kernels.md). Not yet run on a GPU (tools/sweep_prefill_tma.py --gluon-set DYNAMIC_ITEMS=1)
 DYNAMIC_ITEMS = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
