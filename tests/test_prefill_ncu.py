@@ -83,3 +83,25 @@ def test_the_child_refuses_a_contestant_the_workload_has_no_racer_for():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--child", "sdpa-cudnn", "--workload", "mla decode 4x64 h16 p1"],
                           capture_output=True, text=True, env=_child_env(), timeout=600, check=False)
     assert proc.returncode != 0 and "has no racer" in proc.stderr
+
+
+def test_the_gluon_switches_reach_the_profiled_child_and_a_misspelt_one_stops_first(ncu_script, tmp_path,
+                                                                                    monkeypatch):
+    """--gluon-set profiles a Gluon schedule that is built but off: the profiled child gets the switches (module
+    switches set in this process would not reach it), and the record names them."""
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=RAW, stderr="")
+
+    monkeypatch.setattr(ncu_script.shutil, "which", lambda name: "/usr/bin/ncu")
+    monkeypatch.setattr(ncu_script.subprocess, "run", fake_run)
+    out = tmp_path / "ncu.json"
+    assert ncu_script.main(["--workload", "prefill 2x48", "--contestants", "triton", "--gluon-set", "STAGES=3",
+                            "--out", str(out)]) == 0
+    assert commands[0][-2:] == ["--gluon-set", "STAGES=3"]
+    assert json.loads(out.read_text())["gluon_set"] == "STAGES=3"
+    with pytest.raises(SystemExit, match="no switch 'NOPE'"):
+        ncu_script.main(["--workload", "prefill 2x48", "--gluon-set", "NOPE=1", "--out", str(out)])
+    assert len(commands) == 1
