@@ -167,18 +167,18 @@ def _item_fields(r, m0, h, qo_indptr, kv_starts, seq_lens, GROUP: gl.constexpr, 
 
 @gluon.jit
 def _load_query(q_desc, q_smem, q_ready, q_free, item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles,
-                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, LOADER_WARPS: gl.constexpr,
                 DYNAMIC_ITEMS: gl.constexpr):
     """Both 64-row halves of item w's query tile (head h) into the buffer of the done-th item, once the
     consumers have released it, and with DYNAMIC_ITEMS its fields beside it (_publish_item). With two buffers
     the next item's Q loads while this one runs (see STAGES)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    Q_BUFFERS: gl.constexpr = q_free.shape[0]
     qb = done % Q_BUFFERS
     row = q_start + m0
     mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)  # a fresh barrier counts as released
     if DYNAMIC_ITEMS:
-        _publish_item(item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles, STAGES, LOADER_WARPS)
+        _publish_item(item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles, LOADER_WARPS)
     mbarrier.expect(q_ready.index(qb), BLOCK_M * HEAD_DIM * 2)
     tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb))
     tma.async_copy_global_to_shared(q_desc, [row + HALF_M, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb + 1))
@@ -200,11 +200,10 @@ def _next_item(counter, w, DYNAMIC_ITEMS: gl.constexpr):
 
 
 @gluon.jit
-def _publish_item(item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles, STAGES: gl.constexpr,
-                  LOADER_WARPS: gl.constexpr):
+def _publish_item(item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles, LOADER_WARPS: gl.constexpr):
     """The done-th item's fields into its query buffer's slot (w = num_work: no more items), written before that
     buffer's ready barrier is armed, which the consumers wait for before they read them."""
-    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    Q_BUFFERS: gl.constexpr = item_smem.shape[0]
     layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [LOADER_WARPS], [0])  # one thread's whole row
     k = gl.arange(0, ITEM_FIELDS, layout=layout)
     fields = gl.where(k == 0, w, gl.where(k == 1, h, gl.where(k == 2, m0, gl.where(k == 3, q_start, gl.where(
@@ -214,9 +213,9 @@ def _publish_item(item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles, STAG
 
 
 @gluon.jit
-def _read_item(item_smem, q_ready, done, STAGES: gl.constexpr):
+def _read_item(item_smem, q_ready, done):
     """The done-th item's fields, as _publish_item wrote them, once its query buffer is ready."""
-    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     qb = done % Q_BUFFERS
     mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
     layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [4], [0])  # every thread all of them
@@ -229,14 +228,13 @@ def _read_item(item_smem, q_ready, done, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _end_items(item_smem, q_ready, q_free, done, counter, num_work, STAGES: gl.constexpr,
-               LOADER_WARPS: gl.constexpr):
+def _end_items(item_smem, q_ready, q_free, done, counter, num_work, LOADER_WARPS: gl.constexpr):
     """No item after the done-th: tell the consumers through the next query buffer (its ready barrier arrived on
     without a load), and, as the last program to get here, set the counter back to 0 for the next launch."""
-    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    Q_BUFFERS: gl.constexpr = q_free.shape[0]
     qb = done % Q_BUFFERS
     mbarrier.wait(q_free.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
-    _publish_item(item_smem, done, num_work, 0, 0, 0, 0, 0, 0, STAGES, LOADER_WARPS)
+    _publish_item(item_smem, done, num_work, 0, 0, 0, 0, 0, 0, LOADER_WARPS)
     mbarrier.arrive(q_ready.index(qb), count=1)
     if gl.atomic_add(counter + 1, 1) == gl.num_programs(0) - 1:  # every program has claimed its last item
         gl.store(counter, 0)
@@ -260,7 +258,7 @@ def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free,
             w, num_work, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
             HEAD_DIM)
         _load_query(q_desc, q_smem, q_ready, q_free, item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles,
-                    BLOCK_M, HEAD_DIM, STAGES, LOADER_WARPS, DYNAMIC_ITEMS)
+                    BLOCK_M, HEAD_DIM, LOADER_WARPS, DYNAMIC_ITEMS)
         for i in range(n_tiles):
             slot = it % STAGES
             free_phase = ((it // STAGES) & 1) ^ 1
@@ -275,7 +273,7 @@ def _tma_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_free,
         done += 1
         w = _next_item(counter, w, DYNAMIC_ITEMS)
     if DYNAMIC_ITEMS:
-        _end_items(item_smem, q_ready, q_free, done, counter, num_work, STAGES, LOADER_WARPS)
+        _end_items(item_smem, q_ready, q_free, done, counter, num_work, LOADER_WARPS)
 
 
 @gluon.jit
@@ -326,7 +324,7 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
         request_slots = slots + kv_start
         rows = _tile_rows(request_slots, 0, seq, key_in_tile)  # [BLOCK_N] int32
         _load_query(q_desc, q_smem, q_ready, q_free, item_smem, done, w, h, m0, q_start, ext, prefix, n_tiles,
-                    BLOCK_M, HEAD_DIM, STAGES, LOADER_WARPS, DYNAMIC_ITEMS)
+                    BLOCK_M, HEAD_DIM, LOADER_WARPS, DYNAMIC_ITEMS)
         for i in range(n_tiles):
             slot = it % STAGES
             free_phase = ((it // STAGES) & 1) ^ 1
@@ -342,7 +340,7 @@ def _indirect_loader(q_desc, k_pool, v_pool, q_smem, k_ring, v_ring, q_ready, q_
         done += 1
         w = _next_item(counter, w, DYNAMIC_ITEMS)
     if DYNAMIC_ITEMS:
-        _end_items(item_smem, q_ready, q_free, done, counter, num_work, STAGES, LOADER_WARPS)
+        _end_items(item_smem, q_ready, q_free, done, counter, num_work, LOADER_WARPS)
 
 
 @gluon.jit
@@ -397,7 +395,7 @@ def _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_
     """One work item of a consumer (see _consumer): its n_tiles key tiles from ring position `it`, its query tile
     in the buffer of the done-th item; the turns taken after it (PINGPONG)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -494,14 +492,14 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     done = 0  # work items finished: the query buffer's phase
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
     if DYNAMIC_ITEMS:
-        w, h, m0, q_start, ext, prefix, n_tiles = _read_item(item_smem, q_ready, done, STAGES)
+        w, h, m0, q_start, ext, prefix, n_tiles = _read_item(item_smem, q_ready, done)
         while w < num_work:
             turn = _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_smem, k_ring, v_ring,
                                  q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out, qk_scale_log2,
                                  stride_ot, stride_oh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)
             it += n_tiles
             done += 1
-            w, h, m0, q_start, ext, prefix, n_tiles = _read_item(item_smem, q_ready, done, STAGES)
+            w, h, m0, q_start, ext, prefix, n_tiles = _read_item(item_smem, q_ready, done)
         return
     # A work item's fields are read ahead, its tile (request and rows) two items ahead and the request's offsets
     # and lengths one item ahead, so no load waits for another: read at the item's start, the second load's
@@ -539,7 +537,7 @@ def _prefill_gluon_kernel(
     # `[slots, Hkv, D]` buffers, read row by row through `slots`
     HALF_M: gl.constexpr = BLOCK_M // 2
     GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS
-    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES)
+    Q_BUFFERS: gl.constexpr = 2 if STAGES == 2 else 1  # (see STAGES); the partitions read it off q_ready, q_free
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, HALF_M, HEAD_DIM], q_desc.layout)  # buffers of 2 halves
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
