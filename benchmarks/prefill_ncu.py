@@ -137,13 +137,11 @@ def main(argv=None) -> int:
         return 0
     import torch
 
+    from attnserve.attention.kernels.mha.gluon_switches import parse_gluon_settings
     from attnserve.versions import package_versions
 
+    parse_gluon_settings(args.gluon_set)  # a misspelt switch stops here, before any profile
     ncu = shutil.which("ncu")
-    if args.gluon_set:  # a misspelt switch stops here, before any profile
-        from attnserve.attention.kernels.mha.gluon_switches import parse_gluon_settings
-
-        parse_gluon_settings(args.gluon_set)
     result = {"workload": args.workload, "gluon_set": args.gluon_set,
               "date": time.strftime("%Y-%m-%d", time.gmtime()),
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -8,11 +8,11 @@ import contextlib
 
 def parse_gluon_settings(assignments: str) -> dict:
     """"NAME=VALUE[,NAME=VALUE]" -> {NAME: value}: each value an int (a bool switch takes 0 or 1) of an upper-case
-    name the Gluon prefill's module has."""
+    name the Gluon prefill's module has; "" sets none."""
     from attnserve.attention.kernels.mha import prefill_gluon
 
     new = {}
-    for item in assignments.split(","):
+    for item in assignments.split(",") if assignments else []:
         name, _, value = item.partition("=")
         if not name.isupper() or not hasattr(prefill_gluon, name):
             raise SystemExit(f"prefill_gluon has no switch {name!r}")
@@ -22,10 +22,10 @@ def parse_gluon_settings(assignments: str) -> dict:
 
 @contextlib.contextmanager
 def gluon_settings(assignments: str):
-    """The Gluon prefill's module switches set while the block runs (parse_gluon_settings); "" sets none."""
+    """The Gluon prefill's module switches set while the block runs (parse_gluon_settings)."""
     from attnserve.attention.kernels.mha import prefill_gluon
 
-    new = parse_gluon_settings(assignments) if assignments else {}
+    new = parse_gluon_settings(assignments)
     saved = {name: getattr(prefill_gluon, name) for name in new}
     for name, value in new.items():
         setattr(prefill_gluon, name, value)
