@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "prefill_ncu.py"
@@ -18,10 +18,7 @@ SCRIPT = ROOT / "benchmarks" / "prefill_ncu.py"
 
 @pytest.fixture(scope="module")
 def ncu_script():
-    spec = importlib.util.spec_from_file_location("prefill_ncu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/prefill_ncu.py")
 
 
 # what ncu --csv --page raw prints: a header row, a units row, one row per kernel (numbers with thousands commas)

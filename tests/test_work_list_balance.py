@@ -1,19 +1,13 @@
 """tools/work_list_balance.py: the cost model behind the Gluon prefill's DYNAMIC_ITEMS, on the CPU."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def balance_tool():
-    spec = importlib.util.spec_from_file_location("work_list_balance", ROOT / "tools" / "work_list_balance.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/work_list_balance.py")
 
 
 def test_the_list_is_the_kernels_order(balance_tool):
