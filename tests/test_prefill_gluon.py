@@ -104,6 +104,21 @@ def test_the_dynamic_items_build_claims_items_with_atomics_and_keeps_the_schedul
     assert dynamic["mbarrier_arrives"] > plain["mbarrier_arrives"]
 
 
+@pytest.mark.parametrize("indirect", [False, True], ids=["tma", "indirect"])
+def test_the_early_next_s_build_issues_one_more_first_s_and_waits_for_the_last_pv_behind_it(indirect):
+    """EARLY_NEXT_S: the next item's first S issued before the last P.V is waited for, in the loop and once before
+    it (8 k-steps each, two consumers: 16 more wgmma sites), with the accumulators in flight still in registers
+    (ptxas serialises every wgmma when an MMA's accumulator leaves a branch, which an `if next item` around the
+    issue did)."""
+    plain = _compile_report("bf16", False, indirect)
+    early = _compile_report("bf16", False, indirect, "--set", "EARLY_NEXT_S=1")
+    assert not early["wgmma_serialized"] and early["wgmma_operand_rewrites"] == []
+    assert early["spill_bytes"][0] <= 8  # the indirect build's consumers keep 224 registers: 8 bytes spill there
+    assert sum(early["wgmma"].values()) == sum(plain["wgmma"].values()) + 16
+    for key in ("tma_loads", "async_copies", "setmaxnreg", "smem_kib"):
+        assert early[key] == plain[key], key
+
+
 def test_the_operand_rewrite_check_finds_a_write_before_the_wait_and_none_after():
     """compile_mla_sm90.wgmma_operand_rewrites on PTX written here: a wgmma reading A from %r5 and %r6, then a move
     into %r6 before or after the wait for every group."""
@@ -282,14 +297,14 @@ def in_a_child(code: str, hang_means: str, timeout_s: int = 180) -> float:
     return float(proc.stdout.splitlines()[-1])
 
 
-def check_dynamic_items(indirect: bool, launches: int = 3) -> float:
-    """DYNAMIC_ITEMS over more items than SMs, `launches` times in a row: the worst relative error, each launch
-    asserted to leave the claim counter at zero (a launch that did not would make the next skip items, and its
-    output keep NaN)."""
+def check_switched(settings: str, indirect: bool, launches: int = 3) -> float:
+    """The kernel with the module switches `settings` over more items than SMs, `launches` times in a row: the worst
+    relative error, each launch asserted to leave the claim counter (DYNAMIC_ITEMS) at zero (a launch that did not
+    would make the next skip items, and its output keep NaN)."""
     from attnserve.attention.kernels.mha.gluon_switches import gluon_settings
 
     errors = []
-    with gluon_settings("DYNAMIC_ITEMS=1"):
+    with gluon_settings(settings):
         for _ in range(launches):
             errors.append(check_ragged_lengths(torch.bfloat16, 8, LONG_PREFIX, pingpong=False, indirect=indirect,
                                                extend=LONG_EXTEND))
@@ -298,12 +313,14 @@ def check_dynamic_items(indirect: bool, launches: int = 3) -> float:
 
 
 @needs_hopper
+@pytest.mark.parametrize("settings", ["DYNAMIC_ITEMS=1", "EARLY_NEXT_S=1", "DYNAMIC_ITEMS=1,EARLY_NEXT_S=1"])
 @pytest.mark.parametrize("indirect", [False, True], ids=["rows", "pool"])
-def test_gpu_dynamic_items_match_oracle_launch_after_launch_in_a_process_of_its_own(indirect):
-    """Items claimed through the counter, not yet run on a GPU when written: in a child process with a time limit,
-    as a consumer never told that the items are over would hang the kernel (see the ping-pong test)."""
-    error = in_a_child(f"import test_prefill_gluon as t; print(t.check_dynamic_items({indirect}))",
-                       "the consumers were never told that the items are over")
+def test_gpu_switched_schedules_match_oracle_launch_after_launch_in_a_process_of_its_own(settings, indirect):
+    """Items claimed through the counter, and the next item's first S issued before this one's end, each not yet
+    run on a GPU when written: in a child process with a time limit, as a consumer never told that the items are
+    over, or waiting for a tile never loaded, would hang the kernel (see the ping-pong test)."""
+    error = in_a_child(f"import test_prefill_gluon as t; print(t.check_switched({settings!r}, {indirect}))",
+                       "a consumer waited for an item or a tile that never came")
     assert error < 1e-2
 
 

@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -74,6 +75,11 @@ PINGPONG = False
 # the busiest program 3.1% (prefill) to 7.5% (extend 8 x (4096 + 512)) over the mean, claiming 0.1-0.6% and 2.8%
 # (docs/kernels.md). Not yet run on a GPU (tools/sweep_prefill_tma.py --gluon-set DYNAMIC_ITEMS=1)
 DYNAMIC_ITEMS = False
+# A consumer issues the next item's first S = Q.K^T before it waits for this item's last P.V, so the tensor cores
+# have work while it normalises and stores this item's rows: both consumers reach an item's end together, and the
+# pipe otherwise idles from the last P.V to the next item's first S. Not yet run on a GPU
+# (tools/sweep_prefill_tma.py --gluon-set EARLY_NEXT_S=1)
+EARLY_NEXT_S = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
 # (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
@@ -388,14 +394,38 @@ def _hand_over(turns, half: gl.constexpr):
 
 
 @gluon.jit
-def _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_smem, k_ring, v_ring, q_ready, q_free,
-                  k_ready, v_ready, k_free, v_free, turns, Out, qk_scale_log2, stride_ot, stride_oh,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  PINGPONG: gl.constexpr, INDIRECT: gl.constexpr):
-    """One work item of a consumer (see _consumer): its n_tiles key tiles from ring position `it`, its query tile
-    in the buffer of the done-th item; the turns taken after it (PINGPONG)."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
+def _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half: gl.constexpr,
+                  STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr, has_item=True):
+    """Issue the done-th item's first S = Q.K^T (its query tile in that item's buffer, the key tile at ring
+    position `it`) without waiting for it; its token and the turns taken after it (PINGPONG).
+
+    has_item False (past the last item, EARLY_NEXT_S): the MMA is issued all the same, on whatever the buffers
+    hold, and its result never read; only the waits are skipped. An MMA under a branch would carry its
+    accumulator out of the branch, and ptxas then serialises every wgmma of the kernel."""
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    qb = done % Q_BUFFERS
+    slot = it % STAGES
+    if has_item:
+        mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
+        _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
+    if PINGPONG:
+        turn = _take_turn(turns, half, turn)
+    s_tok = warpgroup_mma(q_smem.index(2 * qb + half), k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+    if PINGPONG:
+        _hand_over(turns, half)
+    return s_tok, turn
+
+
+@gluon.jit
+def _consume_item(s_tok, prefix, m0, n_tiles, it, done, turn, half: gl.constexpr, q_smem, k_ring, v_ring, q_free,
+                  k_ready, v_ready, k_free, v_free, turns, qk_scale_log2, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr):
+    """One work item of a consumer (see _consumer) from its first S (_first_scores, in flight) to its last P.V,
+    issued and not waited for: its n_tiles key tiles from ring position `it`, its query tile in the buffer of the
+    done-th item. Returns the last P.V's token, the rows' softmax sums and the turns taken after it (PINGPONG)."""
+    HALF_M: gl.constexpr = q_smem.shape[1]
+    Q_BUFFERS: gl.constexpr = q_free.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -413,17 +443,8 @@ def _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_
 
     qb = done % Q_BUFFERS
     q_half = q_smem.index(2 * qb + half)
-    mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
-    slot = it % STAGES
-    _wait_ready(k_ready.index(slot), (it // STAGES) & 1, INDIRECT)
-    if PINGPONG:
-        turn = _take_turn(turns, half, turn)
-        s_tok = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        _hand_over(turns, half)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-    else:
-        s = warpgroup_mma(q_half, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False)
-    mbarrier.arrive(k_free.index(slot), count=1)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    mbarrier.arrive(k_free.index(it % STAGES), count=1)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, row_pos, 0, full_end, qk_scale_log2, BLOCK_N, s_layout)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     for j in range(0, n_tiles - 1):
@@ -456,13 +477,21 @@ def _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_
     _wait_ready(v_ready.index(last % STAGES), (last // STAGES) & 1, INDIRECT)
     if PINGPONG:
         turn = _take_turn(turns, half, turn)
-        o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
+    o_tok = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
+    if PINGPONG:
         _hand_over(turns, half)
-        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-    else:
-        acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
-    mbarrier.arrive(v_free.index(last % STAGES), count=1)
+    return o_tok, l_i, turn
 
+
+@gluon.jit
+def _finish_item(acc, l_i, v_free, last, Out, h, m0, q_start, ext, stride_ot, stride_oh, half: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """The item's output once its last P.V (ring position `last`) is done: that V slot released, the rows
+    normalised and stored."""
+    HALF_M: gl.constexpr = acc.shape[0]
+    HEAD_DIM: gl.constexpr = acc.shape[1]
+    o_layout: gl.constexpr = acc.type.layout
+    mbarrier.arrive(v_free.index(last % STAGES), count=1)
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     # one reciprocal a row and a multiply: dividing each element took about 4 instructions (an approximate
     # division and its range checks), 64 a thread, here, where neither consumer keeps the tensor cores busy
@@ -471,15 +500,25 @@ def _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
     ptrs = Out + gl.expand_dims((q_start + rows) * stride_ot + h * stride_oh, 1) + gl.expand_dims(cols, 0)
     gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < ext, 1))
-    return turn
+
+
+@gluon.jit
+def _last_pv(o_tok, EARLY_NEXT_S: gl.constexpr):
+    """The item's last P.V, waited for: with the next item's first S issued after it (EARLY_NEXT_S), that S stays
+    in flight (wgmma groups complete in order)."""
+    if EARLY_NEXT_S:
+        acc = warpgroup_mma_wait(1, deps=[o_tok])
+    else:
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+    return acc
 
 
 @gluon.jit
 def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, item_smem, Out,
-              tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half, qk_scale_log2, stride_ot, stride_oh,
-              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr,
-              DYNAMIC_ITEMS: gl.constexpr):
+              tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half: gl.constexpr, qk_scale_log2,
+              stride_ot, stride_oh, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+              INDIRECT: gl.constexpr, DYNAMIC_ITEMS: gl.constexpr, EARLY_NEXT_S: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
@@ -487,19 +526,40 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     under the other's MMAs (FlashAttention-3's warpgroup ping-pong, ordered through mbarriers, as Gluon
     has no named barriers). Every wait for data comes before the wait for the turn: a consumer holding
     the turn waits only for the tensor cores. With DYNAMIC_ITEMS the loader says which item comes next
-    (_publish_item), and the consumers read it beside the item's query tile."""
+    (_publish_item), and the consumers read it beside the item's query tile. With EARLY_NEXT_S the next item's
+    first S is issued before this item's last P.V is waited for, and runs while its output is stored."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    zero_s = gl.zeros([BLOCK_M // 2, BLOCK_N], gl.float32, s_layout)
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
+    s_tok = warpgroup_mma_init(zero_s)  # the item's first S in flight (EARLY_NEXT_S: issued during the item before)
     if DYNAMIC_ITEMS:
         w, h, m0, q_start, ext, prefix, n_tiles = _read_item(item_smem, q_ready, done)
+        if EARLY_NEXT_S:
+            s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
+                                        STAGES, PINGPONG, INDIRECT, w < num_work)
         while w < num_work:
-            turn = _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_smem, k_ring, v_ring,
-                                 q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out, qk_scale_log2,
-                                 stride_ot, stride_oh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)
+            if not EARLY_NEXT_S:
+                s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
+                                            STAGES, PINGPONG, INDIRECT)
+            o_tok, l_i, turn = _consume_item(s_tok, prefix, m0, n_tiles, it, done, turn, half, q_smem, k_ring,
+                                             v_ring, q_free, k_ready, v_ready, k_free, v_free, turns, qk_scale_log2,
+                                             BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)
+            last = it + n_tiles - 1
             it += n_tiles
             done += 1
+            item_h, item_m0, item_q_start, item_ext = h, m0, q_start, ext
             w, h, m0, q_start, ext, prefix, n_tiles = _read_item(item_smem, q_ready, done)
+            if EARLY_NEXT_S:
+                s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
+                                            STAGES, PINGPONG, INDIRECT, w < num_work)
+            acc = _last_pv(o_tok, EARLY_NEXT_S)
+            _finish_item(acc, l_i, v_free, last, Out, item_h, item_m0, item_q_start, item_ext, stride_ot,
+                         stride_oh, half, STAGES)
+        if EARLY_NEXT_S:  # the S issued past the last item
+            warpgroup_mma_wait(0, deps=[s_tok])
         return
     # A work item's fields are read ahead, its tile (request and rows) two items ahead and the request's offsets
     # and lengths one item ahead, so no load waits for another: read at the item's start, the second load's
@@ -509,17 +569,31 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                       GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
     tile = _item_tile(gl.minimum(gl.program_id(0) + gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
                       NUM_HEADS, GROUP)
+    if EARLY_NEXT_S:  # the grid has no more programs than items: each program has a first one
+        s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half, STAGES,
+                                    PINGPONG, INDIRECT)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = item
         item = _item_fields(tile[0], tile[1], tile[2], qo_indptr, kv_starts, seq_lens, GROUP, BLOCK_M, BLOCK_N,
                             HEAD_DIM)
         tile = _item_tile(gl.minimum(w + 2 * gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
                           NUM_HEADS, GROUP)
-        turn = _consume_item(h, m0, q_start, ext, prefix, n_tiles, it, done, turn, half, q_smem, k_ring, v_ring,
-                             q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, Out, qk_scale_log2, stride_ot,
-                             stride_oh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)
+        if not EARLY_NEXT_S:
+            s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
+                                        STAGES, PINGPONG, INDIRECT)
+        o_tok, l_i, turn = _consume_item(s_tok, prefix, m0, n_tiles, it, done, turn, half, q_smem, k_ring, v_ring,
+                                         q_free, k_ready, v_ready, k_free, v_free, turns, qk_scale_log2, BLOCK_N,
+                                         HEAD_DIM, STAGES, PINGPONG, INDIRECT)
+        last = it + n_tiles - 1
         it += n_tiles
         done += 1
+        if EARLY_NEXT_S:
+            s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
+                                        STAGES, PINGPONG, INDIRECT, w + gl.num_programs(0) < num_work)
+        acc = _last_pv(o_tok, EARLY_NEXT_S)
+        _finish_item(acc, l_i, v_free, last, Out, h, m0, q_start, ext, stride_ot, stride_oh, half, STAGES)
+    if EARLY_NEXT_S:  # the S issued past the last item
+        warpgroup_mma_wait(0, deps=[s_tok])
 
 
 @gluon.jit(do_not_specialize=("num_work",))  # a step's work count: no variant per divisibility (prefill_tma's reason)
@@ -529,7 +603,7 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-    DYNAMIC_ITEMS: gl.constexpr = False,
+    DYNAMIC_ITEMS: gl.constexpr = False, EARLY_NEXT_S: gl.constexpr = False,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -579,11 +653,11 @@ def _prefill_gluon_kernel(
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, item_smem,
                      Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
                      stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     DYNAMIC_ITEMS)),
+                     DYNAMIC_ITEMS, EARLY_NEXT_S)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, item_smem,
                      Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
                      stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     DYNAMIC_ITEMS)),
+                     DYNAMIC_ITEMS, EARLY_NEXT_S)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -655,6 +729,6 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
         PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
         KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
-        DYNAMIC_ITEMS=DYNAMIC_ITEMS, num_warps=LOADER_WARPS,
+        DYNAMIC_ITEMS=DYNAMIC_ITEMS, EARLY_NEXT_S=EARLY_NEXT_S, num_warps=LOADER_WARPS,
     )
     return out
