@@ -192,15 +192,15 @@ def test_gluon_mla_decode_matches_oracle(page_size, config):
             assert rel_err(out, ref) < 1e-2, (heads, splits, final, rel_err(out, ref))
 
 
-def check_overlapped_scorer(page_size: int) -> float:
-    """The scorer with SCORER_OVERLAP on (ragged lengths, splits forced on and off, empty splits, float32 and
-    float16 partials, 128 heads): the worst relative error, each output asserted free of NaN."""
+def check_scorer_switched(settings: str, page_size: int) -> float:
+    """The scorer with the Gluon launch's switches `settings` (ragged lengths, splits forced on and off, empty
+    splits, float32 and float16 partials, 128 heads): the worst relative error, each output asserted free of NaN."""
     from attnserve.attention.kernels.mha.gluon_switches import MLA_DECODE, gluon_settings
 
     errors = []
     sb = deepseek_batch([70, 1, 300, 129, 64], page_size, 128, "cuda", seed=page_size)
     ref = reference_for_batch(sb.q, sb.layer, sb.fb, compute_dtype=torch.float32)
-    with gluon_settings("SCORER_OVERLAP=1", MLA_DECODE):
+    with gluon_settings(settings, MLA_DECODE):
         for config in (SCORER, SCORER_FP16):
             for splits, final in (([1] * 5, True), ([1] * 5, False), ([2, 1, 5, 3, 1], False), ([7] * 5, False)):
                 if config is SCORER_FP16 and final:
@@ -217,7 +217,7 @@ def test_the_overlapped_scorer_matches_oracle_in_a_process_of_its_own(page_size)
     """Not yet run on a GPU when written: in a child process with a time limit, as a score waiting for a tile
     never copied would hang the kernel."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
-    code = f"import test_gluon_mla as t; print(t.check_overlapped_scorer({page_size}))"
+    code = f"import test_gluon_mla as t; print(t.check_scorer_switched('SCORER_OVERLAP=1', {page_size}))"
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180,
                               check=False)
