@@ -16,6 +16,7 @@ decode tile table rules the sweep implies (attention/kernels/mla/decode_table.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -73,6 +74,26 @@ def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict
     return out
 
 
+def measure(row: dict, w, rb, ref, device: str, options: dict, context=None) -> dict:
+    """The triton backend with `options` (inside `context`, e.g. switches set) on the workload's batch: checked
+    against the oracle, then on a GPU and within 1e-2 timed (decode in a CUDA graph); into `row`, which is printed
+    and returned. A setting that fails to compile or run is recorded in the row, not raised."""
+    try:
+        with context or contextlib.nullcontext():
+            fn = attnserve_racer("triton", rb, **options)
+            out = fn()
+            row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+            if device == "cuda" and row["rel_err"] < 1e-2:
+                us, _ = time_call(fn, use_graph=w.kind == "decode")
+                row["us"] = round(us, 1)
+                row["tflops"] = round(w.mla_flops() / us / 1e6, 1)
+    except Exception as exc:  # noqa: BLE001 - a setting that cannot compile or run here is recorded, not fatal
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    rb.keep.clear()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def sweep(args) -> dict:
     device = "cpu" if args.tiny else "cuda"
     workloads = [w for w in TINY_WORKLOADS if w.mla] if args.tiny else MLA_WORKLOADS
@@ -88,19 +109,7 @@ def sweep(args) -> dict:
                 print(f"{w.name}: time share spent; next workload", flush=True)
                 break
             row = {"workload": w.name, "heads": w.mla.num_heads, "page_size": w.page_size, **described}
-            try:
-                fn = attnserve_racer("triton", rb, **options)
-                out = fn()
-                row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
-                if device == "cuda" and row["rel_err"] < 1e-2:
-                    us, _ = time_call(fn, use_graph=w.kind == "decode")
-                    row["us"] = round(us, 1)
-                    row["tflops"] = round(w.mla_flops() / us / 1e6, 1)
-            except Exception as exc:  # noqa: BLE001 - a setting that cannot compile here is recorded, not fatal
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            rb.keep.clear()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(measure(row, w, rb, ref, device, options))
     best = {}
     for r in rows:
         if "us" in r and (r["workload"] not in best or r["us"] < best[r["workload"]]["us"]):
@@ -137,18 +146,7 @@ def race_switches(args) -> dict:
         for sets in candidates if rnd % 2 == 0 else candidates[::-1]:
             for w, rb, ref in zip(workloads, batches, refs):
                 row = {"workload": w.name, "switches": sets or "(shipped)", "round": rnd}
-                try:
-                    with gluon_settings(sets, MLA_DECODE):
-                        fn = attnserve_racer("triton", rb)
-                        out = fn()
-                        row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
-                        if device == "cuda" and row["rel_err"] < 1e-2:
-                            row["us"] = round(time_call(fn, use_graph=True)[0], 1)
-                except Exception as exc:  # noqa: BLE001 - a candidate that fails is a result
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-                rb.keep.clear()
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.append(measure(row, w, rb, ref, device, {}, gluon_settings(sets, MLA_DECODE)))
     medians = {}
     for r in rows:
         if "us" in r:

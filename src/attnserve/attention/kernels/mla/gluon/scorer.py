@@ -54,67 +54,6 @@ def _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring,
 
 
 @gluon.jit
-def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob, stride_oh,
-            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem,
-            l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS: gl.constexpr,
-            LATENT: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr):
-    """Warpgroup 0: each tile's whole score, its softmax, the probabilities for the loader, output columns 0-255."""
-    BLOCK_H: gl.constexpr = 64
-    BLOCK_N: gl.constexpr = 64
-    HALF: gl.constexpr = LATENT // 2
-    dtype: gl.constexpr = q_c_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 0-255
-    m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
-    mbarrier.wait(q_loaded, 0)
-    for t in range(num_tiles):
-        st = t % 2
-        mbarrier.wait(loaded.index(st), (t // 2) & 1)
-        hopper.fence_async_shared()  # cp.async's writes before the wgmmas read them
-        s = hopper.warpgroup_mma(q_c_smem, c_ring.index(st).permute((1, 0)),
-                                 gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
-                                 is_async=True)
-        s = hopper.warpgroup_mma(q_r_smem, r_ring.index(st).permute((1, 0)), s, is_async=True)
-        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if PAGE_SIZE % BLOCK_N == 0:
-            if hi - (lo + t * BLOCK_N) < BLOCK_N:  # a TMA tile's rows past the request's end: zeros for the PVs
-                parts.zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), parts.COPY_LAYOUT)
-                gl.thread_barrier()
-                hopper.fence_async_shared()  # the zeros before either PV reads the stage
-        if hi - (lo + t * BLOCK_N) >= BLOCK_N:  # a whole tile: no key to mask
-            s = s * qk_scale_log2
-            m_new = gl.maximum(m_run, gl.max(s, axis=1))
-            p = gl.exp2(s - m_new[:, None])
-            alpha = gl.exp2(m_run - m_new)
-        else:
-            p, m_new, alpha = parts.tile_probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_run = m_new
-        p = p.to(dtype)
-        r_ring.index(st).store(p)  # the rope slot, read by this tile's score already
-        if st == 0:  # by stage: the loader may read tile t's while the scorer writes tile t + 1's
-            alpha_smem.slice(0, BLOCK_H).store(alpha)
-        else:
-            alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
-        hopper.fence_async_shared()  # the loader's wgmma reads p
-        parts.release_stage(p_ready.index(st))
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = hopper.warpgroup_mma(gl.convert_layout(p, p_layout), c_ring.index(st).slice(0, HALF, dim=1), acc,
-                                   is_async=True)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        parts.release_stage(pv_done.index(st))  # this warpgroup is done with the stage
-    parts.two_warpgroup_epilogue(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg,
-            split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, NUM_HEADS,
-            LATENT, WRITE_FINAL, SCALED, row_s, row_o)
-
-
-@gluon.jit
 def _issue_score(q_c_smem, q_r_smem, c_ring, r_ring, loaded, t, has_tile, zero_s):
     """Issue tile t's score S = q K^T over all 576 columns (two wgmmas) without waiting for it. has_tile False
     (past the last tile): issued all the same on whatever the stage holds, its result never read, only the wait
@@ -163,6 +102,44 @@ def _publish_probabilities(p, alpha, r_ring, alpha_smem, p_ready, t):
         alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
     hopper.fence_async_shared()  # the loader's wgmma reads p
     parts.release_stage(p_ready.index(st))
+
+
+@gluon.jit
+def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob, stride_oh,
+            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem,
+            l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS: gl.constexpr,
+            LATENT: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr):
+    """Warpgroup 0: each tile's whole score, its softmax, the probabilities for the loader, output columns 0-255."""
+    BLOCK_H: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = 64
+    HALF: gl.constexpr = LATENT // 2
+    dtype: gl.constexpr = q_c_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 0-255
+    m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
+    mbarrier.wait(q_loaded, 0)
+    for t in range(num_tiles):
+        st = t % 2
+        s_tok = _issue_score(q_c_smem, q_r_smem, c_ring, r_ring, loaded, t, True, zero_s)
+        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        p, m_run, l_i, alpha = _tile_softmax(s, m_run, l_i, c_ring, t, lo, hi, qk_scale_log2, PAGE_SIZE, s_layout)
+        p = p.to(dtype)
+        _publish_probabilities(p, alpha, r_ring, alpha_smem, p_ready, t)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = hopper.warpgroup_mma(gl.convert_layout(p, p_layout), c_ring.index(st).slice(0, HALF, dim=1), acc,
+                                   is_async=True)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        parts.release_stage(pv_done.index(st))  # this warpgroup is done with the stage
+    parts.two_warpgroup_epilogue(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg,
+            split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, NUM_HEADS,
+            LATENT, WRITE_FINAL, SCALED, row_s, row_o)
 
 
 @gluon.jit
