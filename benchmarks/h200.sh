@@ -33,13 +33,12 @@
 #               On an H100 (2026-12-05) the JIT builds took ~150 s, fa4's tests 50 s, one MHA race ~100 s: the MHA
 #               races fill one call (BUDGET=590) and the MLA race wants a call of its own. With PEER_SET=fa4 on a
 #               machine a `tests` call left warm (FlashInfer's JIT cache built), RACES=1 took 112 s in all (2026-12-06)
-#   switches    the schedules built behind module switches, each checked against the oracle first in a child
-#               process with a time limit (a hang costs that limit, not the call), then those that pass raced
-#               against the shipped kernel round by round, the order reversed every other round: the Gluon
-#               prefill's (PREFILL_SWITCHES, default "DYNAMIC_ITEMS=1 EARLY_NEXT_S=1 DYNAMIC_ITEMS=1,EARLY_NEXT_S=1",
-#               with READ_POOL_ROWS=1, the shipped kernel again, as the noise control) ->
-#               sweep-prefill-gluon-switches-h200.json; the MLA scorer's (MLA_SWITCHES, default SCORER_OVERLAP=1;
-#               "" leaves it out) -> sweep-mla-switches-h200.json. Needs no wheels; about 7 minutes with both
+#   switches    the Gluon prefill's schedules built behind module switches (PREFILL_SWITCHES, default
+#               DYNAMIC_ITEMS=1), each checked against the oracle first in a child process with a time limit (a hang
+#               costs that limit, not the call), then those that pass raced against the shipped kernel, 7 rounds,
+#               the order reversed every other round, the shipped kernel timed twice (READ_POOL_ROWS=1) as the noise
+#               control -> sweep-prefill-gluon-switches-h200.json. Needs no wheels; on an H100 (2026-12-06) about
+#               45 s a sweep of four candidates, 100 s with the checks
 #   prefill-ncu Nsight Compute on every kernel of one call of each contestant (benchmarks/prefill_ncu.py: pipes busy,
 #               stall reasons, DRAM bytes) -> ncu-h200-<workload>.json; MHA: triton, FA4 (from the /tmp/site2 that
 #               benchmarks/peer_wheels.sh stage put it in), FlashInfer fa3 and cuDNN on fresh prompts; MLA: triton and
@@ -345,33 +344,20 @@ step_race() {
 NCU_MHA="prefill 8x2048,prefill 1x16384,prefill 32x512,extend 8x(4096+512)"
 NCU_MLA="mla decode 128x4096 h128 p1,mla decode 64x8192 h128 p64,mla extend 8x(4096+512) h128 p1,mla extend 8x(4096+512) h16 p64"
 step_switches() {
-  local sw candidates="--gluon-set READ_POOL_ROWS=1" mla="" tests=$PWD/tests
-  for sw in ${PREFILL_SWITCHES-DYNAMIC_ITEMS=1 EARLY_NEXT_S=1 DYNAMIC_ITEMS=1,EARLY_NEXT_S=1}; do
+  local sw candidates="--gluon-set READ_POOL_ROWS=1"
+  for sw in ${PREFILL_SWITCHES-DYNAMIC_ITEMS=1}; do
     echo "== check $sw against the oracle ($(left) s left)"
-    PYTHONPATH=$PYTHONPATH:$tests timeout "$(cap 90)" python3 -c "import test_prefill_gluon as t
+    PYTHONPATH=$PYTHONPATH:$PWD/tests timeout "$(cap 90)" python3 -c "import test_prefill_gluon as t
 e = max(t.check_switched('$sw', False), t.check_switched('$sw', True)); print('$sw: relative error', e); assert e < 1e-2" \
       > "$LOGS/check-${sw//[=,]/_}.log" 2>&1 && candidates="$candidates --gluon-set $sw"
-    tail -2 "$LOGS/check-${sw//[=,]/_}.log"
-  done
-  for sw in ${MLA_SWITCHES-SCORER_OVERLAP=1}; do
-    echo "== check $sw against the oracle ($(left) s left)"
-    PYTHONPATH=$PYTHONPATH:$tests timeout "$(cap 90)" python3 -c "import test_gluon_mla as t
-e = max(t.check_scorer_switched('$sw', 1), t.check_scorer_switched('$sw', 64)); print('$sw: relative error', e); assert e < 1e-2" \
-      > "$LOGS/check-${sw//[=,]/_}.log" 2>&1 && mla="$mla --gluon-set $sw"
     tail -2 "$LOGS/check-${sw//[=,]/_}.log"
   done
   echo "== prefill: $candidates ($(left) s left)"
   # shellcheck disable=SC2086
   timeout "$(cap 230)" python3 tools/sweep_prefill_tma.py --gluon --default-only --workloads 8x2048 1x16384 extend \
-    --prefills 4x4096 --rounds 7 $candidates --budget-s "$(( $(cap 230) - 25 ))" \
+    --prefills 4x4096 --rounds "${SWITCH_ROUNDS:-7}" $candidates --budget-s "$(( $(cap 230) - 25 ))" \
     --out "$OUT/sweep-prefill-gluon-switches-h200.json" > "$LOGS/switches-prefill.log" 2>&1
   grep "median\|FAIL\|budget" "$LOGS/switches-prefill.log"
-  [ -n "$mla" ] || return 0
-  echo "== MLA:$mla ($(left) s left)"
-  # shellcheck disable=SC2086
-  timeout "$(cap 110)" python3 tools/sweep_triton_mla.py $mla --rounds 5 --budget-s "$(( $(cap 110) - 30 ))" \
-    --out "$OUT/sweep-mla-switches-h200.json" > "$LOGS/switches-mla.log" 2>&1
-  grep "median\|budget\|rror" "$LOGS/switches-mla.log"
 }
 
 step_prefill_ncu() {

@@ -58,8 +58,9 @@ def test_the_kernel_builds_for_sm90(dtype, pingpong):
     # the consumers take FlashAttention-3's register share from the loader
     assert f"setmaxnreg.inc.sync.aligned.u32 {prefill_gluon.CONSUMER_REGS}" in rep["setmaxnreg"]
     assert rep["tma_loads"] >= 3  # Q, K and V through descriptors
-    # S and P.V, 8 k-steps each, in the first tile, the loop and the last tile, in each consumer
-    assert sum(rep["wgmma"].values()) >= 64
+    # 8 k-steps at each MMA site of each consumer: the first item's S, the loop's S and P.V, the last P.V, and the
+    # next item's S issued behind it (waited for after the store)
+    assert sum(rep["wgmma"].values()) == 2 * 5 * 8
 
 
 def test_the_pingpong_build_hands_the_turn_over_through_mbarriers():
@@ -73,7 +74,9 @@ def test_the_pingpong_build_hands_the_turn_over_through_mbarriers():
 
 def test_the_indirect_build_copies_key_rows_with_cp_async_and_keeps_tma_for_the_queries():
     plain, indirect = _compile_report("bf16", False), _compile_report("bf16", False, indirect=True)
-    assert indirect["spill_bytes"] == [0, 0] and not indirect["wgmma_serialized"]
+    # at its consumers' 224 registers the next item's S in flight spills 8 bytes (raced with them:
+    # sweep-prefill-gluon-switches-h100-{3,4,5,6}.json, extend 1.02-1.04x)
+    assert indirect["spill_bytes"][0] <= 8 and not indirect["wgmma_serialized"]
     assert indirect["wgmma_operand_rewrites"] == []
     assert indirect["async_copies"] == 2 and plain["async_copies"] == 0  # K and V, row by row
     assert indirect["tma_loads"] == 2 and plain["tma_loads"] == 4  # only the query halves through TMA
@@ -102,21 +105,6 @@ def test_the_dynamic_items_build_claims_items_with_atomics_and_keeps_the_schedul
         assert dynamic[key] == plain[key], key
     assert dynamic["mbarrier_waits"] > plain["mbarrier_waits"]
     assert dynamic["mbarrier_arrives"] > plain["mbarrier_arrives"]
-
-
-@pytest.mark.parametrize("indirect", [False, True], ids=["tma", "indirect"])
-def test_the_early_next_s_build_issues_one_more_first_s_and_waits_for_the_last_pv_behind_it(indirect):
-    """EARLY_NEXT_S: the next item's first S issued before the last P.V is waited for, in the loop and once before
-    it (8 k-steps each, two consumers: 16 more wgmma sites), with the accumulators in flight still in registers
-    (ptxas serialises every wgmma when an MMA's accumulator leaves a branch, which an `if next item` around the
-    issue did)."""
-    plain = _compile_report("bf16", False, indirect)
-    early = _compile_report("bf16", False, indirect, "--set", "EARLY_NEXT_S=1")
-    assert not early["wgmma_serialized"] and early["wgmma_operand_rewrites"] == []
-    assert early["spill_bytes"][0] <= 8  # the indirect build's consumers keep 224 registers: 8 bytes spill there
-    assert sum(early["wgmma"].values()) == sum(plain["wgmma"].values()) + 16
-    for key in ("tma_loads", "async_copies", "setmaxnreg", "smem_kib"):
-        assert early[key] == plain[key], key
 
 
 def test_the_operand_rewrite_check_finds_a_write_before_the_wait_and_none_after():
@@ -313,12 +301,11 @@ def check_switched(settings: str, indirect: bool, launches: int = 3) -> float:
 
 
 @needs_hopper
-@pytest.mark.parametrize("settings", ["DYNAMIC_ITEMS=1", "EARLY_NEXT_S=1", "DYNAMIC_ITEMS=1,EARLY_NEXT_S=1"])
+@pytest.mark.parametrize("settings", ["DYNAMIC_ITEMS=1"])
 @pytest.mark.parametrize("indirect", [False, True], ids=["rows", "pool"])
 def test_gpu_switched_schedules_match_oracle_launch_after_launch_in_a_process_of_its_own(settings, indirect):
-    """Items claimed through the counter, and the next item's first S issued before this one's end, each not yet
-    run on a GPU when written: in a child process with a time limit, as a consumer never told that the items are
-    over, or waiting for a tile never loaded, would hang the kernel (see the ping-pong test)."""
+    """Items claimed through the counter: in a child process with a time limit, as a consumer never told that the
+    items are over, or waiting for a tile never loaded, would hang the kernel (see the ping-pong test)."""
     error = in_a_child(f"import test_prefill_gluon as t; print(t.check_switched({settings!r}, {indirect}))",
                        "a consumer waited for an item or a tile that never came")
     assert error < 1e-2

@@ -129,10 +129,10 @@ def extend_report(block_m, block_n, warps, stages, defer_pv, page_size=1) -> dic
         HAS_CUSTOM_MASK=False, DEFER_PV=bool(defer_pv), DOT_F32=False), warps, stages)
 
 
-def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False, overlap=False) -> dict:
+def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> dict:
     """A warp-specialised Gluon decode kernel at its register budgets: the seesaw (fewer heads: the extend rows'
     token groups, plan.tokens_per_cta), the narrow one (its CTA's heads: the fewest of 16 / 32 that hold them)
-    or the scorer (scaled: its float16 partials; overlap: each tile's softmax under the PV before it)."""
+    or the scorer (scaled: its float16 partials)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attnserve.attention.kernels.mla.gluon import launch as g
@@ -149,8 +149,7 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False, over
         from triton.runtime.jit import mangle_type
 
         pointers = {"PartialO": "*fp16"} if scaled else {}
-        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled,
-                      "OVERLAP": overlap}
+        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled}
         if page_size % g.GLUON_BLOCK_N == 0:
             pointers["kv_desc"] = mangle_type(g.latent_descriptor(torch.empty(64, 1, 576, dtype=torch.bfloat16)))
         else:
@@ -173,14 +172,12 @@ def main() -> int:
     p.add_argument("--gluon-heads", type=int, default=128, help="with --gluon: query heads (16: 4-token rows)")
     p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_scorer", "gluon_narrow"))
     p.add_argument("--scaled", action="store_true", help="gluon_scorer: float16 partials")
-    p.add_argument("--overlap", action="store_true", help="gluon_scorer: the softmax under the PV before it")
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:
         for page in args.gluon:
             report = {"kernel": args.gluon_kernel, "page_size": page, "heads": args.gluon_heads,
-                      "scaled": args.scaled, "overlap": args.overlap,
-                      **gluon_report(page, args.gluon_heads, args.gluon_kernel, args.scaled, args.overlap)}
+                      "scaled": args.scaled, **gluon_report(page, args.gluon_heads, args.gluon_kernel, args.scaled)}
             print(json.dumps(report) if args.json else report, flush=True)
         return 0
     decode = [tuple(map(int, s.split(","))) for s in args.decode or []]

@@ -50,7 +50,7 @@ def _compile(dtype: torch.dtype, group: int, pingpong: bool, indirect: bool) -> 
                       CONSUMER_REGS=pg.INDIRECT_CONSUMER_REGS if indirect else pg.CONSUMER_REGS, PINGPONG=pingpong,
                       INDIRECT=indirect, KV_LAYOUT=pg._shared_layout(dtype, pg.BLOCK_N, head_dim),
                       LOADER_WARPS=pg.LOADER_WARPS, ROW_LANES=pg.INDIRECT_ROW_LANES,
-                      DYNAMIC_ITEMS=pg.DYNAMIC_ITEMS, EARLY_NEXT_S=pg.EARLY_NEXT_S)
+                      DYNAMIC_ITEMS=pg.DYNAMIC_ITEMS)
     return compile_sm90(pg._prefill_gluon_kernel, constexprs, pg.LOADER_WARPS, 1, source=GluonASTSource,
                         pointers=types)
 

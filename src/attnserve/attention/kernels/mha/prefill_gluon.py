@@ -36,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -73,13 +72,9 @@ PINGPONG = False
 # Items claimed as programs come free (an atomic counter the loader draws from; it tells the consumers which item
 # through shared memory) instead of each program taking every 132nd: on the list's costs the static split leaves
 # the busiest program 3.1% (prefill) to 7.5% (extend 8 x (4096 + 512)) over the mean, claiming 0.1-0.6% and 2.8%
-# (docs/kernels.md). Not yet run on a GPU (tools/sweep_prefill_tma.py --gluon-set DYNAMIC_ITEMS=1)
+# (docs/kernels.md). On an H100 (132 SMs) 1.012-1.015x at 1 x 16384 and 0.988-1.014x elsewhere, inside the noise
+# (sweep-prefill-gluon-switches-h100-{3,5}.json): off, for parts with fewer SMs (bash benchmarks/h200.sh switches)
 DYNAMIC_ITEMS = False
-# A consumer issues the next item's first S = Q.K^T before it waits for this item's last P.V, so the tensor cores
-# have work while it normalises and stores this item's rows: both consumers reach an item's end together, and the
-# pipe otherwise idles from the last P.V to the next item's first S. Not yet run on a GPU
-# (tools/sweep_prefill_tma.py --gluon-set EARLY_NEXT_S=1)
-EARLY_NEXT_S = False
 # A call with a cached prefix reads its keys where they lie in the pool (the indirect loader) instead of having
 # them gathered into contiguous rows first; False brings the gather back
 # (tools/sweep_prefill_tma.py --gluon-set READ_POOL_ROWS=0)
@@ -399,7 +394,7 @@ def _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, tur
     """Issue the done-th item's first S = Q.K^T (its query tile in that item's buffer, the key tile at ring
     position `it`) without waiting for it; its token and the turns taken after it (PINGPONG).
 
-    has_item False (past the last item, EARLY_NEXT_S): the MMA is issued all the same, on whatever the buffers
+    has_item False (past a program's last item): the MMA is issued all the same, on whatever the buffers
     hold, and its result never read; only the waits are skipped. An MMA under a branch would carry its
     accumulator out of the branch, and ptxas then serialises every wgmma of the kernel."""
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
@@ -503,22 +498,11 @@ def _finish_item(acc, l_i, v_free, last, Out, h, m0, q_start, ext, stride_ot, st
 
 
 @gluon.jit
-def _last_pv(o_tok, EARLY_NEXT_S: gl.constexpr):
-    """The item's last P.V, waited for: with the next item's first S issued after it (EARLY_NEXT_S), that S stays
-    in flight (wgmma groups complete in order)."""
-    if EARLY_NEXT_S:
-        acc = warpgroup_mma_wait(1, deps=[o_tok])
-    else:
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
-    return acc
-
-
-@gluon.jit
 def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, item_smem, Out,
               tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, half: gl.constexpr, qk_scale_log2,
               stride_ot, stride_oh, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-              INDIRECT: gl.constexpr, DYNAMIC_ITEMS: gl.constexpr, EARLY_NEXT_S: gl.constexpr):
+              INDIRECT: gl.constexpr, DYNAMIC_ITEMS: gl.constexpr):
     """One warpgroup's 64 query rows of each work item: S(j+1) = Q.K(j+1)^T and O += P(j).V(j) in flight
     together, the softmax of S(j+1) while the second runs; each ring slot released (one arrival of the two
     consumers') once read. With PINGPONG the two consumers take turns to issue their MMAs (the first
@@ -526,24 +510,24 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
     under the other's MMAs (FlashAttention-3's warpgroup ping-pong, ordered through mbarriers, as Gluon
     has no named barriers). Every wait for data comes before the wait for the turn: a consumer holding
     the turn waits only for the tensor cores. With DYNAMIC_ITEMS the loader says which item comes next
-    (_publish_item), and the consumers read it beside the item's query tile. With EARLY_NEXT_S the next item's
-    first S is issued before this item's last P.V is waited for, and runs while its output is stored."""
+    (_publish_item), and the consumers read it beside the item's query tile.
+
+    The next item's first S is issued right after this item's last P.V, which alone is waited for (wgmma groups
+    complete in order), so the S runs while this item's rows are normalised and stored: both consumers reach an
+    item's end together, and the tensor pipe had nothing from either from the last P.V to the next item's first
+    S. 1.00-1.01x on fresh prompts and 1.02-1.04x at extend in four sweeps
+    (sweep-prefill-gluon-switches-h100-{3,4,5,6}.json)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     zero_s = gl.zeros([BLOCK_M // 2, BLOCK_N], gl.float32, s_layout)
     it = 0  # K/V tiles consumed so far: ring slot and phase
     done = 0  # work items finished: the query buffer's phase
     turn = 0  # turns taken (PINGPONG): the first consumer's first turn is free, the second's waits for it
-    s_tok = warpgroup_mma_init(zero_s)  # the item's first S in flight (EARLY_NEXT_S: issued during the item before)
     if DYNAMIC_ITEMS:
         w, h, m0, q_start, ext, prefix, n_tiles = _read_item(item_smem, q_ready, done)
-        if EARLY_NEXT_S:
-            s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
-                                        STAGES, PINGPONG, INDIRECT, w < num_work)
+        s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half, STAGES,
+                                    PINGPONG, INDIRECT, w < num_work)
         while w < num_work:
-            if not EARLY_NEXT_S:
-                s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
-                                            STAGES, PINGPONG, INDIRECT)
             o_tok, l_i, turn = _consume_item(s_tok, prefix, m0, n_tiles, it, done, turn, half, q_smem, k_ring,
                                              v_ring, q_free, k_ready, v_ready, k_free, v_free, turns, qk_scale_log2,
                                              BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)
@@ -552,14 +536,12 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
             done += 1
             item_h, item_m0, item_q_start, item_ext = h, m0, q_start, ext
             w, h, m0, q_start, ext, prefix, n_tiles = _read_item(item_smem, q_ready, done)
-            if EARLY_NEXT_S:
-                s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
-                                            STAGES, PINGPONG, INDIRECT, w < num_work)
-            acc = _last_pv(o_tok, EARLY_NEXT_S)
+            s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
+                                        STAGES, PINGPONG, INDIRECT, w < num_work)
+            acc = warpgroup_mma_wait(1, deps=[o_tok])  # the last P.V done; the next S still running
             _finish_item(acc, l_i, v_free, last, Out, item_h, item_m0, item_q_start, item_ext, stride_ot,
                          stride_oh, half, STAGES)
-        if EARLY_NEXT_S:  # the S issued past the last item
-            warpgroup_mma_wait(0, deps=[s_tok])
+        warpgroup_mma_wait(0, deps=[s_tok])  # the S issued past the last item
         return
     # A work item's fields are read ahead, its tile (request and rows) two items ahead and the request's offsets
     # and lengths one item ahead, so no load waits for another: read at the item's start, the second load's
@@ -569,31 +551,26 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                       GROUP, BLOCK_M, BLOCK_N, HEAD_DIM)
     tile = _item_tile(gl.minimum(gl.program_id(0) + gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
                       NUM_HEADS, GROUP)
-    if EARLY_NEXT_S:  # the grid has no more programs than items: each program has a first one
-        s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half, STAGES,
-                                    PINGPONG, INDIRECT)
+    # the grid has no more programs than items: each program has a first one
+    s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half, STAGES,
+                                PINGPONG, INDIRECT)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         h, m0, q_start, ext, prefix, kv_start, kv_col, n_tiles = item
         item = _item_fields(tile[0], tile[1], tile[2], qo_indptr, kv_starts, seq_lens, GROUP, BLOCK_M, BLOCK_N,
                             HEAD_DIM)
         tile = _item_tile(gl.minimum(w + 2 * gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
                           NUM_HEADS, GROUP)
-        if not EARLY_NEXT_S:
-            s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
-                                        STAGES, PINGPONG, INDIRECT)
         o_tok, l_i, turn = _consume_item(s_tok, prefix, m0, n_tiles, it, done, turn, half, q_smem, k_ring, v_ring,
                                          q_free, k_ready, v_ready, k_free, v_free, turns, qk_scale_log2, BLOCK_N,
                                          HEAD_DIM, STAGES, PINGPONG, INDIRECT)
         last = it + n_tiles - 1
         it += n_tiles
         done += 1
-        if EARLY_NEXT_S:
-            s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half,
-                                        STAGES, PINGPONG, INDIRECT, w + gl.num_programs(0) < num_work)
-        acc = _last_pv(o_tok, EARLY_NEXT_S)
+        s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half, STAGES,
+                                    PINGPONG, INDIRECT, w + gl.num_programs(0) < num_work)
+        acc = warpgroup_mma_wait(1, deps=[o_tok])  # the last P.V done; the next S still running
         _finish_item(acc, l_i, v_free, last, Out, h, m0, q_start, ext, stride_ot, stride_oh, half, STAGES)
-    if EARLY_NEXT_S:  # the S issued past the last item
-        warpgroup_mma_wait(0, deps=[s_tok])
+    warpgroup_mma_wait(0, deps=[s_tok])  # the S issued past the last item
 
 
 @gluon.jit(do_not_specialize=("num_work",))  # a step's work count: no variant per divisibility (prefill_tma's reason)
@@ -603,7 +580,7 @@ def _prefill_gluon_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     INDIRECT: gl.constexpr, KV_LAYOUT: gl.constexpr, LOADER_WARPS: gl.constexpr, ROW_LANES: gl.constexpr,
-    DYNAMIC_ITEMS: gl.constexpr = False, EARLY_NEXT_S: gl.constexpr = False,
+    DYNAMIC_ITEMS: gl.constexpr = False,
 ):
     # FlashAttention-3's layout, persistent: one program per SM walks the (query tile, head) work list; this
     # program's warps (the default partition) load, two consumer warpgroups take 64 query rows each of every
@@ -653,11 +630,11 @@ def _prefill_gluon_kernel(
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, item_smem,
                      Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 0, qk_scale_log2, stride_ot,
                      stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     DYNAMIC_ITEMS, EARLY_NEXT_S)),
+                     DYNAMIC_ITEMS)),
         (_consumer, (q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free, v_free, turns, item_smem,
                      Out, tile_req, tile_m0, qo_indptr, kv_starts, seq_lens, num_work, 1, qk_scale_log2, stride_ot,
                      stride_oh, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT,
-                     DYNAMIC_ITEMS, EARLY_NEXT_S)),
+                     DYNAMIC_ITEMS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -729,6 +706,6 @@ def prefill_gluon_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch
         STAGES=STAGES, CONSUMER_REGS=INDIRECT_CONSUMER_REGS if indirect else CONSUMER_REGS,
         PINGPONG=PINGPONG if pingpong is None else pingpong, INDIRECT=indirect, ROW_LANES=INDIRECT_ROW_LANES,
         KV_LAYOUT=_shared_layout(q.dtype, BLOCK_N, head_dim), LOADER_WARPS=LOADER_WARPS,
-        DYNAMIC_ITEMS=DYNAMIC_ITEMS, EARLY_NEXT_S=EARLY_NEXT_S, num_warps=LOADER_WARPS,
+        DYNAMIC_ITEMS=DYNAMIC_ITEMS, num_warps=LOADER_WARPS,
     )
     return out

@@ -41,11 +41,6 @@ CONSUMER_REGS = 232  # the seesaw's two consumer warpgroups at 232 + the produce
 MAXNREG = 168  # the kernel-wide figure the partitions' budgets are carved from: 168 x 384 threads
 SCORER_REGS = 240  # the scorer kernel's second warpgroup (setmaxnreg; no producer; ptxas: 255)
 NARROW_CONSUMER_REGS = 232  # the narrow kernel's one consumer warpgroup (O^T: 4 x heads registers) beside the producer
-# The scorer issues tile t + 1's score before tile t's PV and runs the softmax of t + 1 under that PV (scorer.py,
-# _scorer_overlapped); without it each PV is waited for before the next score. It compiles with no spills and
-# no serialised wgmma at 255 registers (tools/compile_mla_sm90.py --overlap). Not yet run on a GPU
-# (tools/sweep_triton_mla.py --gluon-set SCORER_OVERLAP=1)
-SCORER_OVERLAP = False
 
 
 def strides_ok(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
@@ -106,8 +101,7 @@ def launch_gluon_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows: Dec
         tma = page_size % GLUON_BLOCK_N == 0  # a tile is 64 rows of one page
         mla_decode_scorer_kernel[grid](*args, **common, CONSUMER_REGS=SCORER_REGS,
                                        SCALED=partial_o.dtype == torch.float16 and not write_final,
-                                       kv_desc=latent_descriptor(kv_buffer) if tma else None,
-                                       OVERLAP=SCORER_OVERLAP)
+                                       kv_desc=latent_descriptor(kv_buffer) if tma else None)
     else:
         mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG)
 

@@ -54,57 +54,6 @@ def _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring,
 
 
 @gluon.jit
-def _issue_score(q_c_smem, q_r_smem, c_ring, r_ring, loaded, t, has_tile, zero_s):
-    """Issue tile t's score S = q K^T over all 576 columns (two wgmmas) without waiting for it. has_tile False
-    (past the last tile): issued all the same on whatever the stage holds, its result never read, only the wait
-    for the copies skipped; an MMA under a branch would carry its accumulator out of it, and ptxas then
-    serialises every wgmma."""
-    st = t % 2
-    if has_tile:
-        mbarrier.wait(loaded.index(st), (t // 2) & 1)
-        hopper.fence_async_shared()  # cp.async's writes before the wgmmas read them
-    s = hopper.warpgroup_mma(q_c_smem, c_ring.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    return hopper.warpgroup_mma(q_r_smem, r_ring.index(st).permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _tile_softmax(s, m_run, l_i, c_ring, t, lo, hi, qk_scale_log2, PAGE_SIZE: gl.constexpr,
-                  s_layout: gl.constexpr):
-    """Tile t's probabilities from its score (float32), the new max and sum, and the rescale factor; a TMA tile's
-    rows past the request's end zeroed first, before either PV reads the stage."""
-    BLOCK_N: gl.constexpr = 64
-    st = t % 2
-    if PAGE_SIZE % BLOCK_N == 0:
-        if hi - (lo + t * BLOCK_N) < BLOCK_N:
-            parts.zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), parts.COPY_LAYOUT)
-            gl.thread_barrier()
-            hopper.fence_async_shared()  # the zeros before either PV reads the stage
-    if hi - (lo + t * BLOCK_N) >= BLOCK_N:  # a whole tile: no key to mask
-        s = s * qk_scale_log2
-        m_new = gl.maximum(m_run, gl.max(s, axis=1))
-        p = gl.exp2(s - m_new[:, None])
-        alpha = gl.exp2(m_run - m_new)
-    else:
-        p, m_new, alpha = parts.tile_probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
-    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
-
-
-@gluon.jit
-def _publish_probabilities(p, alpha, r_ring, alpha_smem, p_ready, t):
-    """Tile t's probabilities into its rope slot (its score has read it) and its rescale into the stage's alpha
-    slot, for the loader's PV."""
-    BLOCK_H: gl.constexpr = 64
-    st = t % 2
-    r_ring.index(st).store(p)
-    if st == 0:  # by stage: the loader may read tile t's while the scorer writes tile t + 1's
-        alpha_smem.slice(0, BLOCK_H).store(alpha)
-    else:
-        alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
-    hopper.fence_async_shared()  # the loader's wgmma reads p
-    parts.release_stage(p_ready.index(st))
-
-
-@gluon.jit
 def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob, stride_oh,
             stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem,
             l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS: gl.constexpr,
@@ -120,74 +69,45 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 0-255
     m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     mbarrier.wait(q_loaded, 0)
     for t in range(num_tiles):
         st = t % 2
-        s_tok = _issue_score(q_c_smem, q_r_smem, c_ring, r_ring, loaded, t, True, zero_s)
-        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        p, m_run, l_i, alpha = _tile_softmax(s, m_run, l_i, c_ring, t, lo, hi, qk_scale_log2, PAGE_SIZE, s_layout)
+        mbarrier.wait(loaded.index(st), (t // 2) & 1)
+        hopper.fence_async_shared()  # cp.async's writes before the wgmmas read them
+        s = hopper.warpgroup_mma(q_c_smem, c_ring.index(st).permute((1, 0)),
+                                 gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                                 is_async=True)
+        s = hopper.warpgroup_mma(q_r_smem, r_ring.index(st).permute((1, 0)), s, is_async=True)
+        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if PAGE_SIZE % BLOCK_N == 0:
+            if hi - (lo + t * BLOCK_N) < BLOCK_N:  # a TMA tile's rows past the request's end: zeros for the PVs
+                parts.zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), parts.COPY_LAYOUT)
+                gl.thread_barrier()
+                hopper.fence_async_shared()  # the zeros before either PV reads the stage
+        if hi - (lo + t * BLOCK_N) >= BLOCK_N:  # a whole tile: no key to mask
+            s = s * qk_scale_log2
+            m_new = gl.maximum(m_run, gl.max(s, axis=1))
+            p = gl.exp2(s - m_new[:, None])
+            alpha = gl.exp2(m_run - m_new)
+        else:
+            p, m_new, alpha = parts.tile_probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_run = m_new
         p = p.to(dtype)
-        _publish_probabilities(p, alpha, r_ring, alpha_smem, p_ready, t)
+        r_ring.index(st).store(p)  # the rope slot, read by this tile's score already
+        if st == 0:  # by stage: the loader may read tile t's while the scorer writes tile t + 1's
+            alpha_smem.slice(0, BLOCK_H).store(alpha)
+        else:
+            alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
+        hopper.fence_async_shared()  # the loader's wgmma reads p
+        parts.release_stage(p_ready.index(st))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         acc = hopper.warpgroup_mma(gl.convert_layout(p, p_layout), c_ring.index(st).slice(0, HALF, dim=1), acc,
                                    is_async=True)
         acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        parts.release_stage(pv_done.index(st))  # this warpgroup is done with the stage
-    parts.two_warpgroup_epilogue(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg,
-            split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, NUM_HEADS,
-            LATENT, WRITE_FINAL, SCALED, row_s, row_o)
-
-
-@gluon.jit
-def _scorer_overlapped(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob,
-                       stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring,
-                       r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin,
-                       NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                       WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr):
-    """Warpgroup 0 as _scorer, with tile t + 1's score issued before tile t's PV and the softmax of t + 1 run
-    while that PV is in the tensor cores (FlashAttention-3's overlap within a warpgroup): _scorer waits for
-    each PV before the next score, so the tensor pipe idles under every softmax."""
-    BLOCK_H: gl.constexpr = 64
-    BLOCK_N: gl.constexpr = 64
-    HALF: gl.constexpr = LATENT // 2
-    dtype: gl.constexpr = q_c_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 0-255
-    m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
-    alpha = gl.full([BLOCK_H], 1.0, gl.float32, layout=row_s)
-    p_op = gl.zeros([BLOCK_H, BLOCK_N], dtype, layout=p_layout)
-    mbarrier.wait(q_loaded, 0)
-    s_tok = _issue_score(q_c_smem, q_r_smem, c_ring, r_ring, loaded, 0, num_tiles > 0, zero_s)
-    s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    if num_tiles > 0:
-        p, m_run, l_i, alpha = _tile_softmax(s, m_run, l_i, c_ring, 0, lo, hi, qk_scale_log2, PAGE_SIZE, s_layout)
-        p16 = p.to(dtype)
-        _publish_probabilities(p16, alpha, r_ring, alpha_smem, p_ready, 0)
-        p_op = gl.convert_layout(p16, p_layout)
-    for t in range(num_tiles):
-        st = t % 2
-        s_tok = _issue_score(q_c_smem, q_r_smem, c_ring, r_ring, loaded, t + 1, t + 1 < num_tiles, zero_s)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        o_tok = hopper.warpgroup_mma(p_op, c_ring.index(st).slice(0, HALF, dim=1), acc, is_async=True)
-        s = hopper.warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S(t + 1) done, P(t) V(t) running
-        if t + 1 < num_tiles:
-            p, m_run, l_i, alpha = _tile_softmax(s, m_run, l_i, c_ring, t + 1, lo, hi, qk_scale_log2, PAGE_SIZE,
-                                                 s_layout)
-            p16 = p.to(dtype)
-            _publish_probabilities(p16, alpha, r_ring, alpha_smem, p_ready, t + 1)
-            p_op = gl.convert_layout(p16, p_layout)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
         parts.release_stage(pv_done.index(st))  # this warpgroup is done with the stage
     parts.two_warpgroup_epilogue(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg,
             split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, NUM_HEADS,
@@ -256,7 +176,7 @@ def mla_decode_scorer_kernel(
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
-    kv_desc=None, OVERLAP: gl.constexpr = False,
+    kv_desc=None,
 ):
     """Grid (head groups, requests, splits); kv_desc: the latent pool's TMA descriptor over 64-token pages
     (None: cp.async tiles)."""
@@ -296,7 +216,7 @@ def mla_decode_scorer_kernel(
     hopper.fence_async_shared()  # the barriers' init before the partitions use them
 
     gl.warp_specialize([
-        (_scorer_overlapped if OVERLAP else _scorer, (Out, PartialO, PartialLse, g, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob,
+        (_scorer, (Out, PartialO, PartialLse, g, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob,
                    stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring,
                    r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin,
                    NUM_HEADS, LATENT, PAGE_SIZE, WRITE_FINAL, SCALED)),
