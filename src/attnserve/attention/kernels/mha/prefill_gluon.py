@@ -413,22 +413,21 @@ def _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, tur
 
 
 @gluon.jit
-def _consume_item(s_tok, prefix, m0, n_tiles, it, done, turn, half: gl.constexpr, q_smem, k_ring, v_ring, q_free,
-                  k_ready, v_ready, k_free, v_free, turns, qk_scale_log2, BLOCK_N: gl.constexpr,
+def _consume_item(s_tok, zero_s, prefix, m0, n_tiles, it, done, turn, half: gl.constexpr, q_smem, k_ring, v_ring,
+                  q_free, k_ready, v_ready, k_free, v_free, turns, qk_scale_log2, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, INDIRECT: gl.constexpr):
     """One work item of a consumer (see _consumer) from its first S (_first_scores, in flight) to its last P.V,
     issued and not waited for: its n_tiles key tiles from ring position `it`, its query tile in the buffer of the
-    done-th item. Returns the last P.V's token, the rows' softmax sums and the turns taken after it (PINGPONG)."""
+    done-th item; zero_s the consumer's zero score tile, in the scores' layout. Returns the last P.V's token, the
+    rows' softmax sums and the turns taken after it (PINGPONG)."""
     HALF_M: gl.constexpr = q_smem.shape[1]
     Q_BUFFERS: gl.constexpr = q_free.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = zero_s.type.layout
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
-    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     first = prefix + m0 + half * HALF_M  # the absolute position of this warpgroup's first row
     row_pos = first + gl.arange(0, HALF_M, layout=row_layout)  # [HALF_M]
     full_end = first + 1  # keys below it are visible to every row of the half
@@ -528,9 +527,9 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
         s_tok, turn = _first_scores(q_smem, k_ring, q_ready, k_ready, turns, zero_s, it, done, turn, half, STAGES,
                                     PINGPONG, INDIRECT, w < num_work)
         while w < num_work:
-            o_tok, l_i, turn = _consume_item(s_tok, prefix, m0, n_tiles, it, done, turn, half, q_smem, k_ring,
-                                             v_ring, q_free, k_ready, v_ready, k_free, v_free, turns, qk_scale_log2,
-                                             BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)
+            o_tok, l_i, turn = _consume_item(s_tok, zero_s, prefix, m0, n_tiles, it, done, turn, half, q_smem,
+                                             k_ring, v_ring, q_free, k_ready, v_ready, k_free, v_free, turns,
+                                             qk_scale_log2, BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)
             last = it + n_tiles - 1
             it += n_tiles
             done += 1
@@ -560,9 +559,9 @@ def _consumer(q_smem, k_ring, v_ring, q_ready, q_free, k_ready, v_ready, k_free,
                             HEAD_DIM)
         tile = _item_tile(gl.minimum(w + 2 * gl.num_programs(0), num_work - 1), num_work, tile_req, tile_m0,
                           NUM_HEADS, GROUP)
-        o_tok, l_i, turn = _consume_item(s_tok, prefix, m0, n_tiles, it, done, turn, half, q_smem, k_ring, v_ring,
-                                         q_free, k_ready, v_ready, k_free, v_free, turns, qk_scale_log2, BLOCK_N,
-                                         HEAD_DIM, STAGES, PINGPONG, INDIRECT)
+        o_tok, l_i, turn = _consume_item(s_tok, zero_s, prefix, m0, n_tiles, it, done, turn, half, q_smem, k_ring,
+                                         v_ring, q_free, k_ready, v_ready, k_free, v_free, turns, qk_scale_log2,
+                                         BLOCK_N, HEAD_DIM, STAGES, PINGPONG, INDIRECT)
         last = it + n_tiles - 1
         it += n_tiles
         done += 1
