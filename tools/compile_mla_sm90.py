@@ -149,7 +149,8 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> d
         from triton.runtime.jit import mangle_type
 
         pointers = {"PartialO": "*fp16"} if scaled else {}
-        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled}
+        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled,
+                      "BLOCK_N": g.scorer_block_n(page_size)}
         if page_size % g.GLUON_BLOCK_N == 0:
             pointers["kv_desc"] = mangle_type(g.latent_descriptor(torch.empty(64, 1, 576, dtype=torch.bfloat16)))
         else:
@@ -172,13 +173,19 @@ def main() -> int:
     p.add_argument("--gluon-heads", type=int, default=128, help="with --gluon: query heads (16: 4-token rows)")
     p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_scorer", "gluon_narrow"))
     p.add_argument("--scaled", action="store_true", help="gluon_scorer: float16 partials")
+    p.add_argument("--set", default="", metavar="NAME=VALUE[,...]",
+                   help="with --gluon: the Gluon launch's switches while it builds, e.g. SCORER_GATHER_KEYS=32")
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:
-        for page in args.gluon:
-            report = {"kernel": args.gluon_kernel, "page_size": page, "heads": args.gluon_heads,
-                      "scaled": args.scaled, **gluon_report(page, args.gluon_heads, args.gluon_kernel, args.scaled)}
-            print(json.dumps(report) if args.json else report, flush=True)
+        from attnserve.attention.kernels.mha.gluon_switches import MLA_DECODE, gluon_settings
+
+        with gluon_settings(args.set, MLA_DECODE):
+            for page in args.gluon:
+                report = {"kernel": args.gluon_kernel, "page_size": page, "heads": args.gluon_heads,
+                          "scaled": args.scaled, "switches": args.set,
+                          **gluon_report(page, args.gluon_heads, args.gluon_kernel, args.scaled)}
+                print(json.dumps(report) if args.json else report, flush=True)
         return 0
     decode = [tuple(map(int, s.split(","))) for s in args.decode or []]
     extend = [tuple(map(int, s.split(","))) for s in args.extend or []]

@@ -6,6 +6,8 @@ must not win). Writes JSON with every (workload, setting), the best per workload
 decode tile table rules the sweep implies (attention/kernels/mla/decode_table.py), printed at the end.
 
     PYTHONPATH=src python3 tools/sweep_triton_mla.py --out sweep-mla.json [--tiny] [--budget-s 150] [--decode-only]
+    PYTHONPATH=src python3 tools/sweep_triton_mla.py --gluon-set SCORER_GATHER_KEYS=32 --rounds 5 --out ab.json
+        # the shipped decode tiles against themselves with the Gluon launch's switches set, alternating rounds
     python tools/sweep_triton_mla.py --apply sweep-mla.json   # no GPU: write its rules into the package
 
 --apply replaces the rules of the sweep's architecture (sm90 for an H200) in mla/decode_table.json.
@@ -14,6 +16,7 @@ decode tile table rules the sweep implies (attention/kernels/mla/decode_table.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -71,6 +74,26 @@ def settings_for(kind: str, tiny: bool, num_heads: int) -> list[tuple[dict, dict
     return out
 
 
+def measure(row: dict, w, rb, ref, device: str, options: dict, context=None) -> dict:
+    """The triton backend with `options` (inside `context`, e.g. switches set) on the workload's batch: checked
+    against the oracle, then on a GPU and within 1e-2 timed (decode in a CUDA graph); into `row`, which is printed
+    and returned. A setting that fails to compile or run is recorded in the row, not raised."""
+    try:
+        with context or contextlib.nullcontext():
+            fn = attnserve_racer("triton", rb, **options)
+            out = fn()
+            row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+            if device == "cuda" and row["rel_err"] < 1e-2:
+                us, _ = time_call(fn, use_graph=w.kind == "decode")
+                row["us"] = round(us, 1)
+                row["tflops"] = round(w.mla_flops() / us / 1e6, 1)
+    except Exception as exc:  # noqa: BLE001 - a setting that cannot compile or run here is recorded, not fatal
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    rb.keep.clear()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def sweep(args) -> dict:
     device = "cpu" if args.tiny else "cuda"
     workloads = [w for w in TINY_WORKLOADS if w.mla] if args.tiny else MLA_WORKLOADS
@@ -86,19 +109,7 @@ def sweep(args) -> dict:
                 print(f"{w.name}: time share spent; next workload", flush=True)
                 break
             row = {"workload": w.name, "heads": w.mla.num_heads, "page_size": w.page_size, **described}
-            try:
-                fn = attnserve_racer("triton", rb, **options)
-                out = fn()
-                row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
-                if device == "cuda" and row["rel_err"] < 1e-2:
-                    us, _ = time_call(fn, use_graph=w.kind == "decode")
-                    row["us"] = round(us, 1)
-                    row["tflops"] = round(w.mla_flops() / us / 1e6, 1)
-            except Exception as exc:  # noqa: BLE001 - a setting that cannot compile here is recorded, not fatal
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            rb.keep.clear()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(measure(row, w, rb, ref, device, options))
     best = {}
     for r in rows:
         if "us" in r and (r["workload"] not in best or r["us"] < best[r["workload"]]["us"]):
@@ -110,6 +121,45 @@ def sweep(args) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
             "torch": torch.__version__, "rows": rows, "best": best,
             "tile_rules": rules_from_sweep(rows, shapes)}
+
+
+def race_switches(args) -> dict:
+    """The shipped decode tiles (the backend's defaults) on each decode workload, plain and with each --gluon-set,
+    checked against the oracle and timed once a round, the order reversed every other round; the medians and each
+    candidate's ratio to the plain one. For a schedule built behind a switch of the Gluon launch."""
+    import statistics
+
+    from attnserve.attention.kernels.mha.gluon_switches import MLA_DECODE, gluon_settings, parse_gluon_settings
+
+    for sets in args.gluon_set:
+        parse_gluon_settings(sets, MLA_DECODE)  # a misspelt switch stops here
+    device = "cpu" if args.tiny else "cuda"
+    workloads = [w for w in (TINY_WORKLOADS if args.tiny else MLA_WORKLOADS) if w.mla and w.kind == "decode"]
+    candidates = ["", *args.gluon_set]
+    started, rows = time.perf_counter(), []
+    batches = [build_race_batch(w, device=device, seed=i) for i, w in enumerate(workloads)]
+    refs = [reference_for_batch(rb.q, rb.layer, rb.fb, compute_dtype=torch.float32) for rb in batches]
+    for rnd in range(args.rounds):
+        if time.perf_counter() - started > args.budget_s:
+            print(f"budget spent before round {rnd + 1} of {args.rounds}", flush=True)
+            break
+        for sets in candidates if rnd % 2 == 0 else candidates[::-1]:
+            for w, rb, ref in zip(workloads, batches, refs):
+                row = {"workload": w.name, "switches": sets or "(shipped)", "round": rnd}
+                rows.append(measure(row, w, rb, ref, device, {}, gluon_settings(sets, MLA_DECODE)))
+    medians = {}
+    for r in rows:
+        if "us" in r:
+            medians.setdefault(r["workload"], {}).setdefault(r["switches"], []).append(r["us"])
+    medians = {w: {k: statistics.median(v) for k, v in ks.items()} for w, ks in medians.items()}
+    for w, ks in medians.items():
+        for k, us in ks.items():
+            base = ks.get("(shipped)")
+            vs = f"  {base / us:5.3f}x the shipped" if base and k != "(shipped)" else ""
+            print(f"{w:<32} {k:<28} {us:9.1f} us (median){vs}", flush=True)
+    return {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "torch": torch.__version__,
+            "rows": rows, "medians": medians, "best": {}, "tile_rules": {}}
 
 
 def apply(path: str) -> int:
@@ -131,10 +181,14 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new settings after this long")
     p.add_argument("--decode-only", action="store_true", help="leave out the extend workload")
     p.add_argument("--apply", metavar="SWEEP_JSON", help="write a finished sweep's tile rules into the package")
+    p.add_argument("--gluon-set", action="append", default=[], metavar="NAME=VALUE[,...]",
+                   help="race the shipped decode tiles with these switches of the Gluon MLA launch against the shipped "
+                        "ones, round by round (repeatable; a candidate each)")
+    p.add_argument("--rounds", type=int, default=5, help="with --gluon-set: rounds, the order reversed every other")
     args = p.parse_args()
     if args.apply:
         return apply(args.apply)
-    result = sweep(args)
+    result = race_switches(args) if args.gluon_set else sweep(args)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print("best:", json.dumps(result["best"], indent=1))

@@ -141,9 +141,10 @@ def row_token_head(tok0, ntok, hg, NUM_HEADS: gl.constexpr, TOKENS: gl.constexpr
 
 
 @gluon.jit
-def tile_probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS: gl.constexpr, s_layout: gl.constexpr):
-    """(p `[64, 64]` float32 at the new max, the new max, the factor from m_run to it) of the tile at key n0."""
-    offs_n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
+def tile_probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS: gl.constexpr, s_layout: gl.constexpr,
+                       BLOCK_N: gl.constexpr = 64):
+    """(p `[64, BLOCK_N]` float32 at the new max, the new max, the factor from m_run to it) of the tile at key n0."""
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if TOKENS > 1:  # each row's own causal horizon (extend rows)
         s = gl.where(offs_n[None, :] < hi_row[:, None], s * qk_scale_log2, float("-inf"))
     else:
