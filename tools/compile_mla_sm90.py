@@ -156,8 +156,8 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> d
         else:
             constexprs["kv_desc"] = None
         return compile_sm90(g.mla_decode_scorer_kernel, constexprs, 4, 1, source=GluonASTSource, pointers=pointers)
-    return compile_sm90(g.mla_decode_seesaw_kernel, constexprs, 4, 1, source=GluonASTSource,
-                        maxnreg=g.MAXNREG)
+    return compile_sm90(g.mla_decode_seesaw_kernel, {**constexprs, "WHOLE_TILES": g.SEESAW_WHOLE_TILES}, 4, 1,
+                        source=GluonASTSource, maxnreg=g.MAXNREG)
 
 
 DECODE = [(64, 64, 8, 2, 0, 64), (32, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 64), (64, 32, 8, 2, 1, 64),

@@ -7,7 +7,7 @@ decode tile table rules the sweep implies (attention/kernels/mla/decode_table.py
 
     PYTHONPATH=src python3 tools/sweep_triton_mla.py --out sweep-mla.json [--tiny] [--budget-s 150] [--decode-only]
     PYTHONPATH=src python3 tools/sweep_triton_mla.py --gluon-set SCORER_GATHER_KEYS=32 --rounds 5 --out ab.json
-        # the shipped decode tiles against themselves with the Gluon launch's switches set, alternating rounds
+        # the shipped tiles against themselves with the Gluon launch's switches set, alternating rounds
     python tools/sweep_triton_mla.py --apply sweep-mla.json   # no GPU: write its rules into the package
 
 --apply replaces the rules of the sweep's architecture (sm90 for an H200) in mla/decode_table.json.
@@ -124,9 +124,10 @@ def sweep(args) -> dict:
 
 
 def race_switches(args) -> dict:
-    """The shipped decode tiles (the backend's defaults) on each decode workload, plain and with each --gluon-set,
-    checked against the oracle and timed once a round, the order reversed every other round; the medians and each
-    candidate's ratio to the plain one. For a schedule built behind a switch of the Gluon launch."""
+    """The shipped tiles (the backend's defaults) on each MLA workload (decode, and extend unless --decode-only),
+    plain and with each --gluon-set, checked against the oracle and timed once a round, the order reversed every
+    other round; the medians and each candidate's ratio to the plain one. For a schedule built behind a switch of
+    the Gluon launch; the workloads it does not touch time the noise."""
     import statistics
 
     from attnserve.attention.kernels.mha.gluon_switches import MLA_DECODE, gluon_settings, parse_gluon_settings
@@ -134,7 +135,9 @@ def race_switches(args) -> dict:
     for sets in args.gluon_set:
         parse_gluon_settings(sets, MLA_DECODE)  # a misspelt switch stops here
     device = "cpu" if args.tiny else "cuda"
-    workloads = [w for w in (TINY_WORKLOADS if args.tiny else MLA_WORKLOADS) if w.mla and w.kind == "decode"]
+    decode_only = getattr(args, "decode_only", False)
+    workloads = [w for w in (TINY_WORKLOADS if args.tiny else MLA_WORKLOADS)
+                 if w.mla and (w.kind == "decode" or not decode_only)]
     candidates = ["", *args.gluon_set]
     started, rows = time.perf_counter(), []
     batches = [build_race_batch(w, device=device, seed=i) for i, w in enumerate(workloads)]

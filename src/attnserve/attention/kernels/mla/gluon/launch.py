@@ -45,6 +45,9 @@ NARROW_CONSUMER_REGS = 232  # the narrow kernel's one consumer warpgroup (O^T: 4
 # (four of 36 KB: a stage freed and refilled at half the tile, up to 108 KB in flight instead of 72). Off until raced
 # (tools/sweep_triton_mla.py --gluon-set SCORER_GATHER_KEYS=32)
 SCORER_GATHER_KEYS = 64
+# The seesaw (extend rows) skips the causal mask on tiles every row of its CTA sees whole, as the scorer does on
+# whole tiles: a compare and a select an element fewer. Off until raced (--gluon-set SEESAW_WHOLE_TILES=1)
+SEESAW_WHOLE_TILES = False
 
 
 def scorer_block_n(page_size: int) -> int:
@@ -114,7 +117,8 @@ def launch_gluon_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows: Dec
                                        kv_desc=latent_descriptor(kv_buffer) if tma else None,
                                        BLOCK_N=scorer_block_n(page_size))
     else:
-        mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG)
+        mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG,
+                                       WHOLE_TILES=SEESAW_WHOLE_TILES)
 
 
 __all__ = ["launch_gluon_mla_decode", "latent_descriptor", "head_groups_per_cta_row", "strides_ok", "tokens_per_cta"]

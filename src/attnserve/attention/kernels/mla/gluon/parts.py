@@ -154,6 +154,21 @@ def tile_probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS: gl.const
 
 
 @gluon.jit
+def softmax_tile(s, m_run, n0, hi, hi_row, hi_min, qk_scale_log2, TOKENS: gl.constexpr, s_layout: gl.constexpr,
+                 BLOCK_N: gl.constexpr = 64):
+    """tile_probabilities, with no mask where every row sees the whole tile (n0 + BLOCK_N <= hi_min, the CTA's
+    least horizon): a compare and a select an element fewer on all but a request's last tiles."""
+    if n0 + BLOCK_N <= hi_min:
+        s = s * qk_scale_log2
+        m_new = gl.maximum(m_run, gl.max(s, axis=1))
+        p = gl.exp2(s - m_new[:, None])
+        alpha = gl.exp2(m_run - m_new)
+    else:
+        p, m_new, alpha = tile_probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS, s_layout, BLOCK_N)
+    return p, m_new, alpha
+
+
+@gluon.jit
 def store_output(o, stage, Out, PartialO, tok0, ntok, hg, split, active, stride_ob, stride_oh, stride_pb, stride_ph,
                   stride_ps, col0, NUM_HEADS: gl.constexpr, TOKENS: gl.constexpr, BLOCK_H: gl.constexpr,
                   HALF: gl.constexpr, WRITE_FINAL: gl.constexpr):

@@ -89,14 +89,8 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
                 parts.zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), parts.COPY_LAYOUT)
                 gl.thread_barrier()
                 hopper.fence_async_shared()  # the zeros before either PV reads the stage
-        if hi - (lo + t * BLOCK_N) >= BLOCK_N:  # a whole tile: no key to mask
-            s = s * qk_scale_log2
-            m_new = gl.maximum(m_run, gl.max(s, axis=1))
-            p = gl.exp2(s - m_new[:, None])
-            alpha = gl.exp2(m_run - m_new)
-        else:
-            p, m_new, alpha = parts.tile_probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout,
-                                                       BLOCK_N)
+        p, m_new, alpha = parts.softmax_tile(s, m_run, lo + t * BLOCK_N, hi, hi, hi, qk_scale_log2, 1, s_layout,
+                                             BLOCK_N)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_run = m_new
         p = p.to(dtype)

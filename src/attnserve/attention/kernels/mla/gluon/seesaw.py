@@ -130,16 +130,29 @@ def _scale_to_other(scale_smem, max_smem, ready, acc, l_i, phase, OWNER: gl.cons
 
 
 @gluon.jit
+def _probabilities(s, m_run, n0, hi, hi_row, hi_min, qk_scale_log2, TOKENS: gl.constexpr, s_layout: gl.constexpr,
+                   WHOLE_TILES: gl.constexpr):
+    """The tile's probabilities, its max and rescale factor; with WHOLE_TILES unmasked where every row sees the
+    whole tile."""
+    if WHOLE_TILES:
+        p, m_new, alpha = parts.softmax_tile(s, m_run, n0, hi, hi_row, hi_min, qk_scale_log2, TOKENS, s_layout)
+    else:
+        p, m_new, alpha = parts.tile_probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS, s_layout)
+    return p, m_new, alpha
+
+
+@gluon.jit
 def _wg0_own_tile(q_c_smem, q_r_smem, c0, r_ring, scale_smem, max_smem, loaded_e, loaded_l, free_e, ready, acc, l_i,
-                  m_run, j, lo, hi, hi_row, qk_scale_log2, TOKENS: gl.constexpr, HALF: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                  m_run, j, lo, hi, hi_row, hi_min, qk_scale_log2, TOKENS: gl.constexpr, HALF: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                  WHOLE_TILES: gl.constexpr):
     """Warpgroup 0's tile of round j (stage 0): score, softmax against the last round's max, publish, and its
     columns 0-255 of the PV, after which those columns of the stage can be refilled."""
     BLOCK_N: gl.constexpr = 64
     s = _score(q_c_smem, q_r_smem, c0, r_ring.index(0), loaded_e.index(0), loaded_l.index(0), j & 1, False, HALF,
                s_layout)
-    p, m_new, alpha = parts.tile_probabilities(s, m_run, lo + 2 * j * BLOCK_N, hi, hi_row, qk_scale_log2, TOKENS,
-                                               s_layout)
+    p, m_new, alpha = _probabilities(s, m_run, lo + 2 * j * BLOCK_N, hi, hi_row, hi_min, qk_scale_log2, TOKENS,
+                                     s_layout, WHOLE_TILES)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p = p.to(c0.dtype)
     _publish(p, alpha, m_new, r_ring.index(0), scale_smem.slice(0, 64), max_smem.slice(0, 64), ready.index(0))
@@ -156,7 +169,7 @@ def _seesaw_consumer(
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     q_c_smem, q_r_smem, c_ring, r_ring, scale_smem, max_smem, l_smem, loaded_e, loaded_l, free_e, free_l, ready,
     fin, q_loaded, W: gl.constexpr, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, WRITE_FINAL: gl.constexpr,
-    TOKENS: gl.constexpr,
+    TOKENS: gl.constexpr, WHOLE_TILES: gl.constexpr,
 ):
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
@@ -170,9 +183,11 @@ def _seesaw_consumer(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     hi_row = hi
+    hi_min = hi  # the least horizon of the CTA's rows: tiles below it need no mask
     if TOKENS > 1:  # rows of earlier tokens see fewer keys
         row_tok, _, row_ok = parts.row_token_head(tok0, ntok, hg, NUM_HEADS, TOKENS, BLOCK_H, row_s)
         hi_row = gl.minimum(gl.load(seq_lens + row_tok, mask=row_ok, other=0), hi)
+        hi_min = gl.min(gl.where(row_ok, hi_row, hi), axis=0)
     mbarrier.wait(q_loaded, 0)  # (the scores' fence after their tiles' waits covers the query's copies too)
     m_run = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=row_s)  # the running max after the last round
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)  # this warpgroup's tiles' row sums, at m_run
@@ -183,8 +198,8 @@ def _seesaw_consumer(
     if W == 0:
         for j in range(rounds):
             acc, l_i, m_run = _wg0_own_tile(q_c_smem, q_r_smem, c0, r_ring, scale_smem, max_smem, loaded_e, loaded_l,
-                                            free_e, ready, acc, l_i, m_run, j, lo, hi, hi_row, qk_scale_log2,
-                                            TOKENS, HALF, s_layout, o_layout, p_layout)
+                                            free_e, ready, acc, l_i, m_run, j, lo, hi, hi_row, hi_min, qk_scale_log2,
+                                            TOKENS, HALF, s_layout, o_layout, p_layout, WHOLE_TILES)
             # warpgroup 1's tile: its probabilities times columns 0-255
             acc, l_i, m_run = _scale_to_other(scale_smem, max_smem, ready, acc, l_i, j & 1, 1, row_s, row_o)
             acc = hopper.warpgroup_mma(r_ring.index(1), c1.slice(0, HALF, dim=1), acc, is_async=True)
@@ -192,8 +207,8 @@ def _seesaw_consumer(
             parts.release_stage(free_l.index(1))
         if num_tiles % 2:  # a last, odd tile: warpgroup 0's alone
             acc, l_i, m_run = _wg0_own_tile(q_c_smem, q_r_smem, c0, r_ring, scale_smem, max_smem, loaded_e,
-                                            loaded_l, free_e, ready, acc, l_i, m_run, rounds, lo, hi, hi_row,
-                                            qk_scale_log2, TOKENS, HALF, s_layout, o_layout, p_layout)
+                                            loaded_l, free_e, ready, acc, l_i, m_run, rounds, lo, hi, hi_row, hi_min,
+                                            qk_scale_log2, TOKENS, HALF, s_layout, o_layout, p_layout, WHOLE_TILES)
     else:
         for j in range(rounds):
             phase = j & 1
@@ -202,8 +217,8 @@ def _seesaw_consumer(
             # warpgroup 0's tile first: its probabilities times columns 256-511, in flight under this softmax
             acc, l_i, m_run = _scale_to_other(scale_smem, max_smem, ready, acc, l_i, phase, 0, row_s, row_o)
             acc = hopper.warpgroup_mma(r_ring.index(0), c0.slice(HALF, HALF, dim=1), acc, is_async=True)
-            p, m_new, alpha = parts.tile_probabilities(s, m_run, lo + (2 * j + 1) * BLOCK_N, hi, hi_row,
-                                                       qk_scale_log2, TOKENS, s_layout)
+            p, m_new, alpha = _probabilities(s, m_run, lo + (2 * j + 1) * BLOCK_N, hi, hi_row, hi_min,
+                                             qk_scale_log2, TOKENS, s_layout, WHOLE_TILES)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             p = p.to(dtype)
             _publish(p, alpha, m_new, r_ring.index(1), scale_smem.slice(64, 64), max_smem.slice(64, 64),
@@ -243,7 +258,7 @@ def mla_decode_seesaw_kernel(
     qk_scale_log2,
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr,
+    WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, WHOLE_TILES: gl.constexpr = False,
 ):
     """Per-token arrays (kv_indptr's starts, seq_lens, num_splits) are indexed by query token. TOKENS > 1 (extend
     rows, few heads): CTA g takes tokens group_first[g] ... + group_ntok[g] - 1 of one request, whose horizon
@@ -307,9 +322,11 @@ def mla_decode_seesaw_kernel(
         (_seesaw_consumer, (Q, Out, PartialO, PartialLse, seq_lens, tok0, ntok, hg, split, lo, hi, num_tiles, active,
                             qk_scale_log2, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
                             stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, scale_smem, max_smem, l_smem, loaded_e,
-                            loaded_l, free_e, free_l, ready, fin, q_loaded, 0, NUM_HEADS, LATENT, WRITE_FINAL, TOKENS)),
+                            loaded_l, free_e, free_l, ready, fin, q_loaded, 0, NUM_HEADS, LATENT, WRITE_FINAL, TOKENS,
+                            WHOLE_TILES)),
         (_seesaw_consumer, (Q, Out, PartialO, PartialLse, seq_lens, tok0, ntok, hg, split, lo, hi, num_tiles, active,
                             qk_scale_log2, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
                             stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, scale_smem, max_smem, l_smem, loaded_e,
-                            loaded_l, free_e, free_l, ready, fin, q_loaded, 1, NUM_HEADS, LATENT, WRITE_FINAL, TOKENS)),
+                            loaded_l, free_e, free_l, ready, fin, q_loaded, 1, NUM_HEADS, LATENT, WRITE_FINAL, TOKENS,
+                            WHOLE_TILES)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
