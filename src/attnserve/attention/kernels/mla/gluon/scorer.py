@@ -15,9 +15,12 @@ same way. Two warpgroups and no producer partition leave 255 registers a thread,
 asynchronous.
 
 Tiles come by cp.async (36 16-byte copies a loader thread), over pages of 64 tokens or more by TMA (nine 64 x 64
-boxes of one page: one instruction instead of a thread's copies); a TMA tile's rows past the request's end are
-zeroed by the scorer before either PV (an unused slot may hold anything; the score masks them). The
-probabilities go to the tile's rope slot (the score has read it), the rescale factors to a slot per stage.
+boxes of one page: one instruction instead of a thread's copies). Gathered tiles may be 32 keys instead
+(launch.SCORER_GATHER_KEYS): the ring's 128 rows then make four stages, each refilled once its 32 keys are done,
+so up to three tiles (108 KB) are in flight while one is multiplied, against one (72 KB) with two stages. A TMA
+tile's rows past the request's end are zeroed by the scorer before either PV (an unused slot may hold anything;
+the score masks them). The probabilities go to the tile's rope slot (the score has read it), the rescale factors
+to a slot per stage.
 
 A split decode may store float16 partials (SCALED; mla/attention.py says why): both warpgroups write each row's
 largest magnitude, and each row is scaled by the power of two that brings its largest value to [2^14, 2^15),
