@@ -39,6 +39,13 @@
 #               the order reversed every other round, the shipped kernel timed twice (READ_POOL_ROWS=1) as the noise
 #               control -> sweep-prefill-gluon-switches-h200.json. Needs no wheels; on an H100 (2026-12-06) about
 #               45 s a sweep of four candidates, 100 s with the checks
+#   mla-switches
+#               the Gluon MLA launch's switches (MLA_SWITCHES, default SCORER_GATHER_KEYS=32 SEESAW_WHOLE_TILES=1), each
+#               checked against the oracle first in a child process with a time limit (the scorer's decode over 1- and
+#               16-token pages, the seesaw's extend rows over 1- and 64-token pages), then those that pass raced against
+#               the shipped kernels on every MLA race workload, SWITCH_ROUNDS (default 5) rounds, the order reversed
+#               every other round; workloads a switch does not touch time the noise -> sweep-mla-switches-h200.json.
+#               Needs no wheels; WARM_FLASHINFER=0 leaves FlashInfer's JIT builds out of a call that races no peer
 #   prefill-ncu Nsight Compute on every kernel of one call of each contestant (benchmarks/prefill_ncu.py: pipes busy,
 #               stall reasons, DRAM bytes) -> ncu-h200-<workload>.json; MHA: triton, FA4 (from the /tmp/site2 that
 #               benchmarks/peer_wheels.sh stage put it in), FlashInfer fa3 and cuDNN on fresh prompts; MLA: triton and
@@ -126,7 +133,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     compare) [ $# -ge 3 ] || { echo "compare needs BEFORE.json AFTER.json" >&2; exit 2; }
              COMPARE=("$2" "$3"); STEPS+=(compare); shift 3 ;;
-    tests|mha|mla|race|switches|prefill-ncu|engine|engine-mla|engine-profiles|engine-ab|gemm|moe|training|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
+    tests|mha|mla|race|switches|mla-switches|prefill-ncu|engine|engine-mla|engine-profiles|engine-ab|gemm|moe|training|serve|tune|tp|spec) STEPS+=("$1"); shift ;;
     serve-waves|serve-profile|budget-offline|budget-profile|budget-served|budget-poisson|budget-c1) STEPS+=("$1"); shift ;;
     serve-budget) STEPS+=(budget-offline budget-served budget-poisson); shift ;;
     -h|--help) usage; exit 0 ;;
@@ -209,7 +216,7 @@ has engine-mla && WARM+=("mla fa3" "mla fa2")
 has serve && WARM+=("decode tensor" "prefill fa3" "extend fa3")
 has tune && WARM+=("decode tensor" "fa3")
 WARM_PID=""
-if [ ${#WARM[@]} -gt 0 ] && python3 -c "import flashinfer" 2> /dev/null; then
+if [ ${#WARM[@]} -gt 0 ] && [ "${WARM_FLASHINFER:-1}" = 1 ] && python3 -c "import flashinfer" 2> /dev/null; then
   timeout "$(cap 400)" nice -n 19 python3 benchmarks/warm_flashinfer.py "${WARM[@]}" > "$LOGS/warm-flashinfer.log" 2>&1 &
   WARM_PID=$!
 fi
@@ -358,6 +365,24 @@ e = max(t.check_switched('$sw', False), t.check_switched('$sw', True)); print('$
     --prefills 4x4096 --rounds "${SWITCH_ROUNDS:-7}" $candidates --budget-s "$(( $(cap 230) - 25 ))" \
     --out "$OUT/sweep-prefill-gluon-switches-h200.json" > "$LOGS/switches-prefill.log" 2>&1
   grep "median\|FAIL\|budget" "$LOGS/switches-prefill.log"
+}
+
+step_mla_switches() {
+  local sw candidates=""
+  for sw in ${MLA_SWITCHES-SCORER_GATHER_KEYS=32 SEESAW_WHOLE_TILES=1}; do
+    echo "== check $sw against the oracle, decode and extend rows ($(left) s left)"
+    PYTHONPATH=$PYTHONPATH:$PWD/tests timeout "$(cap 150)" python3 -c "import test_gluon_mla as t
+e = max(t.check_scorer_switched('$sw', 1), t.check_scorer_switched('$sw', 16), t.check_extend_rows_switched('$sw', 1),
+        t.check_extend_rows_switched('$sw', 64)); print('$sw: relative error', e); assert e < 1e-2" \
+      > "$LOGS/check-${sw//[=,]/_}.log" 2>&1 && candidates="$candidates --gluon-set $sw"
+    tail -2 "$LOGS/check-${sw//[=,]/_}.log" | cut -c1-300
+  done
+  [ -n "$candidates" ] || { echo "no MLA switch passed its check: nothing to race"; return 1; }
+  echo "== MLA:$candidates ($(left) s left)"
+  # shellcheck disable=SC2086
+  timeout "$(cap 300)" python3 tools/sweep_triton_mla.py $candidates --rounds "${SWITCH_ROUNDS:-5}" \
+    --budget-s "$(( $(cap 300) - 40 ))" --out "$OUT/sweep-mla-switches-h200.json" > "$LOGS/switches-mla.log" 2>&1
+  grep "median\|budget\|rror" "$LOGS/switches-mla.log" | cut -c1-200
 }
 
 step_prefill_ncu() {
