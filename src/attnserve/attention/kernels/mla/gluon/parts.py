@@ -158,7 +158,7 @@ def softmax_tile(s, m_run, n0, hi, hi_row, hi_min, qk_scale_log2, TOKENS: gl.con
                  BLOCK_N: gl.constexpr = 64):
     """tile_probabilities, with no mask where every row sees the whole tile (n0 + BLOCK_N <= hi_min, the CTA's
     least horizon): a compare and a select an element fewer on all but a request's last tiles."""
-    if n0 + BLOCK_N <= hi_min:
+    if hi_min - n0 >= BLOCK_N:
         s = s * qk_scale_log2
         m_new = gl.maximum(m_run, gl.max(s, axis=1))
         p = gl.exp2(s - m_new[:, None])

@@ -221,8 +221,8 @@ def mla_decode_scorer_kernel(
         mbarrier.init(loaded.index(i), count=1 if PAGE_SIZE % 64 == 0 else 128)  # TMA bytes / cp.async
         mbarrier.init(pv_done.index(i), count=1)
         mbarrier.init(p_ready.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(fin.index(i), count=1)
+        if i < 2:
+            mbarrier.init(fin.index(i), count=1)
     hopper.fence_async_shared()  # the barriers' init before the partitions use them
 
     gl.warp_specialize([
