@@ -157,13 +157,13 @@ def test_the_switch_race_checks_every_candidate_against_the_oracle_and_refuses_a
     from script_loader import load_script
 
     sweep = load_script("tools/sweep_triton_mla.py")
-    args = argparse.Namespace(tiny=True, gluon_set=["SCORER_GATHER_KEYS=32"], rounds=2, budget_s=600.0)
+    args = argparse.Namespace(tiny=True, gluon_set=["SEESAW_WHOLE_TILES=1"], rounds=2, budget_s=600.0)
     result = sweep.race_switches(args)
     rows = result["rows"]
-    assert {r["switches"] for r in rows} == {"(shipped)", "SCORER_GATHER_KEYS=32"}
+    assert {r["switches"] for r in rows} == {"(shipped)", "SEESAW_WHOLE_TILES=1"}
     assert {r["round"] for r in rows} == {0, 1} and all("error" not in r for r in rows)
     assert all(r["rel_err"] < 1e-2 for r in rows)
     by = {(r["workload"], r["switches"], r["round"]): r["rel_err"] for r in rows}
-    assert all(by[(w, "SCORER_GATHER_KEYS=32", k)] == err for (w, s, k), err in by.items() if s == "(shipped)")
+    assert all(by[(w, "SEESAW_WHOLE_TILES=1", k)] == err for (w, s, k), err in by.items() if s == "(shipped)")
     with pytest.raises(SystemExit, match="no switch 'NOPE'"):
         sweep.race_switches(argparse.Namespace(tiny=True, gluon_set=["NOPE=1"], rounds=1, budget_s=10.0))

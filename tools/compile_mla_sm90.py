@@ -149,8 +149,7 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> d
         from triton.runtime.jit import mangle_type
 
         pointers = {"PartialO": "*fp16"} if scaled else {}
-        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled,
-                      "BLOCK_N": g.scorer_block_n(page_size)}
+        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled}
         if page_size % g.GLUON_BLOCK_N == 0:
             pointers["kv_desc"] = mangle_type(g.latent_descriptor(torch.empty(64, 1, 576, dtype=torch.bfloat16)))
         else:
@@ -174,7 +173,7 @@ def main() -> int:
     p.add_argument("--gluon-kernel", default="gluon_seesaw", choices=("gluon_seesaw", "gluon_scorer", "gluon_narrow"))
     p.add_argument("--scaled", action="store_true", help="gluon_scorer: float16 partials")
     p.add_argument("--set", default="", metavar="NAME=VALUE[,...]",
-                   help="with --gluon: the Gluon launch's switches while it builds, e.g. SCORER_GATHER_KEYS=32")
+                   help="with --gluon: the Gluon launch's switches while it builds, e.g. SEESAW_WHOLE_TILES=1")
     p.add_argument("--json", action="store_true", help="one JSON object per line (the Gluon rows)")
     args = p.parse_args()
     if args.gluon:

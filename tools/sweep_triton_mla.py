@@ -6,7 +6,7 @@ must not win). Writes JSON with every (workload, setting), the best per workload
 decode tile table rules the sweep implies (attention/kernels/mla/decode_table.py), printed at the end.
 
     PYTHONPATH=src python3 tools/sweep_triton_mla.py --out sweep-mla.json [--tiny] [--budget-s 150] [--decode-only]
-    PYTHONPATH=src python3 tools/sweep_triton_mla.py --gluon-set SCORER_GATHER_KEYS=32 --rounds 5 --out ab.json
+    PYTHONPATH=src python3 tools/sweep_triton_mla.py --gluon-set SEESAW_WHOLE_TILES=1 --rounds 5 --out ab.json
         # the shipped tiles against themselves with the Gluon launch's switches set, alternating rounds
     python tools/sweep_triton_mla.py --apply sweep-mla.json   # no GPU: write its rules into the package
 

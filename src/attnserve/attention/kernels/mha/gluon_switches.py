@@ -1,4 +1,4 @@
-"""A Gluon kernel module's switches (prefill_gluon.STAGES, PINGPONG, ...; the MLA launch's SCORER_GATHER_KEYS) set
+"""A Gluon kernel module's switches (prefill_gluon.STAGES, PINGPONG, ...; the MLA launch's SEESAW_WHOLE_TILES) set
 from text, so a sweep or a profile can race a schedule that is built but off without editing the module."""
 
 from __future__ import annotations

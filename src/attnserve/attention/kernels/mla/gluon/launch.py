@@ -41,19 +41,9 @@ CONSUMER_REGS = 232  # the seesaw's two consumer warpgroups at 232 + the produce
 MAXNREG = 168  # the kernel-wide figure the partitions' budgets are carved from: 168 x 384 threads
 SCORER_REGS = 240  # the scorer kernel's second warpgroup (setmaxnreg; no producer; ptxas: 255)
 NARROW_CONSUMER_REGS = 232  # the narrow kernel's one consumer warpgroup (O^T: 4 x heads registers) beside the producer
-# Keys a tile of the scorer where it gathers tiles by cp.async (pages under 64 tokens): 64 (two 72 KB stages) or 32
-# (four of 36 KB: a stage freed and refilled at half the tile, up to 108 KB in flight instead of 72). Off until raced
-# (tools/sweep_triton_mla.py --gluon-set SCORER_GATHER_KEYS=32)
-SCORER_GATHER_KEYS = 64
 # The seesaw (extend rows) skips the causal mask on tiles every row of its CTA sees whole, as the scorer does on
 # whole tiles: a compare and a select an element fewer. Off until raced (--gluon-set SEESAW_WHOLE_TILES=1)
 SEESAW_WHOLE_TILES = False
-
-
-def scorer_block_n(page_size: int) -> int:
-    """Keys a tile of the scorer: 64 rows of one page by TMA over pages of 64 tokens or more, else
-    SCORER_GATHER_KEYS gathered by cp.async."""
-    return GLUON_BLOCK_N if page_size % GLUON_BLOCK_N == 0 else SCORER_GATHER_KEYS
 
 
 def strides_ok(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
@@ -114,8 +104,7 @@ def launch_gluon_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows: Dec
         tma = page_size % GLUON_BLOCK_N == 0  # a tile is 64 rows of one page
         mla_decode_scorer_kernel[grid](*args, **common, CONSUMER_REGS=SCORER_REGS,
                                        SCALED=partial_o.dtype == torch.float16 and not write_final,
-                                       kv_desc=latent_descriptor(kv_buffer) if tma else None,
-                                       BLOCK_N=scorer_block_n(page_size))
+                                       kv_desc=latent_descriptor(kv_buffer) if tma else None)
     else:
         mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG,
                                        WHOLE_TILES=SEESAW_WHOLE_TILES)

@@ -141,10 +141,9 @@ def row_token_head(tok0, ntok, hg, NUM_HEADS: gl.constexpr, TOKENS: gl.constexpr
 
 
 @gluon.jit
-def tile_probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS: gl.constexpr, s_layout: gl.constexpr,
-                       BLOCK_N: gl.constexpr = 64):
-    """(p `[64, BLOCK_N]` float32 at the new max, the new max, the factor from m_run to it) of the tile at key n0."""
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+def tile_probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS: gl.constexpr, s_layout: gl.constexpr):
+    """(p `[64, 64]` float32 at the new max, the new max, the factor from m_run to it) of the tile at key n0."""
+    offs_n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
     if TOKENS > 1:  # each row's own causal horizon (extend rows)
         s = gl.where(offs_n[None, :] < hi_row[:, None], s * qk_scale_log2, float("-inf"))
     else:
@@ -154,17 +153,17 @@ def tile_probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS: gl.const
 
 
 @gluon.jit
-def softmax_tile(s, m_run, n0, hi, hi_row, hi_min, qk_scale_log2, TOKENS: gl.constexpr, s_layout: gl.constexpr,
-                 BLOCK_N: gl.constexpr = 64):
-    """tile_probabilities, with no mask where every row sees the whole tile (n0 + BLOCK_N <= hi_min, the CTA's
-    least horizon): a compare and a select an element fewer on all but a request's last tiles."""
-    if hi_min - n0 >= BLOCK_N:
+def softmax_tile(s, m_run, n0, hi, hi_row, hi_min, qk_scale_log2, TOKENS: gl.constexpr, s_layout: gl.constexpr):
+    """tile_probabilities, with no mask where every row sees the whole tile (n0 + 64 <= hi_min, the CTA's least
+    horizon): a compare and a select an element fewer on all but a request's last tiles, as the scorer's whole
+    tiles."""
+    if hi_min - n0 >= 64:
         s = s * qk_scale_log2
         m_new = gl.maximum(m_run, gl.max(s, axis=1))
         p = gl.exp2(s - m_new[:, None])
         alpha = gl.exp2(m_run - m_new)
     else:
-        p, m_new, alpha = tile_probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS, s_layout, BLOCK_N)
+        p, m_new, alpha = tile_probabilities(s, m_run, n0, hi, hi_row, qk_scale_log2, TOKENS, s_layout)
     return p, m_new, alpha
 
 

@@ -15,12 +15,9 @@ same way. Two warpgroups and no producer partition leave 255 registers a thread,
 asynchronous.
 
 Tiles come by cp.async (36 16-byte copies a loader thread), over pages of 64 tokens or more by TMA (nine 64 x 64
-boxes of one page: one instruction instead of a thread's copies). Gathered tiles may be 32 keys instead
-(launch.SCORER_GATHER_KEYS): the ring's 128 rows then make four stages, each refilled once its 32 keys are done,
-so up to three tiles (108 KB) are in flight while one is multiplied, against one (72 KB) with two stages. A TMA
-tile's rows past the request's end are zeroed by the scorer before either PV (an unused slot may hold anything;
-the score masks them). The probabilities go to the tile's rope slot (the score has read it), the rescale factors
-to a slot per stage.
+boxes of one page: one instruction instead of a thread's copies); a TMA tile's rows past the request's end are
+zeroed by the scorer before either PV (an unused slot may hold anything; the score masks them). The
+probabilities go to the tile's rope slot (the score has read it), the rescale factors to a slot per stage.
 
 A split decode may store float16 partials (SCALED; mla/attention.py says why): both warpgroups write each row's
 largest magnitude, and each row is scaled by the power of two that brings its largest value to [2^14, 2^15),
@@ -40,35 +37,33 @@ from attnserve.attention.kernels.mla.gluon import parts
 
 @gluon.jit
 def _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t, num_tiles,
-               LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr):
-    """Tile t `[BLOCK_N keys, 576]` into stage t % STAGES. Over pages of 64 tokens or more a tile is 64 rows of one
-    page: nine TMA boxes, loaded[t % 2] counting their bytes. Else by cp.async from `rows` (its pool rows),
-    loaded[t % STAGES] counting this thread's arrival once its copies land. Nothing past the last tile."""
+               LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """Tile t `[64 keys, 576]` into stage t % 2. Over pages of 64 tokens or more a tile is 64 rows of one page:
+    nine TMA boxes, loaded[t % 2] counting their bytes. Else by cp.async from `rows` (its pool rows), loaded[t % 2]
+    counting this thread's arrival once its copies land. Nothing past the last tile."""
     if t < num_tiles:
         if PAGE_SIZE % 64 == 0:
             parts.tma_tile(kv_desc, kv_indices, page_base, lo + t * 64, loaded, t % 2, c_ring, r_ring, t % 2, 0,
                             LATENT // ROPE, True, LATENT, ROPE, PAGE_SIZE)
         else:
             offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, parts.COPY_LAYOUT))
-            base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [BLOCK_N, ROPE] pointers, BLOCK_N / 16 rows a thread
-            parts.copy_columns(c_ring.index(t % STAGES), base, 0, LATENT // ROPE, ROPE)
-            async_copy.async_copy_global_to_shared(r_ring.index(t % STAGES), base + LATENT)
-            async_copy.mbarrier_arrive(loaded.index(t % STAGES), increment_count=False)
+            base = KV + rows[:, None] * stride_kvt + offs[None, :]  # [64, ROPE] pointers, 4 rows a thread
+            parts.copy_columns(c_ring.index(t % 2), base, 0, LATENT // ROPE, ROPE)
+            async_copy.async_copy_global_to_shared(r_ring.index(t % 2), base + LATENT)
+            async_copy.mbarrier_arrive(loaded.index(t % 2), increment_count=False)
 
 
 @gluon.jit
 def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob, stride_oh,
-            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, p_ring,
-            alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS: gl.constexpr,
-            LATENT: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem,
+            l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS: gl.constexpr,
+            LATENT: gl.constexpr, PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr):
     """Warpgroup 0: each tile's whole score, its softmax, the probabilities for the loader, output columns 0-255."""
     BLOCK_H: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = 64
     HALF: gl.constexpr = LATENT // 2
     dtype: gl.constexpr = q_c_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -79,26 +74,34 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     mbarrier.wait(q_loaded, 0)
     for t in range(num_tiles):
-        st = t % STAGES
-        mbarrier.wait(loaded.index(st), (t // STAGES) & 1)
+        st = t % 2
+        mbarrier.wait(loaded.index(st), (t // 2) & 1)
         hopper.fence_async_shared()  # cp.async's writes before the wgmmas read them
         s = hopper.warpgroup_mma(q_c_smem, c_ring.index(st).permute((1, 0)),
                                  gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
                                  is_async=True)
         s = hopper.warpgroup_mma(q_r_smem, r_ring.index(st).permute((1, 0)), s, is_async=True)
         s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if PAGE_SIZE % 64 == 0:
+        if PAGE_SIZE % BLOCK_N == 0:
             if hi - (lo + t * BLOCK_N) < BLOCK_N:  # a TMA tile's rows past the request's end: zeros for the PVs
                 parts.zero_rows_past(c_ring.index(st), hi - (lo + t * BLOCK_N), parts.COPY_LAYOUT)
                 gl.thread_barrier()
                 hopper.fence_async_shared()  # the zeros before either PV reads the stage
-        p, m_new, alpha = parts.softmax_tile(s, m_run, lo + t * BLOCK_N, hi, hi, hi, qk_scale_log2, 1, s_layout,
-                                             BLOCK_N)
+        if hi - (lo + t * BLOCK_N) >= BLOCK_N:  # a whole tile: no key to mask
+            s = s * qk_scale_log2
+            m_new = gl.maximum(m_run, gl.max(s, axis=1))
+            p = gl.exp2(s - m_new[:, None])
+            alpha = gl.exp2(m_run - m_new)
+        else:
+            p, m_new, alpha = parts.tile_probabilities(s, m_run, lo + t * BLOCK_N, hi, hi, qk_scale_log2, 1, s_layout)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_run = m_new
         p = p.to(dtype)
-        p_ring.index(st).store(p)  # the rope slot, read by this tile's score already
-        alpha_smem.index(st).store(alpha)  # by stage: the loader may read tile t's while the scorer writes later ones
+        r_ring.index(st).store(p)  # the rope slot, read by this tile's score already
+        if st == 0:  # by stage: the loader may read tile t's while the scorer writes tile t + 1's
+            alpha_smem.slice(0, BLOCK_H).store(alpha)
+        else:
+            alpha_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
         hopper.fence_async_shared()  # the loader's wgmma reads p
         parts.release_stage(p_ready.index(st))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -106,31 +109,23 @@ def _scorer(Out, PartialO, PartialLse, b, hg, split, lo, hi, num_tiles, active, 
                                    is_async=True)
         acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         parts.release_stage(pv_done.index(st))  # this warpgroup is done with the stage
-    parts.two_warpgroup_epilogue(acc, l_i, m_run, _staging(c_ring, LATENT), amax_smem, l_smem, fin, Out, PartialO,
-            PartialLse, b, hg, split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, NUM_HEADS,
+    parts.two_warpgroup_epilogue(acc, l_i, m_run, c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse, b, hg,
+            split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, NUM_HEADS,
             LATENT, WRITE_FINAL, SCALED, row_s, row_o)
-
-
-@gluon.jit
-def _staging(c_ring, LATENT: gl.constexpr):
-    """The ring's 128 rows as two `[64, LATENT]` stages, whatever the tile: each warpgroup's epilogue stages its
-    64 x 256 float32 output in one (parts.store_output)."""
-    return c_ring._reinterpret(c_ring.dtype, [2, 64, LATENT], c_ring.layout)
 
 
 @gluon.jit
 def _loader(Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split, lo, hi, num_tiles, active, page_base,
             stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
-            stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, p_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded,
-            p_ready, pv_done, fin, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
-            PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr):
+            stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready,
+            pv_done, fin, NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+            PAGE_SIZE: gl.constexpr, WRITE_FINAL: gl.constexpr, SCALED: gl.constexpr):
     """Warpgroup 1: the query and every tile's copies, output columns 256-511."""
     BLOCK_H: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = 64
     HALF: gl.constexpr = LATENT // 2
     copy_rows: gl.constexpr = gl.SliceLayout(1, parts.COPY_LAYOUT)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -140,35 +135,38 @@ def _loader(Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, b, hg, split,
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, parts.COPY_LAYOUT))
     q_ptrs = Q + tok[:, None] * stride_qb + head[:, None] * stride_qh + offs[None, :]  # [64, 64]
     q_mask = row_ok[:, None] & (offs < ROPE)[None, :]  # rows past the heads are zeros
-    rows = parts.tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
+    rows = parts.tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [64] pool rows
+    rows1 = parts.tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
     parts.copy_query(q_ptrs, q_mask, q_c_smem, q_r_smem, q_loaded, LATENT, ROPE)  # while the page indices come
-    for i in gl.static_range(STAGES):  # the first tiles into every stage, the next tile's rows loading meanwhile
-        rows_next = parts.tile_rows(kv_indices, page_base, lo + (i + 1) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
-        _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, i, num_tiles,
-                   LATENT, ROPE, PAGE_SIZE, BLOCK_N, STAGES)
-        rows = rows_next
+    _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 0, num_tiles,
+               LATENT, ROPE, PAGE_SIZE)
+    _copy_tile(KV, kv_desc, rows1, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, 1, num_tiles,
+               LATENT, ROPE, PAGE_SIZE)
+    rows = parts.tile_rows(kv_indices, page_base, lo + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
 
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)  # output columns 256-511
     for t in range(num_tiles):
-        st = t % STAGES
-        mbarrier.wait(p_ready.index(st), (t // STAGES) & 1)
+        st = t % 2
+        mbarrier.wait(p_ready.index(st), (t // 2) & 1)
         hopper.fence_async_shared()  # the scorer's stores of p before this wgmma reads them
-        alpha = alpha_smem.index(st).load(row_o)
+        if st == 0:
+            alpha = alpha_smem.slice(0, BLOCK_H).load(row_o)
+        else:
+            alpha = alpha_smem.slice(BLOCK_H, BLOCK_H).load(row_o)
         acc = acc * alpha[:, None]
-        acc = hopper.warpgroup_mma(p_ring.index(st), c_ring.index(st).slice(HALF, HALF, dim=1), acc, is_async=True)
+        acc = hopper.warpgroup_mma(r_ring.index(st), c_ring.index(st).slice(HALF, HALF, dim=1), acc, is_async=True)
         acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp's PV has read the stage
-        if t + STAGES < num_tiles:
-            mbarrier.wait(pv_done.index(st), (t // STAGES) & 1)  # and the scorer's
-            _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t + STAGES,
-                       num_tiles, LATENT, ROPE, PAGE_SIZE, BLOCK_N, STAGES)
-            rows = parts.tile_rows(kv_indices, page_base, lo + (t + STAGES + 1) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
-                                   copy_rows)
+        if t + 2 < num_tiles:
+            mbarrier.wait(pv_done.index(st), (t // 2) & 1)  # and the scorer's
+            _copy_tile(KV, kv_desc, rows, kv_indices, page_base, lo, stride_kvt, c_ring, r_ring, loaded, t + 2,
+                       num_tiles, LATENT, ROPE, PAGE_SIZE)
+            rows = parts.tile_rows(kv_indices, page_base, lo + (t + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
     async_copy.wait_group(0)  # no copy outlives the CTA (a split with no tiles never waited for its query)
     parts.two_warpgroup_epilogue(acc, gl.zeros([BLOCK_H], gl.float32, layout=row_s),
-            gl.zeros([BLOCK_H], gl.float32, layout=row_s), _staging(c_ring, LATENT), amax_smem, l_smem, fin, Out,
-            PartialO, PartialLse, b, hg, split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
-            stride_lb, stride_lh, 1, NUM_HEADS, LATENT, WRITE_FINAL, SCALED, row_s, row_o)
+            gl.zeros([BLOCK_H], gl.float32, layout=row_s), c_ring, amax_smem, l_smem, fin, Out, PartialO, PartialLse,
+            b, hg, split, active, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 1,
+            NUM_HEADS, LATENT, WRITE_FINAL, SCALED, row_s, row_o)
 
 
 @gluon.jit
@@ -178,22 +176,16 @@ def mla_decode_scorer_kernel(
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, SCALED: gl.constexpr,
-    kv_desc=None, BLOCK_N: gl.constexpr = 64,
+    kv_desc=None,
 ):
     """Grid (head groups, requests, splits); kv_desc: the latent pool's TMA descriptor over 64-token pages
-    (None: cp.async tiles); BLOCK_N: keys a tile, 64 or (cp.async tiles only) 32, the ring's 128 rows in
-    128 // BLOCK_N stages."""
+    (None: cp.async tiles)."""
     BLOCK_H: gl.constexpr = 64
-    STAGES: gl.constexpr = 128 // BLOCK_N
+    BLOCK_N: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty
     c_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype)
     r_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
-    q_r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype)
-    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
-    gl.static_assert(BLOCK_N == 64 or (BLOCK_N == 32 and PAGE_SIZE % 64 != 0),
-                     "64-key tiles, or 32-key tiles gathered by cp.async")
-    gl.static_assert(ROPE == 64, "a tile's probabilities [64 rows, BLOCK_N keys] live in its [BLOCK_N keys, 64] "
-                                 "rope slot")
+    gl.static_assert(ROPE == BLOCK_N, "a tile's probabilities [64 rows, 64 keys] live in its [64 keys, 64] rope slot")
     gl.static_assert(TOKENS == 1, "one query token a CTA")
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
 
@@ -204,35 +196,33 @@ def mla_decode_scorer_kernel(
     page_base = gl.load(kv_indptr + g)
 
     q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], c_smem_layout)  # 64 KB
-    q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], q_r_layout)  # 8 KB
-    c_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
-    r_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], r_smem_layout)  # 16 KB: rope, then p
-    p_ring = r_ring._reinterpret(dtype, [STAGES, BLOCK_H, BLOCK_N], p_smem_layout)  # a stage's p `[64, BLOCK_N]`
-    alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], vec_layout)  # a tile's rescale, by stage
+    q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], r_smem_layout)  # 8 KB
+    c_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], c_smem_layout)  # 128 KB
+    r_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], r_smem_layout)  # 16 KB: rope, then probabilities
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)  # a tile's rescale, by stage
     l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)
     amax_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)
     q_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # 128 arrivals
-    loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # 128 arrivals a fill
-    p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a tile's p and alpha
-    pv_done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # the scorer's PV
+    loaded = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # 128 arrivals a fill
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a tile's p and alpha
+    pv_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # the scorer's PV, by stage
     fin = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_loaded, count=128)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(loaded.index(i), count=1 if PAGE_SIZE % 64 == 0 else 128)  # TMA bytes / cp.async
+    for i in gl.static_range(2):
+        mbarrier.init(loaded.index(i), count=1 if PAGE_SIZE % BLOCK_N == 0 else 128)  # TMA bytes / cp.async
         mbarrier.init(pv_done.index(i), count=1)
         mbarrier.init(p_ready.index(i), count=1)
-        if i < 2:
-            mbarrier.init(fin.index(i), count=1)
+        mbarrier.init(fin.index(i), count=1)
     hopper.fence_async_shared()  # the barriers' init before the partitions use them
 
     gl.warp_specialize([
         (_scorer, (Out, PartialO, PartialLse, g, hg, split, lo, hi, num_tiles, active, qk_scale_log2, stride_ob,
                    stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring,
-                   r_ring, p_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin,
-                   NUM_HEADS, LATENT, PAGE_SIZE, WRITE_FINAL, SCALED, BLOCK_N, STAGES)),
-        (_loader, (Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi, num_tiles, active,
-                   page_base, stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph,
-                   stride_ps, stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, p_ring, alpha_smem, l_smem,
-                   amax_smem, q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS, LATENT, ROPE, PAGE_SIZE,
-                   WRITE_FINAL, SCALED, BLOCK_N, STAGES)),
+                   r_ring, alpha_smem, l_smem, amax_smem, q_loaded, loaded, p_ready, pv_done, fin,
+                   NUM_HEADS, LATENT, PAGE_SIZE, WRITE_FINAL, SCALED)),
+        (_loader, (Q, KV, kv_desc, Out, PartialO, PartialLse, kv_indices, g, hg, split, lo, hi, num_tiles, active, page_base,
+                   stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+                   stride_lb, stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, alpha_smem, l_smem, amax_smem,
+                   q_loaded, loaded, p_ready, pv_done, fin, NUM_HEADS, LATENT, ROPE, PAGE_SIZE,
+                   WRITE_FINAL, SCALED)),
     ], [4], [CONSUMER_REGS])
