@@ -134,6 +134,38 @@ def test_the_seesaw_without_the_mask_on_whole_tiles_stays_asynchronous(heads):
         assert whole[key] == plain[key], key
 
 
+@pytest.mark.parametrize("args", [("--gluon", "1", "--gluon-kernel", "gluon_scorer", "--scaled"),
+                                  ("--gluon", "16", "--gluon-kernel", "gluon_scorer"),
+                                  ("--gluon", "1"), ("--gluon", "64"), ("--gluon", "1", "--gluon-heads", "16")],
+                         ids=["scorer-p1", "scorer-p16", "seesaw-p1", "seesaw-p64", "seesaw-h16"])
+def test_pages_ahead_leaves_no_wait_for_the_next_tiles_indices_in_the_loop(args):
+    """PAGES_AHEAD: the loop's loads of the next tiles' page indices are no longer read in their own block (4 in the
+    scorer's loop, 4 or more in the seesaw's producer), with the same wgmmas, still asynchronous, the same copies
+    and stores, the spills within each kernel's allowance."""
+    plain, ahead = compile_offline(*args), compile_offline(*args, "--set", "PAGES_AHEAD=1")
+    assert ahead["loads_used_in_block"] <= plain["loads_used_in_block"] - 4, (plain, ahead)
+    assert ahead["wgmma"] == plain["wgmma"] and not ahead["wgmma_serialized"], ahead
+    assert ahead["wgmma_operand_rewrites"] == [], ahead
+    assert ahead["spill_bytes"][0] <= (0 if "gluon_scorer" in args else 512), ahead
+    for key in ("global_stores", "async_copies", "tma_loads", "smem_kib"):
+        assert ahead[key] == plain[key], key
+
+
+def test_the_load_wait_check_finds_a_read_in_the_block_and_none_past_a_branch():
+    """compile_mla_sm90.loads_used_in_block on PTX written here: a loaded register read before the branch, and one
+    read only after it."""
+    load = "ld.global.b32 { %r7 }, [ %rd1 + 0 ];"
+    inside = "\n".join([load, "cvt.s64.s32 %rd2, %r7;", "bra.uni $L__BB0_3;"])
+    past = "\n".join([load, "add.s32 %r70, %r71, 1;", "bra.uni $L__BB0_3;", "$L__BB0_3:", "cvt.s64.s32 %rd2, %r7;"])
+    code = ("import json, sys; sys.path.insert(0, 'tools'); from compile_mla_sm90 import loads_used_in_block as f; "
+            f"print(json.dumps([f({inside!r}), f({past!r})]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [1, 0]
+
+
 @pytest.mark.parametrize("kernel", ["gluon_scorer"])
 def test_float16_partials_compile_for_sm90(kernel):
     """float16 partials, each row's power of two beside it: the same wgmmas, still asynchronous, nothing

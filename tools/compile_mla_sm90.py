@@ -83,11 +83,32 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, source=A
             "mbarrier_arrives": kernel.asm["ptx"].count("mbarrier.arrive"),
             "mbarrier_waits": kernel.asm["ptx"].count("mbarrier.try_wait"),
             "wgmma_operand_rewrites": wgmma_operand_rewrites(kernel.asm["ptx"]),
+            "loads_used_in_block": loads_used_in_block(kernel.asm["ptx"]),
             "mma_sync": kernel.asm["ptx"].count("mma.sync"),
             "global_stores": dict(sorted(collections.Counter(re.findall(r"st\.global[\w.]*", kernel.asm["ptx"])).items())),
             "mma": re.findall(r"warpsPerCTA = \[(\d+, \d+)\], instrShape = \[([\d, ]+)\]", ttgir),
             "wgmma": {m: kernel.asm["ptx"].count(m) for m in sorted(set(re.findall(r"wgmma\.mma_async\S*?(m64n\d+k\d+)",
                                                                                  kernel.asm["ptx"])))}}
+
+
+def loads_used_in_block(ptx: str) -> int:
+    """32-bit global loads whose value is read before their basic block ends (a branch or a block label): the warp
+    waits for each of those loads there, a global load's latency, since ptxas does not move the read past the
+    block's end."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    used = 0
+    for i, line in enumerate(lines):
+        m = re.search(r"ld\.global\.b32\s+\{\s*(%r\d+)\s*\}", line)
+        if not m:
+            continue
+        reg = re.compile(re.escape(m.group(1)) + r"(?!\d)")
+        for later in lines[i + 1:]:
+            if re.match(r"(@!?%p\d+\s+)?bra", later) or re.match(r"\$L__BB\d+_\d+:", later):
+                break
+            if not later.startswith("//") and reg.search(later):
+                used += 1
+                break
+    return used
 
 
 def wgmma_operand_rewrites(ptx: str) -> list[str]:
@@ -149,13 +170,15 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> d
         from triton.runtime.jit import mangle_type
 
         pointers = {"PartialO": "*fp16"} if scaled else {}
-        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled}
+        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled,
+                      "AHEAD": g.PAGES_AHEAD}
         if page_size % g.GLUON_BLOCK_N == 0:
             pointers["kv_desc"] = mangle_type(g.latent_descriptor(torch.empty(64, 1, 576, dtype=torch.bfloat16)))
         else:
             constexprs["kv_desc"] = None
         return compile_sm90(g.mla_decode_scorer_kernel, constexprs, 4, 1, source=GluonASTSource, pointers=pointers)
-    return compile_sm90(g.mla_decode_seesaw_kernel, {**constexprs, "WHOLE_TILES": g.SEESAW_WHOLE_TILES}, 4, 1,
+    return compile_sm90(g.mla_decode_seesaw_kernel, {**constexprs, "WHOLE_TILES": g.SEESAW_WHOLE_TILES,
+                                                     "AHEAD": g.PAGES_AHEAD}, 4, 1,
                         source=GluonASTSource, maxnreg=g.MAXNREG)
 
 

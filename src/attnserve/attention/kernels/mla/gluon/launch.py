@@ -44,6 +44,10 @@ NARROW_CONSUMER_REGS = 232  # the narrow kernel's one consumer warpgroup (O^T: 4
 # The seesaw (extend rows) skips the causal mask on tiles every row of its CTA sees whole, as the scorer does on
 # whole tiles: a compare and a select an element fewer. Off until raced (--gluon-set SEESAW_WHOLE_TILES=1)
 SEESAW_WHOLE_TILES = False
+# The scorer's and the seesaw's copiers carry the next tiles' page indices as loaded and compute their pool rows at
+# the copy (parts.fetch_tile), instead of right after the load, where the warp waits for it before its next barrier
+# wait. Off until raced (--gluon-set PAGES_AHEAD=1)
+PAGES_AHEAD = False
 
 
 def strides_ok(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
@@ -104,10 +108,10 @@ def launch_gluon_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows: Dec
         tma = page_size % GLUON_BLOCK_N == 0  # a tile is 64 rows of one page
         mla_decode_scorer_kernel[grid](*args, **common, CONSUMER_REGS=SCORER_REGS,
                                        SCALED=partial_o.dtype == torch.float16 and not write_final,
-                                       kv_desc=latent_descriptor(kv_buffer) if tma else None)
+                                       kv_desc=latent_descriptor(kv_buffer) if tma else None, AHEAD=PAGES_AHEAD)
     else:
         mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG,
-                                       WHOLE_TILES=SEESAW_WHOLE_TILES)
+                                       WHOLE_TILES=SEESAW_WHOLE_TILES, AHEAD=PAGES_AHEAD)
 
 
 __all__ = ["launch_gluon_mla_decode", "latent_descriptor", "head_groups_per_cta_row", "strides_ok", "tokens_per_cta"]

@@ -29,9 +29,46 @@ def split_range(seq, n_splits, split, BLOCK_N: gl.constexpr):
 def tile_rows(kv_indices, page_base, n0, hi, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
                layout: gl.constexpr):
     """Pool rows `[BLOCK_N]` of the key tile at n0; keys past hi repeat the last key (a valid row, never NaN)."""
+    page, in_page = tile_pages(kv_indices, page_base, n0, hi, PAGE_SIZE, BLOCK_N, layout)
+    return pool_rows(page, in_page, PAGE_SIZE)
+
+
+@gluon.jit
+def tile_pages(kv_indices, page_base, n0, hi, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+               layout: gl.constexpr):
+    """(page index, row in the page) `[BLOCK_N]` int32 of each key of the tile at n0, as tile_rows counts them."""
     offs_n = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=layout), hi - 1)
-    page = gl.load(kv_indices + page_base + offs_n // PAGE_SIZE)
-    return page.to(gl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+    return gl.load(kv_indices + page_base + offs_n // PAGE_SIZE), offs_n % PAGE_SIZE
+
+
+@gluon.jit
+def pool_rows(page, in_page, PAGE_SIZE: gl.constexpr):
+    return page.to(gl.int64) * PAGE_SIZE + in_page
+
+
+@gluon.jit
+def fetch_tile(kv_indices, page_base, n0, hi, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+               AHEAD: gl.constexpr):
+    """A later copy's key tile, loaded now: (its pool rows, -) or with AHEAD (its page indices, rows in the page).
+
+    Why AHEAD: the pool rows are computed from the loaded indices, so where they are computed the warp waits for
+    the load. Computed at the load (tile_rows), that wait comes before the barrier wait that follows in the
+    loop, a global load's latency each tile; AHEAD carries the loaded indices to the copy (rows_of), by when
+    they have landed."""
+    page, in_page = tile_pages(kv_indices, page_base, n0, hi, PAGE_SIZE, BLOCK_N, layout)
+    if not AHEAD:
+        page = pool_rows(page, in_page, PAGE_SIZE)
+    return page, in_page
+
+
+@gluon.jit
+def rows_of(fetched, in_page, PAGE_SIZE: gl.constexpr, AHEAD: gl.constexpr):
+    """The pool rows of what fetch_tile returned."""
+    if AHEAD:
+        rows = pool_rows(fetched, in_page, PAGE_SIZE)
+    else:
+        rows = fetched
+    return rows
 
 
 @gluon.jit

@@ -56,23 +56,27 @@ def _load_stage0(base, c_ring, r_ring, loaded_e, loaded_l, free_e, free_l, phase
 @gluon.jit
 def _seesaw_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c_ring, r_ring,
                      loaded_e, loaded_l, free_e, free_l,
-                     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr):
+                     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, AHEAD: gl.constexpr):
     """Per round: stage 0's columns 0-255 (early), 256-511 + rope (late); stage 1's 0-255 + rope (late), 256-511
     (early). Both stages' scores read columns 0-255 first, so the loads land in the order they are read. The next
-    round's page indices are loaded while this round's copies wait for their stages."""
+    round's page indices are loaded while this round's copies wait for their stages (AHEAD: parts.fetch_tile)."""
     BLOCK_N: gl.constexpr = 64
     QUARTER: gl.constexpr = LATENT // 2 // ROPE  # 4 chunks of 64 columns: one warpgroup's half
     copy_rows: gl.constexpr = gl.SliceLayout(1, parts.COPY_LAYOUT)
     offs = gl.arange(0, ROPE, layout=gl.SliceLayout(0, parts.COPY_LAYOUT))
-    rows0 = parts.tile_rows(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows)  # [BLOCK_N] pool rows
-    rows1 = parts.tile_rows(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+    # [BLOCK_N] pool rows (AHEAD: page indices, rows in the page)
+    rows0, in_page0 = parts.fetch_tile(kv_indices, page_base, lo, hi, PAGE_SIZE, BLOCK_N, copy_rows, AHEAD)
+    rows1, in_page1 = parts.fetch_tile(kv_indices, page_base, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows, AHEAD)
     rounds = num_tiles // 2
     for j in range(rounds):
         phase = (j & 1) ^ 1  # the free barriers' phase of round j - 1
-        base0 = KV + rows0[:, None] * stride_kvt + offs[None, :]  # [BLOCK_N, ROPE] pointers, 4 rows a thread
-        base1 = KV + rows1[:, None] * stride_kvt + offs[None, :]
-        rows0 = parts.tile_rows(kv_indices, page_base, lo + (2 * j + 2) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
-        rows1 = parts.tile_rows(kv_indices, page_base, lo + (2 * j + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, copy_rows)
+        # [BLOCK_N, ROPE] pointers, 4 rows a thread
+        base0 = KV + parts.rows_of(rows0, in_page0, PAGE_SIZE, AHEAD)[:, None] * stride_kvt + offs[None, :]
+        base1 = KV + parts.rows_of(rows1, in_page1, PAGE_SIZE, AHEAD)[:, None] * stride_kvt + offs[None, :]
+        rows0, in_page0 = parts.fetch_tile(kv_indices, page_base, lo + (2 * j + 2) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
+                                           copy_rows, AHEAD)
+        rows1, in_page1 = parts.fetch_tile(kv_indices, page_base, lo + (2 * j + 3) * BLOCK_N, hi, PAGE_SIZE, BLOCK_N,
+                                           copy_rows, AHEAD)
         _load_stage0(base0, c_ring, r_ring, loaded_e, loaded_l, free_e, free_l, phase, j > 0, LATENT, ROPE)
         mbarrier.wait(free_l.index(1), phase, pred=j > 0)
         parts.copy_columns(c_ring.index(1), base1, 0, QUARTER, ROPE)
@@ -82,7 +86,8 @@ def _seesaw_producer(KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c
         parts.copy_columns(c_ring.index(1), base1, QUARTER, QUARTER, ROPE)
         async_copy.mbarrier_arrive(loaded_e.index(1), increment_count=False)
     if num_tiles % 2:  # a last, odd tile: a round of stage 0 alone
-        _load_stage0(KV + rows0[:, None] * stride_kvt + offs[None, :], c_ring, r_ring, loaded_e, loaded_l, free_e,
+        _load_stage0(KV + parts.rows_of(rows0, in_page0, PAGE_SIZE, AHEAD)[:, None] * stride_kvt + offs[None, :],
+                     c_ring, r_ring, loaded_e, loaded_l, free_e,
                      free_l, (rounds & 1) ^ 1, rounds > 0, LATENT, ROPE)
 
 
@@ -259,6 +264,7 @@ def mla_decode_seesaw_kernel(
     stride_qb, stride_qh, stride_kvt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     WRITE_FINAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TOKENS: gl.constexpr, WHOLE_TILES: gl.constexpr = False,
+    AHEAD: gl.constexpr = False,
 ):
     """Per-token arrays (kv_indptr's starts, seq_lens, num_splits) are indexed by query token. TOKENS > 1 (extend
     rows, few heads): CTA g takes tokens group_first[g] ... + group_ntok[g] - 1 of one request, whose horizon
@@ -318,7 +324,7 @@ def mla_decode_seesaw_kernel(
 
     gl.warp_specialize([
         (_seesaw_producer, (KV, kv_indices, lo, hi, num_tiles, page_base, stride_kvt, c_ring, r_ring, loaded_e,
-                            loaded_l, free_e, free_l, LATENT, ROPE, PAGE_SIZE)),
+                            loaded_l, free_e, free_l, LATENT, ROPE, PAGE_SIZE, AHEAD)),
         (_seesaw_consumer, (Q, Out, PartialO, PartialLse, seq_lens, tok0, ntok, hg, split, lo, hi, num_tiles, active,
                             qk_scale_log2, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
                             stride_lh, q_c_smem, q_r_smem, c_ring, r_ring, scale_smem, max_smem, l_smem, loaded_e,
