@@ -171,14 +171,13 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> d
 
         pointers = {"PartialO": "*fp16"} if scaled else {}
         constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled,
-                      "AHEAD": g.PAGES_AHEAD}
+                      **g.scorer_switches()}
         if page_size % g.GLUON_BLOCK_N == 0:
             pointers["kv_desc"] = mangle_type(g.latent_descriptor(torch.empty(64, 1, 576, dtype=torch.bfloat16)))
         else:
             constexprs["kv_desc"] = None
         return compile_sm90(g.mla_decode_scorer_kernel, constexprs, 4, 1, source=GluonASTSource, pointers=pointers)
-    return compile_sm90(g.mla_decode_seesaw_kernel, {**constexprs, "WHOLE_TILES": g.SEESAW_WHOLE_TILES,
-                                                     "AHEAD": g.PAGES_AHEAD}, 4, 1,
+    return compile_sm90(g.mla_decode_seesaw_kernel, {**constexprs, **g.seesaw_switches()}, 4, 1,
                         source=GluonASTSource, maxnreg=g.MAXNREG)
 
 

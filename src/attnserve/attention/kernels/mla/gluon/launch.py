@@ -50,6 +50,16 @@ SEESAW_WHOLE_TILES = False
 PAGES_AHEAD = False
 
 
+def scorer_switches() -> dict:
+    """The scorer kernel's constexprs the module switches above set (the launch and tools/compile_mla_sm90.py)."""
+    return {"AHEAD": PAGES_AHEAD}
+
+
+def seesaw_switches() -> dict:
+    """The seesaw kernel's constexprs the module switches above set."""
+    return {"WHOLE_TILES": SEESAW_WHOLE_TILES, "AHEAD": PAGES_AHEAD}
+
+
 def strides_ok(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
     """The kernels copy 16-byte vectors: row strides must be multiples of 8 elements."""
     return not (kv_buffer.stride(0) % 8 or q.stride(1) % 8 or q.stride(0) % 8)
@@ -108,10 +118,10 @@ def launch_gluon_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows: Dec
         tma = page_size % GLUON_BLOCK_N == 0  # a tile is 64 rows of one page
         mla_decode_scorer_kernel[grid](*args, **common, CONSUMER_REGS=SCORER_REGS,
                                        SCALED=partial_o.dtype == torch.float16 and not write_final,
-                                       kv_desc=latent_descriptor(kv_buffer) if tma else None, AHEAD=PAGES_AHEAD)
+                                       kv_desc=latent_descriptor(kv_buffer) if tma else None, **scorer_switches())
     else:
         mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG,
-                                       WHOLE_TILES=SEESAW_WHOLE_TILES, AHEAD=PAGES_AHEAD)
+                                       **seesaw_switches())
 
 
 __all__ = ["launch_gluon_mla_decode", "latent_descriptor", "head_groups_per_cta_row", "strides_ok", "tokens_per_cta"]
