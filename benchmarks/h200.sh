@@ -40,7 +40,7 @@
 #               control -> sweep-prefill-gluon-switches-h200.json. Needs no wheels; on an H100 (2026-12-06) about
 #               45 s a sweep of four candidates, 100 s with the checks
 #   mla-switches
-#               the Gluon MLA launch's switches (MLA_SWITCHES, default PAGES_AHEAD=1 SEESAW_WHOLE_TILES=1), each
+#               the Gluon MLA launch's switches (MLA_SWITCHES, default SEESAW_PAGES_AHEAD=1 SEESAW_WHOLE_TILES=1), each
 #               checked against the oracle first in a child process with a time limit (the scorer's decode over 1- and
 #               16-token pages, the seesaw's extend rows over 1- and 64-token pages), then those that pass raced against
 #               the shipped kernels on every MLA race workload, SWITCH_ROUNDS (default 5) rounds, the order reversed
@@ -369,7 +369,7 @@ e = max(t.check_switched('$sw', False), t.check_switched('$sw', True)); print('$
 
 step_mla_switches() {
   local sw candidates=""
-  for sw in ${MLA_SWITCHES-PAGES_AHEAD=1 SEESAW_WHOLE_TILES=1}; do
+  for sw in ${MLA_SWITCHES-SEESAW_PAGES_AHEAD=1 SEESAW_WHOLE_TILES=1}; do
     echo "== check $sw against the oracle, decode and extend rows ($(left) s left)"
     PYTHONPATH=$PYTHONPATH:$PWD/tests timeout "$(cap 150)" python3 -c "import test_gluon_mla as t
 e = max(t.check_scorer_switched('$sw', 1), t.check_scorer_switched('$sw', 16), t.check_extend_rows_switched('$sw', 1),

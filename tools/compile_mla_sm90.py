@@ -170,8 +170,7 @@ def gluon_report(page_size, heads=128, kernel="gluon_seesaw", scaled=False) -> d
         from triton.runtime.jit import mangle_type
 
         pointers = {"PartialO": "*fp16"} if scaled else {}
-        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled,
-                      **g.scorer_switches()}
+        constexprs = {**constexprs, "CONSUMER_REGS": g.SCORER_REGS, "TOKENS": 1, "SCALED": scaled}
         if page_size % g.GLUON_BLOCK_N == 0:
             pointers["kv_desc"] = mangle_type(g.latent_descriptor(torch.empty(64, 1, 576, dtype=torch.bfloat16)))
         else:

@@ -94,8 +94,14 @@ def measure(row: dict, w, rb, ref, device: str, options: dict, context=None) -> 
     return row
 
 
+def device_for(tiny: bool) -> str:
+    """The race's workloads run on the GPU; the tiny ones too where there is one (compiled), else on the CPU under
+    TRITON_INTERPRET=1."""
+    return "cuda" if not tiny or torch.cuda.is_available() else "cpu"
+
+
 def sweep(args) -> dict:
-    device = "cpu" if args.tiny else "cuda"
+    device = device_for(args.tiny)
     workloads = [w for w in TINY_WORKLOADS if w.mla] if args.tiny else MLA_WORKLOADS
     if args.decode_only:
         workloads = [w for w in workloads if w.kind == "decode"]
@@ -134,7 +140,7 @@ def race_switches(args) -> dict:
 
     for sets in args.gluon_set:
         parse_gluon_settings(sets, MLA_DECODE)  # a misspelt switch stops here
-    device = "cpu" if args.tiny else "cuda"
+    device = device_for(args.tiny)
     decode_only = getattr(args, "decode_only", False)
     workloads = [w for w in (TINY_WORKLOADS if args.tiny else MLA_WORKLOADS)
                  if w.mla and (w.kind == "decode" or not decode_only)]
@@ -180,7 +186,7 @@ def apply(path: str) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="sweep-mla.json")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run under TRITON_INTERPRET=1")
+    p.add_argument("--tiny", action="store_true", help="smoke run at tiny shapes: on the GPU where there is one, else on the CPU under TRITON_INTERPRET=1")
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new settings after this long")
     p.add_argument("--decode-only", action="store_true", help="leave out the extend workload")
     p.add_argument("--apply", metavar="SWEEP_JSON", help="write a finished sweep's tile rules into the package")

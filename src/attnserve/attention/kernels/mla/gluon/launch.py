@@ -44,20 +44,15 @@ NARROW_CONSUMER_REGS = 232  # the narrow kernel's one consumer warpgroup (O^T: 4
 # The seesaw (extend rows) skips the causal mask on tiles every row of its CTA sees whole, as the scorer does on
 # whole tiles: a compare and a select an element fewer. Off until raced (--gluon-set SEESAW_WHOLE_TILES=1)
 SEESAW_WHOLE_TILES = False
-# The scorer's and the seesaw's copiers carry the next tiles' page indices as loaded and compute their pool rows at
-# the copy (parts.fetch_tile), instead of right after the load, where the warp waits for it before its next barrier
-# wait. Off until raced (--gluon-set PAGES_AHEAD=1)
-PAGES_AHEAD = False
-
-
-def scorer_switches() -> dict:
-    """The scorer kernel's constexprs the module switches above set (the launch and tools/compile_mla_sm90.py)."""
-    return {"AHEAD": PAGES_AHEAD}
+# The seesaw's producer carries the next tiles' page indices as loaded and computes their pool rows at the copy
+# (parts.fetch_tile), as the scorer's copier does. Off: on an H100 1.00x at 128 heads and 0.97-0.98x at 16 heads over
+# 64-token pages (sweep-mla-switches-h100-2.json, -3.json), where the scorer gained 1.25x
+SEESAW_PAGES_AHEAD = False
 
 
 def seesaw_switches() -> dict:
-    """The seesaw kernel's constexprs the module switches above set."""
-    return {"WHOLE_TILES": SEESAW_WHOLE_TILES, "AHEAD": PAGES_AHEAD}
+    """The seesaw kernel's constexprs the module switches above set (the launch and tools/compile_mla_sm90.py)."""
+    return {"WHOLE_TILES": SEESAW_WHOLE_TILES, "AHEAD": SEESAW_PAGES_AHEAD}
 
 
 def strides_ok(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
@@ -118,7 +113,7 @@ def launch_gluon_mla_decode(q, kv_buffer, out, partial_o, partial_lse, rows: Dec
         tma = page_size % GLUON_BLOCK_N == 0  # a tile is 64 rows of one page
         mla_decode_scorer_kernel[grid](*args, **common, CONSUMER_REGS=SCORER_REGS,
                                        SCALED=partial_o.dtype == torch.float16 and not write_final,
-                                       kv_desc=latent_descriptor(kv_buffer) if tma else None, **scorer_switches())
+                                       kv_desc=latent_descriptor(kv_buffer) if tma else None)
     else:
         mla_decode_seesaw_kernel[grid](*args, **common, CONSUMER_REGS=CONSUMER_REGS, maxnreg=MAXNREG,
                                        **seesaw_switches())
