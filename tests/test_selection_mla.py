@@ -42,17 +42,18 @@ def test_only_triton_installed_serves_deepseek_with_triton():
 
 
 def test_the_measured_mla_race_decides_deepseek_per_head_count():
-    """The committed H200 MLA race decides MLA models, not the MHA race: at DeepSeek-V2-Lite's 16 heads our decode
-    is ahead of FlashInfer MLA fa3 (the narrow Gluon kernel) and FlashInfer's prefill ahead of ours; at V3's 128
-    heads the same (the scorer Gluon kernel: 1.53x at one long request outweighs 0.86x and 0.96x on the others,
-    on average over the three). The trace cites the head count, the measured ratio and the source."""
+    """The committed H200 MLA race (kernels-race-mla-h200-1.json) decides MLA models, not the MHA race: at
+    DeepSeek-V2-Lite's 16 heads our decode is ahead of FlashInfer MLA fa3 (the narrow Gluon kernel) and FlashInfer's
+    prefill ahead of ours; at V3's 128 heads the same (the scorer Gluon kernel: 1.43x at one long request outweighs
+    0.98x and 0.96x on the others, on average over the three). The trace cites the head count, the measured ratio
+    and the source."""
     for model, heads, expected in ((DSV2_LITE, 16, ("flashinfer", "triton")),
                                    (DSV3, 128, ("flashinfer", "triton"))):
         sel = select_backends(H200, model)
         assert model.num_q_heads == heads and (sel.prefill_backend, sel.decode_backend) == expected, sel.describe()
         for side, backend in zip(("prefill", "decode"), expected):
             order, entry = measured.measured_order(H200, side, "MLA", heads)
-            assert order[0] == backend and entry["heads"] == heads and entry["source"].endswith("kernels-mla-h200.json")
+            assert order[0] == backend and entry["heads"] == heads and entry["source"] == "kernels-race-mla-h200-1.json"
             other = "triton" if backend == "flashinfer" else "flashinfer"
             assert entry["scores"][side][other] > 1.0  # what the race measured: the other one slower there
             cited = [e.reason for e in sel.trace
