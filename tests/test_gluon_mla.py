@@ -137,9 +137,9 @@ def test_the_seesaw_without_the_mask_on_whole_tiles_stays_asynchronous(heads):
 @pytest.mark.parametrize("args", [("--gluon", "1", "--gluon-kernel", "gluon_scorer", "--scaled"),
                                   ("--gluon", "16", "--gluon-kernel", "gluon_scorer")], ids=["p1", "p16"])
 def test_the_scorers_copier_never_waits_for_the_next_tiles_indices_in_the_loop(args):
-    """The scorer's copier computes a tile's pool rows at its copy, so no load of page indices is read in its own
-    block (7 such reads when the rows were computed at the load: the warp waited a load's latency every tile), with
-    the wgmmas asynchronous and nothing spilled."""
+    """The scorer's copier computes a tile's pool rows at its copy, so the loop's loads of page indices are not read
+    in their own block: 3 loads are, 7 when the rows were computed at the load (the warp then waited a load's latency
+    every tile); the wgmmas asynchronous and nothing spilled."""
     report = compile_offline(*args)
     assert report["loads_used_in_block"] <= 3, report
     assert not report["wgmma_serialized"] and report["wgmma_operand_rewrites"] == [], report
