@@ -186,7 +186,9 @@ def apply(path: str) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="sweep-mla.json")
-    p.add_argument("--tiny", action="store_true", help="smoke run at tiny shapes: on the GPU where there is one, else on the CPU under TRITON_INTERPRET=1")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke run at tiny shapes: on the GPU where there is one, else on the CPU under "
+                   "TRITON_INTERPRET=1")
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new settings after this long")
     p.add_argument("--decode-only", action="store_true", help="leave out the extend workload")
     p.add_argument("--apply", metavar="SWEEP_JSON", help="write a finished sweep's tile rules into the package")
